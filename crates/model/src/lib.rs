@@ -1,0 +1,24 @@
+//! tallow-model: Llama, Qwen2 and Qwen3 causal LMs in Candle, written for training.
+//!
+//! - `config` + one file per family (`llama`, `qwen2`, `qwen3`): config.json -> [`DecoderConfig`].
+//! - `model`: the decoder, written once; `linear`: the one linear layer (frozen / trainable base,
+//!   optional LoRA); `ops`: differentiable norms, softmax, rotary embedding, masks.
+//! - `loss`: chunked cross-entropy fused with the LM head; `weights`: safetensors loading.
+
+pub mod config;
+pub mod error;
+pub mod linear;
+pub mod llama;
+pub mod loss;
+pub mod model;
+pub mod ops;
+pub mod qwen2;
+pub mod qwen3;
+pub mod weights;
+
+pub use config::{Arch, DecoderConfig, RopeScaling};
+pub use error::{ModelError, Result};
+pub use linear::{Linear, Lora, Param};
+pub use loss::{lm_head_nll, Targets};
+pub use model::{CausalLM, LoadOptions};
+pub use weights::Weights;

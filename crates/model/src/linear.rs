@@ -1,0 +1,239 @@
+//! The one linear layer of the model: a base weight that is frozen or trainable, an optional
+//! bias, and an optional LoRA adapter.
+//!
+//! ```text
+//!   x ──► W (frozen) ────────────────┐
+//!   │                                 (+) ──► y = W x + b + s · B A x
+//!   └──► A (r × in) ──► B (out × r) ─┘      s = alpha / r   (rsLoRA: alpha / sqrt(r))
+//! ```
+//!
+//! A frozen base goes through [`FrozenMatmul`], a custom op whose backward returns dX only:
+//! Candle's own matmul backward computes (and stores) a full-size dW for both operands even when
+//! the weight is not a variable (`backprop.rs`, `Op::Matmul`), which for LoRA costs a model-sized
+//! gradient in time and memory.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Shape, Storage, Tensor, Var};
+
+use crate::error::Result;
+
+/// A model weight: frozen (a plain tensor, never differentiated) or trainable (a `Var`).
+#[derive(Clone)]
+pub enum Param {
+    Frozen(Tensor),
+    Trainable(Var),
+}
+
+impl Param {
+    pub fn tensor(&self) -> &Tensor {
+        match self {
+            Param::Frozen(t) => t,
+            Param::Trainable(v) => v.as_tensor(),
+        }
+    }
+
+    pub fn var(&self) -> Option<&Var> {
+        match self {
+            Param::Frozen(_) => None,
+            Param::Trainable(v) => Some(v),
+        }
+    }
+
+    pub fn new(t: Tensor, trainable: bool) -> Result<Self> {
+        Ok(if trainable {
+            Param::Trainable(Var::from_tensor(&t)?)
+        } else {
+            Param::Frozen(t)
+        })
+    }
+}
+
+/// A LoRA adapter on one linear layer. A and B are f32 whatever the base dtype (as PEFT keeps
+/// them), so small updates are not lost to bf16 rounding.
+#[derive(Clone)]
+pub struct Lora {
+    /// (r, in), Kaiming-uniform at init.
+    pub a: Var,
+    /// (out, r), zeros at init, so a fresh adapter leaves the model unchanged.
+    pub b: Var,
+    pub scale: f64,
+}
+
+impl Lora {
+    pub fn rank(&self) -> usize {
+        self.a.dim(0).unwrap_or(0)
+    }
+
+    /// s · B A x for x: (M, in) in any float dtype -> (M, out) in f32.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.to_dtype(self.a.dtype())?;
+        let xa = x.matmul(&self.a.t()?)?; // (M, r)
+        Ok((xa.matmul(&self.b.t()?)? * self.scale)?) // (M, out)
+    }
+}
+
+/// y = x W^T (+ b) (+ LoRA).
+#[derive(Clone)]
+pub struct Linear {
+    /// (out, in), as stored in safetensors.
+    pub weight: Param,
+    /// (out)
+    pub bias: Option<Param>,
+    pub lora: Option<Lora>,
+}
+
+impl Linear {
+    pub fn in_features(&self) -> usize {
+        self.weight.tensor().dim(1).unwrap_or(0)
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.weight.tensor().dim(0).unwrap_or(0)
+    }
+
+    /// x: (..., in) -> (..., out)
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let k = *dims.last().expect("linear input has at least one dim");
+        let m: usize = dims[..dims.len() - 1].iter().product();
+        let x2 = x.reshape((m, k))?; // (M, in)
+        let mut y = match &self.weight {
+            Param::Frozen(w) => x2.contiguous()?.apply_op1(FrozenMatmul { w: w.clone() })?,
+            Param::Trainable(w) => x2.matmul(&w.t()?)?,
+        }; // (M, out)
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(b.tensor())?;
+        }
+        if let Some(lora) = &self.lora {
+            y = (y.clone() + lora.forward(&x2)?.to_dtype(y.dtype())?)?;
+        }
+        let mut out_dims = dims;
+        *out_dims.last_mut().unwrap() = self.out_features();
+        Ok(y.reshape(out_dims)?)
+    }
+}
+
+/// x W^T for a frozen W, whose backward gives dX = dY W and no dW.
+/// The op keeps a reference to W (which lives in the model anyway) and nothing else.
+pub struct FrozenMatmul {
+    /// (N, K)
+    pub w: Tensor,
+}
+
+impl FrozenMatmul {
+    fn bmnk(&self, l: &Layout) -> candle_core::Result<(usize, usize, usize, usize)> {
+        let (m, k) = l.shape().dims2()?;
+        let (n, k2) = self.w.dims2()?;
+        if k != k2 {
+            candle_core::bail!("frozen matmul: input has {k} features, weight expects {k2}");
+        }
+        Ok((1, m, n, k))
+    }
+}
+
+impl CustomOp1 for FrozenMatmul {
+    fn name(&self) -> &'static str {
+        "frozen-matmul"
+    }
+
+    // x: (M, K) -> (M, N)
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (b, m, n, k) = self.bmnk(l)?;
+        let (ws, wl) = self.w.storage_and_layout();
+        let Storage::Cpu(ws) = &*ws else {
+            candle_core::bail!("frozen matmul: weight is not on the CPU");
+        };
+        let out = s.matmul(ws, (b, m, n, k), l, &wl.transpose(0, 1)?)?;
+        Ok((out, Shape::from((m, n))))
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (b, m, n, k) = self.bmnk(l)?;
+        let (ws, wl) = self.w.storage_and_layout();
+        let Storage::Cuda(ws) = &*ws else {
+            candle_core::bail!("frozen matmul: weight is not on the CUDA device");
+        };
+        let out = s.matmul(ws, (b, m, n, k), l, &wl.transpose(0, 1)?)?;
+        Ok((out, Shape::from((m, n))))
+    }
+
+    // dX = dY W: (M, N) x (N, K) -> (M, K)
+    fn bwd(&self, _x: &Tensor, _y: &Tensor, dy: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(dy.matmul(&self.w)?))
+    }
+}
+
+/// Kaiming-uniform init of a LoRA A matrix as PEFT does it (`nn.init.kaiming_uniform_(a=sqrt(5))`
+/// on a (r, in) weight): U(-1/sqrt(in), 1/sqrt(in)).
+pub fn lora_a_init(
+    rank: usize,
+    in_features: usize,
+    device: &candle_core::Device,
+) -> Result<Tensor> {
+    let bound = 1.0 / (in_features as f64).sqrt();
+    Ok(
+        Tensor::rand(-bound as f32, bound as f32, (rank, in_features), device)?
+            .to_dtype(DType::F32)?,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn frozen_matmul_value_and_input_gradient_match_plain_matmul() -> Result<()> {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1., (5, 3), &dev)?;
+        let x = Var::randn(0f32, 1., (4, 3), &dev)?;
+        let frozen = Linear {
+            weight: Param::Frozen(w.clone()),
+            bias: None,
+            lora: None,
+        };
+        let y = frozen.forward(x.as_tensor())?;
+        let y_ref = x.matmul(&w.t()?)?;
+        let diff = (&y - &y_ref)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-6, "forward differs by {diff}");
+
+        let g = y.sqr()?.sum_all()?.backward()?;
+        let g_ref = y_ref.sqr()?.sum_all()?.backward()?;
+        let dx = g.get(&x).expect("dx");
+        let dx_ref = g_ref.get(&x).expect("dx ref");
+        let diff = (dx - dx_ref)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "dx differs by {diff}");
+        assert!(g.get(&w).is_none(), "a frozen weight must get no gradient");
+        Ok(())
+    }
+
+    #[test]
+    fn lora_with_zero_b_leaves_output_unchanged_and_gets_gradients() -> Result<()> {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1., (6, 4), &dev)?;
+        let x = Tensor::randn(0f32, 1., (2, 3, 4), &dev)?;
+        let lora = Lora {
+            a: Var::from_tensor(&lora_a_init(2, 4, &dev)?)?,
+            b: Var::zeros((6, 2), DType::F32, &dev)?,
+            scale: 2.0,
+        };
+        let plain = Linear {
+            weight: Param::Frozen(w.clone()),
+            bias: None,
+            lora: None,
+        };
+        let adapted = Linear {
+            lora: Some(lora.clone()),
+            ..plain.clone()
+        };
+        let y0 = plain.forward(&x)?;
+        let y1 = adapted.forward(&x)?;
+        assert_eq!(y1.dims(), &[2, 3, 6]);
+        let diff = (&y0 - &y1)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0);
+        let g = y1.sum_all()?.backward()?;
+        let gb = g.get(&lora.b).expect("B gets a gradient");
+        assert!(gb.abs()?.sum_all()?.to_scalar::<f32>()? > 0.0);
+        Ok(())
+    }
+}

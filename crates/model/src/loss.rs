@@ -1,0 +1,245 @@
+//! Causal-LM cross-entropy fused with the LM head, chunked over positions.
+//!
+//! The full-vocabulary logits (positions x V, f32) are usually the largest activation of a
+//! fine-tune. [`lm_head_nll`] never holds more than one chunk of them: the forward computes the
+//! loss chunk by chunk outside the autograd graph, and the backward ([`FusedLmHeadNll`])
+//! recomputes each chunk's logits to form dH = (softmax - onehot) W (and dW only when the head is
+//! trainable). The graph keeps the selected hidden states and a reference to W, nothing of size V.
+//!
+//! Shape legend: N = target positions, C = hidden size, V = vocab.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CudaStorage, CustomOp2, Layout, Shape, Storage, Tensor};
+
+use crate::error::{ModelError, Result};
+use crate::ops;
+
+/// Elements of f32 logits per chunk (16 Mi elements = 64 MiB): bounds the transient memory.
+const CHUNK_ELEMS: usize = 16 << 20;
+
+/// Positions per chunk for a vocabulary of `v`.
+fn chunk_rows(v: usize) -> usize {
+    (CHUNK_ELEMS / v.max(1)).max(1)
+}
+
+/// Which positions of a (B, T) batch predict which token: built from token ids and the
+/// per-token target flags of the data pipeline (`targets[t]` = token t is predicted from ids[..t]).
+pub struct Targets {
+    /// Flat indices b*T + t of the positions whose next token is a target. (N)
+    pub positions: Tensor,
+    /// The target token ids. (N) u32
+    pub labels: Tensor,
+    pub count: usize,
+}
+
+impl Targets {
+    /// ids / targets: B rows of T (padded rows have `false` targets in the padding).
+    pub fn new(
+        ids: &[Vec<u32>],
+        targets: &[Vec<bool>],
+        device: &candle_core::Device,
+    ) -> Result<Self> {
+        let t = ids.first().map_or(0, |r| r.len());
+        let mut pos = Vec::new();
+        let mut lab = Vec::new();
+        for (b, (row, tgt)) in ids.iter().zip(targets).enumerate() {
+            if row.len() != t || tgt.len() != t {
+                return Err(ModelError::Invalid(
+                    "targets: rows must all have length T".into(),
+                ));
+            }
+            // Position i predicts token i + 1.
+            for i in 0..t.saturating_sub(1) {
+                if tgt[i + 1] {
+                    pos.push((b * t + i) as u32);
+                    lab.push(row[i + 1]);
+                }
+            }
+        }
+        let count = pos.len();
+        Ok(Self {
+            positions: Tensor::from_vec(pos, count, device)?,
+            labels: Tensor::from_vec(lab, count, device)?,
+            count,
+        })
+    }
+}
+
+/// Sum of target-token NLL for a batch. hidden: (B, T, C) final hidden states; head: (V, C).
+/// Returns a scalar (f32, f64 for an f64 model) that backpropagates into `hidden` and, when it
+/// is a variable, `head`. Divide by the target count of the whole step for the mean.
+pub fn lm_head_nll(hidden: &Tensor, head: &Tensor, targets: &Targets) -> Result<Tensor> {
+    let (b, t, c) = hidden.dims3()?;
+    if targets.count == 0 {
+        return Ok(Tensor::zeros(
+            (),
+            ops::upcast(hidden.dtype()),
+            hidden.device(),
+        )?);
+    }
+    let h = hidden
+        .reshape((b * t, c))?
+        .index_select(&targets.positions, 0)?; // (N, C)
+    let value = nll_sum_no_grad(&h.detach(), &head.detach(), &targets.labels)?;
+    if !h.track_op() && !head.track_op() {
+        return Ok(value);
+    }
+    let op = FusedLmHeadNll {
+        labels: targets.labels.clone(),
+        value,
+    };
+    Ok(h.apply_op2(head, op)?)
+}
+
+/// The chunked forward. h: (N, C), head: (V, C), labels: (N) -> scalar
+fn nll_sum_no_grad(h: &Tensor, head: &Tensor, labels: &Tensor) -> Result<Tensor> {
+    let n = h.dim(0)?;
+    let step = chunk_rows(head.dim(0)?);
+    let up = ops::upcast(h.dtype());
+    let mut total = Tensor::zeros((), up, h.device())?;
+    for start in (0..n).step_by(step) {
+        let len = step.min(n - start);
+        let logits = h.narrow(0, start, len)?.matmul(&head.t()?)?.to_dtype(up)?; // (n, V)
+        let logp = ops::log_softmax_last_dim(&logits)?;
+        let picked = logp.gather(&labels.narrow(0, start, len)?.unsqueeze(1)?, 1)?; // (n, 1)
+        total = (total - picked.sum_all()?)?;
+    }
+    Ok(total)
+}
+
+/// Autograd node for [`lm_head_nll`]: holds the labels and the forward's value; the backward
+/// recomputes logits chunk by chunk.
+struct FusedLmHeadNll {
+    labels: Tensor,
+    value: Tensor,
+}
+
+impl CustomOp2 for FusedLmHeadNll {
+    fn name(&self) -> &'static str {
+        "fused-lm-head-nll"
+    }
+
+    // The value was computed outside the graph; the op only hands it over.
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (s, l) = self.value.storage_and_layout();
+        match &*s {
+            Storage::Cpu(s) => Ok((s.try_clone(l)?, Shape::from(()))),
+            _ => candle_core::bail!("fused lm-head nll: value not on the CPU"),
+        }
+    }
+
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (s, l) = self.value.storage_and_layout();
+        match &*s {
+            Storage::Cuda(s) => Ok((s.try_clone(l)?, Shape::from(()))),
+            _ => candle_core::bail!("fused lm-head nll: value not on the CUDA device"),
+        }
+    }
+
+    // d(sum NLL)/dlogits = softmax(logits) - onehot(label), per position.
+    fn bwd(
+        &self,
+        h: &Tensor,
+        head: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let (n, _c) = h.dims2()?;
+        let v = head.dim(0)?;
+        let want_dw = head.track_op();
+        let up = ops::upcast(h.dtype());
+        let h = h.detach();
+        let w = head.detach();
+        let g = grad.to_dtype(up)?; // scalar
+        let vocab = Tensor::arange(0u32, v as u32, h.device())?.unsqueeze(0)?; // (1, V)
+        let step = chunk_rows(v);
+        let mut dh = Vec::new();
+        let mut dw: Option<Tensor> = None;
+        for start in (0..n).step_by(step) {
+            let len = step.min(n - start);
+            let hc = h.narrow(0, start, len)?; // (n, C)
+            let logits = hc.matmul(&w.t()?)?.to_dtype(up)?; // (n, V)
+            let p = ops::softmax_last_dim(&logits)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            let labels = self.labels.narrow(0, start, len)?.unsqueeze(1)?; // (n, 1)
+            let onehot = labels.broadcast_eq(&vocab)?.to_dtype(up)?; // (n, V)
+            let dlogits = (p - onehot)?.broadcast_mul(&g)?.to_dtype(h.dtype())?; // (n, V)
+            dh.push(dlogits.matmul(&w)?); // (n, C)
+            if want_dw {
+                let part = dlogits.t()?.matmul(&hc)?; // (V, C)
+                dw = Some(match dw {
+                    Some(acc) => (acc + part)?,
+                    None => part,
+                });
+            }
+        }
+        let dh = Tensor::cat(&dh, 0)?;
+        Ok((Some(dh), dw))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// The fused op against the plain (graph-keeping) formula, values and both gradients.
+    #[test]
+    fn fused_nll_matches_unfused_value_and_gradients() -> Result<()> {
+        let dev = Device::Cpu;
+        let hidden = Var::randn(0f64, 1., (2, 5, 4), &dev)?;
+        let head = Var::randn(0f64, 1., (7, 4), &dev)?;
+        let ids = vec![vec![1u32, 2, 3, 4, 5], vec![6, 0, 1, 0, 0]];
+        let tg = vec![
+            vec![false, true, true, false, true],
+            vec![false, false, true, false, false],
+        ];
+        let targets = Targets::new(&ids, &tg, &dev)?;
+        assert_eq!(targets.count, 4);
+        let fused = lm_head_nll(&hidden, &head, &targets)?;
+
+        let logits = hidden.broadcast_matmul(&head.t()?)?.reshape((10, 7))?;
+        let logp = ops::log_softmax_last_dim(&logits)?.index_select(&targets.positions, 0)?;
+        let plain = logp
+            .gather(&targets.labels.unsqueeze(1)?, 1)?
+            .sum_all()?
+            .neg()?;
+        let (a, b) = (fused.to_scalar::<f64>()?, plain.to_scalar::<f64>()?);
+        assert!((a - b).abs() < 1e-12, "{a} vs {b}");
+
+        let gf = fused.backward()?;
+        let gp = plain.backward()?;
+        for v in [&hidden, &head] {
+            let d = (gf.get(v).unwrap() - gp.get(v).unwrap())?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f64>()?;
+            assert!(d < 1e-12, "gradient differs by {d}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn frozen_head_gets_no_gradient() -> Result<()> {
+        let dev = Device::Cpu;
+        let hidden = Var::randn(0f32, 1., (1, 3, 4), &dev)?;
+        let head = Tensor::randn(0f32, 1., (5, 4), &dev)?;
+        let targets = Targets::new(&[vec![1, 2, 3]], &[vec![false, true, true]], &dev)?;
+        let g = lm_head_nll(&hidden, &head, &targets)?.backward()?;
+        assert!(g.get(&head).is_none());
+        assert!(g.get(&hidden).is_some());
+        Ok(())
+    }
+}

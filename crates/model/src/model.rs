@@ -1,0 +1,373 @@
+//! The decoder-only causal LM shared by the Llama, Qwen2 and Qwen3 families: written once, with
+//! the family differences (biases, qk-norm, head_dim, rope scaling, tying) taken from
+//! [`DecoderConfig`]. Tensor names follow the HF safetensors keys (`model.layers.0.self_attn.q_proj.weight`).
+//!
+//! This is training code: the forward is cache-free, returns every position, and every op has a
+//! backward. Shape legend: B = batch, T = time, C = hidden size, H = heads, KV = key/value heads,
+//! D = head dim, I = intermediate size, V = vocab.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::config::DecoderConfig;
+use crate::error::{ModelError, Result};
+use crate::linear::{Linear, Param};
+use crate::ops;
+use crate::weights::Weights;
+
+/// How to load a model.
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    /// Storage and compute dtype of the base weights.
+    pub dtype: DType,
+    pub device: Device,
+    /// Make every base weight a trainable variable (full fine-tuning). False: all frozen.
+    pub train_base: bool,
+}
+
+impl LoadOptions {
+    pub fn frozen(dtype: DType, device: &Device) -> Self {
+        Self {
+            dtype,
+            device: device.clone(),
+            train_base: false,
+        }
+    }
+}
+
+/// Multi-head self-attention with grouped-query heads and rotary embedding.
+pub struct Attention {
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+    /// Qwen3: RMSNorm over D on each q / k head.
+    pub q_norm: Option<Param>,
+    pub k_norm: Option<Param>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    eps: f64,
+}
+
+impl Attention {
+    /// x: (B, T, C), cos/sin: (B, 1, T, D), mask: (B, 1, T, T) -> (B, T, C)
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let q = self.q_proj.forward(x)?.reshape((b, t, h, d))?; // (B, T, H, D)
+        let k = self.k_proj.forward(x)?.reshape((b, t, kv, d))?; // (B, T, KV, D)
+        let v = self.v_proj.forward(x)?.reshape((b, t, kv, d))?;
+        let (q, k) = match (&self.q_norm, &self.k_norm) {
+            (Some(qn), Some(kn)) => (
+                ops::rms_norm(&q, qn.tensor(), self.eps)?,
+                ops::rms_norm(&k, kn.tensor(), self.eps)?,
+            ),
+            _ => (q, k),
+        };
+        let q = q.transpose(1, 2)?.contiguous()?; // (B, H, T, D)
+        let k = k.transpose(1, 2)?.contiguous()?; // (B, KV, T, D)
+        let v = v.transpose(1, 2)?.contiguous()?;
+        let q = ops::apply_rope(&q, cos, sin)?;
+        let k = ops::apply_rope(&k, cos, sin)?;
+        let k = ops::repeat_kv(&k, h / kv)?; // (B, H, T, D)
+        let v = ops::repeat_kv(&v, h / kv)?;
+
+        // Eager attention, as HF's: scores in the compute dtype, softmax in f32, cast back.
+        let scale = 1.0 / (d as f64).sqrt();
+        let scores = (q.matmul(&k.t()?)? * scale)?; // (B, H, T, T)
+        let up = ops::upcast(scores.dtype());
+        let scores = scores.to_dtype(up)?.broadcast_add(&mask.to_dtype(up)?)?;
+        let probs = ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+        let y = probs.matmul(&v)?; // (B, H, T, D)
+        let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, h * d))?; // (B, T, H*D)
+        self.o_proj.forward(&y)
+    }
+}
+
+/// SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
+pub struct Mlp {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+impl Mlp {
+    /// x: (B, T, C) -> (B, T, C), through (B, T, I)
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let g = ops::silu(&self.gate_proj.forward(x)?)?;
+        let u = self.up_proj.forward(x)?;
+        self.down_proj.forward(&(g * u)?)
+    }
+}
+
+/// One pre-norm decoder layer.
+pub struct DecoderLayer {
+    pub self_attn: Attention,
+    pub mlp: Mlp,
+    pub input_layernorm: Param,
+    pub post_attention_layernorm: Param,
+    eps: f64,
+}
+
+impl DecoderLayer {
+    /// x: (B, T, C) -> (B, T, C)
+    pub fn forward(&self, x: &Tensor, rope: &RopeMask) -> Result<Tensor> {
+        let h = ops::rms_norm(x, self.input_layernorm.tensor(), self.eps)?;
+        let x = (x + self
+            .self_attn
+            .forward(&h, &rope.cos, &rope.sin, &rope.mask)?)?;
+        let h = ops::rms_norm(&x, self.post_attention_layernorm.tensor(), self.eps)?;
+        Ok((&x + self.mlp.forward(&h)?)?)
+    }
+
+    /// Every linear layer of this block with its HF module name relative to the layer
+    /// (`self_attn.q_proj`, ...), for attaching adapters.
+    pub fn linears_mut(&mut self) -> Vec<(&'static str, &mut Linear)> {
+        vec![
+            ("self_attn.q_proj", &mut self.self_attn.q_proj),
+            ("self_attn.k_proj", &mut self.self_attn.k_proj),
+            ("self_attn.v_proj", &mut self.self_attn.v_proj),
+            ("self_attn.o_proj", &mut self.self_attn.o_proj),
+            ("mlp.gate_proj", &mut self.mlp.gate_proj),
+            ("mlp.up_proj", &mut self.mlp.up_proj),
+            ("mlp.down_proj", &mut self.mlp.down_proj),
+        ]
+    }
+}
+
+/// The per-batch inputs every layer shares: rotary tables and the additive attention mask.
+pub struct RopeMask {
+    /// (B, 1, T, D)
+    pub cos: Tensor,
+    pub sin: Tensor,
+    /// (B, 1, T, T), 0 or -inf
+    pub mask: Tensor,
+}
+
+/// `*ForCausalLM`: embeddings, decoder layers, final norm, LM head (tied or not).
+pub struct CausalLM {
+    pub config: DecoderConfig,
+    /// (V, C)
+    pub embed_tokens: Param,
+    pub layers: Vec<DecoderLayer>,
+    /// (C)
+    pub norm: Param,
+    /// (V, C); None when tied to `embed_tokens`.
+    pub lm_head: Option<Param>,
+    inv_freq: Vec<f32>,
+    dtype: DType,
+    device: Device,
+}
+
+impl CausalLM {
+    /// Loads an HF-layout model directory (config.json + safetensors).
+    pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Self> {
+        let config = DecoderConfig::from_dir(dir)?;
+        let weights = Weights::from_dir(dir)?;
+        Self::from_weights(config, &weights, opts)
+    }
+
+    pub fn from_weights(config: DecoderConfig, w: &Weights, opts: &LoadOptions) -> Result<Self> {
+        let c = &config;
+        let (dt, dev, tr) = (opts.dtype, &opts.device, opts.train_base);
+        let param = |name: &str, shape: &[usize]| -> Result<Param> {
+            Param::new(w.load(name, shape, dt, dev)?, tr)
+        };
+        let linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
+            Ok(Linear {
+                weight: param(&format!("{name}.weight"), &[out, inp])?,
+                bias: if bias {
+                    Some(param(&format!("{name}.bias"), &[out])?)
+                } else {
+                    None
+                },
+                lora: None,
+            })
+        };
+        let (hs, d) = (c.hidden_size, c.head_dim);
+        let (q_out, kv_out) = (c.num_attention_heads * d, c.num_key_value_heads * d);
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let a = format!("{p}.self_attn");
+            let self_attn = Attention {
+                q_proj: linear(&format!("{a}.q_proj"), q_out, hs, c.qkv_bias)?,
+                k_proj: linear(&format!("{a}.k_proj"), kv_out, hs, c.qkv_bias)?,
+                v_proj: linear(&format!("{a}.v_proj"), kv_out, hs, c.qkv_bias)?,
+                o_proj: linear(&format!("{a}.o_proj"), hs, q_out, c.o_bias)?,
+                q_norm: if c.qk_norm {
+                    Some(param(&format!("{a}.q_norm.weight"), &[d])?)
+                } else {
+                    None
+                },
+                k_norm: if c.qk_norm {
+                    Some(param(&format!("{a}.k_norm.weight"), &[d])?)
+                } else {
+                    None
+                },
+                num_heads: c.num_attention_heads,
+                num_kv_heads: c.num_key_value_heads,
+                head_dim: d,
+                eps: c.rms_norm_eps,
+            };
+            let m = format!("{p}.mlp");
+            let mlp = Mlp {
+                gate_proj: linear(
+                    &format!("{m}.gate_proj"),
+                    c.intermediate_size,
+                    hs,
+                    c.mlp_bias,
+                )?,
+                up_proj: linear(&format!("{m}.up_proj"), c.intermediate_size, hs, c.mlp_bias)?,
+                down_proj: linear(
+                    &format!("{m}.down_proj"),
+                    hs,
+                    c.intermediate_size,
+                    c.mlp_bias,
+                )?,
+            };
+            layers.push(DecoderLayer {
+                self_attn,
+                mlp,
+                input_layernorm: param(&format!("{p}.input_layernorm.weight"), &[hs])?,
+                post_attention_layernorm: param(
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    &[hs],
+                )?,
+                eps: c.rms_norm_eps,
+            });
+        }
+        let embed_tokens = param("model.embed_tokens.weight", &[c.vocab_size, hs])?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(param("lm_head.weight", &[c.vocab_size, hs])?)
+        };
+        Ok(Self {
+            inv_freq: ops::rope_inv_freq(d, c.rope_theta, c.rope_scaling.as_ref()),
+            embed_tokens,
+            layers,
+            norm: param("model.norm.weight", &[hs])?,
+            lm_head,
+            dtype: dt,
+            device: dev.clone(),
+            config,
+        })
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The output projection (V, C): `lm_head.weight`, or the embeddings when tied.
+    pub fn lm_head_weight(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens).tensor()
+    }
+
+    /// Rotary tables and mask for a batch. `segments` (B rows of T ids) marks rows packed
+    /// together; None = one sequence per row.
+    pub fn rope_mask(&self, b: usize, t: usize, segments: Option<&[Vec<u32>]>) -> Result<RopeMask> {
+        let plain;
+        let segments = match segments {
+            Some(s) => s,
+            None => {
+                plain = vec![vec![0u32; t]; b];
+                &plain
+            }
+        };
+        if segments.len() != b || segments.iter().any(|s| s.len() != t) {
+            return Err(ModelError::Invalid(format!(
+                "segments must be {b} rows of {t} ids"
+            )));
+        }
+        let positions = ops::positions_from_segments(segments, &self.device)?; // (B, T)
+        let (cos, sin) = ops::rope_tables(&positions, &self.inv_freq, self.dtype)?;
+        let mask = ops::attention_mask(
+            segments,
+            self.config.sliding_window,
+            self.dtype,
+            &self.device,
+        )?;
+        Ok(RopeMask { cos, sin, mask })
+    }
+
+    /// Embeds token ids. input_ids: (B, T) u32 -> (B, T, C)
+    pub fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = input_ids.dims2()?;
+        let w = self.embed_tokens.tensor();
+        let flat = input_ids.flatten_all()?; // (B*T)
+        Ok(w.index_select(&flat, 0)?
+            .reshape((b, t, self.config.hidden_size))?)
+    }
+
+    /// Final hidden states after the last norm, for every position.
+    /// input_ids: (B, T) u32 -> (B, T, C)
+    pub fn forward_hidden(
+        &self,
+        input_ids: &Tensor,
+        segments: Option<&[Vec<u32>]>,
+    ) -> Result<Tensor> {
+        let (b, t) = input_ids.dims2()?;
+        let rope = self.rope_mask(b, t, segments)?;
+        let mut x = self.embed(input_ids)?;
+        for layer in &self.layers {
+            x = layer.forward(&x, &rope)?;
+        }
+        ops::rms_norm(&x, self.norm.tensor(), self.config.rms_norm_eps)
+    }
+
+    /// Full logits, upcast to f32 (f64 for an f64 model). Only for small inputs (tests, debugging):
+    /// training and eval use the chunked loss in [`crate::loss`].
+    /// input_ids: (B, T) -> (B, T, V)
+    pub fn logits(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let h = self.forward_hidden(input_ids, None)?;
+        let logits = h.broadcast_matmul(&self.lm_head_weight().t()?)?;
+        Ok(logits.to_dtype(ops::upcast(self.dtype))?)
+    }
+
+    /// Every weight with its HF safetensors name (tied lm_head listed once, as the embeddings).
+    pub fn named_params(&self) -> Vec<(String, &Param)> {
+        let mut out: Vec<(String, &Param)> =
+            vec![("model.embed_tokens.weight".into(), &self.embed_tokens)];
+        for (i, l) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            let a = &l.self_attn;
+            for (n, lin) in [
+                ("self_attn.q_proj", &a.q_proj),
+                ("self_attn.k_proj", &a.k_proj),
+                ("self_attn.v_proj", &a.v_proj),
+                ("self_attn.o_proj", &a.o_proj),
+                ("mlp.gate_proj", &l.mlp.gate_proj),
+                ("mlp.up_proj", &l.mlp.up_proj),
+                ("mlp.down_proj", &l.mlp.down_proj),
+            ] {
+                out.push((format!("{p}.{n}.weight"), &lin.weight));
+                if let Some(b) = &lin.bias {
+                    out.push((format!("{p}.{n}.bias"), b));
+                }
+            }
+            if let Some(qn) = &a.q_norm {
+                out.push((format!("{p}.self_attn.q_norm.weight"), qn));
+            }
+            if let Some(kn) = &a.k_norm {
+                out.push((format!("{p}.self_attn.k_norm.weight"), kn));
+            }
+            out.push((format!("{p}.input_layernorm.weight"), &l.input_layernorm));
+            out.push((
+                format!("{p}.post_attention_layernorm.weight"),
+                &l.post_attention_layernorm,
+            ));
+        }
+        out.push(("model.norm.weight".into(), &self.norm));
+        if let Some(h) = &self.lm_head {
+            out.push(("lm_head.weight".into(), h));
+        }
+        out
+    }
+}

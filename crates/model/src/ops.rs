@@ -1,0 +1,240 @@
+//! Differentiable building blocks, written from Candle primitives that all have a backward.
+//!
+//! Candle's fused `rms_norm`, `rope*` and `softmax_last_dim` are `*_no_bwd`: their output is right
+//! but no gradient flows through them (candle issues #2168, #3568, #3591). Nothing here uses them.
+//!
+//! Shape legend: B = batch, T = time (sequence), H = attention heads, KV = key/value heads,
+//! D = head dim, C = hidden size.
+
+use candle_core::{DType, Device, Tensor, D};
+
+use crate::config::RopeScaling;
+use crate::error::Result;
+
+/// The dtype that numerically sensitive reductions run in: f32, or f64 when the input is f64
+/// (the finite-difference tests run the whole model in f64).
+pub fn upcast(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// RMSNorm as HF computes it: `w * (x / sqrt(mean(x^2) + eps))`, the normalization in f32 and the
+/// result cast back to the input dtype before the weight multiply.
+/// x: (..., C), w: (C) -> (..., C)
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let xf = x.to_dtype(upcast(dtype))?;
+    let var = xf.sqr()?.mean_keepdim(D::Minus1)?; // (..., 1)
+    let xn = xf.broadcast_div(&(var + eps)?.sqrt()?)?;
+    Ok(xn.to_dtype(dtype)?.broadcast_mul(w)?)
+}
+
+/// Softmax over the last dim. The max is detached: it is a constant shift that leaves the value
+/// and the gradient unchanged, so it needs no backward of its own.
+pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    let s = e.sum_keepdim(D::Minus1)?;
+    Ok(e.broadcast_div(&s)?)
+}
+
+/// Log-softmax over the last dim, with the same detached max.
+pub fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let shifted = x.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    Ok(shifted.broadcast_sub(&lse)?)
+}
+
+/// SiLU from primitives: x * sigmoid(x) = x / (1 + exp(-x)).
+pub fn silu(x: &Tensor) -> Result<Tensor> {
+    Ok((x / (x.neg()?.exp()? + 1.0)?)?)
+}
+
+/// Rotary-embedding inverse frequencies (D/2), with HF's `rope_scaling` rules.
+pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: Option<&RopeScaling>) -> Vec<f32> {
+    let inv: Vec<f64> = (0..head_dim)
+        .step_by(2)
+        .map(|i| 1.0 / theta.powf(i as f64 / head_dim as f64))
+        .collect();
+    let scaled: Vec<f64> = match scaling {
+        None => inv,
+        Some(RopeScaling::Linear { factor }) => inv.iter().map(|f| f / factor).collect(),
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings: old_ctx,
+        }) => {
+            // transformers `_compute_llama3_parameters`: long wavelengths are divided by
+            // `factor`, short ones kept, the band between interpolated smoothly.
+            let low_wavelen = old_ctx / low_freq_factor;
+            let high_wavelen = old_ctx / high_freq_factor;
+            inv.iter()
+                .map(|&f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen > low_wavelen {
+                        f / factor
+                    } else if wavelen < high_wavelen {
+                        f
+                    } else {
+                        let smooth = (old_ctx / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+        }
+    };
+    scaled.into_iter().map(|f| f as f32).collect()
+}
+
+/// cos and sin tables for the given positions, computed in f32 and cast to `dtype` (as HF does).
+/// positions: (B, T) u32 -> cos, sin: (B, 1, T, D)
+pub fn rope_tables(positions: &Tensor, inv_freq: &[f32], dtype: DType) -> Result<(Tensor, Tensor)> {
+    let device = positions.device();
+    let (b, t) = positions.dims2()?;
+    let half = inv_freq.len();
+    let inv = Tensor::from_slice(inv_freq, (1, 1, half), device)?;
+    let pos = positions.to_dtype(DType::F32)?.reshape((b, t, 1))?;
+    let freqs = pos.broadcast_mul(&inv)?; // (B, T, D/2)
+    let emb = Tensor::cat(&[&freqs, &freqs], D::Minus1)?; // (B, T, D)
+    let cos = emb.cos()?.to_dtype(dtype)?.unsqueeze(1)?; // (B, 1, T, D)
+    let sin = emb.sin()?.to_dtype(dtype)?.unsqueeze(1)?;
+    Ok((cos, sin))
+}
+
+/// Applies rotary embedding the HF way: `x * cos + rotate_half(x) * sin`, where
+/// `rotate_half([x1, x2]) = [-x2, x1]` over the two halves of the head dim.
+/// x: (B, H, T, D), cos/sin: (B, 1, T, D) -> (B, H, T, D)
+pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let x1 = x.narrow(D::Minus1, 0, d / 2)?;
+    let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    Ok((x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?)
+}
+
+/// Repeats each key/value head `n_rep` times for grouped-query attention.
+/// x: (B, KV, T, D) -> (B, KV * n_rep, T, D)
+pub fn repeat_kv(x: &Tensor, n_rep: usize) -> Result<Tensor> {
+    if n_rep == 1 {
+        return Ok(x.clone());
+    }
+    let (b, kv, t, d) = x.dims4()?;
+    // (B, KV, 1, T, D) -> (B, KV, n_rep, T, D) -> (B, KV * n_rep, T, D)
+    Ok(x.unsqueeze(2)?
+        .broadcast_as((b, kv, n_rep, t, d))?
+        .contiguous()?
+        .reshape((b, kv * n_rep, t, d))?)
+}
+
+/// Additive attention mask (0 where attention is allowed, -inf elsewhere), in `dtype`.
+///
+/// `segments` gives each token's sequence id within its row (all zeros for an ordinary batch;
+/// distinct ids for rows packed together): token i may attend to token j iff j <= i, both are in
+/// the same segment, and (with a sliding window w) i - j < w.
+/// segments: B rows of T ids -> (B, 1, T, T)
+pub fn attention_mask(
+    segments: &[Vec<u32>],
+    sliding_window: Option<usize>,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let b = segments.len();
+    let t = segments.first().map_or(0, |s| s.len());
+    let mut data = vec![0f32; b * t * t];
+    for (r, seg) in segments.iter().enumerate() {
+        let row = &mut data[r * t * t..(r + 1) * t * t];
+        for i in 0..t {
+            for j in 0..t {
+                let allowed =
+                    j <= i && seg[i] == seg[j] && sliding_window.is_none_or(|w| i - j < w);
+                if !allowed {
+                    row[i * t + j] = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+    Ok(Tensor::from_vec(data, (b, 1, t, t), device)?.to_dtype(dtype)?)
+}
+
+/// Position ids that restart at 0 at every segment boundary (HF's packed-sequence positions).
+pub fn positions_from_segments(segments: &[Vec<u32>], device: &Device) -> Result<Tensor> {
+    let b = segments.len();
+    let t = segments.first().map_or(0, |s| s.len());
+    let mut pos = Vec::with_capacity(b * t);
+    for seg in segments {
+        let mut p = 0u32;
+        for i in 0..t {
+            if i > 0 && seg[i] != seg[i - 1] {
+                p = 0;
+            }
+            pos.push(p);
+            p += 1;
+        }
+    }
+    Ok(Tensor::from_vec(pos, (b, t), device)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn softmax_matches_definition_and_rows_sum_to_one() -> Result<()> {
+        let x = Tensor::new(&[[1f32, 2., 3.], [-1., 0., 1000.]], &Device::Cpu)?;
+        let s = softmax_last_dim(&x)?.to_vec2::<f32>()?;
+        let e: Vec<f32> = [1f32, 2., 3.].iter().map(|v| v.exp()).collect();
+        let z: f32 = e.iter().sum();
+        for j in 0..3 {
+            assert!((s[0][j] - e[j] / z).abs() < 1e-6);
+        }
+        assert!(
+            (s[1][2] - 1.0).abs() < 1e-6,
+            "large logits must not overflow"
+        );
+        let ls = log_softmax_last_dim(&x)?.exp()?.to_vec2::<f32>()?;
+        assert!((ls[0][0] - s[0][0]).abs() < 1e-6);
+        Ok(())
+    }
+
+    #[test]
+    fn llama3_scaling_keeps_high_and_divides_low_frequencies() {
+        let plain = rope_inv_freq(16, 500000.0, None);
+        let s = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 32.0,
+        };
+        let scaled = rope_inv_freq(16, 500000.0, Some(&s));
+        assert_eq!(plain[0], scaled[0], "highest frequency is unchanged");
+        let last = plain.len() - 1;
+        assert!((scaled[last] - plain[last] / 8.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn mask_is_causal_within_segments_and_window() -> Result<()> {
+        let m = attention_mask(&[vec![0, 0, 1, 1]], None, DType::F32, &Device::Cpu)?;
+        let m = m.squeeze(0)?.squeeze(0)?.to_vec2::<f32>()?;
+        assert_eq!(m[1][0], 0.0);
+        assert_eq!(m[0][1], f32::NEG_INFINITY, "no look-ahead");
+        assert_eq!(
+            m[2][1],
+            f32::NEG_INFINITY,
+            "no attention across packed rows"
+        );
+        assert_eq!(m[3][2], 0.0);
+        let w = attention_mask(&[vec![0; 4]], Some(2), DType::F32, &Device::Cpu)?;
+        let w = w.squeeze(0)?.squeeze(0)?.to_vec2::<f32>()?;
+        assert_eq!(w[3][2], 0.0);
+        assert_eq!(w[3][1], f32::NEG_INFINITY, "outside the sliding window");
+        let p = positions_from_segments(&[vec![0, 0, 1, 1, 1]], &Device::Cpu)?;
+        assert_eq!(p.to_vec2::<u32>()?, vec![vec![0, 1, 0, 1, 2]]);
+        Ok(())
+    }
+}

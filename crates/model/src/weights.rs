@@ -1,0 +1,156 @@
+//! Reading HF-layout checkpoints: `model.safetensors`, or shards listed by
+//! `model.safetensors.index.json`. Files are memory-mapped; a tensor is read (and converted to the
+//! requested dtype) only when asked for, so loading never holds two copies of the model.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::safetensors::{Load, MmapedSafetensors};
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{ModelError, Result};
+
+/// The safetensors files of one checkpoint, with a name -> file routing table.
+pub struct Weights {
+    dir: PathBuf,
+    files: Vec<(PathBuf, MmapedSafetensors)>,
+    routing: HashMap<String, usize>,
+}
+
+impl Weights {
+    /// Opens `dir/model.safetensors` or the shards named by `dir/model.safetensors.index.json`.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let single = dir.join("model.safetensors");
+        let index = dir.join("model.safetensors.index.json");
+        let paths = if index.exists() {
+            let text = std::fs::read_to_string(&index).map_err(|source| ModelError::Io {
+                path: index.clone(),
+                source,
+            })?;
+            let json: serde_json::Value =
+                serde_json::from_str(&text).map_err(|source| ModelError::Json {
+                    path: index.clone(),
+                    source,
+                })?;
+            let map = json
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| ModelError::Config {
+                    path: index.clone(),
+                    key: "weight_map".into(),
+                    msg: "missing or not an object".into(),
+                })?;
+            let mut shards: Vec<String> = map
+                .values()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect();
+            shards.sort();
+            shards.dedup();
+            shards.into_iter().map(|s| dir.join(s)).collect()
+        } else if single.exists() {
+            vec![single]
+        } else {
+            return Err(ModelError::NoWeights {
+                dir: dir.to_path_buf(),
+            });
+        };
+        Self::from_files(dir, &paths)
+    }
+
+    /// Opens an explicit list of safetensors files (e.g. an adapter file).
+    pub fn from_files(dir: &Path, paths: &[PathBuf]) -> Result<Self> {
+        let mut files = Vec::with_capacity(paths.len());
+        let mut routing = HashMap::new();
+        for path in paths {
+            if !path.exists() {
+                return Err(ModelError::Io {
+                    path: path.clone(),
+                    source: std::io::Error::new(std::io::ErrorKind::NotFound, "file not found"),
+                });
+            }
+            // SAFETY: the file is memory-mapped read-only; tallow never writes into a checkpoint
+            // it reads, and outputs are written to a temp file and renamed.
+            let st = unsafe { MmapedSafetensors::new(path) }.map_err(|e| {
+                ModelError::BadSafetensors {
+                    path: path.clone(),
+                    msg: e.to_string(),
+                }
+            })?;
+            for (name, _) in st.tensors() {
+                routing.insert(name, files.len());
+            }
+            files.push((path.clone(), st));
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            files,
+            routing,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.routing.contains_key(name)
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.routing.keys().map(String::as_str)
+    }
+
+    /// The on-disk shape of a tensor, without reading it.
+    pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        let (_, st) = self.file_of(name)?;
+        Ok(st.get(name)?.shape().to_vec())
+    }
+
+    /// Reads `name`, checks its shape, converts it to `dtype` and puts it on `device`.
+    pub fn load(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let (path, st) = self.file_of(name)?;
+        let view = st.get(name)?;
+        if view.shape() != shape {
+            return Err(ModelError::ShapeMismatch {
+                path: path.to_path_buf(),
+                name: name.to_string(),
+                expected: shape.to_vec(),
+                found: view.shape().to_vec(),
+            });
+        }
+        // Convert on the CPU first when the device is not the CPU: an f32 checkpoint loaded as
+        // bf16 then never occupies f32 space on the GPU.
+        let t = view.load(&Device::Cpu)?.to_dtype(dtype)?;
+        Ok(t.to_device(device)?)
+    }
+
+    fn file_of(&self, name: &str) -> Result<(&Path, &MmapedSafetensors)> {
+        match self.routing.get(name) {
+            Some(&i) => Ok((&self.files[i].0, &self.files[i].1)),
+            None => {
+                let prefix = name.rsplit_once('.').map(|(p, _)| p).unwrap_or(name);
+                let near: Vec<&str> = self
+                    .names()
+                    .filter(|n| n.starts_with(prefix))
+                    .take(4)
+                    .collect();
+                let hint = if near.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (found nearby: {})", near.join(", "))
+                };
+                Err(ModelError::MissingTensor {
+                    dir: self.dir.clone(),
+                    name: name.to_string(),
+                    hint,
+                })
+            }
+        }
+    }
+}
