@@ -85,3 +85,69 @@ pub fn max_abs(a: &Tensor) -> f64 {
         .to_scalar::<f64>()
         .unwrap()
 }
+
+/// Path of the `tallow` binary of this workspace, built on first use (same profile as the tests).
+/// The tests crate is a separate package, so cargo does not hand it `CARGO_BIN_EXE_tallow`.
+pub fn tallow_bin() -> PathBuf {
+    static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        // target/<profile>/deps/<test-exe> -> target/<profile>/tallow
+        let exe = std::env::current_exe().unwrap();
+        let profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = std::process::Command::new(cargo);
+        cmd.args(["build", "--quiet", "-p", "tallow", "--bin", "tallow"]);
+        if profile_dir.file_name().is_some_and(|n| n == "release") {
+            cmd.arg("--release");
+        }
+        let status = cmd
+            .status()
+            .expect("running cargo build for the tallow binary");
+        assert!(status.success(), "cargo build -p tallow failed");
+        let bin = profile_dir.join(format!("tallow{}", std::env::consts::EXE_SUFFIX));
+        assert!(bin.exists(), "{} was not built", bin.display());
+        bin
+    })
+    .clone()
+}
+
+/// Output of one `tallow` run.
+pub struct Run {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs `tallow ARGS` and captures its output.
+pub fn tallow<I, S>(args: I) -> Run
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let out = std::process::Command::new(tallow_bin())
+        .args(args)
+        .output()
+        .unwrap();
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// A fresh, empty scratch directory under the target dir's tmp.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tallow-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Copies a fixture model dir into `dest` (to damage a copy, never the fixture).
+pub fn copy_model(model: &str, dest: &std::path::Path) {
+    std::fs::create_dir_all(dest).unwrap();
+    for entry in std::fs::read_dir(model_dir(model)).unwrap() {
+        let e = entry.unwrap();
+        std::fs::copy(e.path(), dest.join(e.file_name())).unwrap();
+    }
+}

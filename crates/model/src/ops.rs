@@ -146,20 +146,22 @@ pub fn attention_mask(
 ) -> Result<Tensor> {
     let b = segments.len();
     let t = segments.first().map_or(0, |s| s.len());
-    let mut data = vec![0f32; b * t * t];
-    for (r, seg) in segments.iter().enumerate() {
-        let row = &mut data[r * t * t..(r + 1) * t * t];
-        for i in 0..t {
-            for j in 0..t {
-                let allowed =
-                    j <= i && seg[i] == seg[j] && sliding_window.is_none_or(|w| i - j < w);
-                if !allowed {
-                    row[i * t + j] = f32::NEG_INFINITY;
-                }
-            }
-        }
+    let flat: Vec<u32> = segments.iter().flatten().copied().collect();
+    let seg = Tensor::from_vec(flat, (b, t), device)?;
+    let same = seg.unsqueeze(2)?.broadcast_eq(&seg.unsqueeze(1)?)?; // (B, T, T)
+    let pos = Tensor::arange(0u32, t as u32, device)?;
+    let (i, j) = (pos.unsqueeze(1)?, pos.unsqueeze(0)?); // (T, 1), (1, T)
+    let mut allowed = i.broadcast_ge(&j)?; // (T, T): j <= i
+    if let Some(w) = sliding_window {
+        allowed = (allowed * i.broadcast_lt(&(j + w as f64)?)?)?; // i - j < w
     }
-    Ok(Tensor::from_vec(data, (b, 1, t, t), device)?.to_dtype(dtype)?)
+    let allowed = same.broadcast_mul(&allowed.unsqueeze(0)?)?; // (B, T, T)
+    let zeros = Tensor::zeros((b, t, t), DType::F32, device)?;
+    let neg = Tensor::full(f32::NEG_INFINITY, (b, t, t), device)?;
+    Ok(allowed
+        .where_cond(&zeros, &neg)?
+        .unsqueeze(1)?
+        .to_dtype(dtype)?) // (B, 1, T, T)
 }
 
 /// Position ids that restart at 0 at every segment boundary (HF's packed-sequence positions).

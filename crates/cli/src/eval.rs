@@ -1,0 +1,90 @@
+//! `tallow eval`: load a model and a dataset, print the token-weighted loss.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use tallow_model::{CausalLM, LoadOptions};
+use tallow_trainer::eval::evaluate;
+use tallow_trainer::{load_jsonl, DataOptions, Format, TextTokenizer};
+
+use crate::args::EvalArgs;
+use crate::device::{dtype_name, parse_device, parse_dtype};
+
+pub fn run(a: EvalArgs) -> Result<()> {
+    let start = Instant::now();
+    let device = parse_device(&a.device)?;
+    let dtype = parse_dtype(&a.dtype, &device)?;
+    let format: Format = a.format.parse()?;
+    if a.max_seq_len < 2 {
+        anyhow::bail!("--max-seq-len {}: must be at least 2", a.max_seq_len);
+    }
+
+    if !a.model.is_dir() {
+        anyhow::bail!(
+            "--model {}: no such directory (give an HF-layout dir with config.json, safetensors and tokenizer.json)",
+            a.model.display()
+        );
+    }
+    let tok = TextTokenizer::from_model_dir(&a.model)?;
+    let opts = DataOptions {
+        format,
+        max_seq_len: a.max_seq_len,
+        add_eos: !a.no_eos,
+    };
+    let data = load_jsonl(&a.data, &tok, &opts)?;
+    if data.examples.is_empty() {
+        anyhow::bail!(
+            "{}: no row has a target token left ({} skipped after truncation to {} tokens)",
+            a.data.display(),
+            data.skipped,
+            a.max_seq_len
+        );
+    }
+    let model = CausalLM::load(&a.model, &LoadOptions::frozen(dtype, &device))
+        .with_context(|| format!("loading the model from {}", a.model.display()))?;
+    let pad = tok.pad_id().or(tok.eos_id()).unwrap_or(0);
+
+    let bar = ProgressBar::new(data.examples.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "eval {bar:30} {pos}/{len} rows  {elapsed_precise} (eta {eta})",
+        )
+        .expect("static template"),
+    );
+    let r = evaluate(&model, &data.examples, a.batch_size, pad, |done| {
+        bar.set_position(done as u64)
+    })?;
+    bar.finish_and_clear();
+
+    if a.json {
+        let out = serde_json::json!({
+            "loss": r.loss,
+            "perplexity": r.perplexity,
+            "tokens": r.tokens,
+            "rows": r.rows,
+            "skipped": data.skipped,
+            "input_tokens": r.input_tokens,
+            "format": data.format.name(),
+            "model": a.model,
+            "data": a.data,
+            "dtype": dtype_name(dtype),
+            "device": if device.is_cuda() { "cuda" } else { "cpu" },
+            "elapsed_s": start.elapsed().as_secs_f64(),
+        });
+        println!("{out}");
+    } else {
+        println!(
+            "loss {:.4}  perplexity {:.3}  target tokens {}  rows {} (skipped {})  format {}  {}  {:.1}s",
+            r.loss,
+            r.perplexity,
+            r.tokens,
+            r.rows,
+            data.skipped,
+            data.format.name(),
+            dtype_name(dtype),
+            start.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}

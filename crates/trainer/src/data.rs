@@ -1,0 +1,668 @@
+//! JSONL datasets -> token ids and target masks.
+//!
+//! One JSON object per line, in one of three formats:
+//! - text:              `{"text": "..."}`: every token after the first is trained.
+//! - prompt_completion: `{"prompt": "...", "completion": "..."}`: only completion tokens are trained.
+//! - messages:          `{"messages": [{"role": "...", "content": "..."}, ...]}`: rendered with the
+//!   model's chat template; only assistant turns are trained.
+//!
+//! The rules match the Python reference that writes `tests/fixtures/reference/*.json` token for
+//! token (see `tests/data_parity.rs`); change both together.
+
+use crate::error::{json_type, DataError, RowError};
+use crate::{Message, TextTokenizer};
+use serde::{Deserialize, Serialize};
+use serde_json::Value as Json;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+/// The shape of the rows of a JSONL file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Format {
+    /// Pick from the keys of the file's first row.
+    #[default]
+    Auto,
+    Text,
+    PromptCompletion,
+    Messages,
+}
+
+impl Format {
+    /// The name used in configs and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Auto => "auto",
+            Format::Text => "text",
+            Format::PromptCompletion => "prompt_completion",
+            Format::Messages => "messages",
+        }
+    }
+
+    /// The format a row's keys call for: `text`, then `prompt` + `completion`, then `messages`.
+    fn detect(row: &serde_json::Map<String, Json>) -> Option<Format> {
+        if row.contains_key("text") {
+            Some(Format::Text)
+        } else if row.contains_key("prompt") && row.contains_key("completion") {
+            Some(Format::PromptCompletion)
+        } else if row.contains_key("messages") {
+            Some(Format::Messages)
+        } else {
+            None
+        }
+    }
+}
+
+impl fmt::Display for Format {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Format {
+    type Err = DataError;
+
+    fn from_str(s: &str) -> Result<Self, DataError> {
+        match s {
+            "auto" => Ok(Format::Auto),
+            "text" => Ok(Format::Text),
+            "prompt_completion" => Ok(Format::PromptCompletion),
+            "messages" => Ok(Format::Messages),
+            other => Err(DataError::UnknownFormat(other.to_string())),
+        }
+    }
+}
+
+/// How rows become examples.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataOptions {
+    pub format: Format,
+    /// Rows are cut to this many tokens; a row left with no target is skipped.
+    pub max_seq_len: usize,
+    /// Append the EOS id to text and prompt_completion rows (not doubled when the tokenizer
+    /// already adds it). Messages rows take their end-of-turn tokens from the chat template.
+    pub add_eos: bool,
+}
+
+impl Default for DataOptions {
+    fn default() -> Self {
+        Self {
+            format: Format::Auto,
+            max_seq_len: 2048,
+            add_eos: true,
+        }
+    }
+}
+
+/// One training/eval row. `targets[i] == true` means token `i` is predicted from `ids[..i]` and its
+/// NLL counts. `targets[0]` is always false. Both have the same length, at most `max_seq_len`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Example {
+    pub ids: Vec<u32>,
+    pub targets: Vec<bool>,
+}
+
+impl Example {
+    /// Number of positions whose loss counts.
+    pub fn n_targets(&self) -> usize {
+        self.targets.iter().filter(|&&t| t).count()
+    }
+}
+
+/// The examples of one JSONL file.
+#[derive(Debug, Clone)]
+pub struct Dataset {
+    pub path: PathBuf,
+    /// The format used (never `Auto`).
+    pub format: Format,
+    pub examples: Vec<Example>,
+    /// Rows dropped because no target was left after truncation.
+    pub skipped: usize,
+}
+
+impl Dataset {
+    /// Total number of tokens over all examples.
+    pub fn n_tokens(&self) -> usize {
+        self.examples.iter().map(|e| e.ids.len()).sum()
+    }
+
+    /// Total number of target positions over all examples.
+    pub fn n_targets(&self) -> usize {
+        self.examples.iter().map(Example::n_targets).sum()
+    }
+}
+
+/// Reads and tokenizes the JSONL file at `path`. Blank lines are ignored; any malformed line is an
+/// error naming the file and its 1-based line number.
+pub fn load_jsonl(
+    path: &Path,
+    tok: &TextTokenizer,
+    opts: &DataOptions,
+) -> Result<Dataset, DataError> {
+    let text = std::fs::read_to_string(path).map_err(|source| DataError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let row_err = |line: usize, source: RowError| DataError::Row {
+        path: path.to_path_buf(),
+        line,
+        source,
+    };
+    // (1-based line number, parsed row) for each non-blank line.
+    let rows = text
+        .trim_start_matches('\u{feff}')
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| (i + 1, serde_json::from_str::<Json>(l)));
+
+    let mut format = opts.format;
+    let mut examples = Vec::new();
+    let mut skipped = 0;
+    let mut n_rows = 0;
+    for (line, parsed) in rows {
+        let row = parsed.map_err(|e| row_err(line, RowError::Json(e.to_string())))?;
+        if n_rows == 0 {
+            format = resolve_format(&row, format).map_err(|e| row_err(line, e))?;
+            check_supported(format, tok, opts).map_err(|source| DataError::Unsupported {
+                data: path.to_path_buf(),
+                model_dir: tok.dir().to_path_buf(),
+                source,
+            })?;
+        }
+        n_rows += 1;
+        match tokenize_row(&row, format, tok, opts).map_err(|e| row_err(line, e))? {
+            Some(example) => examples.push(example),
+            None => skipped += 1,
+        }
+    }
+    if n_rows == 0 {
+        return Err(DataError::EmptyFile {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(Dataset {
+        path: path.to_path_buf(),
+        format,
+        examples,
+        skipped,
+    })
+}
+
+/// `format`, or for `Format::Auto` the format the row's keys call for.
+fn resolve_format(row: &Json, format: Format) -> Result<Format, RowError> {
+    if format != Format::Auto {
+        return Ok(format);
+    }
+    let obj = row.as_object().ok_or(RowError::NotObject(json_type(row)))?;
+    Format::detect(obj).ok_or_else(|| {
+        let keys: Vec<String> = obj.keys().map(|k| format!("{k:?}")).collect();
+        RowError::UndetectedFormat {
+            keys: keys.join(", "),
+        }
+    })
+}
+
+/// Fails up front, before any row, when the format needs what the tokenizer lacks.
+fn check_supported(
+    format: Format,
+    tok: &TextTokenizer,
+    opts: &DataOptions,
+) -> Result<(), RowError> {
+    match format {
+        Format::Messages if tok.chat_template().is_none() => Err(RowError::NoChatTemplate),
+        Format::Text | Format::PromptCompletion if opts.add_eos && tok.eos_id().is_none() => {
+            Err(RowError::NoEos)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Tokenizes one parsed row. `Ok(None)` means the row was skipped: no target left after cutting
+/// to `opts.max_seq_len`. With `Format::Auto` the row's own keys pick the format.
+pub fn tokenize_row(
+    value: &Json,
+    format: Format,
+    tok: &TextTokenizer,
+    opts: &DataOptions,
+) -> Result<Option<Example>, RowError> {
+    let format = resolve_format(value, format)?;
+    let row = value
+        .as_object()
+        .ok_or(RowError::NotObject(json_type(value)))?;
+    let (mut ids, mut targets) = match format {
+        Format::Text => {
+            let text = string_key(row, "text", format)?;
+            let mut ids = tok.encode_row(text, true)?;
+            push_eos(&mut ids, tok, opts)?;
+            // Every token after the first is predicted.
+            let targets = (0..ids.len()).map(|i| i >= 1).collect();
+            (ids, targets)
+        }
+        Format::PromptCompletion => {
+            let prompt = string_key(row, "prompt", format)?;
+            let completion = string_key(row, "completion", format)?;
+            // Encode the joined string (not prompt ids + completion ids) so the boundary token
+            // merges as it would at inference; the prompt's own length marks where targets start.
+            let mut ids = tok.encode_row(&format!("{prompt}{completion}"), true)?;
+            push_eos(&mut ids, tok, opts)?;
+            let start = tok.encode_row(prompt, true)?.len().max(1);
+            let targets = (0..ids.len()).map(|i| i >= start).collect();
+            (ids, targets)
+        }
+        Format::Messages => messages_example(row, tok)?,
+        Format::Auto => unreachable!("resolved above"),
+    };
+
+    ids.truncate(opts.max_seq_len);
+    targets.truncate(opts.max_seq_len);
+    if let Some(first) = targets.first_mut() {
+        *first = false; // nothing predicts the first token
+    }
+    let example = Example { ids, targets };
+    Ok((example.n_targets() > 0).then_some(example))
+}
+
+/// Messages row: the rendered conversation, with each assistant turn's tokens as targets.
+///
+/// Turn `i`'s span is `[a, b)` with `a` = token count of `render(messages[..i], gen_prompt=true)`
+/// (the context plus the assistant header) and `b` = token count of `render(messages[..=i])`, so the
+/// header is not trained and whatever the template puts after the content (e.g. `<|im_end|>`) is.
+fn messages_example(
+    row: &serde_json::Map<String, Json>,
+    tok: &TextTokenizer,
+) -> Result<(Vec<u32>, Vec<bool>), RowError> {
+    let messages = parse_messages(row)?;
+    let template = tok.chat_template().ok_or(RowError::NoChatTemplate)?;
+    let n_tokens = |msgs: &[Message], gen: bool| -> Result<usize, RowError> {
+        Ok(tok
+            .encode_row(&template.render_row(msgs, gen)?, false)?
+            .len())
+    };
+
+    let ids = tok.encode_row(&template.render_row(&messages, false)?, false)?;
+    let mut targets = vec![false; ids.len()];
+    for (i, m) in messages.iter().enumerate() {
+        if m.role != "assistant" {
+            continue;
+        }
+        let a = n_tokens(&messages[..i], true)?;
+        let b = n_tokens(&messages[..=i], false)?.min(ids.len());
+        for t in targets.iter_mut().take(b).skip(a) {
+            *t = true;
+        }
+    }
+    Ok((ids, targets))
+}
+
+/// `row["messages"]` as a list of `{role, content}` with string values.
+fn parse_messages(row: &serde_json::Map<String, Json>) -> Result<Vec<Message>, RowError> {
+    let list = match row.get("messages") {
+        None => {
+            return Err(RowError::MissingKey {
+                key: "messages",
+                format: "messages",
+            })
+        }
+        Some(Json::Array(list)) => list,
+        Some(other) => {
+            return Err(RowError::WrongType {
+                key: "messages".into(),
+                expected: "a list of {\"role\": str, \"content\": str}",
+                found: json_type(other),
+            })
+        }
+    };
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let field = |name: &str| -> Result<String, RowError> {
+                match m.get(name) {
+                    Some(Json::String(s)) => Ok(s.clone()),
+                    other => Err(RowError::WrongType {
+                        key: format!("messages[{i}].{name}"),
+                        expected: "a string",
+                        found: other.map_or("nothing (key missing)", json_type),
+                    }),
+                }
+            };
+            if !m.is_object() {
+                return Err(RowError::WrongType {
+                    key: format!("messages[{i}]"),
+                    expected: "an object {\"role\": str, \"content\": str}",
+                    found: json_type(m),
+                });
+            }
+            Ok(Message {
+                role: field("role")?,
+                content: field("content")?,
+            })
+        })
+        .collect()
+}
+
+/// `row[key]` as a string; missing or non-string is a row error.
+fn string_key<'a>(
+    row: &'a serde_json::Map<String, Json>,
+    key: &'static str,
+    format: Format,
+) -> Result<&'a str, RowError> {
+    match row.get(key) {
+        Some(Json::String(s)) => Ok(s),
+        None => Err(RowError::MissingKey {
+            key,
+            format: format.name(),
+        }),
+        Some(other) => Err(RowError::WrongType {
+            key: key.into(),
+            expected: "a string",
+            found: json_type(other),
+        }),
+    }
+}
+
+/// Appends EOS when `opts.add_eos`, unless the tokenizer's post-processor already ended with it.
+fn push_eos(ids: &mut Vec<u32>, tok: &TextTokenizer, opts: &DataOptions) -> Result<(), RowError> {
+    if !opts.add_eos {
+        return Ok(());
+    }
+    let eos = tok.eos_id().ok_or(RowError::NoEos)?;
+    if ids.last() != Some(&eos) {
+        ids.push(eos);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tokenizer::test_util::*;
+
+    const BOS: u32 = 1;
+    const EOS: u32 = 2;
+
+    fn tok(name: &str) -> TextTokenizer {
+        TextTokenizer::from_model_dir(&model_dir(name, Some(&chat_config()))).unwrap()
+    }
+
+    fn opts(format: Format, max_seq_len: usize) -> DataOptions {
+        DataOptions {
+            format,
+            max_seq_len,
+            add_eos: true,
+        }
+    }
+
+    /// Writes `lines` as a JSONL file in a fresh temp dir.
+    fn jsonl(name: &str, lines: &[&str]) -> PathBuf {
+        let path = temp_dir(name).join("data.jsonl");
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        path
+    }
+
+    fn ex(ids: &[u32], targets: &[u8]) -> Example {
+        Example {
+            ids: ids.to_vec(),
+            targets: targets.iter().map(|&t| t == 1).collect(),
+        }
+    }
+
+    #[test]
+    fn format_names_round_trip() {
+        for f in [
+            Format::Auto,
+            Format::Text,
+            Format::PromptCompletion,
+            Format::Messages,
+        ] {
+            assert_eq!(f.to_string().parse::<Format>().unwrap(), f);
+        }
+        let err = "chat".parse::<Format>().unwrap_err().to_string();
+        assert!(
+            err.contains("\"chat\"") && err.contains("prompt_completion"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn auto_detects_each_format_from_first_row() {
+        let tok = tok("data-detect");
+        for (line, want) in [
+            (r#"{"text": "a b"}"#, Format::Text),
+            (
+                r#"{"prompt": "a", "completion": "b"}"#,
+                Format::PromptCompletion,
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "a"}]}"#,
+                Format::Messages,
+            ),
+        ] {
+            let path = jsonl("data-detect", &["", line]);
+            let ds = load_jsonl(&path, &tok, &opts(Format::Auto, 32)).unwrap();
+            assert_eq!(ds.format, want, "{line}");
+        }
+    }
+
+    #[test]
+    fn auto_unknown_keys_error_lists_keys_and_shapes() {
+        let path = jsonl(
+            "data-undetected",
+            &["", "  ", r#"{"input": "a", "output": "b"}"#],
+        );
+        let err = load_jsonl(&path, &tok("data-undetected"), &opts(Format::Auto, 32))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("data.jsonl:3:"), "{err}");
+        assert!(err.contains("\"input\", \"output\""), "{err}");
+        assert!(
+            err.contains("\"prompt\": str, \"completion\": str"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn text_targets_all_but_first_and_eos_appended_once() {
+        let tok = tok("data-text");
+        let o = opts(Format::Text, 32);
+        let row = serde_json::json!({"text": "hello world"});
+        assert_eq!(
+            tokenize_row(&row, Format::Text, &tok, &o).unwrap(),
+            Some(ex(&[BOS, 3, 4, EOS], &[0, 1, 1, 1]))
+        );
+        // Text already ending in EOS: not doubled.
+        let row = serde_json::json!({"text": "hello </s>"});
+        assert_eq!(
+            tokenize_row(&row, Format::Text, &tok, &o).unwrap(),
+            Some(ex(&[BOS, 3, EOS], &[0, 1, 1]))
+        );
+        let no_eos = DataOptions {
+            add_eos: false,
+            ..o
+        };
+        let row = serde_json::json!({"text": "hello world"});
+        assert_eq!(
+            tokenize_row(&row, Format::Text, &tok, &no_eos).unwrap(),
+            Some(ex(&[BOS, 3, 4], &[0, 1, 1]))
+        );
+    }
+
+    #[test]
+    fn prompt_completion_targets_start_after_prompt() {
+        let tok = tok("data-pc");
+        let row = serde_json::json!({"prompt": "hello world ", "completion": "a b"});
+        assert_eq!(
+            tokenize_row(
+                &row,
+                Format::PromptCompletion,
+                &tok,
+                &opts(Format::Auto, 32)
+            )
+            .unwrap(),
+            Some(ex(&[BOS, 3, 4, 5, 6, EOS], &[0, 0, 0, 1, 1, 1]))
+        );
+        // An empty prompt still leaves position 0 untrained.
+        let row = serde_json::json!({"prompt": "", "completion": "a"});
+        assert_eq!(
+            tokenize_row(
+                &row,
+                Format::PromptCompletion,
+                &tok,
+                &opts(Format::Auto, 32)
+            )
+            .unwrap(),
+            Some(ex(&[BOS, 5, EOS], &[0, 1, 1]))
+        );
+    }
+
+    #[test]
+    fn messages_targets_cover_assistant_turns_and_their_eos() {
+        let tok = tok("data-msgs");
+        let row = serde_json::json!({"messages": [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "a b"},
+            {"role": "user", "content": "world"},
+            {"role": "assistant", "content": "c"},
+        ]});
+        // "<|user|> hello <|bot|> a b </s> <|user|> world <|bot|> c </s> " (no BOS: the chat
+        // string is encoded without special tokens).
+        assert_eq!(
+            tokenize_row(&row, Format::Messages, &tok, &opts(Format::Messages, 32)).unwrap(),
+            Some(ex(
+                &[10, 3, 11, 5, 6, EOS, 10, 4, 11, 7, EOS],
+                &[0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1]
+            ))
+        );
+    }
+
+    #[test]
+    fn truncation_and_skip_counting() {
+        let tok = tok("data-trunc");
+        let path = jsonl(
+            "data-trunc",
+            &[
+                r#"{"prompt": "hello world a ", "completion": "b"}"#, // targets from 4
+                r#"{"prompt": "a ", "completion": "b c"}"#,           // targets from 2
+                "",
+            ],
+        );
+        let ds = load_jsonl(&path, &tok, &opts(Format::PromptCompletion, 3)).unwrap();
+        assert_eq!(ds.skipped, 1);
+        assert_eq!(ds.examples, vec![ex(&[BOS, 5, 6], &[0, 0, 1])]);
+        assert_eq!((ds.n_tokens(), ds.n_targets()), (3, 1));
+    }
+
+    #[test]
+    fn malformed_lines_name_file_and_line() {
+        let tok = tok("data-bad");
+        let cases: [(&str, Format, &str); 5] = [
+            (r#"{"text": "a""#, Format::Auto, "not valid JSON"),
+            (
+                r#"{"text": 5}"#,
+                Format::Text,
+                "key `text` must be a string, found a number",
+            ),
+            (
+                r#"{"prompt": "a"}"#,
+                Format::PromptCompletion,
+                "missing key `completion`",
+            ),
+            (
+                r#"{"messages": [{"role": "user"}]}"#,
+                Format::Messages,
+                "messages[0].content",
+            ),
+            (
+                r#"[1, 2]"#,
+                Format::Text,
+                "expected a JSON object, found an array",
+            ),
+        ];
+        for (bad, format, want) in cases {
+            let good = match format {
+                Format::Messages => r#"{"messages": [{"role": "user", "content": "a"}]}"#,
+                Format::PromptCompletion => r#"{"prompt": "a", "completion": "b"}"#,
+                _ => r#"{"text": "a"}"#,
+            };
+            let path = jsonl("data-bad", &[good, "", bad]);
+            let err = load_jsonl(&path, &tok, &opts(format, 32))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(&format!("{}:3: ", path.display())), "{err}");
+            assert!(err.contains(want), "{err}");
+        }
+    }
+
+    #[test]
+    fn missing_and_empty_files_name_path() {
+        let tok = tok("data-missing");
+        let path = temp_dir("data-missing").join("nope.jsonl");
+        let err = load_jsonl(&path, &tok, &opts(Format::Auto, 8))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("nope.jsonl"), "{err}");
+        let path = jsonl("data-empty", &["", " "]);
+        let err = load_jsonl(&path, &tok, &opts(Format::Auto, 8))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("data.jsonl has no rows"), "{err}");
+    }
+
+    #[test]
+    fn add_eos_without_eos_token_says_how_to_fix() {
+        let dir = model_dir("data-noeos", Some("{}"));
+        let tok = TextTokenizer::from_model_dir(&dir).unwrap();
+        let path = jsonl("data-noeos", &[r#"{"text": "a"}"#]);
+        let err = load_jsonl(&path, &tok, &opts(Format::Auto, 8))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("add_eos = false"), "{err}");
+        assert!(
+            err.contains("eos_token") && err.contains("tokenizer_config.json"),
+            "{err}"
+        );
+        let no_eos = DataOptions {
+            add_eos: false,
+            ..opts(Format::Auto, 8)
+        };
+        assert_eq!(load_jsonl(&path, &tok, &no_eos).unwrap().examples.len(), 1);
+    }
+
+    #[test]
+    fn messages_without_chat_template_says_so() {
+        let dir = model_dir("data-notpl", Some(r#"{"eos_token": "</s>"}"#));
+        let tok = TextTokenizer::from_model_dir(&dir).unwrap();
+        let path = jsonl(
+            "data-notpl",
+            &[r#"{"messages": [{"role": "user", "content": "a"}]}"#],
+        );
+        let err = load_jsonl(&path, &tok, &opts(Format::Auto, 8))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no chat template"), "{err}");
+        assert!(err.contains("chat_template.jinja"), "{err}");
+        assert!(err.contains(&dir.display().to_string()), "{err}");
+    }
+
+    #[test]
+    fn template_raise_exception_is_a_row_error() {
+        let dir = model_dir("data-raise", Some(r#"{"eos_token": "</s>"}"#));
+        write(
+            &dir,
+            "chat_template.jinja",
+            "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}\
+             {% endif %}{% for m in messages %}{{ m.content }} {% endfor %}",
+        );
+        let tok = TextTokenizer::from_model_dir(&dir).unwrap();
+        let path = jsonl(
+            "data-raise",
+            &[r#"{"messages": [{"role": "assistant", "content": "a"}]}"#],
+        );
+        let err = load_jsonl(&path, &tok, &opts(Format::Auto, 8))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("data.jsonl:1:"), "{err}");
+        assert!(err.contains("first must be user"), "{err}");
+    }
+}

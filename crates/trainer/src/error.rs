@@ -1,0 +1,165 @@
+//! Errors of the data pipeline: loading a model dir's tokenizer files, rendering chat templates,
+//! and reading JSONL datasets.
+//!
+//! Every message names the file (and line or key where there is one) and says what to change.
+
+use std::path::PathBuf;
+
+/// An error while loading tokenizer files or a dataset.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    /// A file could not be opened or read.
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The model dir lacks the fast-tokenizer file.
+    #[error(
+        "{} has no tokenizer.json: the model dir needs a tokenizer.json (the file HF \
+         `tokenizer.save_pretrained` writes; convert slow tokenizers with transformers first)",
+        dir.display()
+    )]
+    MissingTokenizer { dir: PathBuf },
+
+    /// tokenizer.json exists but the `tokenizers` crate rejected it.
+    #[error("cannot load tokenizer {}: {message}", path.display())]
+    Tokenizer { path: PathBuf, message: String },
+
+    /// A JSON config file (tokenizer_config.json, config.json, ...) is not valid JSON.
+    #[error("{} is not valid JSON: {source}", path.display())]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+
+    /// A key of a JSON config file has a value of the wrong shape.
+    #[error("{}: key `{key}` {message}", path.display())]
+    ConfigKey {
+        path: PathBuf,
+        key: String,
+        message: String,
+    },
+
+    /// A special token named in tokenizer_config.json is not in tokenizer.json's vocabulary.
+    #[error(
+        "{}: `{key}` is {token:?}, which is not a token of tokenizer.json; fix the key or add the \
+         token to tokenizer.json's added_tokens",
+        path.display()
+    )]
+    UnknownToken {
+        path: PathBuf,
+        key: String,
+        token: String,
+    },
+
+    /// The chat template does not parse.
+    #[error("chat template from {origin} does not compile: {message}")]
+    TemplateSyntax { origin: String, message: String },
+
+    /// `--format` / `format =` names no known format.
+    #[error("unknown data format {0:?}: expected one of auto, text, prompt_completion, messages")]
+    UnknownFormat(String),
+
+    /// The data file has no non-blank line.
+    #[error("{} has no rows (every line is blank); give a JSONL file with one JSON object per line", path.display())]
+    EmptyFile { path: PathBuf },
+
+    /// The format needs something the model dir does not provide (a chat template, an EOS token).
+    #[error("{} cannot be used with {}: {source}", data.display(), model_dir.display())]
+    Unsupported {
+        data: PathBuf,
+        model_dir: PathBuf,
+        #[source]
+        source: RowError,
+    },
+
+    /// One line of a JSONL file is malformed or cannot be tokenized.
+    #[error("{}:{line}: {source}", path.display())]
+    Row {
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        #[source]
+        source: RowError,
+    },
+
+    /// Rendering, encoding or decoding one text failed outside a dataset row.
+    #[error(transparent)]
+    Text(#[from] RowError),
+}
+
+/// What is wrong with one row (one JSONL line); [`DataError::Row`] adds the file and line.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RowError {
+    /// The line is not valid JSON.
+    #[error("not valid JSON: {0}")]
+    Json(String),
+
+    /// The line is JSON but not an object.
+    #[error("expected a JSON object, found {0}")]
+    NotObject(&'static str),
+
+    /// `format = auto` could not tell the format from the row's keys.
+    #[error(
+        "cannot detect the data format from keys [{keys}]; each row must be one of \
+         {{\"text\": str}}, {{\"prompt\": str, \"completion\": str}} or \
+         {{\"messages\": [{{\"role\": str, \"content\": str}}, ...]}} (or set the format explicitly)"
+    )]
+    UndetectedFormat {
+        /// The row's keys, quoted and comma-separated.
+        keys: String,
+    },
+
+    /// A key the format needs is absent.
+    #[error("missing key `{key}` required by format {format}")]
+    MissingKey {
+        key: &'static str,
+        format: &'static str,
+    },
+
+    /// A key has the wrong JSON type.
+    #[error("key `{key}` must be {expected}, found {found}")]
+    WrongType {
+        key: String,
+        expected: &'static str,
+        found: &'static str,
+    },
+
+    /// add_eos is on but the tokenizer knows no EOS token.
+    #[error(
+        "add_eos is set but the tokenizer has no EOS token; set add_eos = false, or add \
+         \"eos_token\" to the model dir's tokenizer_config.json"
+    )]
+    NoEos,
+
+    /// The messages format was asked for but the model has no chat template.
+    #[error(
+        "the model dir has no chat template (add `chat_template` to tokenizer_config.json or a \
+         chat_template.jinja file), so the messages format cannot be rendered"
+    )]
+    NoChatTemplate,
+
+    /// The chat template raised (`raise_exception`) or failed while rendering.
+    #[error("chat template from {origin} failed to render: {message}")]
+    Template { origin: String, message: String },
+
+    /// The tokenizer failed on the text.
+    #[error("tokenizer failed: {0}")]
+    Encode(String),
+}
+
+/// The JSON type name of a value, for error messages.
+pub(crate) fn json_type(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}

@@ -1,0 +1,66 @@
+//! `tallow eval`: token-weighted mean NLL over every target of a dataset.
+//!
+//! loss = (sum of target-token NLL over all rows) / (number of target tokens), i.e. not a mean of
+//! per-row or per-batch means, so the batch size and padding do not change it.
+
+use candle_core::DType;
+use tallow_model::{lm_head_nll, CausalLM};
+
+use crate::batch::Batch;
+use crate::data::Example;
+
+/// The result of evaluating a dataset.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalResult {
+    /// Mean NLL per target token (nats).
+    pub loss: f64,
+    /// exp(loss)
+    pub perplexity: f64,
+    pub nll_sum: f64,
+    /// Target tokens.
+    pub tokens: usize,
+    /// Rows evaluated.
+    pub rows: usize,
+    /// Input tokens (targets and context).
+    pub input_tokens: usize,
+}
+
+/// Evaluates `examples` in batches of `batch_size` (in file order), padding with `pad_id`.
+/// `progress` is called with the number of rows done after each batch.
+pub fn evaluate(
+    model: &CausalLM,
+    examples: &[Example],
+    batch_size: usize,
+    pad_id: u32,
+    mut progress: impl FnMut(usize),
+) -> tallow_model::Result<EvalResult> {
+    let batch_size = batch_size.max(1);
+    let mut nll_sum = 0f64;
+    let mut tokens = 0;
+    let mut input_tokens = 0;
+    let mut done = 0;
+    for chunk in examples.chunks(batch_size) {
+        let refs: Vec<&Example> = chunk.iter().collect();
+        let batch = Batch::new(&refs, pad_id, model.device())?;
+        let hidden = model.forward_hidden(&batch.input_ids, None)?; // (B, T, C)
+        let nll = lm_head_nll(&hidden, model.lm_head_weight(), &batch.targets)?;
+        nll_sum += nll.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        tokens += batch.targets.count;
+        input_tokens += batch.tokens;
+        done += chunk.len();
+        progress(done);
+    }
+    let loss = if tokens > 0 {
+        nll_sum / tokens as f64
+    } else {
+        f64::NAN
+    };
+    Ok(EvalResult {
+        loss,
+        perplexity: loss.exp(),
+        nll_sum,
+        tokens,
+        rows: examples.len(),
+        input_tokens,
+    })
+}

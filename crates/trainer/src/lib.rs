@@ -1,0 +1,16 @@
+//! tallow-trainer: data pipeline, loss, evaluation and training loop for tallow.
+//!
+//! Data flow: [`TextTokenizer::from_model_dir`] reads a model dir's tokenizer files,
+//! [`load_jsonl`] turns a JSONL file into [`Example`]s (token ids plus which positions are trained).
+
+pub mod batch;
+pub mod chat;
+pub mod data;
+pub mod error;
+pub mod eval;
+pub mod tokenizer;
+
+pub use chat::{ChatTemplate, Message};
+pub use data::{load_jsonl, tokenize_row, DataOptions, Dataset, Example, Format};
+pub use error::{DataError, RowError};
+pub use tokenizer::TextTokenizer;

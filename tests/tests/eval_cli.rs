@@ -1,0 +1,223 @@
+//! `tallow eval` end to end: the binary, the data pipeline and the model together against the
+//! transformers reference losses, batch-size invariance, and bad input.
+
+use candle_core::{DType, Device};
+use tallow_model::{CausalLM, LoadOptions};
+use tallow_tests::*;
+use tallow_trainer::eval::evaluate;
+use tallow_trainer::{load_jsonl, DataOptions, Format, TextTokenizer};
+
+fn eval_json(args: &[&str]) -> serde_json::Value {
+    let r = tallow(args);
+    assert_eq!(r.code, 0, "tallow {args:?} failed: {}", r.stderr);
+    serde_json::from_str(r.stdout.trim()).unwrap_or_else(|e| panic!("bad JSON {e}: {}", r.stdout))
+}
+
+/// CLI loss equals transformers' loss within 1e-4 for every model and data format.
+#[test]
+fn eval_matches_transformers_for_every_model_and_format() {
+    for model in MODELS {
+        let reference = reference_json(model);
+        for format in FORMATS {
+            let dir = model_dir(model);
+            let data = data_file(format);
+            let out = eval_json(&[
+                "eval",
+                "--model",
+                dir.to_str().unwrap(),
+                "--data",
+                data.to_str().unwrap(),
+                "--max-seq-len",
+                "32",
+                "--dtype",
+                "f32",
+                "--json",
+            ]);
+            let f = &reference["formats"][format];
+            let want = f["loss"].as_f64().unwrap();
+            let got = out["loss"].as_f64().unwrap();
+            assert!(
+                (got - want).abs() < 1e-4,
+                "{model} {format}: {got} vs {want}"
+            );
+            let tokens: u64 = f["n_targets"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .sum();
+            assert_eq!(out["tokens"].as_u64().unwrap(), tokens);
+            assert_eq!(
+                out["skipped"].as_u64().unwrap(),
+                f["skipped"].as_u64().unwrap()
+            );
+            assert!((out["perplexity"].as_f64().unwrap() - got.exp()).abs() < 1e-6 * got.exp());
+        }
+    }
+}
+
+/// Padding and batch size do not change the result (relative 1e-6 in f32).
+#[test]
+fn batch_size_and_padding_do_not_change_eval() {
+    for model_name in MODELS {
+        let dir = model_dir(model_name);
+        let tok = TextTokenizer::from_model_dir(&dir).unwrap();
+        let model = CausalLM::load(&dir, &LoadOptions::frozen(DType::F32, &Device::Cpu)).unwrap();
+        let mut examples = Vec::new();
+        for format in FORMATS {
+            let opts = DataOptions {
+                format: Format::Auto,
+                max_seq_len: 32,
+                add_eos: true,
+            };
+            examples.extend(
+                load_jsonl(&data_file(format), &tok, &opts)
+                    .unwrap()
+                    .examples,
+            );
+        }
+        let lengths: std::collections::HashSet<usize> =
+            examples.iter().map(|e| e.ids.len()).collect();
+        assert!(
+            lengths.len() > 2,
+            "rows of different lengths, so batches are padded"
+        );
+        let one = evaluate(&model, &examples, 1, 0, |_| {}).unwrap();
+        for bs in [2, 3, 64] {
+            // Pad with a token id that is not 0 as well, to show the pad value is never read.
+            let r = evaluate(&model, &examples, bs, 7, |_| {}).unwrap();
+            assert_eq!(r.tokens, one.tokens);
+            let rel = (r.loss - one.loss).abs() / one.loss;
+            assert!(
+                rel < 1e-6,
+                "{model_name}: batch {bs} gives {} vs {}",
+                r.loss,
+                one.loss
+            );
+        }
+    }
+}
+
+#[test]
+fn malformed_jsonl_line_is_named_with_file_and_line() {
+    let dir = scratch("malformed");
+    let data = dir.join("bad.jsonl");
+    std::fs::write(&data, "{\"text\": \"fine\"}\n\n{\"text\": \"broken\"\n").unwrap();
+    let r = tallow([
+        "eval",
+        "--model",
+        model_dir("tiny-qwen2").to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+    ]);
+    assert_ne!(r.code, 0);
+    assert!(
+        r.stderr.contains("bad.jsonl") && r.stderr.contains(":3") || r.stderr.contains("line 3"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn unknown_architecture_lists_the_supported_ones() {
+    let dir = scratch("arch");
+    copy_model("tiny-qwen2", &dir);
+    let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        cfg.replace("Qwen2ForCausalLM", "GPT2LMHeadModel"),
+    )
+    .unwrap();
+    let r = tallow([
+        "eval",
+        "--model",
+        dir.to_str().unwrap(),
+        "--data",
+        data_file("text").to_str().unwrap(),
+    ]);
+    assert_ne!(r.code, 0);
+    assert!(
+        r.stderr.contains("GPT2LMHeadModel") && r.stderr.contains("Qwen3ForCausalLM"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn truncated_safetensors_is_reported_as_such() {
+    let dir = scratch("truncated");
+    copy_model("tiny-qwen2", &dir);
+    let st = dir.join("model.safetensors");
+    let bytes = std::fs::read(&st).unwrap();
+    std::fs::write(&st, &bytes[..bytes.len() / 2]).unwrap();
+    let r = tallow([
+        "eval",
+        "--model",
+        dir.to_str().unwrap(),
+        "--data",
+        data_file("text").to_str().unwrap(),
+    ]);
+    assert_ne!(r.code, 0);
+    assert!(
+        r.stderr.contains("model.safetensors") && r.stderr.contains("truncated"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn missing_tokenizer_is_reported() {
+    let dir = scratch("notok");
+    copy_model("tiny-qwen2", &dir);
+    std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
+    let r = tallow([
+        "eval",
+        "--model",
+        dir.to_str().unwrap(),
+        "--data",
+        data_file("text").to_str().unwrap(),
+    ]);
+    assert_ne!(r.code, 0);
+    assert!(r.stderr.contains("tokenizer.json"), "{}", r.stderr);
+}
+
+#[test]
+fn shape_mismatch_between_config_and_weights_is_reported() {
+    let dir = scratch("shape");
+    copy_model("tiny-qwen2", &dir);
+    let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        cfg.replace("\"intermediate_size\": 160", "\"intermediate_size\": 96"),
+    )
+    .unwrap();
+    let r = tallow([
+        "eval",
+        "--model",
+        dir.to_str().unwrap(),
+        "--data",
+        data_file("text").to_str().unwrap(),
+    ]);
+    assert_ne!(r.code, 0);
+    assert!(
+        r.stderr.contains("gate_proj.weight") && r.stderr.contains("shape"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn cuda_without_the_feature_names_the_flag() {
+    let r = tallow([
+        "eval",
+        "--model",
+        model_dir("tiny-qwen2").to_str().unwrap(),
+        "--data",
+        data_file("text").to_str().unwrap(),
+        "--device",
+        "cuda",
+    ]);
+    assert_ne!(r.code, 0);
+    assert!(r.stderr.contains("--features cuda"), "{}", r.stderr);
+}
