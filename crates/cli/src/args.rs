@@ -18,8 +18,44 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 pub enum Command {
+    /// LoRA or full fine-tuning from a TOML config.
+    Train(TrainArgs),
     /// Mean NLL and perplexity of a model on a JSONL dataset.
     Eval(EvalArgs),
+    /// Fold a LoRA adapter into its base model and save an HF-layout model.
+    Merge(MergeArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct TrainArgs {
+    /// Training config (TOML); see configs/.
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Override any config key: `--set train.lr=1e-4 --set lora.rank=8`.
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Continue from the newest checkpoint in train.output_dir.
+    #[arg(long)]
+    pub resume: bool,
+    /// No progress bar: one log line per logged step on stderr.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct MergeArgs {
+    /// Base model directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
+    #[arg(long)]
+    pub adapter: PathBuf,
+    /// Output directory (HF layout).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Dtype of the saved weights: f32 | f16 | bf16 (default: the dtype in config.json, else bf16).
+    #[arg(long)]
+    pub dtype: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -48,6 +84,9 @@ pub struct EvalArgs {
     /// Do not append the EOS token to text rows and completions.
     #[arg(long)]
     pub no_eos: bool,
+    /// PEFT LoRA adapter directory to apply to the model.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
     /// Print one JSON object instead of a line of text.
     #[arg(long)]
     pub json: bool,

@@ -41,8 +41,12 @@ pub fn run(a: EvalArgs) -> Result<()> {
             a.max_seq_len
         );
     }
-    let model = CausalLM::load(&a.model, &LoadOptions::frozen(dtype, &device))
+    let mut model = CausalLM::load(&a.model, &LoadOptions::frozen(dtype, &device))
         .with_context(|| format!("loading the model from {}", a.model.display()))?;
+    if let Some(adapter) = &a.adapter {
+        tallow_model::load_peft(&mut model, adapter)
+            .with_context(|| format!("loading the adapter from {}", adapter.display()))?;
+    }
     let pad = tok.pad_id().or(tok.eos_id()).unwrap_or(0);
 
     let bar = ProgressBar::new(data.examples.len() as u64);
@@ -67,6 +71,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
             "input_tokens": r.input_tokens,
             "format": data.format.name(),
             "model": a.model,
+            "adapter": a.adapter,
             "data": a.data,
             "dtype": dtype_name(dtype),
             "device": if device.is_cuda() { "cuda" } else { "cpu" },

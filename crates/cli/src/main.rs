@@ -6,13 +6,17 @@
 mod args;
 mod device;
 mod eval;
+mod merge;
+mod train;
 
 use clap::Parser;
 
 fn main() {
     let cli = args::Cli::parse();
     let result = match cli.command {
+        args::Command::Train(a) => train::run(a),
         args::Command::Eval(a) => eval::run(a),
+        args::Command::Merge(a) => merge::run(a),
     };
     if let Err(err) = result {
         // Print the chain, skipping causes whose text the message above already includes

@@ -5,8 +5,10 @@
 //!   optional LoRA); `ops`: differentiable norms, softmax, rotary embedding, masks.
 //! - `loss`: chunked cross-entropy fused with the LM head; `weights`: safetensors loading.
 
+pub mod adapter;
 pub mod config;
 pub mod error;
+pub mod io;
 pub mod linear;
 pub mod llama;
 pub mod loss;
@@ -16,6 +18,9 @@ pub mod qwen2;
 pub mod qwen3;
 pub mod weights;
 
+pub use adapter::{
+    attach_lora, load_peft, lora_vars, merge_lora, save_hf_model, save_peft, set_dropout, LoraSpec,
+};
 pub use config::{Arch, DecoderConfig, RopeScaling};
 pub use error::{ModelError, Result};
 pub use linear::{Linear, Lora, Param};

@@ -13,7 +13,13 @@
 //! gradient in time and memory.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Shape, Storage, Tensor, Var};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp1, DType, Device, Layout, Shape, Storage, Tensor, Var,
+};
+use rand::{Rng, SeedableRng};
 
 use crate::error::Result;
 
@@ -57,6 +63,63 @@ pub struct Lora {
     /// (out, r), zeros at init, so a fresh adapter leaves the model unchanged.
     pub b: Var,
     pub scale: f64,
+    /// Dropout on the adapter's input (PEFT's `lora_dropout`), shared by all adapters of a model.
+    pub dropout: Option<Arc<Dropout>>,
+    /// Index of this adapter in the model, mixed into the dropout seed.
+    pub id: u64,
+}
+
+/// LoRA dropout, switched on per micro-batch by the trainer with a seed derived from
+/// (run seed, step, micro-batch): masks are a pure function of that seed and the adapter id, so a
+/// resumed run draws exactly the masks of an uninterrupted one, with no RNG state to save.
+pub struct Dropout {
+    pub p: f32,
+    /// u64::MAX = off (evaluation).
+    seed: AtomicU64,
+}
+
+impl Dropout {
+    pub fn new(p: f32) -> Self {
+        Self {
+            p,
+            seed: AtomicU64::new(u64::MAX),
+        }
+    }
+
+    /// Some(seed): training with that seed; None: no dropout.
+    pub fn set(&self, seed: Option<u64>) {
+        self.seed.store(seed.unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    fn seed(&self) -> Option<u64> {
+        let s = self.seed.load(Ordering::Relaxed);
+        (s != u64::MAX && self.p > 0.0).then_some(s)
+    }
+
+    /// Inverted-dropout mask: 0 with probability p, else 1/(1-p). shape in f32.
+    fn mask(&self, seed: u64, dims: &[usize], device: &Device) -> Result<Tensor> {
+        let keep = 1.0 - self.p as f64;
+        let u = if device.is_cuda() {
+            // curand is seedable on the device: no host work, no transfer.
+            device.set_seed(seed)?;
+            Tensor::rand(0f32, 1., dims, device)?
+        } else {
+            // Candle's CPU rng cannot be seeded; draw from a seeded host generator.
+            let n: usize = dims.iter().product();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let v: Vec<f32> = (0..n).map(|_| rng.random::<f32>()).collect();
+            Tensor::from_vec(v, dims, device)?
+        };
+        Ok((u.ge(self.p as f64)?.to_dtype(DType::F32)? / keep)?)
+    }
+}
+
+/// SplitMix64 finalizer: mixes an adapter id into a seed.
+pub fn mix_seed(seed: u64, id: u64) -> u64 {
+    let mut z = seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 impl Lora {
@@ -66,7 +129,12 @@ impl Lora {
 
     /// s · B A x for x: (M, in) in any float dtype -> (M, out) in f32.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = x.to_dtype(self.a.dtype())?;
+        let mut x = x.to_dtype(self.a.dtype())?;
+        if let Some(d) = &self.dropout {
+            if let Some(seed) = d.seed() {
+                x = x.broadcast_mul(&d.mask(mix_seed(seed, self.id), x.dims(), x.device())?)?;
+            }
+        }
         let xa = x.matmul(&self.a.t()?)?; // (M, r)
         Ok((xa.matmul(&self.b.t()?)? * self.scale)?) // (M, out)
     }
@@ -164,17 +232,14 @@ impl CustomOp1 for FrozenMatmul {
 }
 
 /// Kaiming-uniform init of a LoRA A matrix as PEFT does it (`nn.init.kaiming_uniform_(a=sqrt(5))`
-/// on a (r, in) weight): U(-1/sqrt(in), 1/sqrt(in)).
-pub fn lora_a_init(
-    rank: usize,
-    in_features: usize,
-    device: &candle_core::Device,
-) -> Result<Tensor> {
-    let bound = 1.0 / (in_features as f64).sqrt();
-    Ok(
-        Tensor::rand(-bound as f32, bound as f32, (rank, in_features), device)?
-            .to_dtype(DType::F32)?,
-    )
+/// on a (r, in) weight): U(-1/sqrt(in), 1/sqrt(in)). Seeded (one-time host work at setup).
+pub fn lora_a_init(rank: usize, in_features: usize, seed: u64, device: &Device) -> Result<Tensor> {
+    let bound = 1.0 / (in_features as f32).sqrt();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let v: Vec<f32> = (0..rank * in_features)
+        .map(|_| rng.random_range(-bound..bound))
+        .collect();
+    Ok(Tensor::from_vec(v, (rank, in_features), device)?)
 }
 
 #[cfg(test)]
@@ -213,9 +278,11 @@ mod tests {
         let w = Tensor::randn(0f32, 1., (6, 4), &dev)?;
         let x = Tensor::randn(0f32, 1., (2, 3, 4), &dev)?;
         let lora = Lora {
-            a: Var::from_tensor(&lora_a_init(2, 4, &dev)?)?,
+            a: Var::from_tensor(&lora_a_init(2, 4, 7, &dev)?)?,
             b: Var::zeros((6, 2), DType::F32, &dev)?,
             scale: 2.0,
+            dropout: None,
+            id: 0,
         };
         let plain = Linear {
             weight: Param::Frozen(w.clone()),

@@ -122,6 +122,19 @@ impl DecoderLayer {
         Ok((&x + self.mlp.forward(&h)?)?)
     }
 
+    /// Every linear layer of this block with its HF module path relative to the layer.
+    pub fn linears(&self) -> Vec<(&'static str, &Linear)> {
+        vec![
+            ("self_attn.q_proj", &self.self_attn.q_proj),
+            ("self_attn.k_proj", &self.self_attn.k_proj),
+            ("self_attn.v_proj", &self.self_attn.v_proj),
+            ("self_attn.o_proj", &self.self_attn.o_proj),
+            ("mlp.gate_proj", &self.mlp.gate_proj),
+            ("mlp.up_proj", &self.mlp.up_proj),
+            ("mlp.down_proj", &self.mlp.down_proj),
+        ]
+    }
+
     /// Every linear layer of this block with its HF module name relative to the layer
     /// (`self_attn.q_proj`, ...), for attaching adapters.
     pub fn linears_mut(&mut self) -> Vec<(&'static str, &mut Linear)> {
@@ -338,15 +351,7 @@ impl CausalLM {
         for (i, l) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
             let a = &l.self_attn;
-            for (n, lin) in [
-                ("self_attn.q_proj", &a.q_proj),
-                ("self_attn.k_proj", &a.k_proj),
-                ("self_attn.v_proj", &a.v_proj),
-                ("self_attn.o_proj", &a.o_proj),
-                ("mlp.gate_proj", &l.mlp.gate_proj),
-                ("mlp.up_proj", &l.mlp.up_proj),
-                ("mlp.down_proj", &l.mlp.down_proj),
-            ] {
+            for (n, lin) in l.linears() {
                 out.push((format!("{p}.{n}.weight"), &lin.weight));
                 if let Some(b) = &lin.bias {
                     out.push((format!("{p}.{n}.bias"), b));

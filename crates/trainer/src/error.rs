@@ -163,3 +163,29 @@ pub(crate) fn json_type(v: &serde_json::Value) -> &'static str {
         serde_json::Value::Object(_) => "an object",
     }
 }
+
+/// An error of a training run.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Model(#[from] tallow_model::ModelError),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error("cannot resume: {0}")]
+    Resume(String),
+    /// The loss or the gradient norm became NaN or infinite.
+    #[error(
+        "step {step}: the {what} is {value} (not finite); training stopped. {kept} \
+         Lower train.lr, set train.max_grad_norm (clipping), or use dtype = \"f32\"."
+    )]
+    NonFinite {
+        step: usize,
+        what: &'static str,
+        value: f64,
+        kept: String,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}

@@ -5,12 +5,19 @@
 
 pub mod batch;
 pub mod chat;
+pub mod checkpoint;
+pub mod config;
 pub mod data;
 pub mod error;
 pub mod eval;
+pub mod grads;
+pub mod optim;
+pub mod schedule;
 pub mod tokenizer;
+pub mod train;
 
 pub use chat::{ChatTemplate, Message};
+pub use config::TrainConfig;
 pub use data::{load_jsonl, tokenize_row, DataOptions, Dataset, Example, Format};
 pub use error::{DataError, RowError};
 pub use tokenizer::TextTokenizer;

@@ -1,0 +1,46 @@
+//! `tallow merge`: base model + PEFT adapter -> one HF-layout model (W + s B A) that transformers
+//! loads like any checkpoint.
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device};
+use tallow_model::{load_peft, merge_lora, save_hf_model, CausalLM, LoadOptions};
+
+use crate::args::MergeArgs;
+use crate::device::parse_dtype;
+
+pub fn run(a: MergeArgs) -> Result<()> {
+    let dtype = match &a.dtype {
+        Some(d) => parse_dtype(d, &Device::Cpu)?,
+        None => config_dtype(&a.model).unwrap_or(DType::BF16),
+    };
+    // Merge in f32 on the CPU whatever the output dtype: the sum W + s B A is rounded once.
+    let mut model = CausalLM::load(&a.model, &LoadOptions::frozen(DType::F32, &Device::Cpu))
+        .with_context(|| format!("loading the model from {}", a.model.display()))?;
+    let spec = load_peft(&mut model, &a.adapter)
+        .with_context(|| format!("loading the adapter from {}", a.adapter.display()))?;
+    merge_lora(&mut model)?;
+    save_hf_model(&model, &a.model, &a.out, dtype)
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    println!(
+        "merged {} (rank {}, alpha {}, {} modules) into {} -> {}",
+        a.adapter.display(),
+        spec.rank,
+        spec.alpha,
+        spec.targets.len(),
+        a.model.display(),
+        a.out.display()
+    );
+    Ok(())
+}
+
+/// `torch_dtype` / `dtype` of the base model's config.json.
+fn config_dtype(dir: &std::path::Path) -> Option<DType> {
+    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    match v.get("torch_dtype").or_else(|| v.get("dtype"))?.as_str()? {
+        "float32" => Some(DType::F32),
+        "float16" => Some(DType::F16),
+        "bfloat16" => Some(DType::BF16),
+        _ => None,
+    }
+}

@@ -1,0 +1,72 @@
+//! `tallow train`: read the config, run the training loop, show progress.
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use tallow_trainer::config::TrainConfig;
+use tallow_trainer::train::{train, Event};
+
+use crate::args::TrainArgs;
+use crate::device::parse_device;
+
+pub fn run(a: TrainArgs) -> Result<()> {
+    let cfg = TrainConfig::load(&a.config, &a.sets)?;
+    let device = parse_device(&cfg.train.device).context("train.device")?;
+    let bar = if a.quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(0)
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} step {pos}/{len}  {msg}  [{elapsed_precise} < {eta_precise}]",
+        )
+        .expect("static template"),
+    );
+    let quiet = a.quiet;
+    let mut on_event = |e: Event| match e {
+        Event::Start {
+            total_steps,
+            start_step,
+            trainable_params,
+            rows,
+            resumed_from,
+        } => {
+            bar.set_length(total_steps as u64);
+            bar.set_position(start_step as u64);
+            let from = resumed_from
+                .map(|p| format!(", resumed from {}", p.display()))
+                .unwrap_or_default();
+            bar.println(format!(
+                "training {} steps on {rows} rows, {trainable_params} trainable parameters{from}",
+                total_steps
+            ));
+        }
+        Event::Step(s) => {
+            bar.set_position(s.step as u64);
+            let msg = format!(
+                "loss {:.4}  lr {:.2e}  {:.0} tok/s",
+                s.loss, s.lr, s.tokens_per_s
+            );
+            if quiet {
+                eprintln!("step {}  {msg}  grad_norm {:.3}", s.step, s.grad_norm);
+            }
+            bar.set_message(msg);
+        }
+        Event::Eval { step, loss } => bar.println(format!("step {step}: eval loss {loss:.4}")),
+        Event::Checkpoint { step, path } => {
+            bar.println(format!("step {step}: checkpoint {}", path.display()))
+        }
+        Event::Note(n) => bar.println(n),
+    };
+    let summary = train(&cfg, &device, a.resume, &mut on_event)?;
+    bar.finish_and_clear();
+    let mut line = format!("done: {} steps in {:.1}s", summary.steps, summary.elapsed_s);
+    if let Some(l) = summary.last_loss {
+        line += &format!(", last train loss {l:.4}");
+    }
+    if let (Some(a), Some(b)) = (summary.eval_loss_start, summary.eval_loss_end) {
+        line += &format!(", eval loss {a:.4} -> {b:.4}");
+    }
+    println!("{line}\noutput: {}", summary.output.display());
+    Ok(())
+}

@@ -1,0 +1,381 @@
+//! LoRA adapters in PEFT's format: attach fresh ones, save and load `adapter_model.safetensors` +
+//! `adapter_config.json` exactly as PEFT writes them, merge them into the base weights, and save
+//! a model in HF layout.
+//!
+//! PEFT key of a module's adapter: `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`
+//! (A: (r, in)) and `...lora_B.weight` (B: (out, r)).
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor, Var};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ModelError, Result};
+use crate::io::{replace_dir, save_safetensors, staging_dir, write_atomic};
+use crate::linear::{lora_a_init, mix_seed, Dropout, Lora, Param};
+use crate::model::CausalLM;
+use crate::weights::Weights;
+
+/// The modules LoRA can target, by their HF names.
+pub const LINEAR_MODULES: [&str; 7] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
+
+/// What adapter to attach: PEFT's `LoraConfig` fields that tallow supports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSpec {
+    pub rank: usize,
+    pub alpha: f64,
+    pub dropout: f64,
+    /// Module names (`q_proj`, ...).
+    pub targets: Vec<String>,
+    pub rslora: bool,
+}
+
+impl LoraSpec {
+    /// alpha / r, or alpha / sqrt(r) with rsLoRA.
+    pub fn scale(&self) -> f64 {
+        if self.rslora {
+            self.alpha / (self.rank as f64).sqrt()
+        } else {
+            self.alpha / self.rank as f64
+        }
+    }
+}
+
+/// `adapter_config.json`, the keys PEFT 0.17 writes (and reads back).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct PeftConfig {
+    peft_type: String,
+    #[serde(default)]
+    task_type: Option<String>,
+    r: usize,
+    lora_alpha: f64,
+    #[serde(default)]
+    lora_dropout: f64,
+    target_modules: serde_json::Value,
+    #[serde(default)]
+    use_rslora: bool,
+    #[serde(default)]
+    use_dora: bool,
+    #[serde(default)]
+    bias: Option<String>,
+    #[serde(default)]
+    base_model_name_or_path: Option<String>,
+    #[serde(default)]
+    fan_in_fan_out: bool,
+    #[serde(default)]
+    rank_pattern: HashMap<String, serde_json::Value>,
+    #[serde(default)]
+    alpha_pattern: HashMap<String, serde_json::Value>,
+    #[serde(default)]
+    layers_to_transform: Option<serde_json::Value>,
+    #[serde(default)]
+    modules_to_save: Option<serde_json::Value>,
+    #[serde(default)]
+    inference_mode: bool,
+    #[serde(default)]
+    init_lora_weights: serde_json::Value,
+}
+
+fn module_name(path: &str) -> &str {
+    path.rsplit('.').next().unwrap_or(path)
+}
+
+/// The PEFT key prefix of layer `i`'s module `path` (`self_attn.q_proj`).
+fn peft_prefix(i: usize, path: &str) -> String {
+    format!("base_model.model.model.layers.{i}.{path}")
+}
+
+/// Attaches fresh adapters (A Kaiming-uniform from `seed`, B zeros, f32) to the targeted linear
+/// layers of every decoder layer.
+pub fn attach_lora(model: &mut CausalLM, spec: &LoraSpec, seed: u64) -> Result<()> {
+    for t in &spec.targets {
+        if !LINEAR_MODULES.contains(&t.as_str()) {
+            return Err(ModelError::Invalid(format!(
+                "LoRA target `{t}` is not a linear layer of this {} model; it has {}",
+                model.config.arch.hf_class(),
+                LINEAR_MODULES.join(", ")
+            )));
+        }
+    }
+    let device = model.device().clone();
+    let dropout = (spec.dropout > 0.0).then(|| Arc::new(Dropout::new(spec.dropout as f32)));
+    let mut id = 0u64;
+    for layer in model.layers.iter_mut() {
+        for (path, lin) in layer.linears_mut() {
+            if !spec.targets.iter().any(|t| t == module_name(path)) {
+                lin.lora = None;
+                continue;
+            }
+            let (out, inp) = (lin.out_features(), lin.in_features());
+            lin.lora = Some(Lora {
+                a: Var::from_tensor(&lora_a_init(spec.rank, inp, mix_seed(seed, id), &device)?)?,
+                b: Var::zeros((out, spec.rank), DType::F32, &device)?,
+                scale: spec.scale(),
+                dropout: dropout.clone(),
+                id,
+            });
+            id += 1;
+        }
+    }
+    Ok(())
+}
+
+/// Switches LoRA dropout on with `seed` (training) or off (None).
+pub fn set_dropout(model: &CausalLM, seed: Option<u64>) {
+    for layer in &model.layers {
+        for (_, lin) in layer.linears() {
+            if let Some(d) = lin.lora.as_ref().and_then(|l| l.dropout.as_ref()) {
+                d.set(seed);
+                return; // one Dropout is shared by every adapter of the model
+            }
+        }
+    }
+}
+
+/// Every adapter variable with its PEFT key, layer by layer, A before B.
+pub fn lora_vars(model: &CausalLM) -> Vec<(String, Var)> {
+    let mut out = Vec::new();
+    for (i, layer) in model.layers.iter().enumerate() {
+        for (path, lin) in layer.linears() {
+            if let Some(l) = &lin.lora {
+                let p = peft_prefix(i, path);
+                out.push((format!("{p}.lora_A.weight"), l.a.clone()));
+                out.push((format!("{p}.lora_B.weight"), l.b.clone()));
+            }
+        }
+    }
+    out
+}
+
+/// Writes `dir/adapter_model.safetensors` and `dir/adapter_config.json` as PEFT does; the
+/// directory is staged and renamed into place.
+pub fn save_peft(model: &CausalLM, spec: &LoraSpec, dir: &Path, base_model: &str) -> Result<()> {
+    let staged = staging_dir(dir)?;
+    let tensors: Vec<(String, Tensor)> = lora_vars(model)
+        .into_iter()
+        .map(|(n, v)| (n, v.as_tensor().clone()))
+        .collect();
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    save_safetensors(
+        &staged.join("adapter_model.safetensors"),
+        &tensors,
+        Some(meta),
+    )?;
+    let mut targets = spec.targets.clone();
+    targets.sort();
+    let cfg = PeftConfig {
+        peft_type: "LORA".into(),
+        task_type: Some("CAUSAL_LM".into()),
+        r: spec.rank,
+        lora_alpha: spec.alpha,
+        lora_dropout: spec.dropout,
+        target_modules: serde_json::json!(targets),
+        use_rslora: spec.rslora,
+        use_dora: false,
+        bias: Some("none".into()),
+        base_model_name_or_path: Some(base_model.to_string()),
+        fan_in_fan_out: false,
+        rank_pattern: HashMap::new(),
+        alpha_pattern: HashMap::new(),
+        layers_to_transform: None,
+        modules_to_save: None,
+        inference_mode: true,
+        init_lora_weights: serde_json::json!(true),
+    };
+    let json = serde_json::to_string_pretty(&cfg).expect("serializable");
+    write_atomic(&staged.join("adapter_config.json"), json.as_bytes())?;
+    replace_dir(&staged, dir)
+}
+
+/// Reads `dir/adapter_config.json` into a [`LoraSpec`], refusing PEFT features tallow lacks.
+pub fn read_peft_config(dir: &Path) -> Result<LoraSpec> {
+    let path = dir.join("adapter_config.json");
+    let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    let cfg: PeftConfig = serde_json::from_str(&text).map_err(|source| ModelError::Json {
+        path: path.clone(),
+        source,
+    })?;
+    let bad = |key: &str, msg: &str| ModelError::Config {
+        path: path.clone(),
+        key: key.into(),
+        msg: msg.into(),
+    };
+    if cfg.peft_type != "LORA" {
+        return Err(bad("peft_type", "only LORA adapters are supported"));
+    }
+    if cfg.use_dora {
+        return Err(bad("use_dora", "DoRA adapters are not supported"));
+    }
+    if !cfg.rank_pattern.is_empty() || !cfg.alpha_pattern.is_empty() {
+        return Err(bad(
+            "rank_pattern",
+            "per-module ranks / alphas are not supported",
+        ));
+    }
+    if cfg
+        .layers_to_transform
+        .as_ref()
+        .is_some_and(|v| !v.is_null())
+    {
+        return Err(bad(
+            "layers_to_transform",
+            "adapters on a subset of layers are not supported",
+        ));
+    }
+    if cfg.fan_in_fan_out {
+        return Err(bad("fan_in_fan_out", "must be false for Llama / Qwen"));
+    }
+    let targets: Vec<String> = match &cfg.target_modules {
+        serde_json::Value::String(s) if s == "all-linear" => {
+            LINEAR_MODULES.iter().map(|s| s.to_string()).collect()
+        }
+        serde_json::Value::Array(a) => a
+            .iter()
+            .filter_map(|v| v.as_str().map(str::to_string))
+            .collect(),
+        _ => {
+            return Err(bad(
+                "target_modules",
+                "expected a list of module names or \"all-linear\"",
+            ))
+        }
+    };
+    Ok(LoraSpec {
+        rank: cfg.r,
+        alpha: cfg.lora_alpha,
+        dropout: cfg.lora_dropout,
+        targets,
+        rslora: cfg.use_rslora,
+    })
+}
+
+/// Attaches the adapter saved in `dir` (ours or PEFT's) to `model`; returns its spec. Every
+/// expected tensor must be present with the shape the model implies.
+pub fn load_peft(model: &mut CausalLM, dir: &Path) -> Result<LoraSpec> {
+    let spec = read_peft_config(dir)?;
+    attach_lora(model, &spec, 0)?;
+    let file = dir.join("adapter_model.safetensors");
+    let weights = Weights::from_files(dir, &[file.clone()])?;
+    let device = model.device().clone();
+    let vars = lora_vars(model);
+    for (name, var) in &vars {
+        if !weights.contains(name) {
+            return Err(ModelError::MissingTensor {
+                dir: dir.to_path_buf(),
+                name: name.clone(),
+                hint: " (the adapter was made for another model or another set of target modules)"
+                    .into(),
+            });
+        }
+        let shape = var.dims().to_vec();
+        let t = weights.load(name, &shape, DType::F32, &device).map_err(|e| match e {
+            ModelError::ShapeMismatch { path, name, expected, found } => ModelError::Invalid(format!(
+                "{}: tensor `{name}` has shape {found:?} but this model needs {expected:?}: the adapter \
+                 was trained on a different model (or rank)",
+                path.display()
+            )),
+            other => other,
+        })?;
+        var.set(&t)?;
+    }
+    let known: std::collections::HashSet<&str> = vars.iter().map(|(n, _)| n.as_str()).collect();
+    if let Some(extra) = weights.names().find(|n| !known.contains(n)) {
+        return Err(ModelError::Invalid(format!(
+            "{}: tensor `{extra}` has no place in this model (different number of layers or modules?)",
+            file.display()
+        )));
+    }
+    Ok(spec)
+}
+
+/// Folds every adapter into its base weight: W <- W + s B A (in f32, stored back in the weight's
+/// dtype), and removes the adapters.
+pub fn merge_lora(model: &mut CausalLM) -> Result<()> {
+    for layer in model.layers.iter_mut() {
+        for (_, lin) in layer.linears_mut() {
+            let Some(lora) = lin.lora.take() else {
+                continue;
+            };
+            let w = lin.weight.tensor();
+            let delta = (lora.b.matmul(lora.a.as_tensor())? * lora.scale)?; // (out, in)
+            let merged = (w.to_dtype(DType::F32)? + delta)?.to_dtype(w.dtype())?;
+            lin.weight = match &lin.weight {
+                Param::Frozen(_) => Param::Frozen(merged),
+                Param::Trainable(_) => Param::Trainable(Var::from_tensor(&merged)?),
+            };
+        }
+    }
+    Ok(())
+}
+
+/// Files of an HF model dir that travel with its weights.
+const SIDE_FILES: [&str; 6] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+];
+
+/// Saves `model` in HF layout (config.json, model.safetensors, tokenizer files copied from
+/// `src_dir`) to `out`, cast to `dtype`. The directory is staged and renamed into place.
+pub fn save_hf_model(model: &CausalLM, src_dir: &Path, out: &Path, dtype: DType) -> Result<()> {
+    if model
+        .layers
+        .iter()
+        .any(|l| l.linears().iter().any(|(_, lin)| lin.lora.is_some()))
+    {
+        return Err(ModelError::Invalid(
+            "save_hf_model: merge the adapters first".into(),
+        ));
+    }
+    let staged = staging_dir(out)?;
+    let tensors: Vec<(String, Tensor)> = model
+        .named_params()
+        .into_iter()
+        .map(|(n, p)| Ok((n, p.tensor().to_dtype(dtype)?)))
+        .collect::<Result<_>>()?;
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    save_safetensors(&staged.join("model.safetensors"), &tensors, Some(meta))?;
+    let mut cfg = model.config.raw.clone();
+    if let Some(obj) = cfg.as_object_mut() {
+        let name = match dtype {
+            DType::BF16 => "bfloat16",
+            DType::F16 => "float16",
+            _ => "float32",
+        };
+        obj.insert("torch_dtype".into(), name.into());
+        if obj.contains_key("dtype") {
+            obj.insert("dtype".into(), name.into());
+        }
+    }
+    write_atomic(
+        &staged.join("config.json"),
+        serde_json::to_string_pretty(&cfg).expect("json").as_bytes(),
+    )?;
+    for f in SIDE_FILES {
+        let src = src_dir.join(f);
+        if src.exists() {
+            let bytes = std::fs::read(&src).map_err(|source| ModelError::Io {
+                path: src.clone(),
+                source,
+            })?;
+            write_atomic(&staged.join(f), &bytes)?;
+        }
+    }
+    replace_dir(&staged, out)
+}

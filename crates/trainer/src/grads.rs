@@ -1,0 +1,239 @@
+//! Gradient accumulation over the micro-batches of one optimizer step, and global-norm clipping.
+//!
+//! Candle's `backward()` returns a fresh `GradStore` (tensor id -> gradient) each time, so the sum
+//! over micro-batches is ours to keep: [`GradAccumulator`] holds one f32 buffer per trainable
+//! parameter. At the step boundary the trainer takes the sums, scales them (1 / target tokens),
+//! clips them with [`clip_grad_norm`] and hands them to the optimizer.
+//!
+//! Everything is Candle tensor ops on the parameters' device; the only host sync is the norm's
+//! final `to_scalar` in [`clip_grad_norm`].
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Shape, Tensor, TensorId, Var};
+
+/// Sums gradients of the trainable vars over the micro-batches of one optimizer step (Candle's
+/// backward returns a fresh GradStore each time).
+#[derive(Debug)]
+pub struct GradAccumulator {
+    /// Id, shape and device of each trainable parameter, in the optimizer's order.
+    params: Vec<(TensorId, Shape, Device)>,
+    /// Running f32 sum per parameter; `None` until a store holds a gradient for it.
+    sums: Vec<Option<Tensor>>,
+    /// Stores added since the last `take`.
+    added: usize,
+}
+
+impl GradAccumulator {
+    /// An empty accumulator for `params` (the trainable set, in the optimizer's order).
+    pub fn new(params: &[Var]) -> Self {
+        Self {
+            params: params
+                .iter()
+                .map(|p| (p.id(), p.shape().clone(), p.device().clone()))
+                .collect(),
+            sums: vec![None; params.len()],
+            added: 0,
+        }
+    }
+
+    /// Adds the gradients in `store` for each param (a param absent from the store contributes
+    /// zero). Accumulates in f32.
+    pub fn add(&mut self, store: &GradStore) -> candle_core::Result<()> {
+        for ((id, shape, _), sum) in self.params.iter().zip(self.sums.iter_mut()) {
+            let Some(g) = store.get_id(*id) else {
+                continue;
+            };
+            if g.shape() != shape {
+                candle_core::bail!(
+                    "gradient of shape {:?} for a parameter of shape {shape:?}",
+                    g.shape()
+                );
+            }
+            // detach: the sum must not keep any graph alive between micro-batches
+            let g = g.detach().to_dtype(DType::F32)?;
+            *sum = Some(match sum.take() {
+                None => g,
+                Some(s) => (s + g)?,
+            });
+        }
+        self.added += 1;
+        Ok(())
+    }
+
+    /// Number of stores added since the last [`GradAccumulator::take`].
+    pub fn micro_batches(&self) -> usize {
+        self.added
+    }
+
+    /// Takes the summed gradients (f32; zeros for params that never got one), leaving the
+    /// accumulator empty.
+    pub fn take(&mut self) -> candle_core::Result<Vec<Tensor>> {
+        let out = self
+            .params
+            .iter()
+            .zip(self.sums.iter_mut())
+            .map(|((_, shape, device), sum)| match sum.take() {
+                Some(s) => Ok(s),
+                None => Tensor::zeros(shape, DType::F32, device),
+            })
+            .collect();
+        self.added = 0;
+        out
+    }
+}
+
+/// Global L2 norm over all grads (computed in f32 on the device, one host sync); if
+/// `max_norm > 0` and the norm is over it, scales all grads by `max_norm / (norm + 1e-6)` as
+/// `torch.nn.utils.clip_grad_norm_` does (torch multiplies by that factor clamped to 1, so a
+/// factor >= 1 leaves the grads unchanged; here they are then not touched at all). Returns the
+/// norm before clipping.
+///
+/// A non-finite norm (inf/NaN gradients) is returned as is and the grads are left unscaled: the
+/// caller should skip the step. All grads are expected on one device (the first one's; others are
+/// moved there for the sum).
+pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> candle_core::Result<f64> {
+    let Some(first) = grads.first() else {
+        return Ok(0.0);
+    };
+    let device = first.device().clone();
+    // sum over all grads of sum(g^2): a 0-d f32 tensor on the device, no sync yet
+    let mut sum_sq: Option<Tensor> = None;
+    for g in grads.iter() {
+        let s = g
+            .detach()
+            .to_dtype(DType::F32)?
+            .sqr()?
+            .sum_all()?
+            .to_device(&device)?;
+        sum_sq = Some(match sum_sq {
+            None => s,
+            Some(acc) => (acc + s)?,
+        });
+    }
+    let sum_sq = sum_sq.expect("grads is not empty");
+    // the one CPU-GPU sync point: read the norm back
+    let norm = sum_sq.sqrt()?.to_scalar::<f32>()? as f64;
+    if max_norm > 0.0 {
+        // torch: clip_coef = max_norm / (total_norm + 1e-6), clamped to at most 1
+        let clip_coef = max_norm / (norm + 1e-6);
+        if clip_coef < 1.0 {
+            for g in grads.iter_mut() {
+                *g = (&*g * clip_coef)?;
+            }
+        }
+    }
+    Ok(norm)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vals(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// Backward of sum(c * p) gives grad c for p: a GradStore built by Candle itself.
+    fn store_for(params: &[&Var], coefs: &[f64]) -> GradStore {
+        let mut loss: Option<Tensor> = None;
+        for (p, &c) in params.iter().zip(coefs) {
+            let term = (p.as_tensor() * c).unwrap().sum_all().unwrap();
+            loss = Some(match loss {
+                None => term,
+                Some(l) => (l + term).unwrap(),
+            });
+        }
+        loss.unwrap().backward().unwrap()
+    }
+
+    #[test]
+    fn accumulator_sums_stores_fills_missing_with_zeros_and_empties_on_take() {
+        let dev = Device::Cpu;
+        let a = Var::new(&[1f32, 2.0, 3.0], &dev).unwrap();
+        let b = Var::new(&[[1f32, 2.0], [3.0, 4.0]], &dev).unwrap();
+        let c = Var::new(&[5f32], &dev).unwrap(); // never in any store
+        let mut acc = GradAccumulator::new(&[a.clone(), b.clone(), c.clone()]);
+
+        // micro-batch 1: d/da = 2, d/db = 0.5;  micro-batch 2: d/da = -0.25 only (b absent)
+        acc.add(&store_for(&[&a, &b], &[2.0, 0.5])).unwrap();
+        let s2 = store_for(&[&a], &[-0.25]);
+        assert!(s2.get(&b).is_none());
+        acc.add(&s2).unwrap();
+        assert_eq!(acc.micro_batches(), 2);
+
+        let g = acc.take().unwrap();
+        assert_eq!(vals(&g[0]), vec![1.75; 3]);
+        assert_eq!(vals(&g[1]), vec![0.5; 4]);
+        assert_eq!(g[1].dims(), &[2, 2]);
+        assert_eq!(vals(&g[2]), vec![0.0]);
+        assert!(g.iter().all(|t| t.dtype() == DType::F32));
+
+        // take() emptied it: zeros again until the next add
+        assert_eq!(acc.micro_batches(), 0);
+        let g = acc.take().unwrap();
+        assert_eq!(vals(&g[0]), vec![0.0; 3]);
+        acc.add(&store_for(&[&a], &[3.0])).unwrap();
+        assert_eq!(vals(&acc.take().unwrap()[0]), vec![3.0; 3]);
+    }
+
+    #[test]
+    fn accumulator_sums_bf16_grads_in_f32() {
+        let dev = Device::Cpu;
+        let a = Var::from_tensor(
+            &Tensor::new(&[1f32, 2.0], &dev)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap(),
+        )
+        .unwrap();
+        let mut acc = GradAccumulator::new(std::slice::from_ref(&a));
+        // 256 + 1 is not representable in bf16 (8 significant bits) but is in f32
+        acc.add(&store_for(&[&a], &[256.0])).unwrap();
+        acc.add(&store_for(&[&a], &[1.0])).unwrap();
+        let g = acc.take().unwrap();
+        assert_eq!(g[0].dtype(), DType::F32);
+        assert_eq!(vals(&g[0]), vec![257.0; 2]);
+    }
+
+    fn grads() -> Vec<Tensor> {
+        let dev = Device::Cpu;
+        vec![
+            Tensor::new(&[3f32, -4.0], &dev).unwrap(),
+            Tensor::new(&[[1f32, 2.0], [-2.0, 0.5]], &dev).unwrap(),
+        ]
+    }
+
+    #[test]
+    fn clip_grad_norm_matches_hand_computation_and_scales_to_max_norm() {
+        // sqrt(9 + 16 + 1 + 4 + 4 + 0.25) = sqrt(34.25)
+        let expected = 34.25f64.sqrt();
+        let mut g = grads();
+        let norm = clip_grad_norm(&mut g, 1.0).unwrap();
+        assert!((norm - expected).abs() < 1e-6, "{norm} vs {expected}");
+        let coef = 1.0 / (expected + 1e-6);
+        for (clipped, orig) in g.iter().zip(grads()) {
+            for (a, b) in vals(clipped).iter().zip(vals(&orig)) {
+                assert!(
+                    (*a as f64 - b as f64 * coef).abs() < 1e-6,
+                    "{a} vs {b} * {coef}"
+                );
+            }
+        }
+        // the clipped grads have norm max_norm (up to the 1e-6 in the denominator)
+        let after = clip_grad_norm(&mut g, 0.0).unwrap();
+        assert!((after - 1.0).abs() < 1e-6, "{after}");
+    }
+
+    #[test]
+    fn clip_grad_norm_leaves_grads_under_max_norm_or_with_max_norm_zero() {
+        for max_norm in [10.0, 0.0] {
+            let mut g = grads();
+            let norm = clip_grad_norm(&mut g, max_norm).unwrap();
+            assert!((norm - 34.25f64.sqrt()).abs() < 1e-6);
+            for (a, b) in g.iter().zip(grads()) {
+                assert_eq!(vals(a), vals(&b), "max_norm {max_norm}");
+            }
+        }
+        assert_eq!(clip_grad_norm(&mut [], 1.0).unwrap(), 0.0);
+    }
+}

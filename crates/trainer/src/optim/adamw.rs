@@ -1,0 +1,473 @@
+//! AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization",
+//! <https://arxiv.org/abs/1711.05101>), computed exactly as `torch.optim.AdamW` with
+//! `foreach=False, fused=False, amsgrad=False, maximize=False` (torch/optim/adamw.py,
+//! `_single_tensor_adam` with `decoupled_weight_decay=True`).
+//!
+//! One difference, on purpose: the moments `m` and `v` are kept in f32 whatever the parameter's
+//! dtype (torch keeps them in the parameter's dtype), and a bf16/f16 parameter is updated in f32
+//! (`p.to_dtype(f32)`), then rounded back once. For f32 parameters the two are the same maths.
+//!
+//! State is created lazily (zeros) on the first step, so an optimizer built before the model is
+//! moved to its device costs nothing.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Tensor, Var};
+
+use super::{
+    check_grads, check_state_keys, load_param_state, read_step, step_tensor, Optimizer, STEP_KEY,
+};
+
+/// AdamW hyperparameters. [`Default`] is torch's: betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWParams {
+    /// Decay of the first moment (mean of the gradient).
+    pub beta1: f64,
+    /// Decay of the second moment (uncentered variance of the gradient).
+    pub beta2: f64,
+    /// Added to the bias-corrected sqrt(v), outside the square root, as torch does.
+    pub eps: f64,
+    /// Decoupled weight decay: each step multiplies the parameter by (1 - lr * weight_decay).
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWParams {
+    fn default() -> Self {
+        Self {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
+}
+
+/// First and second moment of one parameter, f32, the parameter's shape and device.
+#[derive(Debug, Clone)]
+struct Moments {
+    /// m, "exp_avg" in torch.
+    exp_avg: Tensor,
+    /// v, "exp_avg_sq" in torch.
+    exp_avg_sq: Tensor,
+}
+
+/// AdamW with f32 moments. See the module docs.
+#[derive(Debug, Clone)]
+pub struct AdamW {
+    hp: AdamWParams,
+    /// t: the number of steps taken (the step being taken is t + 1).
+    t: u32,
+    /// One entry per parameter once the first step (or `load_state`) has run.
+    moments: Option<Vec<Moments>>,
+}
+
+impl AdamW {
+    pub fn new(hp: AdamWParams) -> Self {
+        Self {
+            hp,
+            t: 0,
+            moments: None,
+        }
+    }
+
+    pub fn params(&self) -> AdamWParams {
+        self.hp
+    }
+
+    /// Number of steps taken so far.
+    pub fn steps_taken(&self) -> u32 {
+        self.t
+    }
+}
+
+impl Optimizer for AdamW {
+    fn step(&mut self, params: &[Var], grads: &[Tensor], lr: f64) -> candle_core::Result<()> {
+        check_grads(params, grads)?;
+        let moments = match &mut self.moments {
+            Some(moments) => {
+                check_moments(moments, params)?;
+                moments
+            }
+            None => {
+                // Lazy init: m = v = 0, f32, on each parameter's device.
+                let zeros = |p: &Var| Tensor::zeros(p.shape(), DType::F32, p.device());
+                let init = params
+                    .iter()
+                    .map(|p| {
+                        Ok(Moments {
+                            exp_avg: zeros(p)?,
+                            exp_avg_sq: zeros(p)?,
+                        })
+                    })
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                self.moments.insert(init)
+            }
+        };
+
+        let AdamWParams {
+            beta1: b1,
+            beta2: b2,
+            eps,
+            weight_decay: wd,
+        } = self.hp;
+        // Host-side scalars, in f64 as Python computes them in torch's single-tensor path.
+        let t = self.t + 1; // t = index of this step, from 1
+        let bias_correction1 = 1.0 - b1.powi(t as i32); // 1 - b1^t
+        let bias_correction2 = 1.0 - b2.powi(t as i32); // 1 - b2^t
+        let step_size = lr / bias_correction1; // lr / (1 - b1^t)
+        let bias_correction2_sqrt = bias_correction2.sqrt(); // sqrt(1 - b2^t)
+        let decay = 1.0 - lr * wd; // p - lr*wd*p = p * (1 - lr*wd)
+
+        for ((p, g), st) in params.iter().zip(grads).zip(moments.iter_mut()) {
+            // p32 = p in f32 (shares p's storage when p is already f32; never written in place)
+            let p32 = p.as_detached_tensor().to_dtype(DType::F32)?;
+            // g32 = g in f32, detached so the update records no graph
+            let g32 = g.detach().to_dtype(DType::F32)?;
+            // p <- p * (1 - lr * wd)                     decoupled weight decay, before the Adam step
+            let p32 = if wd != 0.0 { (p32 * decay)? } else { p32 };
+            // m <- b1 * m + (1 - b1) * g                 first moment
+            let m = ((&st.exp_avg * b1)? + (&g32 * (1.0 - b1))?)?;
+            // v <- b2 * v + (1 - b2) * g^2               second moment
+            let v = ((&st.exp_avg_sq * b2)? + (g32.sqr()? * (1.0 - b2))?)?;
+            // denom = sqrt(v) / sqrt(1 - b2^t) + eps     eps outside the sqrt, after bias correction
+            let denom = ((v.sqrt()? / bias_correction2_sqrt)? + eps)?;
+            // p <- p - (lr / (1 - b1^t)) * m / denom     bias-corrected step
+            let p32 = (p32 - ((&m / &denom)? * step_size)?)?;
+            // write back, rounded once to the parameter's dtype (bf16/f16/f32)
+            p.set(&p32.to_dtype(p.dtype())?)?;
+            st.exp_avg = m;
+            st.exp_avg_sq = v;
+        }
+        self.t = t;
+        Ok(())
+    }
+
+    fn state(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        for (i, st) in self.moments.iter().flatten().enumerate() {
+            out.push((format!("{i}.exp_avg"), st.exp_avg.clone()));
+            out.push((format!("{i}.exp_avg_sq"), st.exp_avg_sq.clone()));
+        }
+        out.push((STEP_KEY.to_string(), step_tensor(self.t)));
+        out
+    }
+
+    fn load_state(
+        &mut self,
+        params: &[Var],
+        state: &HashMap<String, Tensor>,
+    ) -> candle_core::Result<()> {
+        const WHAT: [&str; 2] = ["exp_avg", "exp_avg_sq"];
+        check_state_keys("adamw", state, params.len(), &WHAT)?;
+        let Some(t) = read_step(state)? else {
+            candle_core::bail!("adamw state has no `{STEP_KEY}` tensor");
+        };
+        let has_moments = state.keys().any(|k| k != STEP_KEY);
+        if !has_moments {
+            // Saved before the first step: nothing but the counter.
+            if t != 0 && !params.is_empty() {
+                candle_core::bail!(
+                    "adamw state says {t} steps were taken but holds no moments (`0.exp_avg`, ...)"
+                );
+            }
+            self.t = t;
+            self.moments = None;
+            return Ok(());
+        }
+        let moments = params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                Ok(Moments {
+                    exp_avg: load_param_state("adamw", state, i, WHAT[0], p)?,
+                    exp_avg_sq: load_param_state("adamw", state, i, WHAT[1], p)?,
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        self.t = t;
+        self.moments = Some(moments);
+        Ok(())
+    }
+
+    fn name(&self) -> &'static str {
+        "adamw"
+    }
+}
+
+/// Errors unless there is one moment pair per parameter, of its shape.
+fn check_moments(moments: &[Moments], params: &[Var]) -> candle_core::Result<()> {
+    if moments.len() != params.len() {
+        candle_core::bail!(
+            "adamw: state holds {} parameters but step got {}: the trainable set must not change",
+            moments.len(),
+            params.len()
+        );
+    }
+    for (i, (st, p)) in moments.iter().zip(params).enumerate() {
+        if st.exp_avg.shape() != p.shape() {
+            candle_core::bail!(
+                "adamw: state of parameter {i} has shape {:?} but the parameter has shape {:?}",
+                st.exp_avg.shape(),
+                p.shape()
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Initial values, shape (2, 3): bf16-exact, so the same start serves f32 and bf16.
+    const P0: [f32; 6] = [1.0, -0.5, 0.25, 2.0, -1.5, 0.0];
+    /// Gradients of steps 1..=3. Element 5 has g = 0 on every step: only weight decay moves it
+    /// (m = v = 0, the update is 0 / eps), and element 5 of P0 is 0 so it must stay 0.
+    /// Element 2 has a small gradient, so eps = 1e-3 weighs in the denominator.
+    const G: [[f32; 6]; 3] = [
+        [0.1, -0.2, 0.001, 0.5, -0.05, 0.0],
+        [-0.3, 0.1, 0.002, 0.4, 0.05, 0.0],
+        [0.2, 0.0, -0.001, -0.1, 0.05, 0.0],
+    ];
+    const HP: AdamWParams = AdamWParams {
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-3,
+        weight_decay: 0.1,
+    };
+    const LR: [f64; 3] = [0.1, 0.05, 0.02];
+
+    /// Reference AdamW in f64, element by element, straight from the torch formula.
+    /// `round` is applied to the parameter after each step (models its storage dtype).
+    fn reference(round: impl Fn(f64) -> f64) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let mut p: Vec<f64> = P0.iter().map(|&x| x as f64).collect();
+        let mut m = vec![0f64; 6];
+        let mut v = vec![0f64; 6];
+        for (step, (g, lr)) in G.iter().zip(LR).enumerate() {
+            let t = (step + 1) as i32;
+            let bc1 = 1.0 - HP.beta1.powi(t);
+            let bc2 = 1.0 - HP.beta2.powi(t);
+            for j in 0..6 {
+                let g = g[j] as f64;
+                p[j] -= lr * HP.weight_decay * p[j];
+                m[j] = HP.beta1 * m[j] + (1.0 - HP.beta1) * g;
+                v[j] = HP.beta2 * v[j] + (1.0 - HP.beta2) * g * g;
+                let denom = v[j].sqrt() / bc2.sqrt() + HP.eps;
+                p[j] -= (lr / bc1) * m[j] / denom;
+                p[j] = round(p[j]);
+            }
+        }
+        (p, m, v)
+    }
+
+    /// Round to the nearest bf16 (ties to even), as Candle's f32 -> bf16 cast does.
+    fn round_bf16(x: f64) -> f64 {
+        let bits = (x as f32).to_bits();
+        let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000;
+        f32::from_bits(rounded) as f64
+    }
+
+    fn run(dtype: DType) -> (Var, AdamW) {
+        let dev = Device::Cpu;
+        let p = Var::from_tensor(
+            &Tensor::new(&P0, &dev)
+                .unwrap()
+                .reshape((2, 3))
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap(),
+        )
+        .unwrap();
+        let mut opt = AdamW::new(HP);
+        for (g, lr) in G.iter().zip(LR) {
+            let g = Tensor::new(g, &dev).unwrap().reshape((2, 3)).unwrap();
+            opt.step(std::slice::from_ref(&p), &[g], lr).unwrap();
+        }
+        (p, opt)
+    }
+
+    fn values(t: &Tensor) -> Vec<f64> {
+        t.flatten_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    #[test]
+    fn f32_matches_reference_for_three_steps() {
+        let (p, opt) = run(DType::F32);
+        let (p_ref, m_ref, v_ref) = reference(|x| x);
+        assert_eq!(p.dtype(), DType::F32);
+        assert_eq!(opt.steps_taken(), 3);
+        // f32 arithmetic vs f64 reference on values of order 1: a few f32 ulps.
+        let tol = 1e-6;
+        for (a, b) in values(p.as_tensor()).iter().zip(&p_ref) {
+            assert!((a - b).abs() <= tol * b.abs().max(1.0), "p {a} vs {b}");
+        }
+        let st = &opt.moments.as_ref().unwrap()[0];
+        assert_eq!(st.exp_avg.dtype(), DType::F32);
+        for (a, b) in values(&st.exp_avg).iter().zip(&m_ref) {
+            assert!((a - b).abs() <= 1e-7, "m {a} vs {b}");
+        }
+        for (a, b) in values(&st.exp_avg_sq).iter().zip(&v_ref) {
+            assert!((a - b).abs() <= 1e-8, "v {a} vs {b}");
+        }
+        // g = 0 and p = 0 throughout: still exactly 0.
+        assert_eq!(values(p.as_tensor())[5], 0.0);
+    }
+
+    #[test]
+    fn bf16_param_updates_in_f32_and_rounds_once_per_step() {
+        let (p, opt) = run(DType::BF16);
+        assert_eq!(p.dtype(), DType::BF16);
+        let (p_ref, m_ref, _) = reference(round_bf16);
+        // The reference rounds to bf16 after each step as the optimizer does; f32 vs f64
+        // arithmetic may land on the other side of a rounding boundary: allow one bf16 ulp
+        // (2^-7 relative: 8 significant bits).
+        for (a, b) in values(p.as_tensor()).iter().zip(&p_ref) {
+            assert!((a - b).abs() <= b.abs() * 2f64.powi(-7), "p {a} vs {b}");
+        }
+        // The moments stay f32 and do not depend on p: f32 accuracy.
+        let st = &opt.moments.as_ref().unwrap()[0];
+        assert_eq!(st.exp_avg.dtype(), DType::F32);
+        assert_eq!(st.exp_avg_sq.dtype(), DType::F32);
+        for (a, b) in values(&st.exp_avg).iter().zip(&m_ref) {
+            assert!((a - b).abs() <= 1e-7, "m {a} vs {b}");
+        }
+    }
+
+    /// Two parameters of different shapes and dtypes, and fixed gradients per step.
+    fn two_params(dev: &Device) -> Vec<Var> {
+        let a = Tensor::new(&[[0.5f32, -1.0], [1.5, 2.0]], dev).unwrap();
+        let b = Tensor::new(&[0.25f32, -0.75, 3.0], dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        vec![Var::from_tensor(&a).unwrap(), Var::from_tensor(&b).unwrap()]
+    }
+
+    fn two_grads(step: usize, dev: &Device) -> Vec<Tensor> {
+        let s = step as f32 + 1.0;
+        vec![
+            Tensor::new(&[[0.1f32 * s, -0.2], [0.3, -0.4 / s]], dev).unwrap(),
+            Tensor::new(&[0.05f32, -0.5 * s, 0.01], dev)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap(),
+        ]
+    }
+
+    fn bits(p: &Var) -> Vec<u32> {
+        values(p.as_tensor())
+            .iter()
+            .map(|&x| (x as f32).to_bits())
+            .collect()
+    }
+
+    #[test]
+    fn state_round_trip_gives_bit_identical_third_step() {
+        let dev = Device::Cpu;
+        let hp = AdamWParams::default();
+        let pa = two_params(&dev);
+        let mut a = AdamW::new(hp);
+        for step in 0..2 {
+            a.step(&pa, &two_grads(step, &dev), 1e-2).unwrap();
+        }
+        // B starts from A's parameter values and A's saved state.
+        let pb: Vec<Var> = pa
+            .iter()
+            .map(|p| Var::from_tensor(&p.as_tensor().copy().unwrap()).unwrap())
+            .collect();
+        let state: HashMap<String, Tensor> = a.state().into_iter().collect();
+        assert_eq!(state.len(), 5); // 2 params x (exp_avg, exp_avg_sq) + step
+        assert_eq!(read_step(&state).unwrap(), Some(2));
+        let mut b = AdamW::new(hp);
+        b.load_state(&pb, &state).unwrap();
+        assert_eq!(b.steps_taken(), 2);
+
+        a.step(&pa, &two_grads(2, &dev), 1e-2).unwrap();
+        b.step(&pb, &two_grads(2, &dev), 1e-2).unwrap();
+        for (x, y) in pa.iter().zip(&pb) {
+            assert_eq!(bits(x), bits(y));
+        }
+        // and the step actually moved the parameters
+        assert_ne!(bits(&pa[0]), bits(&two_params(&dev)[0]));
+    }
+
+    #[test]
+    fn fresh_state_holds_only_the_counter_and_loads_back() {
+        let dev = Device::Cpu;
+        let params = two_params(&dev);
+        let state: HashMap<String, Tensor> = AdamW::new(HP).state().into_iter().collect();
+        assert_eq!(state.keys().collect::<Vec<_>>(), vec![STEP_KEY]);
+        let mut b = AdamW::new(HP);
+        b.load_state(&params, &state).unwrap();
+        b.step(&params, &two_grads(0, &dev), 1e-2).unwrap();
+        assert_eq!(b.steps_taken(), 1);
+    }
+
+    #[test]
+    fn load_state_rejects_mismatches_with_a_clear_message() {
+        let dev = Device::Cpu;
+        let params = two_params(&dev);
+        let mut a = AdamW::new(HP);
+        a.step(&params, &two_grads(0, &dev), 1e-2).unwrap();
+        let good: HashMap<String, Tensor> = a.state().into_iter().collect();
+        let err = |state: &HashMap<String, Tensor>, ps: &[Var]| {
+            AdamW::new(HP)
+                .load_state(ps, state)
+                .unwrap_err()
+                .to_string()
+        };
+
+        // wrong shape
+        let mut bad = good.clone();
+        bad.insert(
+            "1.exp_avg".into(),
+            Tensor::zeros(4, DType::F32, &dev).unwrap(),
+        );
+        let msg = err(&bad, &params);
+        assert!(msg.contains("`1.exp_avg` has shape"), "{msg}");
+
+        // missing tensor
+        let mut bad = good.clone();
+        bad.remove("0.exp_avg_sq");
+        let msg = err(&bad, &params);
+        assert!(msg.contains("no `0.exp_avg_sq`"), "{msg}");
+
+        // state for more parameters than given
+        let msg = err(&good, &params[..1]);
+        assert!(msg.contains("unexpected tensor `1."), "{msg}");
+
+        // missing counter
+        let mut bad = good.clone();
+        bad.remove(STEP_KEY);
+        let msg = err(&bad, &params);
+        assert!(msg.contains("no `step`"), "{msg}");
+
+        // a step with another trainable set than the state's
+        let mut b = AdamW::new(HP);
+        b.load_state(&params, &good).unwrap();
+        let msg = b
+            .step(&params[..1], &two_grads(0, &dev)[..1], 1e-2)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("must not change"), "{msg}");
+    }
+
+    #[test]
+    fn step_rejects_grad_of_wrong_shape() {
+        let dev = Device::Cpu;
+        let params = two_params(&dev);
+        let mut grads = two_grads(0, &dev);
+        grads[1] = Tensor::zeros(2, DType::F32, &dev).unwrap();
+        let msg = AdamW::new(HP)
+            .step(&params, &grads, 1e-2)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("gradient 1 has shape"), "{msg}");
+    }
+}

@@ -1,0 +1,258 @@
+//! Optimizers over the trainable set: [`adamw::AdamW`] (f32 moments, torch semantics) and
+//! [`sgd::Sgd`].
+//!
+//! The trainer hands an optimizer exactly the trainable `Var`s, in a fixed order, together with
+//! their gradients (already summed over micro-batches, averaged and clipped by the caller, see
+//! [`crate::grads`]). Every update is written with Candle tensor ops only, so it runs unchanged
+//! on the CPU and on CUDA; parameters may be f32, f16 or bf16 (the maths is done in f32 and the
+//! result cast back to the parameter's dtype).
+//!
+//! Checkpoints: [`Optimizer::state`] names each tensor `"{i}.{what}"` where `i` is the index of the
+//! parameter in the trainable list, plus [`STEP_KEY`] (a 0-d u32 tensor on the CPU: the number of
+//! steps taken). [`Optimizer::load_state`] checks names and shapes against the parameters.
+
+pub mod adamw;
+pub mod sgd;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::str::FromStr;
+
+use candle_core::{DType, Device, Tensor, Var};
+use serde::{Deserialize, Serialize};
+
+pub use adamw::{AdamW, AdamWParams};
+pub use sgd::Sgd;
+
+/// Name of the step counter in [`Optimizer::state`].
+pub const STEP_KEY: &str = "step";
+
+/// One optimizer over a fixed, ordered list of trainable variables (the trainer passes exactly
+/// the trainable set).
+pub trait Optimizer {
+    /// Applies one update. `grads[i]` is the gradient of `params[i]` (already averaged/clipped by
+    /// the caller, any float dtype), `lr` the learning rate of this step.
+    fn step(&mut self, params: &[Var], grads: &[Tensor], lr: f64) -> candle_core::Result<()>;
+    /// Optimizer state as named tensors (for checkpoints): `"{i}.exp_avg"`, `"{i}.exp_avg_sq"`,
+    /// ... per parameter and [`STEP_KEY`] (0-d u32 on the CPU).
+    fn state(&self) -> Vec<(String, Tensor)>;
+    /// Restores state saved by [`Optimizer::state`]; errors (naming the tensor) if names or shapes
+    /// do not match `params`. Tensors are moved to each parameter's device.
+    fn load_state(
+        &mut self,
+        params: &[Var],
+        state: &HashMap<String, Tensor>,
+    ) -> candle_core::Result<()>;
+    /// Short name, as written in configs (`"adamw"`, `"sgd"`).
+    fn name(&self) -> &'static str;
+}
+
+/// Which optimizer to build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OptimizerKind {
+    /// [`AdamW`], torch.optim.AdamW semantics.
+    #[serde(rename = "adamw")]
+    AdamW,
+    /// [`Sgd`], torch.optim.SGD without momentum.
+    #[serde(rename = "sgd")]
+    Sgd,
+}
+
+impl OptimizerKind {
+    /// The spelling used in configs and on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OptimizerKind::AdamW => "adamw",
+            OptimizerKind::Sgd => "sgd",
+        }
+    }
+}
+
+impl fmt::Display for OptimizerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for OptimizerKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "adamw" => Ok(OptimizerKind::AdamW),
+            "sgd" => Ok(OptimizerKind::Sgd),
+            _ => Err(format!(
+                "unknown optimizer `{s}`: expected `adamw` or `sgd`"
+            )),
+        }
+    }
+}
+
+/// Builds an optimizer. `betas` and `eps` are used by AdamW only; `weight_decay` is decoupled
+/// for AdamW (`p -= lr*wd*p`) and coupled for SGD (`g += wd*p`), as in torch. The values are
+/// assumed checked by the config (betas in [0, 1), eps > 0, weight_decay >= 0).
+pub fn build(
+    kind: OptimizerKind,
+    betas: (f64, f64),
+    eps: f64,
+    weight_decay: f64,
+) -> Box<dyn Optimizer> {
+    match kind {
+        OptimizerKind::AdamW => Box::new(AdamW::new(AdamWParams {
+            beta1: betas.0,
+            beta2: betas.1,
+            eps,
+            weight_decay,
+        })),
+        OptimizerKind::Sgd => Box::new(Sgd::new(weight_decay)),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers shared by the optimizers.
+
+/// Errors unless there is one gradient per parameter, each of its parameter's shape.
+pub(crate) fn check_grads(params: &[Var], grads: &[Tensor]) -> candle_core::Result<()> {
+    if params.len() != grads.len() {
+        candle_core::bail!(
+            "optimizer step: {} parameters but {} gradients",
+            params.len(),
+            grads.len()
+        );
+    }
+    for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+        if p.shape() != g.shape() {
+            candle_core::bail!(
+                "optimizer step: gradient {i} has shape {:?} but its parameter has shape {:?}",
+                g.shape(),
+                p.shape()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The step counter as a checkpoint tensor (0-d u32 on the CPU).
+pub(crate) fn step_tensor(step: u32) -> Tensor {
+    // A 0-d tensor from a host value cannot fail on the CPU.
+    Tensor::new(step, &Device::Cpu).expect("0-d u32 tensor on the CPU")
+}
+
+/// Reads [`STEP_KEY`] (any dtype, 0-d or one element); `None` if absent.
+pub(crate) fn read_step(state: &HashMap<String, Tensor>) -> candle_core::Result<Option<u32>> {
+    let Some(t) = state.get(STEP_KEY) else {
+        return Ok(None);
+    };
+    let values = t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+    match values.as_slice() {
+        [v] if *v >= 0.0 && v.fract() == 0.0 && *v <= u32::MAX as f64 => Ok(Some(*v as u32)),
+        _ => candle_core::bail!(
+            "optimizer state `{STEP_KEY}` must hold one non-negative integer, got {values:?}"
+        ),
+    }
+}
+
+/// Takes `"{i}.{what}"` from `state`, checks its shape against `param`, and returns it as a
+/// contiguous f32 tensor on the parameter's device.
+pub(crate) fn load_param_state(
+    optimizer: &str,
+    state: &HashMap<String, Tensor>,
+    i: usize,
+    what: &str,
+    param: &Var,
+) -> candle_core::Result<Tensor> {
+    let key = format!("{i}.{what}");
+    let Some(t) = state.get(&key) else {
+        candle_core::bail!(
+            "{optimizer} state has no `{key}` (parameter {i} of {:?}): was the checkpoint \
+             written with another optimizer or another set of trainable parameters?",
+            param.shape()
+        );
+    };
+    if t.shape() != param.shape() {
+        candle_core::bail!(
+            "{optimizer} state `{key}` has shape {:?} but parameter {i} has shape {:?}: was \
+             the checkpoint written for other trainable parameters?",
+            t.shape(),
+            param.shape()
+        );
+    }
+    t.to_device(param.device())?
+        .to_dtype(DType::F32)?
+        .contiguous()
+}
+
+/// Errors on a state name that is neither [`STEP_KEY`] nor `"{i}.{what}"` with `i < n_params`
+/// and `what` in `allowed`.
+pub(crate) fn check_state_keys(
+    optimizer: &str,
+    state: &HashMap<String, Tensor>,
+    n_params: usize,
+    allowed: &[&str],
+) -> candle_core::Result<()> {
+    for key in state.keys() {
+        if key == STEP_KEY {
+            continue;
+        }
+        let known = key.split_once('.').is_some_and(|(i, what)| {
+            i.parse::<usize>().is_ok_and(|i| i < n_params) && allowed.contains(&what)
+        });
+        if !known {
+            candle_core::bail!(
+                "{optimizer} state has an unexpected tensor `{key}` ({n_params} trainable \
+                 parameters; expected names {STEP_KEY} and i.{{{}}}): was the checkpoint \
+                 written with another optimizer or another set of trainable parameters?",
+                allowed.join(",")
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kind_parses_and_prints() {
+        assert_eq!("adamw".parse::<OptimizerKind>(), Ok(OptimizerKind::AdamW));
+        assert_eq!("AdamW".parse::<OptimizerKind>(), Ok(OptimizerKind::AdamW));
+        assert_eq!("sgd".parse::<OptimizerKind>(), Ok(OptimizerKind::Sgd));
+        assert!("adam"
+            .parse::<OptimizerKind>()
+            .unwrap_err()
+            .contains("adamw"));
+        assert_eq!(OptimizerKind::AdamW.to_string(), "adamw");
+        let k: OptimizerKind = serde_json::from_str("\"sgd\"").unwrap();
+        assert_eq!(k, OptimizerKind::Sgd);
+        assert_eq!(
+            serde_json::to_string(&OptimizerKind::AdamW).unwrap(),
+            "\"adamw\""
+        );
+    }
+
+    #[test]
+    fn build_gives_the_named_optimizer() {
+        assert_eq!(
+            build(OptimizerKind::AdamW, (0.9, 0.999), 1e-8, 0.0).name(),
+            "adamw"
+        );
+        assert_eq!(
+            build(OptimizerKind::Sgd, (0.9, 0.999), 1e-8, 0.0).name(),
+            "sgd"
+        );
+    }
+
+    #[test]
+    fn step_round_trips_and_rejects_garbage() {
+        let mut state = HashMap::new();
+        assert_eq!(read_step(&state).unwrap(), None);
+        state.insert(STEP_KEY.to_string(), step_tensor(7));
+        assert_eq!(read_step(&state).unwrap(), Some(7));
+        state.insert(
+            STEP_KEY.to_string(),
+            Tensor::new(&[2.5f64], &Device::Cpu).unwrap(),
+        );
+        assert!(read_step(&state).is_err());
+    }
+}

@@ -1,0 +1,482 @@
+//! `tallow train`: LoRA or full fine-tuning. Setup (data, model, adapters, optimizer, resume)
+//! comes first; [`train`] then reads top to bottom: for each optimizer step, forward and backward
+//! over `grad_accum` micro-batches with the loss scaled by the step's total target tokens, then
+//! clip, step, log, evaluate, checkpoint.
+//!
+//! Loss of a step = (sum of target-token NLL over all its micro-batches) / (target tokens of the
+//! step), so `micro_batch_size = 4, grad_accum = 1` and `micro_batch_size = 1, grad_accum = 4`
+//! give the same update up to float error.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor, Var};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::Serialize;
+use tallow_model::linear::mix_seed;
+use tallow_model::{
+    attach_lora, lm_head_nll, load_peft, lora_vars, save_hf_model, save_peft, set_dropout,
+    CausalLM, LoadOptions, LoraSpec,
+};
+
+use crate::batch::{pack, Batch, Row};
+use crate::checkpoint::{self, CheckpointState, LoraState};
+use crate::config::{Method, TrainConfig};
+use crate::data::{load_jsonl, DataOptions, Example};
+use crate::error::TrainError;
+use crate::eval::evaluate;
+use crate::grads::{clip_grad_norm, GradAccumulator};
+use crate::optim::{self, Optimizer};
+use crate::schedule::lr_at;
+use crate::tokenizer::TextTokenizer;
+
+/// One line of `metrics.jsonl` for an optimizer step.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepLog {
+    pub step: usize,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    /// Input tokens of this step (targets and context, no padding).
+    pub tokens: usize,
+    pub target_tokens: usize,
+    pub tokens_per_s: f64,
+    pub elapsed_s: f64,
+}
+
+/// What the run reports as it goes (the CLI turns these into a progress bar and messages).
+pub enum Event<'a> {
+    Start {
+        total_steps: usize,
+        start_step: usize,
+        trainable_params: usize,
+        rows: usize,
+        resumed_from: Option<&'a Path>,
+    },
+    Step(&'a StepLog),
+    Eval {
+        step: usize,
+        loss: f64,
+    },
+    Checkpoint {
+        step: usize,
+        path: &'a Path,
+    },
+    Note(String),
+}
+
+/// The outcome of a run.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    pub steps: usize,
+    pub last_loss: Option<f64>,
+    pub eval_loss_start: Option<f64>,
+    pub eval_loss_end: Option<f64>,
+    /// `adapter/` or `model/` in the output dir.
+    pub output: PathBuf,
+    pub elapsed_s: f64,
+}
+
+/// Everything [`train`] works on, built by [`setup`].
+struct Run {
+    model: CausalLM,
+    /// The trainable variables, in a fixed order, with their checkpoint names.
+    params: Vec<(String, Var)>,
+    lora: Option<LoraSpec>,
+    rows: Vec<Row>,
+    eval: Vec<Example>,
+    pad: u32,
+}
+
+fn setup(cfg: &TrainConfig, device: &Device) -> Result<Run, TrainError> {
+    let model_dir = cfg.model.path.as_path();
+    let tok = TextTokenizer::from_model_dir(model_dir)?;
+    let data_opts = DataOptions {
+        format: cfg.data.format,
+        max_seq_len: cfg.data.max_seq_len,
+        add_eos: cfg.data.add_eos,
+    };
+    let train_set = load_jsonl(&cfg.data.train, &tok, &data_opts)?;
+    if train_set.examples.is_empty() {
+        return Err(TrainError::Invalid(format!(
+            "{}: no row has a target token left after truncation to {} tokens ({} skipped)",
+            cfg.data.train.display(),
+            cfg.data.max_seq_len,
+            train_set.skipped
+        )));
+    }
+    let eval = match &cfg.data.eval {
+        None => vec![],
+        Some(p) => load_jsonl(p, &tok, &data_opts)?.examples,
+    };
+    let rows = if cfg.data.pack {
+        pack(&train_set.examples, cfg.data.max_seq_len)
+    } else {
+        train_set.examples.iter().map(Row::from).collect()
+    };
+
+    let full = cfg.train.method == Method::Full;
+    let opts = LoadOptions {
+        dtype: cfg.model.dtype.to_dtype(),
+        device: device.clone(),
+        train_base: full,
+    };
+    let mut model = CausalLM::load(model_dir, &opts)?;
+    let (params, lora) = if full {
+        let params = model
+            .named_params()
+            .into_iter()
+            .filter_map(|(n, p)| p.var().map(|v| (n, v.clone())))
+            .collect();
+        (params, None)
+    } else {
+        let spec = if let Some(init) = &cfg.lora.init {
+            // rank / alpha / targets come from the adapter; dropout from this config.
+            let mut spec = load_peft(&mut model, init)?;
+            spec.dropout = cfg.lora.dropout;
+            attach_dropout(&mut model, &spec);
+            spec
+        } else {
+            let spec = LoraSpec {
+                rank: cfg.lora.rank,
+                alpha: cfg.lora.alpha,
+                dropout: cfg.lora.dropout,
+                targets: cfg.lora.targets().iter().map(|s| s.to_string()).collect(),
+                rslora: cfg.lora.rslora,
+            };
+            attach_lora(&mut model, &spec, cfg.train.seed)?;
+            spec
+        };
+        (lora_vars(&model), Some(spec))
+    };
+    let pad = tok.pad_id().or(tok.eos_id()).unwrap_or(0);
+    Ok(Run {
+        model,
+        params,
+        lora,
+        rows,
+        eval,
+        pad,
+    })
+}
+
+/// Re-attaches dropout to adapters loaded from disk (PEFT files carry only the weights).
+fn attach_dropout(model: &mut CausalLM, spec: &LoraSpec) {
+    let d = (spec.dropout > 0.0)
+        .then(|| std::sync::Arc::new(tallow_model::linear::Dropout::new(spec.dropout as f32)));
+    for layer in model.layers.iter_mut() {
+        for (_, lin) in layer.linears_mut() {
+            if let Some(l) = lin.lora.as_mut() {
+                l.dropout = d.clone();
+            }
+        }
+    }
+}
+
+/// The rows of optimizer step `step`: epochs of `rows_per_step`-sized slices of a per-epoch
+/// permutation (seeded by `seed` and the epoch; file order when not shuffling). The last step
+/// of an epoch may have fewer rows. Pure function of `step`, so resuming needs no data state.
+struct Schedule {
+    n: usize,
+    rows_per_step: usize,
+    steps_per_epoch: usize,
+    shuffle: bool,
+    seed: u64,
+}
+
+impl Schedule {
+    fn rows(&self, step: usize) -> Vec<usize> {
+        let epoch = step / self.steps_per_epoch;
+        let i = step % self.steps_per_epoch;
+        let mut order: Vec<usize> = (0..self.n).collect();
+        if self.shuffle {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(mix_seed(self.seed, epoch as u64));
+            order.shuffle(&mut rng);
+        }
+        let start = i * self.rows_per_step;
+        order[start..(start + self.rows_per_step).min(self.n)].to_vec()
+    }
+}
+
+fn append_metrics(path: &Path, value: &impl Serialize) -> Result<(), TrainError> {
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| TrainError::Invalid(format!("{}: {e}", path.display())))?;
+    writeln!(f, "{}", serde_json::to_string(value).expect("json"))
+        .map_err(|e| TrainError::Invalid(format!("{}: {e}", path.display())))
+}
+
+/// Keeps only the metrics lines of steps <= `step` (a resumed run redoes the steps after its
+/// checkpoint and logs them again).
+fn truncate_metrics(path: &Path, step: usize) -> Result<(), TrainError> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
+    let kept: String = text
+        .lines()
+        .filter(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .and_then(|v| v["step"].as_u64())
+                .is_some_and(|s| s as usize <= step)
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    tallow_model::io::write_atomic(path, kept.as_bytes())?;
+    Ok(())
+}
+
+fn scalar_f64(t: &Tensor) -> Result<f64, TrainError> {
+    Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
+}
+
+/// Runs a training job as configured. `resume`: continue from the newest checkpoint in
+/// `train.output_dir` (a fresh start when there is none).
+pub fn train(
+    cfg: &TrainConfig,
+    device: &Device,
+    resume: bool,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<Summary, TrainError> {
+    let t = &cfg.train;
+    let out = t.output_dir.clone();
+    std::fs::create_dir_all(&out)
+        .map_err(|e| TrainError::Invalid(format!("{}: {e}", out.display())))?;
+    // The resolved config is the first thing written: the run directory says what ran.
+    tallow_model::io::write_atomic(&out.join("config.toml"), cfg.to_toml_string().as_bytes())?;
+    let metrics = out.join("metrics.jsonl");
+
+    let Run {
+        model,
+        params,
+        lora,
+        rows,
+        eval,
+        pad,
+    } = setup(cfg, device)?;
+    let vars: Vec<Var> = params.iter().map(|(_, v)| v.clone()).collect();
+    let mut opt: Box<dyn Optimizer> = optim::build(t.optimizer, t.betas, t.eps, t.weight_decay);
+    let rows_per_step = t.micro_batch_size * t.grad_accum;
+    let plan = Schedule {
+        n: rows.len(),
+        rows_per_step,
+        steps_per_epoch: rows.len().div_ceil(rows_per_step),
+        shuffle: cfg.data.shuffle,
+        seed: t.seed,
+    };
+    let total_steps = if t.max_steps > 0 {
+        t.max_steps
+    } else {
+        t.epochs * plan.steps_per_epoch
+    };
+
+    // What a checkpoint of this run must match to be resumed.
+    let identity = CheckpointState {
+        step: 0,
+        method: format!("{:?}", t.method).to_lowercase(),
+        architecture: model.config.arch.hf_class().into(),
+        model_path: cfg.model.path.display().to_string(),
+        lora: lora.as_ref().map(|s| LoraState {
+            rank: s.rank,
+            alpha: s.alpha,
+            targets: s.targets.clone(),
+            rslora: s.rslora,
+        }),
+        trainable: params
+            .iter()
+            .map(|(n, v)| (n.clone(), v.dims().to_vec()))
+            .collect::<BTreeMap<_, _>>(),
+        optimizer: opt.name().into(),
+        tokens_seen: 0,
+        elapsed_s: 0.0,
+        tallow_version: env!("CARGO_PKG_VERSION").into(),
+    };
+    let mut start_step = 0;
+    let mut tokens_seen = 0u64;
+    let mut elapsed_before = 0.0;
+    let mut resumed_from = None;
+    if resume {
+        match checkpoint::latest(&out) {
+            Some((_, dir)) => {
+                let ck = checkpoint::load(&dir, device)?;
+                checkpoint::check_compatible(&ck.state, &identity, &dir)?;
+                for (name, var) in &params {
+                    let saved = ck.trainable.get(name).ok_or_else(|| {
+                        TrainError::Resume(format!("{}: no tensor `{name}`", dir.display()))
+                    })?;
+                    var.set(&saved.to_dtype(var.dtype())?)?;
+                }
+                opt.load_state(&vars, &ck.optimizer)?;
+                start_step = ck.state.step;
+                tokens_seen = ck.state.tokens_seen;
+                elapsed_before = ck.state.elapsed_s;
+                truncate_metrics(&metrics, start_step)?;
+                resumed_from = Some(dir);
+            }
+            None => on_event(Event::Note(format!(
+                "--resume: no checkpoint in {}, starting from step 0",
+                checkpoint::checkpoints_dir(&out).display()
+            ))),
+        }
+    }
+    if resumed_from.is_none() {
+        let _ = std::fs::remove_file(&metrics);
+    }
+    let trainable_params = params.iter().map(|(_, v)| v.elem_count()).sum();
+    on_event(Event::Start {
+        total_steps,
+        start_step,
+        trainable_params,
+        rows: rows.len(),
+        resumed_from: resumed_from.as_deref(),
+    });
+
+    let run_eval = |model: &CausalLM| -> Result<Option<f64>, TrainError> {
+        if eval.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(
+            evaluate(model, &eval, t.micro_batch_size.max(4), pad, |_| {})?.loss,
+        ))
+    };
+    let eval_loss_start = if start_step == 0 {
+        run_eval(&model)?
+    } else {
+        None
+    };
+    if let Some(l) = eval_loss_start {
+        append_metrics(&metrics, &serde_json::json!({"step": 0, "eval_loss": l}))?;
+        on_event(Event::Eval { step: 0, loss: l });
+    }
+
+    let started = Instant::now();
+    let mut acc = GradAccumulator::new(&vars);
+    let mut last_loss = None;
+    let mut eval_loss_end = None;
+    let mut last_checkpoint: Option<PathBuf> = resumed_from.clone();
+    for step in start_step..total_steps {
+        let t0 = Instant::now();
+        let step_rows: Vec<&Row> = plan.rows(step).into_iter().map(|i| &rows[i]).collect();
+        let step_targets: usize = step_rows.iter().map(|r| r.n_targets()).sum();
+        let mut step_tokens = 0;
+        let mut nll_sum = 0.0;
+
+        // Forward + backward over the micro-batches; gradients summed in the accumulator.
+        for (m, micro) in step_rows.chunks(t.micro_batch_size).enumerate() {
+            set_dropout(
+                &model,
+                Some(mix_seed(t.seed, ((step as u64) << 20) | m as u64)),
+            );
+            let batch = Batch::from_rows(micro, pad, device)?;
+            let hidden = model.forward_hidden(&batch.input_ids, batch.segments.as_deref())?; // (B, T, C)
+            let nll = lm_head_nll(&hidden, model.lm_head_weight(), &batch.targets)?; // sum over targets
+            let loss = (&nll / step_targets as f64)?; // this micro-batch's share of the step mean
+            acc.add(&loss.backward()?)?;
+            nll_sum += scalar_f64(&nll)?;
+            step_tokens += batch.tokens;
+        }
+        set_dropout(&model, None);
+        let loss = nll_sum / step_targets as f64;
+
+        // Clip, then one optimizer update.
+        let mut grads = acc.take()?;
+        let grad_norm = clip_grad_norm(&mut grads, t.max_grad_norm)?;
+        for (what, value) in [("loss", loss), ("gradient norm", grad_norm)] {
+            if !value.is_finite() {
+                let kept = match &last_checkpoint {
+                    Some(p) => format!(
+                        "The last good checkpoint is {} (continue with --resume).",
+                        p.display()
+                    ),
+                    None => "No checkpoint was written before it.".into(),
+                };
+                return Err(TrainError::NonFinite {
+                    step: step + 1,
+                    what,
+                    value,
+                    kept,
+                });
+            }
+        }
+        let lr = lr_at(t.schedule, t.lr, step, t.warmup_steps, total_steps);
+        opt.step(&vars, &grads, lr)?;
+
+        // Log.
+        let done = step + 1;
+        tokens_seen += step_tokens as u64;
+        let dt = t0.elapsed().as_secs_f64();
+        let log = StepLog {
+            step: done,
+            loss,
+            lr,
+            grad_norm,
+            tokens: step_tokens,
+            target_tokens: step_targets,
+            tokens_per_s: step_tokens as f64 / dt.max(1e-9),
+            elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
+        };
+        if done % t.log_every.max(1) == 0 || done == total_steps {
+            append_metrics(&metrics, &log)?;
+        }
+        on_event(Event::Step(&log));
+        last_loss = Some(loss);
+
+        // Evaluate and checkpoint; the last step always does both.
+        let last = done == total_steps;
+        if (t.eval_every > 0 && done % t.eval_every == 0) || last {
+            if let Some(l) = run_eval(&model)? {
+                append_metrics(&metrics, &serde_json::json!({"step": done, "eval_loss": l}))?;
+                on_event(Event::Eval {
+                    step: done,
+                    loss: l,
+                });
+                eval_loss_end = Some(l);
+            }
+        }
+        if (t.save_every > 0 && done % t.save_every == 0) || last {
+            let state = CheckpointState {
+                step: done,
+                tokens_seen,
+                elapsed_s: log.elapsed_s,
+                ..identity.clone()
+            };
+            let trainable: Vec<(String, Tensor)> = params
+                .iter()
+                .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+                .collect();
+            let path = checkpoint::save(&out, &state, &trainable, &opt.state())?;
+            on_event(Event::Checkpoint {
+                step: done,
+                path: &path,
+            });
+            last_checkpoint = Some(path);
+        }
+    }
+
+    // Final output: a PEFT adapter, or the whole model in HF layout.
+    let output = match &lora {
+        Some(spec) => {
+            let dir = out.join("adapter");
+            save_peft(&model, spec, &dir, &cfg.model.path.display().to_string())?;
+            dir
+        }
+        None => {
+            let dir = out.join("model");
+            save_hf_model(&model, &cfg.model.path, &dir, model.dtype())?;
+            dir
+        }
+    };
+    Ok(Summary {
+        steps: total_steps,
+        last_loss,
+        eval_loss_start,
+        eval_loss_end,
+        output,
+        elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
+    })
+}
