@@ -1,0 +1,331 @@
+//! `tallow train` / `merge` / `eval --adapter` end to end on the tiny fixture models:
+//! accumulation, resume and merge equivalence, and bad input.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use tallow_tests::*;
+
+/// Writes a training config for `model` into `dir` and returns its path. `extra` lines are
+/// appended to the [train] section.
+fn config(dir: &Path, model: &str, lora: &str, train: &str) -> PathBuf {
+    let text = format!(
+        "[model]\npath = \"{}\"\ndtype = \"f32\"\n[lora]\n{lora}\n[data]\ntrain = \"{}\"\neval = \"{}\"\nmax_seq_len = 32\n[train]\noutput_dir = \"{}\"\n{train}\n",
+        model_dir(model).display(),
+        data_file("text").display(),
+        data_file("prompt_completion").display(),
+        dir.join("run").display(),
+    );
+    let path = dir.join("config.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn train_ok(args: &[&str]) {
+    let r = tallow(args);
+    assert_eq!(
+        r.code, 0,
+        "tallow {args:?} failed:\n{}\n{}",
+        r.stdout, r.stderr
+    );
+}
+
+fn adapter(dir: &Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(
+        dir.join("run/adapter/adapter_model.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap()
+}
+
+fn max_rel_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .map(|(k, t)| max_abs_diff(t, &b[k]) / max_abs(&b[k]).max(1e-12))
+        .fold(0.0, f64::max)
+}
+
+/// `micro_batch_size = 4, grad_accum = 1` and `micro_batch_size = 1, grad_accum = 4` give the
+/// same adapter after 3 AdamW steps (dropout off: masks are drawn per micro-batch). Tolerance:
+/// 1e-4 relative per tensor (f32; the sums are ordered differently, and AdamW divides by sqrt(v)).
+#[test]
+fn accumulation_equals_a_big_batch() {
+    let lora = "rank = 4\nalpha = 8\ndropout = 0.0";
+    let a = scratch("accum-a");
+    let b = scratch("accum-b");
+    let ca = config(
+        &a,
+        "tiny-llama",
+        lora,
+        "max_steps = 3\nlr = 1e-2\nmicro_batch_size = 4\ngrad_accum = 1",
+    );
+    let cb = config(
+        &b,
+        "tiny-llama",
+        lora,
+        "max_steps = 3\nlr = 1e-2\nmicro_batch_size = 1\ngrad_accum = 4",
+    );
+    train_ok(&["train", "--config", ca.to_str().unwrap(), "--quiet"]);
+    train_ok(&["train", "--config", cb.to_str().unwrap(), "--quiet"]);
+    let d = max_rel_diff(&adapter(&a), &adapter(&b));
+    assert!(d < 1e-4, "adapters differ by {d} (relative)");
+    // And the step losses agree.
+    let la = std::fs::read_to_string(a.join("run/metrics.jsonl")).unwrap();
+    let lb = std::fs::read_to_string(b.join("run/metrics.jsonl")).unwrap();
+    let losses = |s: &str| -> Vec<f64> {
+        s.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["loss"].as_f64())
+            .collect()
+    };
+    let (xa, xb) = (losses(&la), losses(&lb));
+    assert_eq!(xa.len(), 3);
+    for (x, y) in xa.iter().zip(&xb) {
+        assert!((x - y).abs() < 1e-5, "{xa:?} vs {xb:?}");
+    }
+}
+
+/// A run killed after its step-2 checkpoint and resumed equals the uninterrupted run, bit for bit
+/// (CPU, dropout on, shuffled data, cosine schedule, AdamW).
+#[test]
+fn resumed_run_equals_uninterrupted_run_bit_for_bit() {
+    let lora = "rank = 4\nalpha = 8\ndropout = 0.1";
+    let train = "max_steps = 4\nlr = 1e-2\nmicro_batch_size = 1\ngrad_accum = 2\nsave_every = 2\nwarmup_steps = 1";
+    let a = scratch("resume-a");
+    let b = scratch("resume-b");
+    let ca = config(&a, "tiny-qwen3", lora, train);
+    let cb = config(&b, "tiny-qwen3", lora, train);
+    train_ok(&["train", "--config", ca.to_str().unwrap(), "--quiet"]);
+    train_ok(&["train", "--config", cb.to_str().unwrap(), "--quiet"]);
+    // Simulate a kill right after step 2: only the step-2 checkpoint survives.
+    std::fs::remove_dir_all(b.join("run/checkpoints/step-4")).unwrap();
+    std::fs::remove_dir_all(b.join("run/adapter")).unwrap();
+    train_ok(&[
+        "train",
+        "--config",
+        cb.to_str().unwrap(),
+        "--resume",
+        "--quiet",
+    ]);
+    let (ta, tb) = (adapter(&a), adapter(&b));
+    for (k, t) in &ta {
+        let same = t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            == tb[k].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(same, "{k} differs after resume");
+    }
+    // A 2-step run with a constant schedule, resumed with max_steps = 4, equals a 4-step run.
+    let c = scratch("resume-c");
+    let d = scratch("resume-d");
+    let t4 = "max_steps = 4\nlr = 1e-2\nschedule = \"constant\"\nmicro_batch_size = 2";
+    let cc = config(&c, "tiny-qwen3", lora, t4);
+    let cd = config(&d, "tiny-qwen3", lora, t4);
+    train_ok(&["train", "--config", cc.to_str().unwrap(), "--quiet"]);
+    train_ok(&[
+        "train",
+        "--config",
+        cd.to_str().unwrap(),
+        "--set",
+        "train.max_steps=2",
+        "--quiet",
+    ]);
+    train_ok(&[
+        "train",
+        "--config",
+        cd.to_str().unwrap(),
+        "--resume",
+        "--quiet",
+    ]);
+    let (tc, td) = (adapter(&c), adapter(&d));
+    assert!(
+        tc.iter().all(|(k, t)| max_abs_diff(t, &td[k]) == 0.0),
+        "2 + 2 steps differ from 4 steps"
+    );
+}
+
+#[test]
+fn resume_refuses_a_checkpoint_of_another_rank() {
+    let a = scratch("resume-rank");
+    let c = config(&a, "tiny-qwen2", "rank = 4\nalpha = 8", "max_steps = 1");
+    train_ok(&["train", "--config", c.to_str().unwrap(), "--quiet"]);
+    let r = tallow([
+        "train",
+        "--config",
+        c.to_str().unwrap(),
+        "--resume",
+        "--set",
+        "lora.rank=8",
+        "--quiet",
+    ]);
+    assert_ne!(r.code, 0);
+    assert!(
+        r.stderr.contains("cannot resume") && r.stderr.contains("rank"),
+        "{}",
+        r.stderr
+    );
+}
+
+/// eval of the merged model equals eval with the adapter (f32, 1e-5 absolute), and the merged
+/// directory is a complete HF model (config, weights, tokenizer).
+#[test]
+fn merged_model_equals_base_plus_adapter() {
+    for model in ["tiny-llama", "tiny-qwen2"] {
+        let a = scratch(&format!("merge-{model}"));
+        let c = config(
+            &a,
+            model,
+            "rank = 4\nalpha = 8\ndropout = 0.0",
+            "max_steps = 3\nlr = 3e-2",
+        );
+        train_ok(&["train", "--config", c.to_str().unwrap(), "--quiet"]);
+        let adapter_dir = a.join("run/adapter");
+        let merged = a.join("merged");
+        train_ok(&[
+            "merge",
+            "--model",
+            model_dir(model).to_str().unwrap(),
+            "--adapter",
+            adapter_dir.to_str().unwrap(),
+            "--out",
+            merged.to_str().unwrap(),
+            "--dtype",
+            "f32",
+        ]);
+        for f in [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ] {
+            assert!(merged.join(f).exists(), "{model}: merged dir lacks {f}");
+        }
+        let data = data_file("messages");
+        let loss = |args: &[&str]| -> f64 {
+            let r = tallow(args);
+            assert_eq!(r.code, 0, "{}", r.stderr);
+            serde_json::from_str::<serde_json::Value>(r.stdout.trim()).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        };
+        let base = loss(&[
+            "eval",
+            "--model",
+            model_dir(model).to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--dtype",
+            "f32",
+            "--json",
+        ]);
+        let with_adapter = loss(&[
+            "eval",
+            "--model",
+            model_dir(model).to_str().unwrap(),
+            "--adapter",
+            adapter_dir.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--dtype",
+            "f32",
+            "--json",
+        ]);
+        let merged_loss = loss(&[
+            "eval",
+            "--model",
+            merged.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--dtype",
+            "f32",
+            "--json",
+        ]);
+        assert!(
+            (with_adapter - base).abs() > 1e-3,
+            "{model}: the adapter must change the model ({base} vs {with_adapter})"
+        );
+        assert!(
+            (merged_loss - with_adapter).abs() < 1e-5,
+            "{model}: merged {merged_loss} vs adapter {with_adapter}"
+        );
+    }
+}
+
+#[test]
+fn unknown_config_key_is_an_error() {
+    let a = scratch("badkey");
+    let c = config(
+        &a,
+        "tiny-qwen2",
+        "rank = 4",
+        "max_steps = 1\nlearning_rate = 1e-3",
+    );
+    let r = tallow(["train", "--config", c.to_str().unwrap()]);
+    assert_ne!(r.code, 0);
+    assert!(
+        r.stderr.contains("learning_rate") && r.stderr.contains("train.lr"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn target_module_the_model_lacks_is_an_error() {
+    let a = scratch("badtarget");
+    let c = config(
+        &a,
+        "tiny-qwen2",
+        "rank = 4\ntargets = [\"q_proj\", \"c_attn\"]",
+        "max_steps = 1",
+    );
+    let r = tallow(["train", "--config", c.to_str().unwrap()]);
+    assert_ne!(r.code, 0);
+    assert!(
+        r.stderr.contains("c_attn") && r.stderr.contains("q_proj"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn adapter_of_another_model_is_refused() {
+    let a = scratch("othershape");
+    let c = config(&a, "tiny-qwen3", "rank = 4", "max_steps = 1");
+    train_ok(&["train", "--config", c.to_str().unwrap(), "--quiet"]);
+    let r = tallow([
+        "eval",
+        "--model",
+        model_dir("tiny-llama").to_str().unwrap(),
+        "--adapter",
+        a.join("run/adapter").to_str().unwrap(),
+        "--data",
+        data_file("text").to_str().unwrap(),
+    ]);
+    assert_ne!(r.code, 0);
+    assert!(
+        r.stderr.contains("shape") && r.stderr.contains("different model"),
+        "{}",
+        r.stderr
+    );
+}
+
+/// A loss that becomes NaN stops the run with a message that names the last good checkpoint,
+/// which is kept.
+#[test]
+fn nan_loss_stops_and_keeps_the_last_good_checkpoint() {
+    let a = scratch("nan");
+    let c = config(&a, "tiny-qwen2", "rank = 4\nalpha = 8",
+        "max_steps = 5\noptimizer = \"sgd\"\nlr = 1e30\nschedule = \"constant\"\nmax_grad_norm = 0.0\nsave_every = 1");
+    let r = tallow(["train", "--config", c.to_str().unwrap(), "--quiet"]);
+    assert_ne!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("not finite") && r.stderr.contains("step-"),
+        "{}",
+        r.stderr
+    );
+    assert!(a
+        .join("run/checkpoints/step-1/trainable.safetensors")
+        .exists());
+    assert!(
+        !a.join("run/adapter").exists(),
+        "no adapter from a diverged run"
+    );
+}
