@@ -83,6 +83,11 @@ if __name__ == "__main__" and os.environ.get("PYTHONHASHSEED") != "0":
         [sys.executable, str(Path(__file__).resolve())] + sys.argv[1:],
         dict(os.environ, PYTHONHASHSEED="0"),
     )
+# base_model_name_or_path is a bare dir name ("tiny-llama"); PEFT's save/load treat it as a Hub
+# repo id and try to fetch its config.json (only to detect resized embeddings). Stay offline.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import warnings  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -394,6 +399,10 @@ def main():
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    # consequence of the offline lookup above (no target is an embedding layer, so harmless)
+    warnings.filterwarnings("ignore", message=r"Unable to fetch remote file due to the following error")
+    warnings.filterwarnings("ignore", message=r"Could not find a config file in .* will assume")
 
     if args.check_adapter is not None:
         if args.model is None or args.out is None:
