@@ -168,16 +168,34 @@ fn packed_rows_give_the_same_nll_as_separate_rows() {
     use tallow_trainer::Example;
     for model_name in MODELS {
         let reference = reference_json(model_name);
-        let model = CausalLM::load(&model_dir(model_name), &LoadOptions::frozen(DType::F32, &Device::Cpu)).unwrap();
+        let model = CausalLM::load(
+            &model_dir(model_name),
+            &LoadOptions::frozen(DType::F32, &Device::Cpu),
+        )
+        .unwrap();
         let rows = reference_rows(&reference, "text");
         let (separate, count) = nll_and_count(&model, &rows);
-        let examples: Vec<Example> = rows.iter().map(|(ids, targets)| Example { ids: ids.clone(), targets: targets.clone() }).collect();
+        let examples: Vec<Example> = rows
+            .iter()
+            .map(|(ids, targets)| Example {
+                ids: ids.clone(),
+                targets: targets.clone(),
+            })
+            .collect();
         let packed = pack(&examples, 128);
         assert_eq!(packed.len(), 1, "all rows fit one packed row");
         let batch = Batch::from_rows(&[&packed[0]], 0, &Device::Cpu).unwrap();
         assert_eq!(batch.targets.count, count);
-        let h = model.forward_hidden(&batch.input_ids, batch.segments.as_deref()).unwrap();
-        let nll = lm_head_nll(&h, model.lm_head_weight(), &batch.targets).unwrap().to_scalar::<f32>().unwrap() as f64;
-        assert!((nll - separate).abs() < 1e-4 * separate, "{model_name}: packed {nll} vs separate {separate}");
+        let h = model
+            .forward_hidden(&batch.input_ids, batch.segments.as_deref())
+            .unwrap();
+        let nll = lm_head_nll(&h, model.lm_head_weight(), &batch.targets)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap() as f64;
+        assert!(
+            (nll - separate).abs() < 1e-4 * separate,
+            "{model_name}: packed {nll} vs separate {separate}"
+        );
     }
 }
