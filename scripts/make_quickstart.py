@@ -274,9 +274,10 @@ def simulate(args):
                 new = new[: new.index(eos)]
             text = tok.decode(new)
             ok += text == r["completion"]
-            if len(samples) < show:
-                samples.append((r["prompt"], text, r["completion"]))
-        return ok / len(evl_rows), samples
+            samples.append((r["prompt"], text, r["completion"]))
+        hits = [x for x in samples if x[1] == x[2]][:show]
+        misses = [x for x in samples if x[1] != x[2]][: max(show // 2, 1)]
+        return ok / len(evl_rows), hits + misses
 
     torch.manual_seed(args.seed)
     base = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32,
@@ -337,7 +338,8 @@ def simulate(args):
             train_cpu += time.process_time() - c0
             log.append(loss)
             if step % args.log_every == 0 or step == total:
-                print(f"step {step:4d}: train loss {sum(log[-args.log_every:]) / len(log[-args.log_every:]):.4f}"
+                recent = log[-args.log_every :]
+                print(f"step {step:4d}: train loss {sum(recent) / len(recent):.4f}"
                       f"  ({train_time:.1f} s)", flush=True)
         if step % steps_per_epoch == 0 and step < total:
             print(f"  epoch {epoch + 1}: eval loss {eval_loss(model):.4f}")
@@ -346,17 +348,18 @@ def simulate(args):
     wall = time.time() - t_all
     print(f"step {total}: eval loss {after:.4f}, greedy accuracy {acc_after:.2f}")
     for p, got, want in samples:
-        print(f"  {p!r:24} -> {got!r:10} (want {want!r})")
-    print(f"RESULT eval loss {before:.3f} -> {after:.3f} ({100 * (1 - after / before):.0f}% lower), "
+        print(f"  {'ok  ' if got == want else 'MISS'} {p!r:24} -> {got!r:10} (want {want!r})")
+    drop = 100 * (1 - after / before)
+    print(f"RESULT eval loss {before:.3f} -> {after:.3f} ({drop:.0f}% lower), "
           f"greedy accuracy {acc_before:.2f} -> {acc_after:.2f} ({len(evl_rows)} eval prompts), "
-          f"training {train_time:.1f} s wall ({1000 * train_time / total:.1f} ms/step, {total} steps; "
-          f"{train_cpu:.1f} s CPU time), whole simulation {wall:.1f} s")
+          f"training {train_time:.1f} s wall ({1000 * train_time / total:.1f} ms/step, "
+          f"{total} steps; {train_cpu:.1f} s CPU time), whole simulation {wall:.1f} s")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--simulate", action="store_true",
-                    help="do not write anything; run the PyTorch + PEFT stand-in for the quickstart")
+                    help="write nothing; run the PyTorch + PEFT stand-in for the quickstart")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lr", type=float, default=RUN["lr"])
     ap.add_argument("--schedule", default=RUN["schedule"], choices=["constant", "linear", "cosine"])
@@ -365,7 +368,8 @@ def main():
     ap.add_argument("--steps", type=int, default=0, help="optimizer steps; 0 runs --epochs")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--log-every", type=int, default=25)
-    ap.add_argument("--show", type=int, default=8, help="eval prompts to print after training")
+    ap.add_argument("--show", type=int, default=6,
+                    help="correct eval answers to print after training (and half as many misses)")
     args = ap.parse_args()
     if args.simulate:
         simulate(args)

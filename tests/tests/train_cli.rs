@@ -370,3 +370,46 @@ fn full_fine_tuning_writes_a_loadable_model_that_learned() {
         "full fine-tuning did not lower the train loss: {before} -> {after}"
     );
 }
+
+/// The README's main job: `configs/quickstart.toml` trains the embedded tiny model in CI-sized
+/// time, and its eval loss falls from the untrained ~6.6 by at least 80% (to ~0.33 measured).
+#[test]
+fn quickstart_learns_its_skill() {
+    let root = fixtures().parent().unwrap().parent().unwrap().to_path_buf();
+    let out = scratch("quickstart");
+    let r = std::process::Command::new(tallow_bin())
+        .current_dir(&root)
+        .args([
+            "train",
+            "--config",
+            "configs/quickstart.toml",
+            "--quiet",
+            "--set",
+        ])
+        .arg(format!("train.output_dir={}", out.join("run").display()))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let evals: Vec<(u64, f64)> = std::fs::read_to_string(out.join("run/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).ok()?;
+            Some((v["step"].as_u64()?, v["eval_loss"].as_f64()?))
+        })
+        .collect();
+    let (first, last) = (evals.first().unwrap(), evals.last().unwrap());
+    assert_eq!(first.0, 0);
+    assert!(
+        first.1 > 6.0,
+        "the base model should know nothing: {first:?}"
+    );
+    assert!(
+        last.1 < 0.2 * first.1,
+        "eval loss fell only from {} to {}: {stdout}",
+        first.1,
+        last.1
+    );
+    assert!(out.join("run/adapter/adapter_model.safetensors").exists());
+}

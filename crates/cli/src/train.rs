@@ -23,6 +23,14 @@ pub fn run(a: TrainArgs) -> Result<()> {
         .expect("static template"),
     );
     let quiet = a.quiet;
+    // A hidden bar drops println: in --quiet mode messages go straight to stderr.
+    let say = |msg: String| {
+        if quiet {
+            eprintln!("{msg}")
+        } else {
+            bar.println(msg)
+        }
+    };
     let mut on_event = |e: Event| match e {
         Event::Start {
             total_steps,
@@ -36,10 +44,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             let from = resumed_from
                 .map(|p| format!(", resumed from {}", p.display()))
                 .unwrap_or_default();
-            bar.println(format!(
-                "training {} steps on {rows} rows, {trainable_params} trainable parameters{from}",
-                total_steps
-            ));
+            say(format!("training {total_steps} steps on {rows} rows, {trainable_params} trainable parameters{from}"));
         }
         Event::Step(s) => {
             bar.set_position(s.step as u64);
