@@ -31,10 +31,10 @@ The skill: upper-case a short made-up word, e.g.
 Words are 3-5 letters, built from English-like syllables (onset + vowel + coda) so that they
 tokenize like real words (the tokenizer's merges such as "st", "er", " s" show up), and every
 letter a-z occurs. The base model is random: it has no skill at all (greedy accuracy 0, eval
-loss about ln(vocab)); no pre-training is done (a pre-trained-on-generic-text base was tried
-and made LoRA learn this task slower, see examples/quickstart/README.md). The init range is
-0.1 rather than HF's 0.02: with frozen tied embeddings of std 0.02 the logits cannot grow large
-enough for a confident answer, and LoRA plateaus.
+loss above ln(vocab)); no pre-training is done (a base pre-trained on generic synthetic text
+was tried and did not make LoRA learn this task better, see examples/quickstart/README.md).
+The init range is 0.1 rather than HF's 0.02: with frozen tied embeddings of std 0.02 the logits
+cannot grow large enough for a confident answer, and LoRA plateaus.
 
 Tokenization is tallow's prompt_completion rule: ids = tok(prompt + completion) + [eos]
 (<|im_end|>), targets = positions >= len(tok(prompt)); only the completion and the EOS are
