@@ -25,16 +25,9 @@ use std::path::{Path, PathBuf};
 use toml::{Table, Value};
 
 /// The linear layers of a Llama / Qwen decoder layer that LoRA can wrap, in the order of the
-/// layer; `lora.targets = "all-linear"` means all of them.
-pub const LORA_TARGETS: [&str; 7] = [
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-];
+/// layer; `lora.targets = "all-linear"` means all of them. The model crate's list, so config
+/// validation and adapter attachment cannot disagree.
+pub use tallow_model::adapter::LINEAR_MODULES as LORA_TARGETS;
 
 // ---------------------------------------------------------------------------------------------
 // Enums of the config.
