@@ -47,7 +47,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
         tallow_model::load_peft(&mut model, adapter)
             .with_context(|| format!("loading the adapter from {}", adapter.display()))?;
     }
-    let pad = tok.pad_id().or(tok.eos_id()).unwrap_or(0);
+    let pad = tok.batch_pad_id();
 
     let bar = ProgressBar::new(data.examples.len() as u64);
     bar.set_style(

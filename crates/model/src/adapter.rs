@@ -108,7 +108,6 @@ pub fn attach_lora(model: &mut CausalLM, spec: &LoraSpec, seed: u64) -> Result<(
         }
     }
     let device = model.device().clone();
-    let dropout = (spec.dropout > 0.0).then(|| Arc::new(Dropout::new(spec.dropout as f32)));
     let mut id = 0u64;
     for layer in model.layers.iter_mut() {
         for (path, lin) in layer.linears_mut() {
@@ -121,13 +120,27 @@ pub fn attach_lora(model: &mut CausalLM, spec: &LoraSpec, seed: u64) -> Result<(
                 a: Var::from_tensor(&lora_a_init(spec.rank, inp, mix_seed(seed, id), &device)?)?,
                 b: Var::zeros((out, spec.rank), DType::F32, &device)?,
                 scale: spec.scale(),
-                dropout: dropout.clone(),
+                dropout: None,
                 id,
             });
             id += 1;
         }
     }
+    set_dropout_rate(model, spec.dropout);
     Ok(())
+}
+
+/// Gives every adapter of `model` one shared dropout of probability `p` (none when p = 0).
+/// Used after attaching, and to apply a run's dropout to adapters loaded from disk.
+pub fn set_dropout_rate(model: &mut CausalLM, p: f64) {
+    let dropout = (p > 0.0).then(|| Arc::new(Dropout::new(p as f32)));
+    for layer in model.layers.iter_mut() {
+        for (_, lin) in layer.linears_mut() {
+            if let Some(l) = lin.lora.as_mut() {
+                l.dropout = dropout.clone();
+            }
+        }
+    }
 }
 
 /// Switches LoRA dropout on with `seed` (training) or off (None).

@@ -19,7 +19,8 @@ pub mod qwen3;
 pub mod weights;
 
 pub use adapter::{
-    attach_lora, load_peft, lora_vars, merge_lora, save_hf_model, save_peft, set_dropout, LoraSpec,
+    attach_lora, load_peft, lora_vars, merge_lora, save_hf_model, save_peft, set_dropout,
+    set_dropout_rate, LoraSpec,
 };
 pub use config::{Arch, DecoderConfig, RopeScaling};
 pub use error::{ModelError, Result};

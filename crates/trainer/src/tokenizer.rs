@@ -155,6 +155,13 @@ impl TextTokenizer {
 
     /// Vocabulary size including added tokens (the largest id + 1 for HF-saved tokenizers; the
     /// model's embedding may be larger).
+    /// The id to right-pad batches with: the pad token, else EOS, else 0. Padding is never
+    /// attended to by real tokens nor trained on, so any valid id works; a real one keeps
+    /// dumps readable.
+    pub fn batch_pad_id(&self) -> u32 {
+        self.pad_id().or(self.eos_id()).unwrap_or(0)
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }

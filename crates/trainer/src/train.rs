@@ -19,7 +19,7 @@ use serde::Serialize;
 use tallow_model::linear::mix_seed;
 use tallow_model::{
     attach_lora, lm_head_nll, load_peft, lora_vars, save_hf_model, save_peft, set_dropout,
-    CausalLM, LoadOptions, LoraSpec,
+    set_dropout_rate, CausalLM, LoadOptions, LoraSpec,
 };
 
 use crate::batch::{pack, Batch, Row};
@@ -137,7 +137,7 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Run, TrainError> {
             // rank / alpha / targets come from the adapter; dropout from this config.
             let mut spec = load_peft(&mut model, init)?;
             spec.dropout = cfg.lora.dropout;
-            attach_dropout(&mut model, &spec);
+            set_dropout_rate(&mut model, spec.dropout);
             spec
         } else {
             let spec = LoraSpec {
@@ -152,7 +152,7 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Run, TrainError> {
         };
         (lora_vars(&model), Some(spec))
     };
-    let pad = tok.pad_id().or(tok.eos_id()).unwrap_or(0);
+    let pad = tok.batch_pad_id();
     Ok(Run {
         model,
         params,
@@ -161,19 +161,6 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Run, TrainError> {
         eval,
         pad,
     })
-}
-
-/// Re-attaches dropout to adapters loaded from disk (PEFT files carry only the weights).
-fn attach_dropout(model: &mut CausalLM, spec: &LoraSpec) {
-    let d = (spec.dropout > 0.0)
-        .then(|| std::sync::Arc::new(tallow_model::linear::Dropout::new(spec.dropout as f32)));
-    for layer in model.layers.iter_mut() {
-        for (_, lin) in layer.linears_mut() {
-            if let Some(l) = lin.lora.as_mut() {
-                l.dropout = d.clone();
-            }
-        }
-    }
 }
 
 /// The rows of optimizer step `step`: epochs of `rows_per_step`-sized slices of a per-epoch
