@@ -135,6 +135,20 @@ where
     }
 }
 
+/// Runs `tallow ARGS` (an `eval ... --json`), requires success, and parses its JSON line.
+pub fn eval_json(args: &[&str]) -> serde_json::Value {
+    let r = tallow(args);
+    assert_eq!(r.code, 0, "tallow {args:?} failed: {}", r.stderr);
+    serde_json::from_str(r.stdout.trim()).unwrap_or_else(|e| panic!("bad JSON {e}: {}", r.stdout))
+}
+
+/// The `loss` of [`eval_json`].
+pub fn eval_loss(args: &[&str]) -> f64 {
+    eval_json(args)["loss"]
+        .as_f64()
+        .expect("eval --json prints a loss")
+}
+
 /// A fresh, empty scratch directory under the target dir's tmp.
 pub fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tallow-test-{}-{name}", std::process::id()));

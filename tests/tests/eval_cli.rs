@@ -7,12 +7,6 @@ use tallow_tests::*;
 use tallow_trainer::eval::evaluate;
 use tallow_trainer::{load_jsonl, DataOptions, Format, TextTokenizer};
 
-fn eval_json(args: &[&str]) -> serde_json::Value {
-    let r = tallow(args);
-    assert_eq!(r.code, 0, "tallow {args:?} failed: {}", r.stderr);
-    serde_json::from_str(r.stdout.trim()).unwrap_or_else(|e| panic!("bad JSON {e}: {}", r.stdout))
-}
-
 /// CLI loss equals transformers' loss within 1e-4 for every model and data format.
 #[test]
 fn eval_matches_transformers_for_every_model_and_format() {

@@ -7,14 +7,6 @@ use std::collections::HashMap;
 use candle_core::{Device, Tensor};
 use tallow_tests::*;
 
-fn eval_loss(args: &[&str]) -> f64 {
-    let r = tallow(args);
-    assert_eq!(r.code, 0, "tallow {args:?}: {}", r.stderr);
-    serde_json::from_str::<serde_json::Value>(r.stdout.trim()).unwrap()["loss"]
-        .as_f64()
-        .unwrap()
-}
-
 /// Tolerance: 1e-4 absolute on losses of ~6 (f32, different summation orders).
 #[test]
 fn adapters_written_by_peft_give_peft_loss() {

@@ -199,13 +199,7 @@ fn merged_model_equals_base_plus_adapter() {
             assert!(merged.join(f).exists(), "{model}: merged dir lacks {f}");
         }
         let data = data_file("messages");
-        let loss = |args: &[&str]| -> f64 {
-            let r = tallow(args);
-            assert_eq!(r.code, 0, "{}", r.stderr);
-            serde_json::from_str::<serde_json::Value>(r.stdout.trim()).unwrap()["loss"]
-                .as_f64()
-                .unwrap()
-        };
+        let loss = eval_loss;
         let base = loss(&[
             "eval",
             "--model",
@@ -347,7 +341,7 @@ fn full_fine_tuning_writes_a_loadable_model_that_learned() {
         assert!(out.join(f).exists(), "model/ lacks {f}");
     }
     let loss = |m: &Path| -> f64 {
-        let r = tallow([
+        eval_loss(&[
             "eval",
             "--model",
             m.to_str().unwrap(),
@@ -358,11 +352,7 @@ fn full_fine_tuning_writes_a_loadable_model_that_learned() {
             "--dtype",
             "f32",
             "--json",
-        ]);
-        assert_eq!(r.code, 0, "{}", r.stderr);
-        serde_json::from_str::<serde_json::Value>(r.stdout.trim()).unwrap()["loss"]
-            .as_f64()
-            .unwrap()
+        ])
     };
     let (before, after) = (loss(&model_dir("tiny-qwen3")), loss(&out));
     assert!(
