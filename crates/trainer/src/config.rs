@@ -63,6 +63,18 @@ impl ModelDtype {
     }
 }
 
+/// `model.quantize`: how the frozen linear weights inside the decoder layers are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Quantize {
+    /// In `model.dtype`.
+    #[default]
+    None,
+    /// 4-bit NormalFloat, bitsandbytes layout (QLoRA); embeddings, norms and lm_head stay in
+    /// `model.dtype`.
+    Nf4,
+}
+
 /// `train.method`: which weights are trained.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -153,6 +165,10 @@ pub struct ModelSection {
     pub path: PathBuf,
     /// Storage and compute dtype of the frozen base (default bf16).
     pub dtype: ModelDtype,
+    /// none | nf4: 4-bit storage of the decoder layers' linear weights (default none).
+    pub quantize: Quantize,
+    /// With nf4: quantize the per-block scales too (bitsandbytes double quantization, default true).
+    pub double_quant: bool,
 }
 
 /// `[lora]`: the adapters, used when `train.method = "lora"`.
@@ -204,7 +220,7 @@ pub struct TrainSection {
     pub max_steps: usize,
     /// Passes over the data when `max_steps` is 0 (default 1).
     pub epochs: usize,
-    /// adamw | sgd (default adamw); the type lives with the optimizers in [`crate::optim`].
+    /// adamw | adamw8bit | sgd (default adamw); the type lives with the optimizers in [`crate::optim`].
     pub optimizer: OptimizerKind,
     /// Peak learning rate (default 2e-4).
     pub lr: f64,
@@ -233,6 +249,11 @@ pub struct TrainSection {
     pub eval_every: usize,
     /// Save every this many optimizer steps; 0 only at the end.
     pub save_every: usize,
+    /// Activation checkpointing: keep only decoder-layer inputs in the forward and recompute
+    /// each layer in the backward (default false).
+    pub checkpointing: bool,
+    /// With `checkpointing`: checkpoint every n-th decoder layer (default 1 = all).
+    pub checkpoint_every: usize,
 }
 
 impl Default for LoraSection {
@@ -436,6 +457,12 @@ impl TrainConfig {
                 "must be at least 1, found 0".into(),
             );
         }
+        if t.checkpoint_every < 1 {
+            return bad(
+                "train.checkpoint_every",
+                "must be at least 1, found 0 (1 = checkpoint every decoder layer)".into(),
+            );
+        }
         if t.grad_accum < 1 {
             return bad(
                 "train.grad_accum",
@@ -561,11 +588,24 @@ struct RawConfig {
     train: RawTrain,
 }
 
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 struct RawModel {
     path: Option<String>,
     dtype: ModelDtype,
+    quantize: Quantize,
+    double_quant: bool,
+}
+
+impl Default for RawModel {
+    fn default() -> Self {
+        Self {
+            path: None,
+            dtype: ModelDtype::default(),
+            quantize: Quantize::None,
+            double_quant: true,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -640,6 +680,8 @@ struct RawTrain {
     log_every: usize,
     eval_every: usize,
     save_every: usize,
+    checkpointing: bool,
+    checkpoint_every: usize,
 }
 
 impl Default for RawTrain {
@@ -664,6 +706,8 @@ impl Default for RawTrain {
             log_every: 1,
             eval_every: 0,
             save_every: 0,
+            checkpointing: false,
+            checkpoint_every: 1,
         }
     }
 }
@@ -712,6 +756,8 @@ impl RawTrain {
             log_every: self.log_every,
             eval_every: self.eval_every,
             save_every: self.save_every,
+            checkpointing: self.checkpointing,
+            checkpoint_every: self.checkpoint_every,
         }
     }
 }
@@ -742,6 +788,8 @@ impl RawConfig {
             model: ModelSection {
                 path: PathBuf::from(path),
                 dtype: self.model.dtype,
+                quantize: self.model.quantize,
+                double_quant: self.model.double_quant,
             },
             lora: self.lora.into_section(),
             data: DataSection {
@@ -766,6 +814,8 @@ impl From<&TrainConfig> for RawConfig {
             model: RawModel {
                 path: Some(path_string(&c.model.path)),
                 dtype: c.model.dtype,
+                quantize: c.model.quantize,
+                double_quant: c.model.double_quant,
             },
             lora: RawLora {
                 rank: c.lora.rank,
@@ -804,6 +854,8 @@ impl From<&TrainConfig> for RawConfig {
                 log_every: t.log_every,
                 eval_every: t.eval_every,
                 save_every: t.save_every,
+                checkpointing: t.checkpointing,
+                checkpoint_every: t.checkpoint_every,
             },
         }
     }
@@ -854,6 +906,8 @@ const SECTIONS: [(&str, &[(&str, Kind)]); 4] = [
         &[
             ("path", Kind::Str),
             ("dtype", Kind::Choice(&["f32", "f16", "bf16"])),
+            ("quantize", Kind::Choice(&["none", "nf4"])),
+            ("double_quant", Kind::Bool),
         ],
     ),
     (
@@ -904,6 +958,8 @@ const SECTIONS: [(&str, &[(&str, Kind)]); 4] = [
             ("log_every", Kind::Uint),
             ("eval_every", Kind::Uint),
             ("save_every", Kind::Uint),
+            ("checkpointing", Kind::Bool),
+            ("checkpoint_every", Kind::Uint),
         ],
     ),
 ];
@@ -925,6 +981,13 @@ const ALIASES: &[(&str, &str)] = &[
     ("model_name_or_path", "model.path"),
     ("checkpoint_dir", "model.path"),
     ("torch_dtype", "model.dtype"),
+    ("load_in_4bit", "model.quantize"),
+    ("bnb_4bit_quant_type", "model.quantize"),
+    ("quantization", "model.quantize"),
+    ("bnb_4bit_use_double_quant", "model.double_quant"),
+    ("gradient_checkpointing", "train.checkpointing"),
+    ("activation_checkpointing", "train.checkpointing"),
+    ("enable_activation_checkpointing", "train.checkpointing"),
     ("precision", "model.dtype"),
     ("dataset", "data.train"),
     ("datasets", "data.train"),
