@@ -15,6 +15,7 @@ pub mod loss;
 pub mod model;
 pub mod ops;
 pub mod qwen2;
+pub mod quant;
 pub mod qwen3;
 pub mod weights;
 

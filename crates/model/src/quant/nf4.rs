@@ -1,0 +1,1 @@
+//! 4-bit NormalFloat (NF4) weights, bitsandbytes layout.
