@@ -3,6 +3,7 @@
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use tallow_trainer::config::TrainConfig;
+use tallow_trainer::memory::human_bytes;
 use tallow_trainer::train::{train, Event};
 
 use crate::args::TrainArgs;
@@ -38,6 +39,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
             trainable_params,
             rows,
             resumed_from,
+            load_peak_bytes,
+            memory,
         } => {
             bar.set_length(total_steps as u64);
             bar.set_position(start_step as u64);
@@ -45,13 +48,22 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 .map(|p| format!(", resumed from {}", p.display()))
                 .unwrap_or_default();
             say(format!("training {total_steps} steps on {rows} rows, {trainable_params} trainable parameters{from}"));
+            if let Some(b) = load_peak_bytes {
+                say(format!(
+                    "peak memory ({memory}) while loading: {}",
+                    human_bytes(b)
+                ));
+            }
         }
         Event::Step(s) => {
             bar.set_position(s.step as u64);
-            let msg = format!(
+            let mut msg = format!(
                 "loss {:.4}  lr {:.2e}  {:.0} tok/s",
                 s.loss, s.lr, s.tokens_per_s
             );
+            if let Some(p) = s.peak_bytes.max() {
+                msg += &format!("  peak {}", human_bytes(p));
+            }
             if quiet {
                 eprintln!("step {}  {msg}  grad_norm {:.3}", s.step, s.grad_norm);
             }
@@ -73,5 +85,17 @@ pub fn run(a: TrainArgs) -> Result<()> {
         line += &format!(", eval loss {a:.4} -> {b:.4}");
     }
     println!("{line}\noutput: {}", summary.output.display());
+    let p = &summary.peak_bytes;
+    if let (Some(l), Some(f), Some(b), Some(o)) =
+        (summary.load_peak_bytes, p.forward, p.backward, p.optimizer)
+    {
+        println!(
+            "peak memory: load {}, forward {}, backward {}, optimizer {}",
+            human_bytes(l),
+            human_bytes(f),
+            human_bytes(b),
+            human_bytes(o)
+        );
+    }
     Ok(())
 }

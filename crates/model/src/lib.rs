@@ -6,6 +6,7 @@
 //! - `loss`: chunked cross-entropy fused with the LM head; `weights`: safetensors loading.
 
 pub mod adapter;
+pub mod checkpointing;
 pub mod config;
 pub mod error;
 pub mod io;
@@ -14,8 +15,8 @@ pub mod llama;
 pub mod loss;
 pub mod model;
 pub mod ops;
-pub mod qwen2;
 pub mod quant;
+pub mod qwen2;
 pub mod qwen3;
 pub mod weights;
 

@@ -10,6 +10,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::checkpointing::Checkpointing;
 use crate::config::DecoderConfig;
 use crate::error::{ModelError, Result};
 use crate::linear::{Linear, Param};
@@ -37,6 +38,7 @@ impl LoadOptions {
 }
 
 /// Multi-head self-attention with grouped-query heads and rotary embedding.
+#[derive(Clone)]
 pub struct Attention {
     pub q_proj: Linear,
     pub k_proj: Linear,
@@ -87,6 +89,7 @@ impl Attention {
 }
 
 /// SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
+#[derive(Clone)]
 pub struct Mlp {
     pub gate_proj: Linear,
     pub up_proj: Linear,
@@ -102,7 +105,9 @@ impl Mlp {
     }
 }
 
-/// One pre-norm decoder layer.
+/// One pre-norm decoder layer. Cloning is cheap (tensors are shared), which activation
+/// checkpointing uses to keep a handle on the layer in the graph.
+#[derive(Clone)]
 pub struct DecoderLayer {
     pub self_attn: Attention,
     pub mlp: Mlp,
@@ -151,6 +156,7 @@ impl DecoderLayer {
 }
 
 /// The per-batch inputs every layer shares: rotary tables and the additive attention mask.
+#[derive(Clone)]
 pub struct RopeMask {
     /// (B, 1, T, D)
     pub cos: Tensor,
@@ -172,6 +178,8 @@ pub struct CausalLM {
     inv_freq: Vec<f32>,
     dtype: DType,
     device: Device,
+    /// Activation checkpointing, when on (see [`crate::checkpointing`]).
+    checkpointing: Option<Checkpointing>,
 }
 
 impl CausalLM {
@@ -267,7 +275,24 @@ impl CausalLM {
             dtype: dt,
             device: dev.clone(),
             config,
+            checkpointing: None,
         })
+    }
+
+    /// Activation checkpointing of every `every`-th decoder layer (`None`: off). With it on,
+    /// the gradients of the checkpointed layers' variables do not come out of `backward()`:
+    /// collect them with [`CausalLM::take_checkpoint_grads`] after each backward.
+    pub fn set_checkpointing(&mut self, every: Option<usize>) {
+        self.checkpointing = every.map(|e| Checkpointing::new(e.max(1)));
+    }
+
+    /// The gradients of variables inside checkpointed layers from the backward passes since the
+    /// last call (one store per layer and backward). Empty when checkpointing is off.
+    pub fn take_checkpoint_grads(&self) -> Vec<candle_core::backprop::GradStore> {
+        self.checkpointing
+            .as_ref()
+            .map(Checkpointing::take_grads)
+            .unwrap_or_default()
     }
 
     pub fn dtype(&self) -> DType {
@@ -329,8 +354,11 @@ impl CausalLM {
         let (b, t) = input_ids.dims2()?;
         let rope = self.rope_mask(b, t, segments)?;
         let mut x = self.embed(input_ids)?;
-        for layer in &self.layers {
-            x = layer.forward(&x, &rope)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = match &self.checkpointing {
+                Some(c) if i % c.every == 0 => c.forward(layer, &x, &rope)?,
+                _ => layer.forward(&x, &rope)?,
+            };
         }
         ops::rms_norm(&x, self.norm.tensor(), self.config.rms_norm_eps)
     }

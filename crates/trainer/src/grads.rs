@@ -60,8 +60,9 @@ impl GradAccumulator {
         Ok(())
     }
 
-    /// Number of stores added since the last [`GradAccumulator::take`].
-    pub fn micro_batches(&self) -> usize {
+    /// Number of stores added since the last [`GradAccumulator::take`] (one per micro-batch, plus
+    /// one per checkpointed layer and micro-batch with activation checkpointing).
+    pub fn stores_added(&self) -> usize {
         self.added
     }
 
@@ -159,7 +160,7 @@ mod tests {
         let s2 = store_for(&[&a], &[-0.25]);
         assert!(s2.get(&b).is_none());
         acc.add(&s2).unwrap();
-        assert_eq!(acc.micro_batches(), 2);
+        assert_eq!(acc.stores_added(), 2);
 
         let g = acc.take().unwrap();
         assert_eq!(vals(&g[0]), vec![1.75; 3]);
@@ -169,7 +170,7 @@ mod tests {
         assert!(g.iter().all(|t| t.dtype() == DType::F32));
 
         // take() emptied it: zeros again until the next add
-        assert_eq!(acc.micro_batches(), 0);
+        assert_eq!(acc.stores_added(), 0);
         let g = acc.take().unwrap();
         assert_eq!(vals(&g[0]), vec![0.0; 3]);
         acc.add(&store_for(&[&a], &[3.0])).unwrap();

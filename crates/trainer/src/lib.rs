@@ -11,6 +11,7 @@ pub mod data;
 pub mod error;
 pub mod eval;
 pub mod grads;
+pub mod memory;
 pub mod optim;
 pub mod schedule;
 pub mod tokenizer;

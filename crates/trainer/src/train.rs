@@ -29,6 +29,7 @@ use crate::data::{load_jsonl, DataOptions, Example};
 use crate::error::TrainError;
 use crate::eval::evaluate;
 use crate::grads::{clip_grad_norm, GradAccumulator};
+use crate::memory::{PhasePeaks, Probe};
 use crate::optim::{self, Optimizer};
 use crate::schedule::lr_at;
 use crate::tokenizer::TextTokenizer;
@@ -45,6 +46,9 @@ pub struct StepLog {
     pub target_tokens: usize,
     pub tokens_per_s: f64,
     pub elapsed_s: f64,
+    /// Measured peak bytes per phase of this step (max over its micro-batches), see
+    /// [`crate::memory`].
+    pub peak_bytes: PhasePeaks,
 }
 
 /// What the run reports as it goes (the CLI turns these into a progress bar and messages).
@@ -55,6 +59,10 @@ pub enum Event<'a> {
         trainable_params: usize,
         rows: usize,
         resumed_from: Option<&'a Path>,
+        /// Peak bytes while loading data, model and adapters.
+        load_peak_bytes: Option<u64>,
+        /// What the peaks measure ("host heap", "CUDA memory pool", "none").
+        memory: &'static str,
     },
     Step(&'a StepLog),
     Eval {
@@ -78,6 +86,9 @@ pub struct Summary {
     /// `adapter/` or `model/` in the output dir.
     pub output: PathBuf,
     pub elapsed_s: f64,
+    /// Measured peak bytes of the load phase and, per phase, over all steps of this run.
+    pub load_peak_bytes: Option<u64>,
+    pub peak_bytes: PhasePeaks,
 }
 
 /// Everything [`train`] works on, built by [`setup`].
@@ -125,6 +136,9 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Run, TrainError> {
         train_base: full,
     };
     let mut model = CausalLM::load(model_dir, &opts)?;
+    if cfg.train.checkpointing {
+        model.set_checkpointing(Some(cfg.train.checkpoint_every));
+    }
     let (params, lora) = if full {
         let params = model
             .named_params()
@@ -238,6 +252,9 @@ pub fn train(
     tallow_model::io::write_atomic(&out.join("config.toml"), cfg.to_toml_string().as_bytes())?;
     let metrics = out.join("metrics.jsonl");
 
+    // Phase "load": data, model, adapters, optimizer, resume state.
+    let probe = Probe::for_device(device);
+    probe.start_phase();
     let Run {
         model,
         params,
@@ -315,12 +332,15 @@ pub fn train(
         let _ = std::fs::remove_file(&metrics);
     }
     let trainable_params = params.iter().map(|(_, v)| v.elem_count()).sum();
+    let load_peak_bytes = probe.peak();
     on_event(Event::Start {
         total_steps,
         start_step,
         trainable_params,
         rows: rows.len(),
         resumed_from: resumed_from.as_deref(),
+        load_peak_bytes,
+        memory: probe.what(),
     });
 
     let run_eval = |model: &CausalLM| -> Result<Option<f64>, TrainError> {
@@ -336,6 +356,12 @@ pub fn train(
     } else {
         None
     };
+    if resumed_from.is_none() {
+        append_metrics(
+            &metrics,
+            &serde_json::json!({"step": 0, "load_peak_bytes": load_peak_bytes, "memory": probe.what()}),
+        )?;
+    }
     if let Some(l) = eval_loss_start {
         append_metrics(&metrics, &serde_json::json!({"step": 0, "eval_loss": l}))?;
         on_event(Event::Eval { step: 0, loss: l });
@@ -346,12 +372,14 @@ pub fn train(
     let mut last_loss = None;
     let mut eval_loss_end = None;
     let mut last_checkpoint: Option<PathBuf> = resumed_from.clone();
+    let mut run_peaks = PhasePeaks::default();
     for step in start_step..total_steps {
         let t0 = Instant::now();
         let step_rows: Vec<&Row> = plan.rows(step).into_iter().map(|i| &rows[i]).collect();
         let step_targets: usize = step_rows.iter().map(|r| r.n_targets()).sum();
         let mut step_tokens = 0;
         let mut nll_sum = 0.0;
+        let mut peaks = PhasePeaks::default();
 
         // Forward + backward over the micro-batches; gradients summed in the accumulator.
         for (m, micro) in step_rows.chunks(t.micro_batch_size).enumerate() {
@@ -360,17 +388,31 @@ pub fn train(
                 Some(mix_seed(t.seed, ((step as u64) << 20) | m as u64)),
             );
             let batch = Batch::from_rows(micro, pad, device)?;
+            probe.start_phase();
             let hidden = model.forward_hidden(&batch.input_ids, batch.segments.as_deref())?; // (B, T, C)
             let nll = lm_head_nll(&hidden, model.lm_head_weight(), &batch.targets)?; // sum over targets
             let loss = (&nll / step_targets as f64)?; // this micro-batch's share of the step mean
+            let forward_peak = probe.peak();
+            probe.start_phase();
             acc.add(&loss.backward()?)?;
+            // Checkpointed layers hand their parameters' gradients over separately.
+            for store in model.take_checkpoint_grads() {
+                acc.add(&store)?;
+            }
             nll_sum += scalar_f64(&nll)?;
+            drop((hidden, nll, loss));
+            peaks = peaks.merge(&PhasePeaks {
+                forward: forward_peak,
+                backward: probe.peak(),
+                optimizer: None,
+            });
             step_tokens += batch.tokens;
         }
         set_dropout(&model, None);
         let loss = nll_sum / step_targets as f64;
 
         // Clip, then one optimizer update.
+        probe.start_phase();
         let mut grads = acc.take()?;
         let grad_norm = clip_grad_norm(&mut grads, t.max_grad_norm)?;
         for (what, value) in [("loss", loss), ("gradient norm", grad_norm)] {
@@ -392,6 +434,9 @@ pub fn train(
         }
         let lr = lr_at(t.schedule, t.lr, step, t.warmup_steps, total_steps);
         opt.step(&vars, &grads, lr)?;
+        drop(grads);
+        peaks.optimizer = probe.peak();
+        run_peaks = run_peaks.merge(&peaks);
 
         // Log.
         let done = step + 1;
@@ -406,6 +451,7 @@ pub fn train(
             target_tokens: step_targets,
             tokens_per_s: step_tokens as f64 / dt.max(1e-9),
             elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
+            peak_bytes: peaks,
         };
         if done % t.log_every.max(1) == 0 || done == total_steps {
             append_metrics(&metrics, &log)?;
@@ -465,5 +511,7 @@ pub fn train(
         eval_loss_end,
         output,
         elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
+        load_peak_bytes,
+        peak_bytes: run_peaks,
     })
 }

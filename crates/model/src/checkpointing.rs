@@ -1,0 +1,187 @@
+//! Activation checkpointing: recompute a decoder layer in the backward instead of keeping its
+//! intermediates from the forward.
+//!
+//! ```text
+//!  forward:   x ──► layer(x.detach()) ──► y.detach()     (graph of the layer dropped at once)
+//!             x ─┬─► LayerCheckpoint ──► y               (graph keeps x only, plus y itself)
+//!  anchor var ───┘
+//!  backward:  dy ──► recompute layer(x as a fresh var), backward of sum(y * dy)
+//!                    ──► dx (to the outer graph) and the layer's parameter grads (to a side store)
+//! ```
+//!
+//! Candle's `CustomOp::bwd` returns gradients for the op's inputs only, so the gradients of the
+//! variables inside the layer (LoRA A/B, or every weight in full fine-tuning) go to a shared
+//! list that the trainer drains after each backward ([`crate::CausalLM::take_checkpoint_grads`]).
+//! The op's second input is one variable of the layer, so that the op is recorded even when
+//! `x` itself does not track gradients (the first layer reads frozen embeddings).
+//!
+//! The recomputation sees the same LoRA dropout masks as the forward: masks are a pure
+//! function of the dropout seed the trainer sets per micro-batch, which is still set when that
+//! micro-batch's backward runs.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::backend::BackendStorage;
+use candle_core::backprop::GradStore;
+use candle_core::{CpuStorage, CudaStorage, CustomOp2, Layout, Shape, Storage, Tensor, Var};
+
+use crate::error::Result;
+use crate::model::{DecoderLayer, RopeMask};
+
+/// Checkpointing settings of a model plus the side store of parameter gradients.
+pub struct Checkpointing {
+    /// Checkpoint layers whose index is a multiple of this.
+    pub(crate) every: usize,
+    grads: Arc<Mutex<Vec<GradStore>>>,
+}
+
+impl Checkpointing {
+    pub(crate) fn new(every: usize) -> Self {
+        Self {
+            every,
+            grads: Arc::default(),
+        }
+    }
+
+    pub(crate) fn take_grads(&self) -> Vec<GradStore> {
+        std::mem::take(&mut *self.grads.lock().expect("checkpoint grads lock"))
+    }
+
+    /// `layer.forward(x)` that keeps only `x` (and the output) alive for the backward.
+    /// x: (B, T, C) -> (B, T, C)
+    pub(crate) fn forward(
+        &self,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        rope: &RopeMask,
+    ) -> Result<Tensor> {
+        // The layer's graph lives only inside this expression.
+        let y = layer.forward(&x.detach(), rope)?.contiguous()?.detach();
+        let Some(anchor) = first_var(layer).or_else(|| x.track_op().then(|| x.clone())) else {
+            return Ok(y); // nothing to differentiate: no graph at all
+        };
+        let op = LayerCheckpoint {
+            layer: layer.clone(),
+            rope: rope.clone(),
+            y: Mutex::new(Some(y)),
+            grads: self.grads.clone(),
+        };
+        Ok(x.apply_op2(&anchor, op)?)
+    }
+}
+
+/// Every variable of the layer: LoRA A/B, and in full fine-tuning every weight.
+fn layer_vars(layer: &DecoderLayer) -> Vec<Tensor> {
+    let a = &layer.self_attn;
+    let mut params = vec![&layer.input_layernorm, &layer.post_attention_layernorm];
+    params.extend(a.q_norm.iter().chain(a.k_norm.iter()));
+    let mut out: Vec<Tensor> = params
+        .into_iter()
+        .filter_map(|p| p.var().map(|v| v.as_tensor().clone()))
+        .collect();
+    for (_, l) in layer.linears() {
+        out.extend(l.weight.var().map(|v| v.as_tensor().clone()));
+        out.extend(
+            l.bias
+                .iter()
+                .filter_map(|b| b.var().map(|v| v.as_tensor().clone())),
+        );
+        if let Some(lora) = &l.lora {
+            out.push(lora.a.as_tensor().clone());
+            out.push(lora.b.as_tensor().clone());
+        }
+    }
+    out
+}
+
+/// One variable of the layer, to anchor the op in the graph.
+fn first_var(layer: &DecoderLayer) -> Option<Tensor> {
+    layer_vars(layer).into_iter().next()
+}
+
+struct LayerCheckpoint {
+    layer: DecoderLayer,
+    rope: RopeMask,
+    /// The detached output, handed over (copied) once by the forward.
+    y: Mutex<Option<Tensor>>,
+    grads: Arc<Mutex<Vec<GradStore>>>,
+}
+
+impl LayerCheckpoint {
+    fn take_y(&self) -> candle_core::Result<Tensor> {
+        self.y
+            .lock()
+            .expect("checkpoint output lock")
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("layer checkpoint applied twice".into()))
+    }
+}
+
+impl CustomOp2 for LayerCheckpoint {
+    fn name(&self) -> &'static str {
+        "layer-checkpoint"
+    }
+
+    // (x, anchor) -> y, the layer output computed before the op was applied.
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let y = self.take_y()?;
+        let (s, l) = y.storage_and_layout();
+        let Storage::Cpu(s) = &*s else {
+            candle_core::bail!("layer checkpoint: output is not on the CPU");
+        };
+        Ok((s.try_clone(l)?, y.shape().clone()))
+    }
+
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let y = self.take_y()?;
+        let (s, l) = y.storage_and_layout();
+        let Storage::Cuda(s) = &*s else {
+            candle_core::bail!("layer checkpoint: output is not on the CUDA device");
+        };
+        Ok((s.try_clone(l)?, y.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        _anchor: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let wants_dx = x.track_op();
+        let map = |e: crate::error::ModelError| candle_core::Error::Msg(e.to_string());
+        let (x_in, x_var) = if wants_dx {
+            let v = Var::from_tensor(&x.detach())?;
+            (v.as_tensor().clone(), Some(v))
+        } else {
+            (x.detach(), None)
+        };
+        // Recompute, then backpropagate dy: d/dy' of sum(y' * dy) is exactly dy.
+        let y = self.layer.forward(&x_in, &self.rope).map_err(map)?;
+        let mut store = (y * dy.detach())?.sum_all()?.backward()?;
+        let dx = x_var.and_then(|v| store.remove(v.as_tensor()));
+        // Keep only the layer's variables: Candle's store also holds gradients of untracked
+        // operands (masks, rotary tables), which must not stay alive for the whole backward.
+        let mut kept = GradStore::default();
+        for v in layer_vars(&self.layer) {
+            if let Some(g) = store.remove(&v) {
+                kept.insert(&v, g);
+            }
+        }
+        drop(store);
+        self.grads.lock().expect("checkpoint grads lock").push(kept);
+        Ok((dx, None))
+    }
+}

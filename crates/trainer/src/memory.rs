@@ -1,0 +1,301 @@
+//! Peak memory, measured (not estimated), per phase of a training step.
+//!
+//! - CPU: [`CountingAlloc`] wraps the binary's global allocator and keeps exact live and peak
+//!   heap bytes in two atomics. The `tallow` binary installs it (around mimalloc); a library user
+//!   who does not gets no CPU numbers (`None`), never wrong ones.
+//! - CUDA: Candle allocates through cudarc from the device's default memory pool
+//!   (`cuMemAllocAsync`), so the pool's `USED_MEM_CURRENT` / `USED_MEM_HIGH` attributes see every
+//!   tensor; the high-water mark is reset at the start of each phase.
+//!
+//! A [`Probe`] is made for the training device; the trainer calls [`Probe::start_phase`] before
+//! load, each forward, each backward and each optimizer step, and [`Probe::peak`] after it.
+
+use std::alloc::{GlobalAlloc, Layout};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use candle_core::Device;
+use serde::Serialize;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+/// A global allocator that counts live and peak bytes around another one:
+///
+/// ```ignore
+/// #[global_allocator]
+/// static GLOBAL: CountingAlloc<mimalloc::MiMalloc> = CountingAlloc(mimalloc::MiMalloc);
+/// ```
+pub struct CountingAlloc<A>(pub A);
+
+impl<A> CountingAlloc<A> {
+    #[inline]
+    fn grew(size: usize) {
+        let live = LIVE.fetch_add(size, Ordering::Relaxed) + size;
+        PEAK.fetch_max(live, Ordering::Relaxed);
+    }
+}
+
+// SAFETY: every call is forwarded unchanged to the wrapped allocator; only counters are added.
+unsafe impl<A: GlobalAlloc> GlobalAlloc for CountingAlloc<A> {
+    #[inline]
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { self.0.alloc(layout) };
+        if !p.is_null() {
+            Self::grew(layout.size());
+        }
+        p
+    }
+
+    #[inline]
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { self.0.alloc_zeroed(layout) };
+        if !p.is_null() {
+            Self::grew(layout.size());
+        }
+        p
+    }
+
+    #[inline]
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { self.0.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+
+    #[inline]
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = unsafe { self.0.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            if new_size >= layout.size() {
+                Self::grew(new_size - layout.size());
+            } else {
+                LIVE.fetch_sub(layout.size() - new_size, Ordering::Relaxed);
+            }
+        }
+        p
+    }
+}
+
+/// Tells this module that [`CountingAlloc`] is the global allocator (the binary calls it first
+/// thing in `main`), so host numbers are reported.
+pub fn mark_counting_installed() {
+    INSTALLED.store(true, Ordering::Relaxed);
+}
+
+/// Live heap bytes right now, when [`CountingAlloc`] is installed.
+pub fn host_live_bytes() -> Option<u64> {
+    INSTALLED
+        .load(Ordering::Relaxed)
+        .then(|| LIVE.load(Ordering::Relaxed) as u64)
+}
+
+/// Where peak memory is read from.
+pub enum Probe {
+    /// The counting allocator (CPU device).
+    Host,
+    /// The CUDA device's default memory pool.
+    #[cfg(feature = "cuda")]
+    Cuda(cuda::PoolProbe),
+    /// Nothing to measure with (CPU without the counting allocator).
+    Off,
+}
+
+impl Probe {
+    /// The probe for the training device.
+    pub fn for_device(device: &Device) -> Probe {
+        match device {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => match cuda::PoolProbe::new(d) {
+                Ok(p) => Probe::Cuda(p),
+                Err(_) => Probe::Off,
+            },
+            Device::Cpu if INSTALLED.load(Ordering::Relaxed) => Probe::Host,
+            _ => Probe::Off,
+        }
+    }
+
+    /// What is measured, for messages: "host heap", "CUDA memory pool" or "none".
+    pub fn what(&self) -> &'static str {
+        match self {
+            Probe::Host => "host heap",
+            #[cfg(feature = "cuda")]
+            Probe::Cuda(_) => "CUDA memory pool",
+            Probe::Off => "none",
+        }
+    }
+
+    /// Resets the high-water mark to the bytes in use now.
+    pub fn start_phase(&self) {
+        match self {
+            Probe::Host => PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed),
+            #[cfg(feature = "cuda")]
+            Probe::Cuda(p) => p.reset_peak(),
+            Probe::Off => {}
+        }
+    }
+
+    /// Peak bytes in use since the last [`Probe::start_phase`] (waits for the device on CUDA).
+    pub fn peak(&self) -> Option<u64> {
+        match self {
+            Probe::Host => Some(PEAK.load(Ordering::Relaxed) as u64),
+            #[cfg(feature = "cuda")]
+            Probe::Cuda(p) => p.peak(),
+            Probe::Off => None,
+        }
+    }
+
+    /// Bytes in use now.
+    pub fn current(&self) -> Option<u64> {
+        match self {
+            Probe::Host => Some(LIVE.load(Ordering::Relaxed) as u64),
+            #[cfg(feature = "cuda")]
+            Probe::Cuda(p) => p.current(),
+            Probe::Off => None,
+        }
+    }
+}
+
+/// Peak bytes per phase of a training step (`None` where nothing measures).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct PhasePeaks {
+    pub forward: Option<u64>,
+    pub backward: Option<u64>,
+    pub optimizer: Option<u64>,
+}
+
+impl PhasePeaks {
+    /// The largest of the three.
+    pub fn max(&self) -> Option<u64> {
+        [self.forward, self.backward, self.optimizer]
+            .into_iter()
+            .flatten()
+            .max()
+    }
+
+    /// Phase-wise maximum of two records.
+    pub fn merge(&self, o: &PhasePeaks) -> PhasePeaks {
+        let m = |a: Option<u64>, b: Option<u64>| a.max(b);
+        PhasePeaks {
+            forward: m(self.forward, o.forward),
+            backward: m(self.backward, o.backward),
+            optimizer: m(self.optimizer, o.optimizer),
+        }
+    }
+}
+
+/// `1.23 GiB`-style text for a byte count.
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub mod cuda {
+    //! The default memory pool of a CUDA device (what cudarc's `cuMemAllocAsync` draws from).
+    use std::sync::Arc;
+
+    use cudarc::driver::sys;
+    use cudarc::driver::CudaStream;
+
+    pub struct PoolProbe {
+        pool: sys::CUmemoryPool,
+        stream: Arc<CudaStream>,
+    }
+
+    // SAFETY: a CUmemoryPool handle is a plain driver handle, valid on any thread of the
+    // process once the device's context is bound.
+    unsafe impl Send for PoolProbe {}
+    unsafe impl Sync for PoolProbe {}
+
+    impl PoolProbe {
+        pub fn new(dev: &candle_core::CudaDevice) -> Result<Self, String> {
+            let stream = dev.cuda_stream();
+            let ctx = stream.context();
+            ctx.bind_to_thread().map_err(|e| e.to_string())?;
+            let mut pool = std::ptr::null_mut();
+            // SAFETY: valid out pointer and device handle of a live context.
+            unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
+                .result()
+                .map_err(|e| e.to_string())?;
+            Ok(Self { pool, stream })
+        }
+
+        fn attr(&self, a: sys::CUmemPool_attribute) -> Option<u64> {
+            self.stream.synchronize().ok()?;
+            let mut v: u64 = 0;
+            // SAFETY: the USED_MEM_* attributes are cuuint64_t.
+            unsafe { sys::cuMemPoolGetAttribute(self.pool, a, &mut v as *mut u64 as *mut _) }
+                .result()
+                .ok()?;
+            Some(v)
+        }
+
+        pub fn peak(&self) -> Option<u64> {
+            self.attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)
+        }
+
+        pub fn current(&self) -> Option<u64> {
+            self.attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+        }
+
+        pub fn reset_peak(&self) {
+            let _ = self.stream.synchronize();
+            let mut zero: u64 = 0;
+            // SAFETY: setting USED_MEM_HIGH to 0 resets it to the current use (driver API docs).
+            let _ = unsafe {
+                sys::cuMemPoolSetAttribute(
+                    self.pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    &mut zero as *mut u64 as *mut _,
+                )
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phase_peaks_merge_and_max() {
+        let a = PhasePeaks {
+            forward: Some(10),
+            backward: Some(30),
+            optimizer: None,
+        };
+        let b = PhasePeaks {
+            forward: Some(20),
+            backward: Some(5),
+            optimizer: Some(1),
+        };
+        let m = a.merge(&b);
+        assert_eq!(
+            m,
+            PhasePeaks {
+                forward: Some(20),
+                backward: Some(30),
+                optimizer: Some(1)
+            }
+        );
+        assert_eq!(m.max(), Some(30));
+        assert_eq!(PhasePeaks::default().max(), None);
+    }
+
+    #[test]
+    fn human_bytes_units() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(1536), "1.50 KiB");
+        assert_eq!(human_bytes(3 << 30), "3.00 GiB");
+    }
+}

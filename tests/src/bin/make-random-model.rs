@@ -1,0 +1,171 @@
+//! Dev tool: a random-weight model with the shapes of a hand-written config.json, a fixture
+//! tokenizer, and a JSONL file of long text rows, for memory and speed benchmarks (no hub
+//! needed). Weights ~ N(0, 0.02), norms 1.
+//!
+//!   cargo run --release -p tallow-tests --bin make-random-model -- \
+//!       CONFIG_JSON OUT_DIR [--dtype bf16|f32] [--rows 64] [--row-words 600]
+//!
+//! Writes OUT_DIR/{config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
+//! bench.jsonl}. Tensors are generated and written one shard (~2 GB) at a time.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use tallow_model::DecoderConfig;
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: make-random-model CONFIG_JSON OUT_DIR [--dtype bf16|f32] [--rows N] [--row-words N]"
+    );
+    std::process::exit(2)
+}
+
+/// Every tensor of the model with its HF name and shape, in file order.
+fn tensor_shapes(c: &DecoderConfig) -> Vec<(String, Vec<usize>)> {
+    let (hs, d) = (c.hidden_size, c.head_dim);
+    let (q, kv, i) = (
+        c.num_attention_heads * d,
+        c.num_key_value_heads * d,
+        c.intermediate_size,
+    );
+    let mut out = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![c.vocab_size, hs],
+    )];
+    for l in 0..c.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        let lin = [
+            ("self_attn.q_proj", q, hs, c.qkv_bias),
+            ("self_attn.k_proj", kv, hs, c.qkv_bias),
+            ("self_attn.v_proj", kv, hs, c.qkv_bias),
+            ("self_attn.o_proj", hs, q, c.o_bias),
+            ("mlp.gate_proj", i, hs, c.mlp_bias),
+            ("mlp.up_proj", i, hs, c.mlp_bias),
+            ("mlp.down_proj", hs, i, c.mlp_bias),
+        ];
+        for (n, o, inp, bias) in lin {
+            out.push((format!("{p}.{n}.weight"), vec![o, inp]));
+            if bias {
+                out.push((format!("{p}.{n}.bias"), vec![o]));
+            }
+        }
+        if c.qk_norm {
+            out.push((format!("{p}.self_attn.q_norm.weight"), vec![d]));
+            out.push((format!("{p}.self_attn.k_norm.weight"), vec![d]));
+        }
+        out.push((format!("{p}.input_layernorm.weight"), vec![hs]));
+        out.push((format!("{p}.post_attention_layernorm.weight"), vec![hs]));
+    }
+    out.push(("model.norm.weight".into(), vec![hs]));
+    if !c.tie_word_embeddings {
+        out.push(("lm_head.weight".into(), vec![c.vocab_size, hs]));
+    }
+    out
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.len() < 2 {
+        usage();
+    }
+    let (config, out) = (PathBuf::from(&args[0]), PathBuf::from(&args[1]));
+    let (mut dtype, mut rows, mut row_words) = (DType::BF16, 64usize, 600usize);
+    let mut it = args[2..].iter();
+    while let Some(flag) = it.next() {
+        let v = it.next().unwrap_or_else(|| usage());
+        match flag.as_str() {
+            "--dtype" => {
+                dtype = match v.as_str() {
+                    "bf16" => DType::BF16,
+                    "f32" => DType::F32,
+                    _ => usage(),
+                }
+            }
+            "--rows" => rows = v.parse()?,
+            "--row-words" => row_words = v.parse()?,
+            _ => usage(),
+        }
+    }
+    std::fs::create_dir_all(&out)?;
+    std::fs::copy(&config, out.join("config.json"))?;
+    let c = DecoderConfig::from_dir(&out)?;
+    let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tokenizers/bos");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tok.join(f), out.join(f))?;
+    }
+
+    // Shards of at most ~2 GB, with an index when there is more than one.
+    let shapes = tensor_shapes(&c);
+    let limit = 2usize << 30;
+    let mut shards: Vec<Vec<(String, Vec<usize>)>> = vec![vec![]];
+    let mut size = 0;
+    for (n, s) in shapes {
+        let bytes = s.iter().product::<usize>() * dtype.size_in_bytes();
+        if size + bytes > limit && !shards.last().unwrap().is_empty() {
+            shards.push(vec![]);
+            size = 0;
+        }
+        size += bytes;
+        shards.last_mut().unwrap().push((n, s));
+    }
+    let n_shards = shards.len();
+    let mut index = serde_json::Map::new();
+    let mut params = 0usize;
+    for (k, shard) in shards.into_iter().enumerate() {
+        let file = if n_shards == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{n_shards:05}.safetensors", k + 1)
+        };
+        let mut tensors = HashMap::new();
+        for (n, s) in shard {
+            params += s.iter().product::<usize>();
+            let t = if n.ends_with("norm.weight") {
+                Tensor::ones(s.as_slice(), DType::F32, &Device::Cpu)?
+            } else if n.ends_with(".bias") {
+                Tensor::zeros(s.as_slice(), DType::F32, &Device::Cpu)?
+            } else {
+                Tensor::randn(0f32, 0.02, s.as_slice(), &Device::Cpu)?
+            };
+            index.insert(n.clone(), file.clone().into());
+            tensors.insert(n, t.to_dtype(dtype)?);
+        }
+        candle_core::safetensors::save(&tensors, out.join(&file))?;
+    }
+    if n_shards > 1 {
+        let idx = serde_json::json!({"metadata": {}, "weight_map": index});
+        std::fs::write(
+            out.join("model.safetensors.index.json"),
+            serde_json::to_string_pretty(&idx)?,
+        )?;
+    }
+
+    // Text rows of `row_words` words from a fixed list, deterministic.
+    let words = "the of and to in is was for on that with as by at from his her their which \
+                 this be are model train data memory layer weight"
+        .split(' ')
+        .filter(|w| !w.is_empty())
+        .collect::<Vec<_>>();
+    let mut f = std::io::BufWriter::new(std::fs::File::create(out.join("bench.jsonl"))?);
+    let mut s: u64 = 1;
+    for _ in 0..rows {
+        let text: Vec<&str> = (0..row_words)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                words[(s >> 33) as usize % words.len()]
+            })
+            .collect();
+        writeln!(f, "{}", serde_json::json!({ "text": text.join(" ") }))?;
+    }
+    println!(
+        "{} parameters, {} shard(s) in {}",
+        params,
+        n_shards,
+        out.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,122 @@
+//! Activation checkpointing gives the gradients of the plain forward: LoRA (with dropout on, so
+//! the recomputation must redraw the same masks) and full fine-tuning, every layer or every
+//! second layer checkpointed. f32; tolerance 1e-5 relative to the largest gradient entry
+//! (the recomputed forward is the same sequence of ops, so differences are float-order only).
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+use tallow_model::{
+    attach_lora, lm_head_nll, lora_vars, set_dropout, CausalLM, LoadOptions, LoraSpec, Targets,
+};
+use tallow_tests::*;
+
+const TOL: f64 = 1e-5;
+
+/// Loss of the text rows as one padded-free batch per row; returns the summed grads of `vars`
+/// (main store plus the checkpointed layers' side stores).
+fn grads(model: &CausalLM, vars: &[(String, Var)], rows: &[(Vec<u32>, Vec<bool>)]) -> Vec<Tensor> {
+    let mut sums: Vec<Option<Tensor>> = vec![None; vars.len()];
+    for (ids, tg) in rows {
+        let input = Tensor::new(ids.as_slice(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let h = model.forward_hidden(&input, None).unwrap();
+        let t = Targets::new(&[ids.clone()], &[tg.clone()], &Device::Cpu).unwrap();
+        let nll = lm_head_nll(&h, model.lm_head_weight(), &t).unwrap();
+        let mut stores: Vec<GradStore> = vec![nll.backward().unwrap()];
+        stores.extend(model.take_checkpoint_grads());
+        for (sum, (_, v)) in sums.iter_mut().zip(vars) {
+            for s in &stores {
+                if let Some(g) = s.get(v) {
+                    *sum = Some(match sum.take() {
+                        None => g.clone(),
+                        Some(a) => (a + g).unwrap(),
+                    });
+                }
+            }
+        }
+    }
+    sums.into_iter()
+        .zip(vars)
+        .map(|(s, (n, _))| s.unwrap_or_else(|| panic!("no gradient for {n}")))
+        .collect()
+}
+
+fn compare(what: &str, vars: &[(String, Var)], a: &[Tensor], b: &[Tensor]) {
+    let scale = a.iter().map(max_abs).fold(0.0, f64::max).max(1e-12);
+    for ((name, _), (x, y)) in vars.iter().zip(a.iter().zip(b)) {
+        let d = max_abs_diff(x, y);
+        assert!(
+            d <= TOL * scale,
+            "{what}: gradient of {name} differs by {d} (tolerance {})",
+            TOL * scale
+        );
+    }
+}
+
+#[test]
+fn lora_gradients_with_checkpointing_equal_plain_gradients() {
+    for model_name in MODELS {
+        let reference = reference_json(model_name);
+        let rows = reference_rows(&reference, "text");
+        let opts = LoadOptions::frozen(DType::F32, &Device::Cpu);
+        let mut model = CausalLM::load(&model_dir(model_name), &opts).unwrap();
+        let spec = LoraSpec {
+            rank: 4,
+            alpha: 8.0,
+            dropout: 0.1,
+            targets: tallow_model::adapter::LINEAR_MODULES
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            rslora: false,
+        };
+        attach_lora(&mut model, &spec, 1).unwrap();
+        let vars = lora_vars(&model);
+        // B starts at zero; give it values so every path carries gradient.
+        for (n, v) in &vars {
+            if n.contains("lora_B") {
+                v.set(&Tensor::randn(0f32, 0.05, v.shape(), &Device::Cpu).unwrap())
+                    .unwrap();
+            }
+        }
+        set_dropout(&model, Some(1234));
+        let plain = grads(&model, &vars, &rows);
+        for every in [1, 2] {
+            model.set_checkpointing(Some(every));
+            let ck = grads(&model, &vars, &rows);
+            compare(
+                &format!("{model_name} lora every={every}"),
+                &vars,
+                &plain,
+                &ck,
+            );
+        }
+        model.set_checkpointing(None);
+        assert!(model.take_checkpoint_grads().is_empty());
+    }
+}
+
+#[test]
+fn full_fine_tuning_gradients_with_checkpointing_equal_plain_gradients() {
+    for model_name in MODELS {
+        let reference = reference_json(model_name);
+        let rows = reference_rows(&reference, "text");
+        let opts = LoadOptions {
+            dtype: DType::F32,
+            device: Device::Cpu,
+            train_base: true,
+        };
+        let mut model = CausalLM::load(&model_dir(model_name), &opts).unwrap();
+        let vars: Vec<(String, Var)> = model
+            .named_params()
+            .into_iter()
+            .map(|(n, p)| (n, p.var().unwrap().clone()))
+            .collect();
+        let plain = grads(&model, &vars, &rows);
+        model.set_checkpointing(Some(1));
+        let ck = grads(&model, &vars, &rows);
+        compare(&format!("{model_name} full"), &vars, &plain, &ck);
+    }
+}
