@@ -40,6 +40,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             rows,
             resumed_from,
             load_peak_bytes,
+            load_live_bytes,
             memory,
         } => {
             bar.set_length(total_steps as u64);
@@ -48,10 +49,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 .map(|p| format!(", resumed from {}", p.display()))
                 .unwrap_or_default();
             say(format!("training {total_steps} steps on {rows} rows, {trainable_params} trainable parameters{from}"));
-            if let Some(b) = load_peak_bytes {
+            if let (Some(p), Some(l)) = (load_peak_bytes, load_live_bytes) {
                 say(format!(
-                    "peak memory ({memory}) while loading: {}",
-                    human_bytes(b)
+                    "memory ({memory}): {} in use after loading, peak {} while loading",
+                    human_bytes(l),
+                    human_bytes(p)
                 ));
             }
         }

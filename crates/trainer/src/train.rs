@@ -49,6 +49,8 @@ pub struct StepLog {
     /// Measured peak bytes per phase of this step (max over its micro-batches), see
     /// [`crate::memory`].
     pub peak_bytes: PhasePeaks,
+    /// Bytes in use after the optimizer step (weights, adapters, optimizer state).
+    pub live_bytes: Option<u64>,
 }
 
 /// What the run reports as it goes (the CLI turns these into a progress bar and messages).
@@ -61,6 +63,8 @@ pub enum Event<'a> {
         resumed_from: Option<&'a Path>,
         /// Peak bytes while loading data, model and adapters.
         load_peak_bytes: Option<u64>,
+        /// Bytes in use once loaded (weights, adapters, data).
+        load_live_bytes: Option<u64>,
         /// What the peaks measure ("host heap", "CUDA memory pool", "none").
         memory: &'static str,
     },
@@ -333,6 +337,7 @@ pub fn train(
     }
     let trainable_params = params.iter().map(|(_, v)| v.elem_count()).sum();
     let load_peak_bytes = probe.peak();
+    let load_live_bytes = probe.current();
     on_event(Event::Start {
         total_steps,
         start_step,
@@ -340,6 +345,7 @@ pub fn train(
         rows: rows.len(),
         resumed_from: resumed_from.as_deref(),
         load_peak_bytes,
+        load_live_bytes,
         memory: probe.what(),
     });
 
@@ -359,7 +365,13 @@ pub fn train(
     if resumed_from.is_none() {
         append_metrics(
             &metrics,
-            &serde_json::json!({"step": 0, "load_peak_bytes": load_peak_bytes, "memory": probe.what()}),
+            &serde_json::json!({
+                "step": 0,
+                "load_peak_bytes": load_peak_bytes,
+                "load_live_bytes": load_live_bytes,
+                "trainable_params": trainable_params,
+                "memory": probe.what(),
+            }),
         )?;
     }
     if let Some(l) = eval_loss_start {
@@ -452,6 +464,7 @@ pub fn train(
             tokens_per_s: step_tokens as f64 / dt.max(1e-9),
             elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
             peak_bytes: peaks,
+            live_bytes: probe.current(),
         };
         if done % t.log_every.max(1) == 0 || done == total_steps {
             append_metrics(&metrics, &log)?;

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Measured peak memory of each memory lever, side by side in one run, on a random ~105M-parameter
+# Llama (benchmarks/models/llama-105m.json: 8 layers, hidden 1024, vocab 2048, so that the
+# decoder's linear weights are 98% of the parameters) in bf16, rows of 512 tokens, micro-batch 1.
+# Each cell is its own `tallow train` process (clean peaks); numbers come from its metrics.jsonl
+# (host heap through the counting allocator on CPU, the CUDA memory pool on GPU).
+#
+#   scripts/bench_memory.sh                       # CPU; appends a table to benchmarks/memory.md
+#   DEVICE=cuda TALLOW=./tallow scripts/bench_memory.sh   # on a GPU machine with a cuda build
+#
+# Columns: after load = bytes in use once model + adapters are loaded; fwd / bwd / opt = peak
+# bytes during the forward, backward and optimizer phases (max over steps); state = bytes in use
+# after the last step minus after load (optimizer state, plus anything else kept across steps).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEVICE=${DEVICE:-cpu}
+STEPS=${STEPS:-2}
+WORK=${WORK:-target/bench-mem}
+OUT=${OUT:-benchmarks/memory.md}
+MODEL=$WORK/llama-105m
+if [ -z "${TALLOW:-}" ]; then
+  cargo build --release -q -p tallow -p tallow-tests
+  TALLOW=target/release/tallow
+fi
+if [ ! -f "$MODEL/model.safetensors" ]; then
+  target/release/make-random-model benchmarks/models/llama-105m.json "$MODEL" --rows 16 >/dev/null
+fi
+cat > "$WORK/base.toml" <<TOML
+[model]
+path = "$MODEL"
+dtype = "bf16"
+[lora]
+rank = 16
+alpha = 32
+dropout = 0.0
+[data]
+train = "$MODEL/bench.jsonl"
+max_seq_len = 512
+shuffle = false
+[train]
+micro_batch_size = 1
+grad_accum = 1
+max_steps = $STEPS
+lr = 1e-4
+schedule = "constant"
+device = "$DEVICE"
+output_dir = "$WORK/run"
+TOML
+
+CELLS=(
+  "lora bf16|"
+  "lora bf16, checkpointing|train.checkpointing=true"
+  "lora nf4|model.quantize=nf4"
+  "lora nf4, checkpointing|model.quantize=nf4 train.checkpointing=true"
+  "lora bf16, adamw8bit|train.optimizer=adamw8bit"
+  "full bf16, adamw|train.method=full"
+  "full bf16, adamw8bit|train.method=full train.optimizer=adamw8bit"
+  "full bf16, adamw8bit, checkpointing|train.method=full train.optimizer=adamw8bit train.checkpointing=true"
+)
+
+mib() { python3 -c "import sys; v=sys.argv[1]; print('-' if v in ('None','') else f'{int(v)/2**20:.0f}')" "$1"; }
+{
+  echo
+  echo "## $(date -u +%Y-%m-%d) · $DEVICE · $(uname -n) · $(git rev-parse --short HEAD)"
+  echo
+  echo "\`scripts/bench_memory.sh\` (DEVICE=$DEVICE, STEPS=$STEPS): llama-105m bf16, seq 512, micro-batch 1, LoRA r16 all-linear. MiB."
+  echo
+  echo "| cell | after load | fwd peak | bwd peak | opt peak | state | tok/s |"
+  echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+} >> "$OUT"
+for cell in "${CELLS[@]}"; do
+  name=${cell%%|*}
+  sets=()
+  for kv in ${cell#*|}; do sets+=(--set "$kv"); done
+  rm -rf "$WORK/run"
+  if ! "$TALLOW" train --config "$WORK/base.toml" "${sets[@]}" --quiet > "$WORK/log" 2>&1; then
+    echo "| $name | failed: $(tail -1 "$WORK/log") | | | | | |" >> "$OUT"
+    continue
+  fi
+  python3 - "$WORK/run/metrics.jsonl" "$name" >> "$OUT" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+load = next(r for r in rows if "load_live_bytes" in r)
+steps = [r for r in rows if "loss" in r]
+m = lambda v: "-" if v is None else f"{v / 2**20:.0f}"
+peak = lambda k: max((s["peak_bytes"][k] or 0) for s in steps)
+state = steps[-1]["live_bytes"] - load["load_live_bytes"]
+tps = sum(s["tokens"] for s in steps[1:] or steps) / sum(s["tokens"] / s["tokens_per_s"] for s in steps[1:] or steps)
+print(f"| {sys.argv[2]} | {m(load['load_live_bytes'])} | {m(peak('forward'))} | {m(peak('backward'))} | {m(peak('optimizer'))} | {m(state)} | {tps:.1f} |")
+PY
+  tail -1 "$OUT"
+done
