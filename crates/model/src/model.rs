@@ -79,9 +79,7 @@ impl Attention {
         // Eager attention, as HF's: scores in the compute dtype, softmax in f32, cast back.
         let scale = 1.0 / (d as f64).sqrt();
         let scores = (q.matmul(&k.t()?)? * scale)?; // (B, H, T, T)
-        let up = ops::upcast(scores.dtype());
-        let scores = scores.to_dtype(up)?.broadcast_add(&mask.to_dtype(up)?)?;
-        let probs = ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+        let probs = ops::masked_softmax(&scores, mask)?.to_dtype(v.dtype())?; // f32, cast back
         let y = probs.matmul(&v)?; // (B, H, T, D)
         let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, h * d))?; // (B, T, H*D)
         self.o_proj.forward(&y)
@@ -99,7 +97,7 @@ pub struct Mlp {
 impl Mlp {
     /// x: (B, T, C) -> (B, T, C), through (B, T, I)
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let g = ops::silu(&self.gate_proj.forward(x)?)?;
+        let g = self.gate_proj.forward(x)?.silu()?; // Candle's silu has a backward
         let u = self.up_proj.forward(x)?;
         self.down_proj.forward(&(g * u)?)
     }

@@ -1,7 +1,8 @@
 //! Differentiable building blocks, written from Candle primitives that all have a backward.
 //!
 //! Candle's fused `rms_norm`, `rope*` and `softmax_last_dim` are `*_no_bwd`: their output is right
-//! but no gradient flows through them (candle issues #2168, #3568, #3591). Nothing here uses them.
+//! but no gradient flows through them (candle issues #2168, #3568, #3591). The one used here,
+//! the fused softmax in [`masked_softmax`], gets its backward from this module.
 //!
 //! Shape legend: B = batch, T = time (sequence), H = attention heads, KV = key/value heads,
 //! D = head dim, C = hidden size.
@@ -39,6 +40,85 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     let e = x.broadcast_sub(&max)?.exp()?;
     let s = e.sum_keepdim(D::Minus1)?;
     Ok(e.broadcast_div(&s)?)
+}
+
+/// Attention probabilities: softmax(scores + mask) over the last dim, computed in
+/// [`upcast`]`(scores.dtype())` by Candle's fused softmax kernel, with the backward
+/// `dS = P * (dP - sum(dP * P))` written here. The graph keeps `scores` and `P` only: the
+/// primitive version kept five score-sized f32 intermediates per layer (upcast, masked, shifted,
+/// exp, normalized).
+/// scores: (B, H, T, T), mask: (B, 1, T, T) additive (0 / -inf) -> (B, H, T, T) in the upcast dtype
+pub fn masked_softmax(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let up = upcast(scores.dtype());
+    let masked = scores
+        .detach()
+        .to_dtype(up)?
+        .broadcast_add(&mask.to_dtype(up)?)?;
+    let probs = candle_nn::ops::softmax_last_dim(&masked)?;
+    drop(masked);
+    if !scores.track_op() {
+        return Ok(probs);
+    }
+    Ok(scores.apply_op1(AttachSoftmax {
+        probs: std::sync::Mutex::new(Some(probs)),
+    })?)
+}
+
+/// Puts precomputed softmax probabilities into the graph as a function of the scores.
+struct AttachSoftmax {
+    probs: std::sync::Mutex<Option<Tensor>>,
+}
+
+impl AttachSoftmax {
+    fn take(&self) -> candle_core::Result<Tensor> {
+        self.probs
+            .lock()
+            .expect("softmax lock")
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("softmax op applied twice".into()))
+    }
+}
+
+impl candle_core::CustomOp1 for AttachSoftmax {
+    fn name(&self) -> &'static str {
+        "masked-softmax"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use candle_core::backend::BackendStorage;
+        let p = self.take()?;
+        let (s, l) = p.storage_and_layout();
+        let candle_core::Storage::Cpu(s) = &*s else {
+            candle_core::bail!("softmax: probabilities are not on the CPU");
+        };
+        Ok((s.try_clone(l)?, p.shape().clone()))
+    }
+
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        use candle_core::backend::BackendStorage;
+        let p = self.take()?;
+        let (s, l) = p.storage_and_layout();
+        let candle_core::Storage::Cuda(s) = &*s else {
+            candle_core::bail!("softmax: probabilities are not on the CUDA device");
+        };
+        Ok((s.try_clone(l)?, p.shape().clone()))
+    }
+
+    // dS = P * (dP - sum(dP * P, -1)), in P's dtype, cast back to the scores' dtype.
+    fn bwd(&self, s: &Tensor, p: &Tensor, dp: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let dp = dp.to_dtype(p.dtype())?;
+        let dot = (&dp * p)?.sum_keepdim(D::Minus1)?; // (B, H, T, 1)
+        let ds = (p * dp.broadcast_sub(&dot)?)?;
+        Ok(Some(ds.to_dtype(s.dtype())?))
+    }
 }
 
 /// Log-softmax over the last dim, with the same detached max.
