@@ -944,7 +944,7 @@ const SECTIONS: [(&str, &[(&str, Kind)]); 4] = [
             ("grad_accum", Kind::Uint),
             ("max_steps", Kind::Uint),
             ("epochs", Kind::Uint),
-            ("optimizer", Kind::Choice(&["adamw", "sgd"])),
+            ("optimizer", Kind::Choice(&["adamw", "adamw8bit", "sgd"])),
             ("lr", Kind::Float),
             ("weight_decay", Kind::Float),
             ("betas", Kind::Pair),
@@ -1766,7 +1766,7 @@ mod tests {
         contains_all(
             &e,
             &[
-                "`train.optimizer` must be one of \"adamw\", \"sgd\"",
+                "`train.optimizer` must be one of \"adamw\", \"adamw8bit\", \"sgd\"",
                 "found the string \"adam\"; did you mean `adamw`?",
             ],
         );

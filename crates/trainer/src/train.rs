@@ -504,6 +504,13 @@ pub fn train(
         }
     }
 
+    // Optimizer-state memory (adamw: 8 bytes per trainable parameter; adamw8bit: about 2).
+    on_event(Event::Note(format!(
+        "optimizer state ({}): {:.2} MiB for {trainable_params} trainable parameters",
+        opt.name(),
+        opt.state_bytes() as f64 / (1024.0 * 1024.0)
+    )));
+
     // Final output: a PEFT adapter, or the whole model in HF layout.
     let output = match &lora {
         Some(spec) => {

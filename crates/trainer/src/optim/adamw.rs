@@ -15,7 +15,8 @@ use std::collections::HashMap;
 use candle_core::{DType, Tensor, Var};
 
 use super::{
-    check_grads, check_state_keys, load_param_state, read_step, step_tensor, Optimizer, STEP_KEY,
+    check_grads, check_state_keys, load_param_state, read_moment_step, step_tensor, Optimizer,
+    STEP_KEY,
 };
 
 /// AdamW hyperparameters. [`Default`] is torch's: betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
@@ -104,37 +105,10 @@ impl Optimizer for AdamW {
             }
         };
 
-        let AdamWParams {
-            beta1: b1,
-            beta2: b2,
-            eps,
-            weight_decay: wd,
-        } = self.hp;
-        // Host-side scalars, in f64 as Python computes them in torch's single-tensor path.
         let t = self.t + 1; // t = index of this step, from 1
-        let bias_correction1 = 1.0 - b1.powi(t as i32); // 1 - b1^t
-        let bias_correction2 = 1.0 - b2.powi(t as i32); // 1 - b2^t
-        let step_size = lr / bias_correction1; // lr / (1 - b1^t)
-        let bias_correction2_sqrt = bias_correction2.sqrt(); // sqrt(1 - b2^t)
-        let decay = 1.0 - lr * wd; // p - lr*wd*p = p * (1 - lr*wd)
-
+        let k = StepConstants::new(&self.hp, t, lr);
         for ((p, g), st) in params.iter().zip(grads).zip(moments.iter_mut()) {
-            // p32 = p in f32 (shares p's storage when p is already f32; never written in place)
-            let p32 = p.as_detached_tensor().to_dtype(DType::F32)?;
-            // g32 = g in f32, detached so the update records no graph
-            let g32 = g.detach().to_dtype(DType::F32)?;
-            // p <- p * (1 - lr * wd)                     decoupled weight decay, before the Adam step
-            let p32 = if wd != 0.0 { (p32 * decay)? } else { p32 };
-            // m <- b1 * m + (1 - b1) * g                 first moment
-            let m = ((&st.exp_avg * b1)? + (&g32 * (1.0 - b1))?)?;
-            // v <- b2 * v + (1 - b2) * g^2               second moment
-            let v = ((&st.exp_avg_sq * b2)? + (g32.sqr()? * (1.0 - b2))?)?;
-            // denom = sqrt(v) / sqrt(1 - b2^t) + eps     eps outside the sqrt, after bias correction
-            let denom = ((v.sqrt()? / bias_correction2_sqrt)? + eps)?;
-            // p <- p - (lr / (1 - b1^t)) * m / denom     bias-corrected step
-            let p32 = (p32 - ((&m / &denom)? * step_size)?)?;
-            // write back, rounded once to the parameter's dtype (bf16/f16/f32)
-            p.set(&p32.to_dtype(p.dtype())?)?;
+            let (m, v) = adamw_update(p, g, &st.exp_avg, &st.exp_avg_sq, &k)?;
             st.exp_avg = m;
             st.exp_avg_sq = v;
         }
@@ -159,17 +133,9 @@ impl Optimizer for AdamW {
     ) -> candle_core::Result<()> {
         const WHAT: [&str; 2] = ["exp_avg", "exp_avg_sq"];
         check_state_keys("adamw", state, params.len(), &WHAT)?;
-        let Some(t) = read_step(state)? else {
-            candle_core::bail!("adamw state has no `{STEP_KEY}` tensor");
-        };
-        let has_moments = state.keys().any(|k| k != STEP_KEY);
+        let (t, has_moments) = read_moment_step("adamw", state, params.len())?;
         if !has_moments {
             // Saved before the first step: nothing but the counter.
-            if t != 0 && !params.is_empty() {
-                candle_core::bail!(
-                    "adamw state says {t} steps were taken but holds no moments (`0.exp_avg`, ...)"
-                );
-            }
             self.t = t;
             self.moments = None;
             return Ok(());
@@ -192,6 +158,81 @@ impl Optimizer for AdamW {
     fn name(&self) -> &'static str {
         "adamw"
     }
+}
+
+/// The host-side scalars of AdamW step `t` (from 1), in f64 as Python computes them in torch's
+/// single-tensor path. Shared by [`AdamW`] and [`super::adamw8bit::AdamW8bit`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StepConstants {
+    b1: f64,
+    b2: f64,
+    eps: f64,
+    wd: f64,
+    /// lr / (1 - b1^t)
+    step_size: f64,
+    /// sqrt(1 - b2^t)
+    bias_correction2_sqrt: f64,
+    /// p - lr*wd*p = p * (1 - lr*wd)
+    decay: f64,
+}
+
+impl StepConstants {
+    pub(crate) fn new(hp: &AdamWParams, t: u32, lr: f64) -> Self {
+        let AdamWParams {
+            beta1: b1,
+            beta2: b2,
+            eps,
+            weight_decay: wd,
+        } = *hp;
+        let bias_correction1 = 1.0 - b1.powi(t as i32); // 1 - b1^t
+        let bias_correction2 = 1.0 - b2.powi(t as i32); // 1 - b2^t
+        Self {
+            b1,
+            b2,
+            eps,
+            wd,
+            step_size: lr / bias_correction1,
+            bias_correction2_sqrt: bias_correction2.sqrt(),
+            decay: 1.0 - lr * wd,
+        }
+    }
+}
+
+/// One AdamW update of `p` from its gradient `g` and its f32 moments `exp_avg` (m) and
+/// `exp_avg_sq` (v); writes `p` and returns the new (m, v), f32 on p's device.
+pub(crate) fn adamw_update(
+    p: &Var,
+    g: &Tensor,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+    k: &StepConstants,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let StepConstants {
+        b1,
+        b2,
+        eps,
+        wd,
+        step_size,
+        bias_correction2_sqrt,
+        decay,
+    } = *k;
+    // p32 = p in f32 (shares p's storage when p is already f32; never written in place)
+    let p32 = p.as_detached_tensor().to_dtype(DType::F32)?;
+    // g32 = g in f32, detached so the update records no graph
+    let g32 = g.detach().to_dtype(DType::F32)?;
+    // p <- p * (1 - lr * wd)                     decoupled weight decay, before the Adam step
+    let p32 = if wd != 0.0 { (p32 * decay)? } else { p32 };
+    // m <- b1 * m + (1 - b1) * g                 first moment
+    let m = ((exp_avg * b1)? + (&g32 * (1.0 - b1))?)?;
+    // v <- b2 * v + (1 - b2) * g^2               second moment
+    let v = ((exp_avg_sq * b2)? + (g32.sqr()? * (1.0 - b2))?)?;
+    // denom = sqrt(v) / sqrt(1 - b2^t) + eps     eps outside the sqrt, after bias correction
+    let denom = ((v.sqrt()? / bias_correction2_sqrt)? + eps)?;
+    // p <- p - (lr / (1 - b1^t)) * m / denom     bias-corrected step
+    let p32 = (p32 - ((&m / &denom)? * step_size)?)?;
+    // write back, rounded once to the parameter's dtype (bf16/f16/f32)
+    p.set(&p32.to_dtype(p.dtype())?)?;
+    Ok((m, v))
 }
 
 /// Errors unless there is one moment pair per parameter, of its shape.
@@ -218,6 +259,7 @@ fn check_moments(moments: &[Moments], params: &[Var]) -> candle_core::Result<()>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::optim::read_step;
     use candle_core::Device;
 
     /// Initial values, shape (2, 3): bf16-exact, so the same start serves f32 and bf16.

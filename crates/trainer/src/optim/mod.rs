@@ -1,5 +1,5 @@
-//! Optimizers over the trainable set: [`adamw::AdamW`] (f32 moments, torch semantics) and
-//! [`sgd::Sgd`].
+//! Optimizers over the trainable set: [`adamw::AdamW`] (f32 moments, torch semantics),
+//! [`adamw8bit::AdamW8bit`] (the same maths, moments stored blockwise 8-bit) and [`sgd::Sgd`].
 //!
 //! The trainer hands an optimizer exactly the trainable `Var`s, in a fixed order, together with
 //! their gradients (already summed over micro-batches, averaged and clipped by the caller, see
@@ -12,6 +12,7 @@
 //! steps taken). [`Optimizer::load_state`] checks names and shapes against the parameters.
 
 pub mod adamw;
+pub mod adamw8bit;
 pub mod sgd;
 
 use std::collections::HashMap;
@@ -22,6 +23,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
 pub use adamw::{AdamW, AdamWParams};
+pub use adamw8bit::AdamW8bit;
 pub use sgd::Sgd;
 
 /// Name of the step counter in [`Optimizer::state`].
@@ -43,8 +45,16 @@ pub trait Optimizer {
         params: &[Var],
         state: &HashMap<String, Tensor>,
     ) -> candle_core::Result<()>;
-    /// Short name, as written in configs (`"adamw"`, `"sgd"`).
+    /// Short name, as written in configs (`"adamw"`, `"adamw8bit"`, `"sgd"`).
     fn name(&self) -> &'static str;
+    /// Bytes of optimizer state held (for reporting memory): by default the sum over
+    /// [`Optimizer::state`] of elements times dtype size.
+    fn state_bytes(&self) -> usize {
+        self.state()
+            .iter()
+            .map(|(_, t)| t.elem_count() * t.dtype().size_in_bytes())
+            .sum()
+    }
 }
 
 /// Which optimizer to build.
@@ -53,6 +63,9 @@ pub enum OptimizerKind {
     /// [`AdamW`], torch.optim.AdamW semantics.
     #[serde(rename = "adamw")]
     AdamW,
+    /// [`AdamW8bit`]: AdamW with blockwise 8-bit moments (bitsandbytes `AdamW8bit`).
+    #[serde(rename = "adamw8bit")]
+    AdamW8bit,
     /// [`Sgd`], torch.optim.SGD without momentum.
     #[serde(rename = "sgd")]
     Sgd,
@@ -63,6 +76,7 @@ impl OptimizerKind {
     pub fn as_str(self) -> &'static str {
         match self {
             OptimizerKind::AdamW => "adamw",
+            OptimizerKind::AdamW8bit => "adamw8bit",
             OptimizerKind::Sgd => "sgd",
         }
     }
@@ -80,9 +94,10 @@ impl FromStr for OptimizerKind {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.to_ascii_lowercase().as_str() {
             "adamw" => Ok(OptimizerKind::AdamW),
+            "adamw8bit" => Ok(OptimizerKind::AdamW8bit),
             "sgd" => Ok(OptimizerKind::Sgd),
             _ => Err(format!(
-                "unknown optimizer `{s}`: expected `adamw` or `sgd`"
+                "unknown optimizer `{s}`: expected `adamw`, `adamw8bit` or `sgd`"
             )),
         }
     }
@@ -97,13 +112,15 @@ pub fn build(
     eps: f64,
     weight_decay: f64,
 ) -> Box<dyn Optimizer> {
+    let hp = AdamWParams {
+        beta1: betas.0,
+        beta2: betas.1,
+        eps,
+        weight_decay,
+    };
     match kind {
-        OptimizerKind::AdamW => Box::new(AdamW::new(AdamWParams {
-            beta1: betas.0,
-            beta2: betas.1,
-            eps,
-            weight_decay,
-        })),
+        OptimizerKind::AdamW => Box::new(AdamW::new(hp)),
+        OptimizerKind::AdamW8bit => Box::new(AdamW8bit::new(hp)),
         OptimizerKind::Sgd => Box::new(Sgd::new(weight_decay)),
     }
 }
@@ -150,6 +167,26 @@ pub(crate) fn read_step(state: &HashMap<String, Tensor>) -> candle_core::Result<
             "optimizer state `{STEP_KEY}` must hold one non-negative integer, got {values:?}"
         ),
     }
+}
+
+/// The step counter of an optimizer with moments, and whether `state` holds any moments (it
+/// holds none when saved before the first step; then the counter must be 0 unless there are no
+/// parameters). Errors if the counter is missing.
+pub(crate) fn read_moment_step(
+    optimizer: &str,
+    state: &HashMap<String, Tensor>,
+    n_params: usize,
+) -> candle_core::Result<(u32, bool)> {
+    let Some(t) = read_step(state)? else {
+        candle_core::bail!("{optimizer} state has no `{STEP_KEY}` tensor");
+    };
+    let has_moments = state.keys().any(|k| k != STEP_KEY);
+    if !has_moments && t != 0 && n_params > 0 {
+        candle_core::bail!(
+            "{optimizer} state says {t} steps were taken but holds no moments (`0.exp_avg`, ...)"
+        );
+    }
+    Ok((t, has_moments))
 }
 
 /// Takes `"{i}.{what}"` from `state`, checks its shape against `param`, and returns it as a
@@ -218,6 +255,13 @@ mod tests {
         assert_eq!("adamw".parse::<OptimizerKind>(), Ok(OptimizerKind::AdamW));
         assert_eq!("AdamW".parse::<OptimizerKind>(), Ok(OptimizerKind::AdamW));
         assert_eq!("sgd".parse::<OptimizerKind>(), Ok(OptimizerKind::Sgd));
+        assert_eq!(
+            "adamw8bit".parse::<OptimizerKind>(),
+            Ok(OptimizerKind::AdamW8bit)
+        );
+        assert_eq!(OptimizerKind::AdamW8bit.to_string(), "adamw8bit");
+        let k: OptimizerKind = serde_json::from_str("\"adamw8bit\"").unwrap();
+        assert_eq!(k, OptimizerKind::AdamW8bit);
         assert!("adam"
             .parse::<OptimizerKind>()
             .unwrap_err()
@@ -240,6 +284,10 @@ mod tests {
         assert_eq!(
             build(OptimizerKind::Sgd, (0.9, 0.999), 1e-8, 0.0).name(),
             "sgd"
+        );
+        assert_eq!(
+            build(OptimizerKind::AdamW8bit, (0.9, 0.999), 1e-8, 0.0).name(),
+            "adamw8bit"
         );
     }
 
