@@ -63,8 +63,14 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 "loss {:.4}  lr {:.2e}  {:.0} tok/s",
                 s.loss, s.lr, s.tokens_per_s
             );
-            if let Some(p) = s.peak_bytes.max() {
-                msg += &format!("  peak {}", human_bytes(p));
+            let p = &s.peak_bytes;
+            if let (Some(f), Some(b), Some(o)) = (p.forward, p.backward, p.optimizer) {
+                msg += &format!(
+                    "  peak fwd {} bwd {} opt {}",
+                    human_bytes(f),
+                    human_bytes(b),
+                    human_bytes(o)
+                );
             }
             if quiet {
                 eprintln!("step {}  {msg}  grad_norm {:.3}", s.step, s.grad_norm);
