@@ -19,12 +19,12 @@ use serde::Serialize;
 use tallow_model::linear::mix_seed;
 use tallow_model::{
     attach_lora, lm_head_nll, load_peft, lora_vars, save_hf_model, save_peft, set_dropout,
-    set_dropout_rate, CausalLM, LoadOptions, LoraSpec,
+    set_dropout_rate, CausalLM, LoadOptions, LoraSpec, Nf4Options,
 };
 
 use crate::batch::{pack, Batch, Row};
 use crate::checkpoint::{self, CheckpointState, LoraState};
-use crate::config::{Method, TrainConfig};
+use crate::config::{Method, Quantize, TrainConfig};
 use crate::data::{load_jsonl, DataOptions, Example};
 use crate::error::TrainError;
 use crate::eval::evaluate;
@@ -119,10 +119,20 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Run, TrainError> {
     };
 
     let full = cfg.train.method == Method::Full;
+    if full && cfg.model.quantize == Quantize::Nf4 {
+        return Err(TrainError::Invalid(
+            "model.quantize = \"nf4\" needs train.method = \"lora\" (QLoRA): NF4 base weights \
+             are frozen; set model.quantize = \"none\" for a full fine-tune"
+                .into(),
+        ));
+    }
     let opts = LoadOptions {
         dtype: cfg.model.dtype.to_dtype(),
         device: device.clone(),
         train_base: full,
+        quantize: (cfg.model.quantize == Quantize::Nf4).then_some(Nf4Options {
+            double_quant: cfg.model.double_quant,
+        }),
     };
     let mut model = CausalLM::load(model_dir, &opts)?;
     let (params, lora) = if full {
