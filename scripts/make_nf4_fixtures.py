@@ -16,7 +16,9 @@ Writes (deleting what was there):
           {k}.input          the weight, in its own dtype (f32 or bf16)
           {k}.packed         u8 (n/2,): two 4-bit codes per byte, first element in the high nibble
           {k}.absmax         f32 (n/64,): compress_statistics=False
-          {k}.dequant        f32 (out, in): dequantize_4bit of that (not for "tall": size)
+          {k}.dequant        f32 (out, in): dequantize_4bit of that (not for "tall": size;
+                             every case has in_features a multiple of 64, where bitsandbytes'
+                             CPU dequantize_4bit is right, see bnb_model)
           {k}.dq.absmax      u8 (n/64,): compress_statistics=True, the absmax codes
           {k}.dq.nested_absmax f32 (ceil(n/64/256),): absmax of the nested 256-blocks
           {k}.dq.offset      f32 (1,): the mean subtracted before nested quantization
@@ -28,8 +30,8 @@ Writes (deleting what was there):
         `weight.nested_absmax`, `weight.nested_quant_map`,
         `weight.quant_state.bitsandbytes__nf4`), tokenizer files copied from tiny-qwen2.
     tests/fixtures/reference/tiny-qwen2-bnb-4bit.json
-        loss of that quantized model (transformers, each 4-bit linear as bitsandbytes'
-        dequantize_4bit + F.linear, CPU, f32 compute) on the
+        loss of that quantized model (transformers, each 4-bit linear as bitsandbytes' default
+        backend dequantization + F.linear, CPU, f32 compute; see bnb_model for why) on the
         "text" rows of reference/tiny-qwen2.json, computed as make_fixtures.py computes losses.
 """
 
@@ -43,6 +45,7 @@ import bitsandbytes.functional as F
 import torch
 import transformers
 from safetensors.torch import save_file
+from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,6 +102,16 @@ def blocks():
     save_file(out, str(dest / "blocks.safetensors"), metadata=meta)
 
 
+def dequantize_flat(packed, qs):
+    """bitsandbytes' default-backend dequantize_4bit (flat blocks), nested absmax included."""
+    absmax = qs.absmax
+    if qs.nested:
+        absmax = F.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset
+    return _dequantize_4bit_compute(
+        packed.reshape(-1), absmax.float(), qs.code, qs.blocksize, qs.shape, torch.float32
+    )
+
+
 def bnb_model():
     src = FIX / "models" / "tiny-qwen2"
     dest = FIX / "models" / "tiny-qwen2-bnb-4bit"
@@ -114,16 +127,16 @@ def bnb_model():
     )
     model.eval()
     model.save_pretrained(dest)
-    # bitsandbytes 0.50.2's CPU Linear4bit forward repacks the weight assuming in_features is a
-    # multiple of the blocksize (down_proj has 160: "shape '[64, 2]' is invalid"); compute each
-    # 4-bit linear as bitsandbytes' own dequantize_4bit + F.linear instead, which is what that
-    # forward computes where it works.
+    # bitsandbytes 0.50.2's CPU 4-bit kernels index the absmax per row: its Linear4bit forward
+    # fails when in_features is not a multiple of the blocksize (down_proj has 160: "shape
+    # '[64, 2]' is invalid") and its CPU dequantize_4bit reads the wrong absmax there. The
+    # blocks are flat (row-major over the whole weight), as quantize_4bit makes them and as the
+    # CUDA kernels and the default backend read them; compute each 4-bit linear as the default
+    # backend's dequantization + F.linear.
     for mod in model.modules():
         if isinstance(mod, bitsandbytes.nn.Linear4bit):
-            mod.forward = (
-                lambda x, m=mod: torch.nn.functional.linear(
-                    x, F.dequantize_4bit(m.weight.data, m.weight.quant_state).to(x.dtype), m.bias
-                )
+            mod.forward = lambda x, m=mod: torch.nn.functional.linear(
+                x, dequantize_flat(m.weight.data, m.weight.quant_state).to(x.dtype), m.bias
             )
     for f in ["tokenizer.json", "tokenizer_config.json"]:
         shutil.copy(src / f, dest / f)

@@ -27,6 +27,8 @@ use crate::error::{ModelError, Result};
 use crate::weights::Weights;
 
 /// The NF4 codebook (`bitsandbytes.functional.get_4bit_type("nf4")`), sorted, index 0..15.
+/// Written with bitsandbytes' printed digits (they round to the same f32 values).
+#[allow(clippy::excessive_precision)]
 pub const NF4_CODE: [f32; 16] = [
     -1.0,
     -0.696_192_800_998_687_7,
