@@ -19,6 +19,7 @@ fn load_f64(model: &str) -> CausalLM {
         dtype: DType::F64,
         device: Device::Cpu,
         train_base: true,
+        quantize: None,
     };
     CausalLM::load(&model_dir(model), &opts).unwrap()
 }

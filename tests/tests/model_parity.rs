@@ -112,6 +112,7 @@ fn f32_parameter_gradients_match_torch_autograd() {
             dtype: DType::F32,
             device: Device::Cpu,
             train_base: true,
+            quantize: None,
         };
         let model = CausalLM::load(&model_dir(model_name), &opts).unwrap();
         let rows = reference_rows(&reference, "text");

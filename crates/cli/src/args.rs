@@ -56,6 +56,14 @@ pub struct MergeArgs {
     /// Dtype of the saved weights: f32 | f16 | bf16 (default: the dtype in config.json, else bf16).
     #[arg(long)]
     pub dtype: Option<String>,
+    /// Quantize the base before merging: none | nf4 (merge into the same NF4 round trip a QLoRA
+    /// run trained on). A bitsandbytes 4-bit checkpoint (`*-bnb-4bit`) is read as NF4 in any
+    /// case; NF4 weights are merged dequantized and saved in --dtype.
+    #[arg(long, default_value = "none", value_parser = ["none", "nf4"])]
+    pub quantize: String,
+    /// With --quantize nf4: quantize the per-block scales too (bitsandbytes double quantization).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub double_quant: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -87,6 +95,13 @@ pub struct EvalArgs {
     /// PEFT LoRA adapter directory to apply to the model.
     #[arg(long)]
     pub adapter: Option<PathBuf>,
+    /// Store the decoder's linear weights in 4-bit: none | nf4 (QLoRA base, bitsandbytes
+    /// layout). A bitsandbytes 4-bit checkpoint (`*-bnb-4bit`) is read as NF4 in any case.
+    #[arg(long, default_value = "none", value_parser = ["none", "nf4"])]
+    pub quantize: String,
+    /// With --quantize nf4: quantize the per-block scales too (bitsandbytes double quantization).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub double_quant: bool,
     /// Print one JSON object instead of a line of text.
     #[arg(long)]
     pub json: bool,

@@ -41,7 +41,11 @@ pub fn run(a: EvalArgs) -> Result<()> {
             a.max_seq_len
         );
     }
-    let mut model = CausalLM::load(&a.model, &LoadOptions::frozen(dtype, &device))
+    let opts = match a.quantize.as_str() {
+        "nf4" => LoadOptions::nf4(dtype, &device, a.double_quant),
+        _ => LoadOptions::frozen(dtype, &device),
+    };
+    let mut model = CausalLM::load(&a.model, &opts)
         .with_context(|| format!("loading the model from {}", a.model.display()))?;
     if let Some(adapter) = &a.adapter {
         tallow_model::load_peft(&mut model, adapter)
@@ -74,6 +78,8 @@ pub fn run(a: EvalArgs) -> Result<()> {
             "adapter": a.adapter,
             "data": a.data,
             "dtype": dtype_name(dtype),
+            "quantize": a.quantize,
+            "nf4_weights": model.nf4_weights().len(),
             "device": if device.is_cuda() { "cuda" } else { "cpu" },
             "elapsed_s": start.elapsed().as_secs_f64(),
         });

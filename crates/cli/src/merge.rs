@@ -14,7 +14,13 @@ pub fn run(a: MergeArgs) -> Result<()> {
         None => config_dtype(&a.model).unwrap_or(DType::BF16),
     };
     // Merge in f32 on the CPU whatever the output dtype: the sum W + s B A is rounded once.
-    let mut model = CausalLM::load(&a.model, &LoadOptions::frozen(DType::F32, &Device::Cpu))
+    // An NF4 base (a bitsandbytes 4-bit checkpoint, or --quantize nf4) is merged into its
+    // dequantized weights, as PEFT's merge_and_unload does: the output is a dense model.
+    let opts = match a.quantize.as_str() {
+        "nf4" => LoadOptions::nf4(DType::F32, &Device::Cpu, a.double_quant),
+        _ => LoadOptions::frozen(DType::F32, &Device::Cpu),
+    };
+    let mut model = CausalLM::load(&a.model, &opts)
         .with_context(|| format!("loading the model from {}", a.model.display()))?;
     let spec = load_peft(&mut model, &a.adapter)
         .with_context(|| format!("loading the adapter from {}", a.adapter.display()))?;

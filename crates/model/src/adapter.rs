@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{ModelError, Result};
 use crate::io::{replace_dir, save_safetensors, staging_dir, write_atomic};
-use crate::linear::{lora_a_init, mix_seed, Dropout, Lora, Param};
+use crate::linear::{lora_a_init, mix_seed, Base, Dropout, Lora, Param};
 use crate::model::CausalLM;
 use crate::weights::Weights;
 
@@ -315,20 +315,22 @@ pub fn load_peft(model: &mut CausalLM, dir: &Path) -> Result<LoraSpec> {
 }
 
 /// Folds every adapter into its base weight: W <- W + s B A (in f32, stored back in the weight's
-/// dtype), and removes the adapters.
+/// dtype), and removes the adapters. An NF4 base is dequantized first and stays dense.
 pub fn merge_lora(model: &mut CausalLM) -> Result<()> {
     for layer in model.layers.iter_mut() {
         for (_, lin) in layer.linears_mut() {
             let Some(lora) = lin.lora.take() else {
                 continue;
             };
-            let w = lin.weight.tensor();
+            // An NF4 base is merged into its dequantized weight (as PEFT's `merge_and_unload`
+            // does for bitsandbytes 4-bit layers) and becomes dense: W + s B A is not NF4.
+            let w = lin.weight.dense()?; // (out, in)
             let delta = (lora.b.matmul(lora.a.as_tensor())? * lora.scale)?; // (out, in)
             let merged = (w.to_dtype(DType::F32)? + delta)?.to_dtype(w.dtype())?;
-            lin.weight = match &lin.weight {
-                Param::Frozen(_) => Param::Frozen(merged),
-                Param::Trainable(_) => Param::Trainable(Var::from_tensor(&merged)?),
-            };
+            lin.weight = Base::Dense(match &lin.weight {
+                Base::Dense(Param::Trainable(_)) => Param::Trainable(Var::from_tensor(&merged)?),
+                _ => Param::Frozen(merged),
+            });
         }
     }
     Ok(())
@@ -345,7 +347,8 @@ const SIDE_FILES: [&str; 6] = [
 ];
 
 /// Saves `model` in HF layout (config.json, model.safetensors, tokenizer files copied from
-/// `src_dir`) to `out`, cast to `dtype`. The directory is staged and renamed into place.
+/// `src_dir`) to `out`, cast to `dtype` (NF4 weights dequantized; a `quantization_config` of
+/// the source is dropped). The directory is staged and renamed into place.
 pub fn save_hf_model(model: &CausalLM, src_dir: &Path, out: &Path, dtype: DType) -> Result<()> {
     if model
         .layers
@@ -357,11 +360,15 @@ pub fn save_hf_model(model: &CausalLM, src_dir: &Path, out: &Path, dtype: DType)
         ));
     }
     let staged = staging_dir(out)?;
-    let tensors: Vec<(String, Tensor)> = model
+    let mut tensors: Vec<(String, Tensor)> = model
         .named_params()
         .into_iter()
         .map(|(n, p)| Ok((n, p.tensor().to_dtype(dtype)?)))
         .collect::<Result<_>>()?;
+    // NF4 weights are written dequantized: the output is a plain HF checkpoint.
+    for (n, w) in model.nf4_weights() {
+        tensors.push((n, w.dequantize()?.to_dtype(dtype)?));
+    }
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
     save_safetensors(&staged.join("model.safetensors"), &tensors, Some(meta))?;
     let mut cfg = model.config.raw.clone();
@@ -372,6 +379,7 @@ pub fn save_hf_model(model: &CausalLM, src_dir: &Path, out: &Path, dtype: DType)
             _ => "float32",
         };
         obj.insert("torch_dtype".into(), name.into());
+        obj.remove("quantization_config");
         if obj.contains_key("dtype") {
             obj.insert("dtype".into(), name.into());
         }

@@ -80,7 +80,12 @@ fn layer_vars(layer: &DecoderLayer) -> Vec<Tensor> {
         .filter_map(|p| p.var().map(|v| v.as_tensor().clone()))
         .collect();
     for (_, l) in layer.linears() {
-        out.extend(l.weight.var().map(|v| v.as_tensor().clone()));
+        out.extend(
+            l.weight
+                .param()
+                .and_then(|p| p.var())
+                .map(|v| v.as_tensor().clone()),
+        );
         out.extend(
             l.bias
                 .iter()

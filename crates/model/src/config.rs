@@ -98,6 +98,41 @@ pub struct DecoderConfig {
     pub raw: serde_json::Value,
 }
 
+/// `quantization_config` of a pre-quantized checkpoint: bitsandbytes 4-bit (nf4) is read
+/// (`*-bnb-4bit` repos); anything else (8-bit, GPTQ, AWQ, ...) is refused by name.
+fn check_quantization_config(raw: &serde_json::Value, path: &Path) -> Result<()> {
+    let Some(q) = raw.get("quantization_config") else {
+        return Ok(());
+    };
+    let bad = |msg: String| ModelError::Config {
+        path: path.to_path_buf(),
+        key: "quantization_config".into(),
+        msg,
+    };
+    let method = q.get("quant_method").and_then(|m| m.as_str()).unwrap_or("");
+    if method != "bitsandbytes" {
+        return Err(bad(format!(
+            "quant_method `{method}` is not supported; tallow reads bitsandbytes 4-bit (nf4) \
+             checkpoints, or quantizes an unquantized one itself (--quantize nf4)"
+        )));
+    }
+    if q.get("load_in_8bit").and_then(|v| v.as_bool()) == Some(true) {
+        return Err(bad(
+            "bitsandbytes 8-bit (LLM.int8) checkpoints are not supported; use the unquantized \
+             model, or --quantize nf4"
+                .into(),
+        ));
+    }
+    let qt = q.get("bnb_4bit_quant_type").and_then(|v| v.as_str());
+    if qt.is_some_and(|t| t != "nf4") {
+        return Err(bad(format!(
+            "bnb_4bit_quant_type `{}` is not supported; tallow reads nf4 only",
+            qt.unwrap_or("")
+        )));
+    }
+    Ok(())
+}
+
 impl DecoderConfig {
     /// Reads `dir/config.json` and validates it for its family.
     pub fn from_dir(dir: &Path) -> Result<Self> {
@@ -129,6 +164,7 @@ impl DecoderConfig {
                 supported: Arch::SUPPORTED.to_string(),
             }
         })?;
+        check_quantization_config(&raw, path)?;
         let parse_err = |e: serde_json::Error| ModelError::Config {
             path: path.to_path_buf(),
             key: "(config.json)".into(),

@@ -26,7 +26,8 @@ pub use adapter::{
 };
 pub use config::{Arch, DecoderConfig, RopeScaling};
 pub use error::{ModelError, Result};
-pub use linear::{Linear, Lora, Param};
+pub use linear::{Base, Linear, Lora, Param};
 pub use loss::{lm_head_nll, Targets};
 pub use model::{CausalLM, LoadOptions};
+pub use quant::nf4::{Nf4Options, Nf4Weight};
 pub use weights::Weights;

@@ -1,5 +1,5 @@
-//! The one linear layer of the model: a base weight that is frozen or trainable, an optional
-//! bias, and an optional LoRA adapter.
+//! The one linear layer of the model: a base weight (dense, frozen or trainable, or NF4), an
+//! optional bias, and an optional LoRA adapter.
 //!
 //! ```text
 //!   x ──► W (frozen) ────────────────┐
@@ -10,7 +10,8 @@
 //! A frozen base goes through [`FrozenMatmul`], a custom op whose backward returns dX only:
 //! Candle's own matmul backward computes (and stores) a full-size dW for both operands even when
 //! the weight is not a variable (`backprop.rs`, `Op::Matmul`), which for LoRA costs a model-sized
-//! gradient in time and memory.
+//! gradient in time and memory. An NF4 base goes through [`Nf4Matmul`], which holds only the packed
+//! 4-bit weight and dequantizes it inside forward and again inside backward.
 
 use candle_core::backend::BackendStorage;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,6 +23,7 @@ use candle_core::{
 use rand::{Rng, SeedableRng};
 
 use crate::error::Result;
+pub use crate::quant::nf4::{Nf4Matmul, Nf4Weight};
 
 /// A model weight: frozen (a plain tensor, never differentiated) or trainable (a `Var`).
 #[derive(Clone)]
@@ -51,6 +53,40 @@ impl Param {
         } else {
             Param::Frozen(t)
         })
+    }
+}
+
+/// The base weight of a linear layer: dense (in the model dtype) or NF4 (frozen, 4-bit packed).
+#[derive(Clone)]
+pub enum Base {
+    Dense(Param),
+    Nf4(Arc<Nf4Weight>),
+}
+
+impl Base {
+    /// (out, in)
+    pub fn dims(&self) -> (usize, usize) {
+        match self {
+            Base::Dense(p) => p.tensor().dims2().unwrap_or((0, 0)),
+            Base::Nf4(w) => w.shape,
+        }
+    }
+
+    /// The dense parameter; None for an NF4 weight.
+    pub fn param(&self) -> Option<&Param> {
+        match self {
+            Base::Dense(p) => Some(p),
+            Base::Nf4(_) => None,
+        }
+    }
+
+    /// The weight (out, in) in the compute dtype: the tensor itself, or NF4 dequantized (a new
+    /// full-precision copy: for merging and saving, never for the forward pass).
+    pub fn dense(&self) -> Result<Tensor> {
+        match self {
+            Base::Dense(p) => Ok(p.tensor().clone()),
+            Base::Nf4(w) => w.dequantize(),
+        }
     }
 }
 
@@ -144,7 +180,7 @@ impl Lora {
 #[derive(Clone)]
 pub struct Linear {
     /// (out, in), as stored in safetensors.
-    pub weight: Param,
+    pub weight: Base,
     /// (out)
     pub bias: Option<Param>,
     pub lora: Option<Lora>,
@@ -152,11 +188,11 @@ pub struct Linear {
 
 impl Linear {
     pub fn in_features(&self) -> usize {
-        self.weight.tensor().dim(1).unwrap_or(0)
+        self.weight.dims().1
     }
 
     pub fn out_features(&self) -> usize {
-        self.weight.tensor().dim(0).unwrap_or(0)
+        self.weight.dims().0
     }
 
     /// x: (..., in) -> (..., out)
@@ -166,8 +202,11 @@ impl Linear {
         let m: usize = dims[..dims.len() - 1].iter().product();
         let x2 = x.reshape((m, k))?; // (M, in)
         let mut y = match &self.weight {
-            Param::Frozen(w) => x2.contiguous()?.apply_op1(FrozenMatmul { w: w.clone() })?,
-            Param::Trainable(w) => x2.matmul(&w.t()?)?,
+            Base::Dense(Param::Frozen(w)) => {
+                x2.contiguous()?.apply_op1(FrozenMatmul { w: w.clone() })?
+            }
+            Base::Dense(Param::Trainable(w)) => x2.matmul(&w.t()?)?,
+            Base::Nf4(w) => x2.contiguous()?.apply_op1(Nf4Matmul { w: w.clone() })?,
         }; // (M, out)
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b.tensor())?;
@@ -253,7 +292,7 @@ mod tests {
         let w = Tensor::randn(0f32, 1., (5, 3), &dev)?;
         let x = Var::randn(0f32, 1., (4, 3), &dev)?;
         let frozen = Linear {
-            weight: Param::Frozen(w.clone()),
+            weight: Base::Dense(Param::Frozen(w.clone())),
             bias: None,
             lora: None,
         };
@@ -285,7 +324,7 @@ mod tests {
             id: 0,
         };
         let plain = Linear {
-            weight: Param::Frozen(w.clone()),
+            weight: Base::Dense(Param::Frozen(w.clone())),
             bias: None,
             lora: None,
         };

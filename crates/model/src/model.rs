@@ -7,14 +7,16 @@
 //! D = head dim, I = intermediate size, V = vocab.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
 use crate::checkpointing::Checkpointing;
 use crate::config::DecoderConfig;
 use crate::error::{ModelError, Result};
-use crate::linear::{Linear, Param};
+use crate::linear::{Base, Linear, Param};
 use crate::ops;
+use crate::quant::nf4::{Nf4Options, Nf4Weight};
 use crate::weights::Weights;
 
 /// How to load a model.
@@ -25,6 +27,10 @@ pub struct LoadOptions {
     pub device: Device,
     /// Make every base weight a trainable variable (full fine-tuning). False: all frozen.
     pub train_base: bool,
+    /// Some: store the linear weights of the decoder layers in NF4 (QLoRA), quantized at load one
+    /// tensor at a time; embeddings, norms and lm_head stay in `dtype`. A bitsandbytes 4-bit
+    /// checkpoint loads as NF4 whatever this says.
+    pub quantize: Option<Nf4Options>,
 }
 
 impl LoadOptions {
@@ -33,6 +39,15 @@ impl LoadOptions {
             dtype,
             device: device.clone(),
             train_base: false,
+            quantize: None,
+        }
+    }
+
+    /// [`LoadOptions::frozen`] with the decoder's linear weights in NF4.
+    pub fn nf4(dtype: DType, device: &Device, double_quant: bool) -> Self {
+        Self {
+            quantize: Some(Nf4Options { double_quant }),
+            ..Self::frozen(dtype, device)
         }
     }
 }
@@ -194,9 +209,49 @@ impl CausalLM {
         let param = |name: &str, shape: &[usize]| -> Result<Param> {
             Param::new(w.load(name, shape, dt, dev)?, tr)
         };
+        if opts.quantize.is_some() && tr {
+            return Err(ModelError::Invalid(
+                "NF4 base weights are frozen: quantization works with LoRA (QLoRA) only; \
+                 for full fine-tuning load the model unquantized"
+                    .into(),
+            ));
+        }
+        // A decoder linear weight: dense, quantized to NF4 right after loading (the
+        // full-precision tensor is dropped before the next one is read), or a bitsandbytes 4-bit
+        // tensor read as it is.
+        let base = |name: &str, out: usize, inp: usize| -> Result<Base> {
+            if w.dtype(name)? == DType::U8 {
+                if tr {
+                    return Err(ModelError::Invalid(format!(
+                        "{}: `{name}` is 4-bit (a bitsandbytes checkpoint): its weights cannot \
+                         be trained; use LoRA, or the unquantized model for full fine-tuning",
+                        w.dir().display()
+                    )));
+                }
+                return Ok(Base::Nf4(Arc::new(Nf4Weight::from_bnb(
+                    w,
+                    name,
+                    (out, inp),
+                    dt,
+                    dev,
+                )?)));
+            }
+            match opts.quantize {
+                None => Ok(Base::Dense(param(name, &[out, inp])?)),
+                Some(q) => {
+                    // Quantized on the CPU from f32 (the kernel path), then moved: the device
+                    // only ever receives the 4-bit weight.
+                    let full = w.load(name, &[out, inp], DType::F32, &Device::Cpu)?;
+                    let mut nf4 = Nf4Weight::quantize(&full, q.double_quant)?;
+                    drop(full);
+                    nf4.dtype = dt;
+                    Ok(Base::Nf4(Arc::new(nf4.to_device(dev)?)))
+                }
+            }
+        };
         let linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
             Ok(Linear {
-                weight: param(&format!("{name}.weight"), &[out, inp])?,
+                weight: base(&format!("{name}.weight"), out, inp)?,
                 bias: if bias {
                     Some(param(&format!("{name}.bias"), &[out])?)
                 } else {
@@ -370,7 +425,8 @@ impl CausalLM {
         Ok(logits.to_dtype(ops::upcast(self.dtype))?)
     }
 
-    /// Every weight with its HF safetensors name (tied lm_head listed once, as the embeddings).
+    /// Every dense weight with its HF safetensors name (tied lm_head listed once, as the
+    /// embeddings). NF4 linear weights are not listed: see [`CausalLM::nf4_weights`].
     pub fn named_params(&self) -> Vec<(String, &Param)> {
         let mut out: Vec<(String, &Param)> =
             vec![("model.embed_tokens.weight".into(), &self.embed_tokens)];
@@ -378,7 +434,9 @@ impl CausalLM {
             let p = format!("model.layers.{i}");
             let a = &l.self_attn;
             for (n, lin) in l.linears() {
-                out.push((format!("{p}.{n}.weight"), &lin.weight));
+                if let Some(w) = lin.weight.param() {
+                    out.push((format!("{p}.{n}.weight"), w));
+                }
                 if let Some(b) = &lin.bias {
                     out.push((format!("{p}.{n}.bias"), b));
                 }
@@ -398,6 +456,19 @@ impl CausalLM {
         out.push(("model.norm.weight".into(), &self.norm));
         if let Some(h) = &self.lm_head {
             out.push(("lm_head.weight".into(), h));
+        }
+        out
+    }
+
+    /// Every NF4 linear weight with its HF safetensors name.
+    pub fn nf4_weights(&self) -> Vec<(String, &Arc<Nf4Weight>)> {
+        let mut out = Vec::new();
+        for (i, l) in self.layers.iter().enumerate() {
+            for (n, lin) in l.linears() {
+                if let Base::Nf4(w) = &lin.weight {
+                    out.push((format!("model.layers.{i}.{n}.weight"), w));
+                }
+            }
         }
         out
     }

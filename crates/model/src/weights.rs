@@ -130,6 +130,31 @@ impl Weights {
         Ok(t.to_device(device)?)
     }
 
+    /// Reads `name` as stored (no dtype conversion, no shape check) onto `device`: the parts of a
+    /// quantized weight (u8 codes, f32 scales, a u8 JSON state).
+    pub fn load_raw(&self, name: &str, device: &Device) -> Result<Tensor> {
+        let (_, st) = self.file_of(name)?;
+        Ok(st.get(name)?.load(device)?)
+    }
+
+    /// The stored dtype of `name`, without reading it.
+    pub fn dtype(&self, name: &str) -> Result<DType> {
+        let (path, st) = self.file_of(name)?;
+        let view = st.get(name)?;
+        DType::try_from(view.dtype()).map_err(|e| ModelError::BadSafetensors {
+            path: path.to_path_buf(),
+            msg: format!("tensor `{name}`: {e}"),
+        })
+    }
+
+    /// The file holding `name` (for messages), or the directory when it is not there.
+    pub fn file_name(&self, name: &str) -> String {
+        match self.routing.get(name) {
+            Some(&i) => self.files[i].0.display().to_string(),
+            None => self.dir.display().to_string(),
+        }
+    }
+
     fn file_of(&self, name: &str) -> Result<(&Path, &MmapedSafetensors)> {
         match self.routing.get(name) {
             Some(&i) => Ok((&self.files[i].0, &self.files[i].1)),

@@ -28,6 +28,10 @@ pub struct CheckpointState {
     /// Name -> shape of every trainable tensor.
     pub trainable: BTreeMap<String, Vec<usize>>,
     pub optimizer: String,
+    /// How the base's decoder linears are stored: `none`, `nf4`, `nf4+double_quant`
+    /// (checkpoints written before this field read as `none`).
+    #[serde(default = "no_quantize")]
+    pub quantize: String,
     /// Target tokens trained on so far.
     pub tokens_seen: u64,
     /// Seconds of training so far (for tokens/s across resumes).
@@ -41,6 +45,10 @@ pub struct LoraState {
     pub alpha: f64,
     pub targets: Vec<String>,
     pub rslora: bool,
+}
+
+fn no_quantize() -> String {
+    "none".into()
 }
 
 pub fn checkpoints_dir(output_dir: &Path) -> PathBuf {
@@ -126,6 +134,12 @@ pub fn check_compatible(
         diffs.push(format!(
             "optimizer {} vs {}",
             saved.optimizer, now.optimizer
+        ));
+    }
+    if saved.quantize != now.quantize {
+        diffs.push(format!(
+            "base quantization {} vs {}",
+            saved.quantize, now.quantize
         ));
     }
     if diffs.is_empty() && saved.trainable != now.trainable {

@@ -457,6 +457,13 @@ impl TrainConfig {
                 "must be at least 1, found 0".into(),
             );
         }
+        if m.quantize == Quantize::Nf4 && t.method == Method::Full {
+            return bad(
+                "model.quantize",
+                "is \"nf4\", which needs train.method = \"lora\" (QLoRA: NF4 base weights are                  frozen); set model.quantize = \"none\" for a full fine-tune (add                  train.optimizer = \"adamw8bit\" to save optimizer memory)"
+                    .into(),
+            );
+        }
         if t.checkpoint_every < 1 {
             return bad(
                 "train.checkpoint_every",
@@ -1683,6 +1690,16 @@ mod tests {
                 "the string \"fast\"",
             ],
         );
+    }
+
+    #[test]
+    fn nf4_with_full_fine_tuning_is_invalid() {
+        let e = err(MINIMAL, &["model.quantize=nf4", "train.method=full"]);
+        assert!(
+            e.contains("`model.quantize` is \"nf4\", which needs train.method = \"lora\""),
+            "{e}"
+        );
+        assert!(parse(MINIMAL, &["model.quantize=nf4", "train.method=lora"]).is_ok());
     }
 
     #[test]

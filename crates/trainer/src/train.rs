@@ -19,12 +19,12 @@ use serde::Serialize;
 use tallow_model::linear::mix_seed;
 use tallow_model::{
     attach_lora, lm_head_nll, load_peft, lora_vars, save_hf_model, save_peft, set_dropout,
-    set_dropout_rate, CausalLM, LoadOptions, LoraSpec,
+    set_dropout_rate, CausalLM, LoadOptions, LoraSpec, Nf4Options,
 };
 
 use crate::batch::{pack, Batch, Row};
 use crate::checkpoint::{self, CheckpointState, LoraState};
-use crate::config::{Method, TrainConfig};
+use crate::config::{Method, Quantize, TrainConfig};
 use crate::data::{load_jsonl, DataOptions, Example};
 use crate::error::TrainError;
 use crate::eval::evaluate;
@@ -134,10 +134,20 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Run, TrainError> {
     };
 
     let full = cfg.train.method == Method::Full;
+    if full && cfg.model.quantize == Quantize::Nf4 {
+        return Err(TrainError::Invalid(
+            "model.quantize = \"nf4\" needs train.method = \"lora\" (QLoRA): NF4 base weights \
+             are frozen; set model.quantize = \"none\" for a full fine-tune"
+                .into(),
+        ));
+    }
     let opts = LoadOptions {
         dtype: cfg.model.dtype.to_dtype(),
         device: device.clone(),
         train_base: full,
+        quantize: (cfg.model.quantize == Quantize::Nf4).then_some(Nf4Options {
+            double_quant: cfg.model.double_quant,
+        }),
     };
     let mut model = CausalLM::load(model_dir, &opts)?;
     if cfg.train.checkpointing {
@@ -300,6 +310,11 @@ pub fn train(
             .map(|(n, v)| (n.clone(), v.dims().to_vec()))
             .collect::<BTreeMap<_, _>>(),
         optimizer: opt.name().into(),
+        quantize: match (cfg.model.quantize, cfg.model.double_quant) {
+            (Quantize::None, _) => "none".into(),
+            (Quantize::Nf4, false) => "nf4".into(),
+            (Quantize::Nf4, true) => "nf4+double_quant".into(),
+        },
         tokens_seen: 0,
         elapsed_s: 0.0,
         tallow_version: env!("CARGO_PKG_VERSION").into(),
