@@ -107,6 +107,7 @@ fn full_fine_tuning_gradients_with_checkpointing_equal_plain_gradients() {
             dtype: DType::F32,
             device: Device::Cpu,
             train_base: true,
+            quantize: None,
         };
         let mut model = CausalLM::load(&model_dir(model_name), &opts).unwrap();
         let vars: Vec<(String, Var)> = model
