@@ -8,9 +8,12 @@
 #   scripts/bench_memory.sh                       # CPU; appends a table to benchmarks/memory.md
 #   DEVICE=cuda TALLOW=./tallow scripts/bench_memory.sh   # on a GPU machine with a cuda build
 #
-# Columns: after load = bytes in use once model + adapters are loaded; fwd / bwd / opt = peak
-# bytes during the forward, backward and optimizer phases (max over steps); state = bytes in use
-# after the last step minus after load (optimizer state, plus anything else kept across steps).
+# Columns: after load = bytes in use once model + adapters are loaded; base = after load minus
+# the f32 LoRA parameters (LoRA cells: the frozen base weights and what else is loaded); fwd / bwd
+# / opt = peak bytes during the forward, backward and optimizer phases (max over steps), each
+# including what is live across phases (weights, optimizer state); state = bytes in use after
+# the last step minus after load (measured), and opt. state = the optimizer's state tensors
+# (counted from their sizes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEVICE=${DEVICE:-cpu}
@@ -65,8 +68,8 @@ mib() { python3 -c "import sys; v=sys.argv[1]; print('-' if v in ('None','') els
   echo
   echo "\`scripts/bench_memory.sh\` (DEVICE=$DEVICE, STEPS=$STEPS): llama-105m bf16, seq 512, micro-batch 1, LoRA r16 all-linear. MiB."
   echo
-  echo "| cell | after load | fwd peak | bwd peak | opt peak | state | tok/s |"
-  echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+  echo "| cell | after load | base | fwd peak | bwd peak | opt peak | state | opt. state | tok/s |"
+  echo "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
 } >> "$OUT"
 for cell in "${CELLS[@]}"; do
   name=${cell%%|*}
@@ -74,7 +77,7 @@ for cell in "${CELLS[@]}"; do
   for kv in ${cell#*|}; do sets+=(--set "$kv"); done
   rm -rf "$WORK/run"
   if ! "$TALLOW" train --config "$WORK/base.toml" "${sets[@]}" --quiet > "$WORK/log" 2>&1; then
-    echo "| $name | failed: $(tail -1 "$WORK/log") | | | | | |" >> "$OUT"
+    echo "| $name | failed: $(tail -1 "$WORK/log") | | | | | | | |" >> "$OUT"
     continue
   fi
   python3 - "$WORK/run/metrics.jsonl" "$name" >> "$OUT" <<'PY'
@@ -86,7 +89,8 @@ m = lambda v: "-" if v is None else f"{v / 2**20:.0f}"
 peak = lambda k: max((s["peak_bytes"][k] or 0) for s in steps)
 state = steps[-1]["live_bytes"] - load["load_live_bytes"]
 tps = sum(s["tokens"] for s in steps[1:] or steps) / sum(s["tokens"] / s["tokens_per_s"] for s in steps[1:] or steps)
-print(f"| {sys.argv[2]} | {m(load['load_live_bytes'])} | {m(peak('forward'))} | {m(peak('backward'))} | {m(peak('optimizer'))} | {m(state)} | {tps:.1f} |")
+base = m(load["load_live_bytes"] - 4 * load["trainable_params"]) if sys.argv[2].startswith("lora") else "-"
+print(f"| {sys.argv[2]} | {m(load['load_live_bytes'])} | {base} | {m(peak('forward'))} | {m(peak('backward'))} | {m(peak('optimizer'))} | {m(state)} | {m(steps[-1]['optimizer_state_bytes'])} | {tps:.1f} |")
 PY
   tail -1 "$OUT"
 done

@@ -54,5 +54,5 @@ if [ "${CHECK_ONLY:-0}" = 1 ]; then
   cargo check --workspace --all-targets --features tallow/cuda,tallow-tests/cuda
 else
   cargo build --release -p tallow --features cuda
-  ls -l target/release/tallow
+  ls -l "${CARGO_TARGET_DIR:-target}/release/tallow"
 fi

@@ -51,6 +51,8 @@ pub struct StepLog {
     pub peak_bytes: PhasePeaks,
     /// Bytes in use after the optimizer step (weights, adapters, optimizer state).
     pub live_bytes: Option<u64>,
+    /// Bytes of the optimizer's state tensors (moments, 8-bit codes and scales).
+    pub optimizer_state_bytes: u64,
 }
 
 /// What the run reports as it goes (the CLI turns these into a progress bar and messages).
@@ -480,6 +482,7 @@ pub fn train(
             elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
             peak_bytes: peaks,
             live_bytes: probe.current(),
+            optimizer_state_bytes: opt.state_bytes() as u64,
         };
         if done % t.log_every.max(1) == 0 || done == total_steps {
             append_metrics(&metrics, &log)?;
@@ -521,9 +524,9 @@ pub fn train(
 
     // Optimizer-state memory (adamw: 8 bytes per trainable parameter; adamw8bit: about 2).
     on_event(Event::Note(format!(
-        "optimizer state ({}): {:.2} MiB for {trainable_params} trainable parameters",
+        "optimizer state ({}): {} for {trainable_params} trainable parameters",
         opt.name(),
-        opt.state_bytes() as f64 / (1024.0 * 1024.0)
+        crate::memory::human_bytes(opt.state_bytes() as u64)
     )));
 
     // Final output: a PEFT adapter, or the whole model in HF layout.

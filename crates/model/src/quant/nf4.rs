@@ -381,23 +381,24 @@ fn quantize_cpu(w: &Tensor, block: usize) -> candle_core::Result<(Tensor, Tensor
     let mids = midpoints();
     let code_of = |v: f32| mids.iter().filter(|&&m| m < v).count() as u8;
     // Per block: absmax and the block's codes (block is even, so a block starts on a byte).
-    let per_block: Vec<(f32, Vec<u8>)> = x
-        .par_chunks(block)
-        .map(|chunk| {
+    // Outputs are allocated at their exact size: they become the model's storage.
+    let mut packed = vec![0u8; n.div_ceil(2)];
+    let mut absmax = vec![0f32; blocks];
+    packed
+        .par_chunks_mut(block / 2)
+        .zip(absmax.par_iter_mut())
+        .zip(x.par_chunks(block))
+        .for_each(|((out, amax_out), chunk)| {
             let amax = chunk.iter().fold(0f32, |a, v| a.max(v.abs()));
+            *amax_out = amax;
             // bitsandbytes: `A * (1.0 / absmax.clamp(min=1e-38))`, clamped to [-1, 1].
             let inv = 1.0f32 / amax.max(1e-38);
             let code = |v: f32| code_of((v * inv).clamp(-1.0, 1.0));
-            let bytes = chunk
-                .chunks(2)
+            for (o, p) in out.iter_mut().zip(chunk.chunks(2)) {
                 // An odd last element pairs with a padded 0 (code 7), as bitsandbytes pads.
-                .map(|p| (code(p[0]) << 4) | p.get(1).map_or(code_of(0.0), |&v| code(v)))
-                .collect();
-            (amax, bytes)
-        })
-        .collect();
-    let absmax: Vec<f32> = per_block.iter().map(|(a, _)| *a).collect();
-    let packed: Vec<u8> = per_block.into_iter().flat_map(|(_, b)| b).collect();
+                *o = (code(p[0]) << 4) | p.get(1).map_or(code_of(0.0), |&v| code(v));
+            }
+        });
     Ok((
         Tensor::from_vec(packed, n.div_ceil(2), &Device::Cpu)?,
         Tensor::from_vec(absmax, blocks, &Device::Cpu)?,
