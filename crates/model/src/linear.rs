@@ -171,8 +171,11 @@ impl Lora {
                 x = x.broadcast_mul(&d.mask(mix_seed(seed, self.id), x.dims(), x.device())?)?;
             }
         }
-        let xa = x.matmul(&self.a.t()?)?; // (M, r)
-        Ok((xa.matmul(&self.b.t()?)? * self.scale)?) // (M, out)
+        // The scale is applied to the rank-r intermediate rather than to the (M, out) output
+        // (PEFT's order): same value up to rounding, and the graph keeps an (M, r) tensor less
+        // instead of an (M, out) one.
+        let xa = (x.matmul(&self.a.t()?)? * self.scale)?; // (M, r)
+        Ok(xa.matmul(&self.b.t()?)?) // (M, out)
     }
 }
 

@@ -26,11 +26,38 @@ pub fn upcast(dtype: DType) -> DType {
 /// result cast back to the input dtype before the weight multiply.
 /// x: (..., C), w: (C) -> (..., C)
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let value = rms_norm_value(&x.detach(), &w.detach(), eps)?;
+    // y = cast(xn) * w, xn = xf * r, r = 1 / sqrt(mean(xf^2) + eps):
+    //   dw = sum over rows of dy * cast(xn);  g = cast_up(dy * w);  dx = r * (g - xn * mean(g * xn))
+    attach2("rms-norm", x, w, value, move |x, w, _y, dy| {
+        let dtype = x.dtype();
+        let up = upcast(dtype);
+        let xf = x.to_dtype(up)?;
+        let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?
+            .sqrt()?
+            .recip()?; // (..., 1)
+        let xn = xf.broadcast_mul(&r)?;
+        let dw = if w.track_op() {
+            let rows = dy.elem_count() / dy.dim(D::Minus1)?;
+            let prod = (dy.to_dtype(up)? * xn.to_dtype(dtype)?.to_dtype(up)?)?;
+            Some(prod.reshape((rows, ()))?.sum(0)?.to_dtype(w.dtype())?) // (C)
+        } else {
+            None
+        };
+        let g = dy.broadcast_mul(w)?.to_dtype(up)?;
+        let dot = (&g * &xn)?.mean_keepdim(D::Minus1)?; // (..., 1)
+        let dx = (g - xn.broadcast_mul(&dot)?)?.broadcast_mul(&r)?;
+        Ok((Some(dx.to_dtype(dtype)?), dw))
+    })
+}
+
+/// The value of [`rms_norm`], HF's order of operations (normalize in f32, cast, scale).
+fn rms_norm_value(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
     let xf = x.to_dtype(upcast(dtype))?;
     let var = xf.sqr()?.mean_keepdim(D::Minus1)?; // (..., 1)
     let xn = xf.broadcast_div(&(var + eps)?.sqrt()?)?;
-    Ok(xn.to_dtype(dtype)?.broadcast_mul(w)?)
+    Ok(xn.to_dtype(dtype)?.broadcast_mul(w)?.contiguous()?)
 }
 
 /// Softmax over the last dim. The max is detached: it is a constant shift that leaves the value
@@ -56,68 +83,195 @@ pub fn masked_softmax(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
         .broadcast_add(&mask.to_dtype(up)?)?;
     let probs = candle_nn::ops::softmax_last_dim(&masked)?;
     drop(masked);
-    if !scores.track_op() {
-        return Ok(probs);
+    // dS = P * (dP - sum(dP * P, -1)), in P's dtype, cast back to the scores' dtype.
+    attach1("masked-softmax", scores, probs, |s, p, dp| {
+        let dp = dp.to_dtype(p.dtype())?;
+        let dot = (&dp * p)?.sum_keepdim(D::Minus1)?; // (B, H, T, 1)
+        let ds = (p * dp.broadcast_sub(&dot)?)?;
+        Ok(Some(ds.to_dtype(s.dtype())?))
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attaching a value computed outside the graph, with a backward written by hand.
+//
+// Each differentiable primitive keeps its inputs alive until the backward: a norm or a rotary
+// embedding built from five primitives keeps five activation-sized tensors. Instead, the value is
+// computed on detached inputs (its intermediates freed at once) and put into the graph by an op
+// whose only inputs are the real inputs and whose backward is the closed form.
+
+type Bwd1 = dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Option<Tensor>> + Send + Sync;
+type Bwd2 = dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)>
+    + Send
+    + Sync;
+
+/// `value` as a function of `x`: bwd(x, value, d_value) -> dx.
+fn attach1(
+    name: &'static str,
+    x: &Tensor,
+    value: Tensor,
+    bwd: impl Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Option<Tensor>>
+        + Send
+        + Sync
+        + 'static,
+) -> Result<Tensor> {
+    if !x.track_op() {
+        return Ok(value);
     }
-    Ok(scores.apply_op1(AttachSoftmax {
-        probs: std::sync::Mutex::new(Some(probs)),
+    Ok(x.apply_op1(Attach1 {
+        name,
+        value: std::sync::Mutex::new(Some(value)),
+        bwd: Box::new(bwd),
     })?)
 }
 
-/// Puts precomputed softmax probabilities into the graph as a function of the scores.
-struct AttachSoftmax {
-    probs: std::sync::Mutex<Option<Tensor>>,
-}
-
-impl AttachSoftmax {
-    fn take(&self) -> candle_core::Result<Tensor> {
-        self.probs
-            .lock()
-            .expect("softmax lock")
-            .take()
-            .ok_or_else(|| candle_core::Error::Msg("softmax op applied twice".into()))
+/// `value` as a function of `(x, w)`: bwd(x, w, value, d_value) -> (dx, dw).
+fn attach2(
+    name: &'static str,
+    x: &Tensor,
+    w: &Tensor,
+    value: Tensor,
+    bwd: impl Fn(
+            &Tensor,
+            &Tensor,
+            &Tensor,
+            &Tensor,
+        ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)>
+        + Send
+        + Sync
+        + 'static,
+) -> Result<Tensor> {
+    if !x.track_op() && !w.track_op() {
+        return Ok(value);
     }
+    Ok(x.apply_op2(
+        w,
+        Attach2 {
+            name,
+            value: std::sync::Mutex::new(Some(value)),
+            bwd: Box::new(bwd),
+        },
+    )?)
 }
 
-impl candle_core::CustomOp1 for AttachSoftmax {
+struct Attach1 {
+    name: &'static str,
+    value: std::sync::Mutex<Option<Tensor>>,
+    bwd: Box<Bwd1>,
+}
+
+struct Attach2 {
+    name: &'static str,
+    value: std::sync::Mutex<Option<Tensor>>,
+    bwd: Box<Bwd2>,
+}
+
+/// Hands the precomputed value over as the op's output storage (a copy: Candle ops return
+/// owned storage); the op keeps no reference to it afterwards.
+fn take_value(
+    slot: &std::sync::Mutex<Option<Tensor>>,
+    name: &str,
+) -> candle_core::Result<(candle_core::Storage, candle_core::Shape)> {
+    use candle_core::backend::BackendStorage;
+    let v = slot
+        .lock()
+        .expect("attach lock")
+        .take()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{name}: op applied twice")))?;
+    let (s, l) = v.storage_and_layout();
+    if !l.is_contiguous() || l.start_offset() != 0 {
+        candle_core::bail!("{name}: value must be contiguous");
+    }
+    let storage = match &*s {
+        candle_core::Storage::Cpu(c) => candle_core::Storage::Cpu(c.try_clone(l)?),
+        candle_core::Storage::Cuda(c) => candle_core::Storage::Cuda(c.try_clone(l)?),
+        candle_core::Storage::Metal(_) => candle_core::bail!("{name}: Metal is not supported"),
+    };
+    Ok((storage, v.shape().clone()))
+}
+
+macro_rules! attach_fwd {
+    () => {
+        fn cpu_fwd_value(
+            &self,
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            match take_value(&self.value, self.name)? {
+                (candle_core::Storage::Cpu(c), shape) => Ok((c, shape)),
+                _ => candle_core::bail!("{}: value is not on the CPU", self.name),
+            }
+        }
+        fn cuda_fwd_value(
+            &self,
+        ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+            match take_value(&self.value, self.name)? {
+                (candle_core::Storage::Cuda(c), shape) => Ok((c, shape)),
+                _ => candle_core::bail!("{}: value is not on the CUDA device", self.name),
+            }
+        }
+    };
+}
+
+impl Attach1 {
+    attach_fwd!();
+}
+
+impl Attach2 {
+    attach_fwd!();
+}
+
+impl candle_core::CustomOp1 for Attach1 {
     fn name(&self) -> &'static str {
-        "masked-softmax"
+        self.name
     }
-
     fn cpu_fwd(
         &self,
         _: &candle_core::CpuStorage,
         _: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        use candle_core::backend::BackendStorage;
-        let p = self.take()?;
-        let (s, l) = p.storage_and_layout();
-        let candle_core::Storage::Cpu(s) = &*s else {
-            candle_core::bail!("softmax: probabilities are not on the CPU");
-        };
-        Ok((s.try_clone(l)?, p.shape().clone()))
+        self.cpu_fwd_value()
     }
-
     fn cuda_fwd(
         &self,
         _: &candle_core::CudaStorage,
         _: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        use candle_core::backend::BackendStorage;
-        let p = self.take()?;
-        let (s, l) = p.storage_and_layout();
-        let candle_core::Storage::Cuda(s) = &*s else {
-            candle_core::bail!("softmax: probabilities are not on the CUDA device");
-        };
-        Ok((s.try_clone(l)?, p.shape().clone()))
+        self.cuda_fwd_value()
     }
+    fn bwd(&self, x: &Tensor, v: &Tensor, dv: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        (self.bwd)(x, v, dv)
+    }
+}
 
-    // dS = P * (dP - sum(dP * P, -1)), in P's dtype, cast back to the scores' dtype.
-    fn bwd(&self, s: &Tensor, p: &Tensor, dp: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let dp = dp.to_dtype(p.dtype())?;
-        let dot = (&dp * p)?.sum_keepdim(D::Minus1)?; // (B, H, T, 1)
-        let ds = (p * dp.broadcast_sub(&dot)?)?;
-        Ok(Some(ds.to_dtype(s.dtype())?))
+impl candle_core::CustomOp2 for Attach2 {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        self.cpu_fwd_value()
+    }
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CudaStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        self.cuda_fwd_value()
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        v: &Tensor,
+        dv: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        (self.bwd)(x, w, v, dv)
     }
 }
 
@@ -191,6 +345,22 @@ pub fn rope_tables(positions: &Tensor, inv_freq: &[f32], dtype: DType) -> Result
 /// `rotate_half([x1, x2]) = [-x2, x1]` over the two halves of the head dim.
 /// x: (B, H, T, D), cos/sin: (B, 1, T, D) -> (B, H, T, D)
 pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let value = rope_value(&x.detach(), cos, sin)?;
+    // y = x * cos + R(x) * sin with R([x1, x2]) = [-x2, x1], so dx = dy * cos + R^T(dy * sin),
+    // R^T([z1, z2]) = [z2, -z1]. cos / sin are constants (not in the graph).
+    let (cos, sin) = (cos.detach(), sin.detach());
+    attach1("rope", x, value, move |_x, _y, dy| {
+        let d = dy.dim(D::Minus1)?;
+        let z = dy.broadcast_mul(&sin)?;
+        let z1 = z.narrow(D::Minus1, 0, d / 2)?;
+        let z2 = z.narrow(D::Minus1, d / 2, d / 2)?;
+        let rt = Tensor::cat(&[&z2, &z1.neg()?], D::Minus1)?;
+        Ok(Some((dy.broadcast_mul(&cos)? + rt)?))
+    })
+}
+
+/// The value of [`apply_rope`].
+fn rope_value(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let d = x.dim(D::Minus1)?;
     let x1 = x.narrow(D::Minus1, 0, d / 2)?;
     let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
