@@ -81,7 +81,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         Event::Checkpoint { step, path } => {
             bar.println(format!("step {step}: checkpoint {}", path.display()))
         }
-        Event::Note(n) => bar.println(n),
+        Event::Note(n) => say(n),
     };
     let summary = train(&cfg, &device, a.resume, &mut on_event)?;
     bar.finish_and_clear();
