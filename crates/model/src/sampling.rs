@@ -20,8 +20,8 @@ pub struct SamplingParams {
     pub top_k: usize,
     /// Keep the smallest set of most likely tokens whose probability reaches p; 1.0: off.
     pub top_p: f64,
-    /// > 1 discourages ids already in the prompt or output: their logit is divided by it when
-    /// positive, multiplied when negative (CTRL, arXiv:1909.05858; HF
+    /// Above 1 discourages ids already in the prompt or output: their logit is divided by it
+    /// when positive, multiplied when negative (CTRL, arXiv:1909.05858; HF
     /// `RepetitionPenaltyLogitsProcessor`). 1.0: off.
     pub repetition_penalty: f64,
     pub seed: u64,
