@@ -24,6 +24,10 @@ pub enum Command {
     Eval(EvalArgs),
     /// Fold a LoRA adapter into its base model and save an HF-layout model.
     Merge(MergeArgs),
+    /// Generate text after a prompt (streamed to stdout), from a model and optional adapter.
+    Generate(GenerateArgs),
+    /// Interactive multi-turn chat (reads lines from stdin; /reset clears, /exit quits).
+    Chat(ChatArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -105,4 +109,86 @@ pub struct EvalArgs {
     /// Print one JSON object instead of a line of text.
     #[arg(long)]
     pub json: bool,
+}
+
+/// Model, adapter and decoding flags shared by `generate` and `chat`. Decoding defaults follow
+/// transformers' `generate()`: each flag left out takes the model dir's generation_config.json
+/// value, else transformers' default.
+#[derive(clap::Args, Debug)]
+pub struct DecodeArgs {
+    /// HF-layout model directory (config.json, safetensors, tokenizer.json).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// PEFT LoRA adapter directory to apply to the model.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
+    /// At most this many new tokens [default: generation_config.json's max_new_tokens, else 128].
+    #[arg(long)]
+    pub max_new_tokens: Option<usize>,
+    /// 0 = greedy (argmax); > 0 samples [default: generation_config.json's temperature (else
+    /// 1.0) when it says do_sample: true, else 0].
+    #[arg(long)]
+    pub temperature: Option<f64>,
+    /// When sampling: keep the K most likely tokens, 0 = off [default: generation_config.json's
+    /// top_k, else 50].
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// When sampling: keep the most likely tokens up to probability P, 1.0 = off
+    /// [default: generation_config.json's top_p, else 1.0].
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    /// Divide positive / multiply negative logits of ids already seen (prompt included) by R,
+    /// also when greedy; 1.0 = off [default: generation_config.json's, else 1.0].
+    #[arg(long)]
+    pub repetition_penalty: Option<f64>,
+    /// Seed of the sampling RNG: the same seed gives the same tokens.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Compute dtype: auto (bf16 on CUDA, f32 on CPU) | f32 | f16 | bf16.
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
+    /// auto | cpu | cuda | cuda:N
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Store the decoder's linear weights in 4-bit: none | nf4. A bitsandbytes 4-bit checkpoint
+    /// is read as NF4 in any case.
+    #[arg(long, default_value = "none", value_parser = ["none", "nf4"])]
+    pub quantize: String,
+    /// With --quantize nf4: quantize the per-block scales too (bitsandbytes double quantization).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub double_quant: bool,
+    /// Recompute every position at every step through the training forward instead of using the
+    /// KV cache (slow; for checking the cache).
+    #[arg(long)]
+    pub no_cache: bool,
+}
+
+#[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_file"])))]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub decode: DecodeArgs,
+    /// The prompt text.
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Read the prompt from this file (one trailing newline is dropped).
+    #[arg(long)]
+    pub prompt_file: Option<PathBuf>,
+    /// Wrap the prompt as a user message in the model's chat template, with the assistant
+    /// header after it (add_generation_prompt).
+    #[arg(long)]
+    pub chat: bool,
+    /// Print one JSON object {"prompt_ids", "generated_ids", "text", ...} at the end instead of
+    /// streaming text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub decode: DecodeArgs,
+    /// A system message at the start of the conversation.
+    #[arg(long)]
+    pub system: Option<String>,
 }

@@ -4,8 +4,10 @@
 //! non-zero (1 for a failed command; clap exits 2 for a usage error).
 
 mod args;
+mod chat;
 mod device;
 mod eval;
+mod generate;
 mod merge;
 mod train;
 
@@ -34,6 +36,8 @@ fn main() {
         args::Command::Train(a) => train::run(a),
         args::Command::Eval(a) => eval::run(a),
         args::Command::Merge(a) => merge::run(a),
+        args::Command::Generate(a) => generate::run(a),
+        args::Command::Chat(a) => chat::run(a),
     };
     if let Err(err) = result {
         // Print the chain, skipping causes whose text the message above already includes

@@ -4,11 +4,14 @@
 //! - `model`: the decoder, written once; `linear`: the one linear layer (frozen / trainable base,
 //!   optional LoRA); `ops`: differentiable norms, softmax, rotary embedding, masks.
 //! - `loss`: chunked cross-entropy fused with the LM head; `weights`: safetensors loading.
+//! - `generate`: inference only: KV cache, cached forward, decoding loop; `sampling`: next-token
+//!   choice (greedy, temperature, top-k, top-p, repetition penalty).
 
 pub mod adapter;
 pub mod checkpointing;
 pub mod config;
 pub mod error;
+pub mod generate;
 pub mod io;
 pub mod linear;
 pub mod llama;
@@ -18,6 +21,7 @@ pub mod ops;
 pub mod quant;
 pub mod qwen2;
 pub mod qwen3;
+pub mod sampling;
 pub mod weights;
 
 pub use adapter::{
@@ -26,8 +30,10 @@ pub use adapter::{
 };
 pub use config::{Arch, DecoderConfig, RopeScaling};
 pub use error::{ModelError, Result};
+pub use generate::{generate, GenerateOptions, Generation, GenerationConfig, KvCache};
 pub use linear::{Base, Linear, Lora, Param};
 pub use loss::{lm_head_nll, Targets};
 pub use model::{CausalLM, LoadOptions};
 pub use quant::nf4::{Nf4Options, Nf4Weight};
+pub use sampling::{Sampler, SamplingParams};
 pub use weights::Weights;

@@ -3,7 +3,7 @@
 //! [`DecoderConfig`]. Tensor names follow the HF safetensors keys (`model.layers.0.self_attn.q_proj.weight`).
 //!
 //! This is training code: the forward is cache-free, returns every position, and every op has a
-//! backward. Shape legend: B = batch, T = time, C = hidden size, H = heads, KV = key/value heads,
+//! backward. Inference with a key/value cache reuses these layers from [`crate::generate`]. Shape legend: B = batch, T = time, C = hidden size, H = heads, KV = key/value heads,
 //! D = head dim, I = intermediate size, V = vocab.
 
 use std::path::Path;
@@ -62,10 +62,10 @@ pub struct Attention {
     /// Qwen3: RMSNorm over D on each q / k head.
     pub q_norm: Option<Param>,
     pub k_norm: Option<Param>,
-    num_heads: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
-    eps: f64,
+    pub(crate) num_heads: usize,
+    pub(crate) num_kv_heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) eps: f64,
 }
 
 impl Attention {
@@ -111,7 +111,7 @@ pub struct Mlp {
 
 impl Mlp {
     /// x: (B, T, C) -> (B, T, C), through (B, T, I)
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let g = self.gate_proj.forward(x)?.silu()?; // Candle's silu has a backward
         let u = self.up_proj.forward(x)?;
         self.down_proj.forward(&(g * u)?)
@@ -126,7 +126,7 @@ pub struct DecoderLayer {
     pub mlp: Mlp,
     pub input_layernorm: Param,
     pub post_attention_layernorm: Param,
-    eps: f64,
+    pub(crate) eps: f64,
 }
 
 impl DecoderLayer {
@@ -188,7 +188,7 @@ pub struct CausalLM {
     pub norm: Param,
     /// (V, C); None when tied to `embed_tokens`.
     pub lm_head: Option<Param>,
-    inv_freq: Vec<f32>,
+    pub(crate) inv_freq: Vec<f32>,
     dtype: DType,
     device: Device,
     /// Activation checkpointing, when on (see [`crate::checkpointing`]).

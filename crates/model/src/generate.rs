@@ -1,0 +1,586 @@
+//! Inference: a key/value cache, the forward that uses it, the decoding loop, and
+//! `generation_config.json`.
+//!
+//! Outside the training path: [`CausalLM::forward_hidden`] stays cache-free. The cached forward
+//! here runs the same layer weights through the same [`crate::linear::Linear::forward`],
+//! [`crate::model::Mlp`] and [`crate::ops`] functions; only attention differs, because the new
+//! queries attend to keys and values kept from earlier calls.
+//!
+//! Shape legend: B = batch, t = positions fed in this call, P = positions already cached,
+//! L = P + t (keys attended to), S = cache capacity, C = hidden size, H = heads,
+//! KV = key/value heads, R = H / KV (queries per key/value head), D = head dim, V = vocab.
+//!
+//! What one decode step (t = 1) allocates, per layer: q/k/v/o projections and the MLP for one
+//! position ((B, 1, C), (B, 1, I)), rotary tables for one position, and the attention scores and
+//! probabilities of the one new query, (B, H, 1, L) floats. Nothing else grows with the
+//! sequence: keys and values are written in place into the cache (preallocated once for
+//! prompt + max_new_tokens positions) and read through a view of it (no copy, no repeat of the
+//! key/value heads: queries are grouped per key/value head instead), no mask is built, and
+//! logits are computed for the last position only, (B, V).
+
+use std::path::Path;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor, D};
+use serde_json::Value as Json;
+
+use crate::error::{ModelError, Result};
+use crate::model::{Attention, CausalLM, DecoderLayer};
+use crate::ops;
+use crate::sampling::{Sampler, SamplingParams};
+
+/// Keys and values of every layer for the positions seen so far, in tensors allocated once.
+pub struct KvCache {
+    /// Per layer: (B, KV, S, D), keys after rotary embedding.
+    k: Vec<Tensor>,
+    /// Per layer: (B, KV, S, D)
+    v: Vec<Tensor>,
+    /// P: positions filled.
+    len: usize,
+    capacity: usize,
+    batch: usize,
+}
+
+impl KvCache {
+    /// A cache for `batch` rows of up to `capacity` positions (prompt + new tokens), zeroed.
+    pub fn new(model: &CausalLM, batch: usize, capacity: usize) -> Result<Self> {
+        let c = &model.config;
+        let shape = (batch, c.num_key_value_heads, capacity, c.head_dim); // (B, KV, S, D)
+        let mut k = Vec::with_capacity(c.num_hidden_layers);
+        let mut v = Vec::with_capacity(c.num_hidden_layers);
+        for _ in 0..c.num_hidden_layers {
+            k.push(Tensor::zeros(shape, model.dtype(), model.device())?);
+            v.push(Tensor::zeros(shape, model.dtype(), model.device())?);
+        }
+        Ok(Self {
+            k,
+            v,
+            len: 0,
+            capacity,
+            batch,
+        })
+    }
+
+    /// Positions filled so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Forgets every position (the memory is kept for reuse).
+    pub fn reset(&mut self) {
+        self.len = 0;
+    }
+
+    /// Bytes held by the cache tensors.
+    pub fn bytes(&self) -> usize {
+        self.k
+            .iter()
+            .chain(&self.v)
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum()
+    }
+}
+
+/// Additive mask for t new queries at positions P..P+t against L = P + t keys: query i sees key
+/// j iff j <= P + i (and, with a sliding window w, P + i - j < w). (t, L), 0 or -inf, in `dtype`.
+fn chunk_mask(
+    past: usize,
+    t: usize,
+    window: Option<usize>,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let l = past + t;
+    let mut m = vec![0f32; t * l];
+    for i in 0..t {
+        let q = past + i;
+        for j in 0..l {
+            if j > q || window.is_some_and(|w| q - j >= w) {
+                m[i * l + j] = f32::NEG_INFINITY;
+            }
+        }
+    }
+    Ok(Tensor::from_vec(m, (t, l), device)?.to_dtype(dtype)?)
+}
+
+/// Attention of t new positions against the cache, writing their keys and values into it.
+/// x: (B, t, C), cos/sin: (B, 1, t, D) at the absolute positions P..P+t, mask: (t, L) or None
+/// (t = 1: the new query sees every cached key), caches: (B, KV, S, D) -> (B, t, C)
+#[allow(clippy::too_many_arguments)]
+fn attention_cached(
+    a: &Attention,
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    mask: Option<&Tensor>,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    past: usize,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    let (b, t, _) = x.dims3()?;
+    let (h, kv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
+    let r = h / kv;
+    let q = a.q_proj.forward(x)?.reshape((b, t, h, d))?; // (B, t, H, D)
+    let k = a.k_proj.forward(x)?.reshape((b, t, kv, d))?; // (B, t, KV, D)
+    let v = a.v_proj.forward(x)?.reshape((b, t, kv, d))?;
+    let (q, k) = match (&a.q_norm, &a.k_norm) {
+        (Some(qn), Some(kn)) => (
+            ops::rms_norm(&q, qn.tensor(), a.eps)?,
+            ops::rms_norm(&k, kn.tensor(), a.eps)?,
+        ),
+        _ => (q, k),
+    };
+    let q = q.transpose(1, 2)?.contiguous()?; // (B, H, t, D)
+    let k = k.transpose(1, 2)?.contiguous()?; // (B, KV, t, D)
+    let v = v.transpose(1, 2)?.contiguous()?;
+    let q = ops::apply_rope(&q, cos, sin)?;
+    let k = ops::apply_rope(&k, cos, sin)?.contiguous()?;
+
+    // Written in place: no new sequence-sized tensor.
+    k_cache.slice_set(&k, 2, past)?;
+    v_cache.slice_set(&v, 2, past)?;
+    let l = past + t;
+    // A single query never sees keys that fell out of the sliding window: drop them here, the
+    // mask does it for a chunk.
+    let start = match (mask, window) {
+        (None, Some(w)) => l.saturating_sub(w),
+        _ => 0,
+    };
+    let keys = k_cache.narrow(2, start, l - start)?; // (B, KV, L', D), a view
+    let values = v_cache.narrow(2, start, l - start)?;
+
+    // Grouped-query attention without repeating K/V: head h uses key/value head h / R (as
+    // `ops::repeat_kv` lays them out), so the R query heads of one key/value head become rows.
+    let q = q.reshape((b, kv, r * t, d))?; // (B, KV, R*t, D), rows ordered (R, t)
+    let scale = 1.0 / (d as f64).sqrt();
+    let scores = (q.matmul(&keys.t()?)? * scale)?; // (B, KV, R*t, L')
+                                                   // Softmax in f32 and cast back, as the training forward (and HF's eager attention) does.
+    let up = ops::upcast(scores.dtype());
+    let mut scores = scores.to_dtype(up)?;
+    if let Some(m) = mask {
+        let lk = scores.dim(D::Minus1)?;
+        scores = scores
+            .reshape((b, kv, r, t, lk))? // (B, KV, R, t, L)
+            .broadcast_add(&m.to_dtype(up)?)?
+            .reshape((b, kv, r * t, lk))?; // (B, KV, R*t, L)
+    }
+    let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(values.dtype())?;
+    let y = probs.matmul(&values)?; // (B, KV, R*t, D)
+    let y = y.reshape((b, h, t, d))?; // (B, H, t, D)
+    let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, h * d))?; // (B, t, H*D)
+    a.o_proj.forward(&y)
+}
+
+/// One decoder layer with the cache: [`DecoderLayer::forward`] with cached attention.
+/// x: (B, t, C) -> (B, t, C)
+#[allow(clippy::too_many_arguments)]
+fn layer_cached(
+    layer: &DecoderLayer,
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    mask: Option<&Tensor>,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    past: usize,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    let h = ops::rms_norm(x, layer.input_layernorm.tensor(), layer.eps)?;
+    let attn = attention_cached(
+        &layer.self_attn,
+        &h,
+        cos,
+        sin,
+        mask,
+        k_cache,
+        v_cache,
+        past,
+        window,
+    )?;
+    let x = (x + attn)?;
+    let h = ops::rms_norm(&x, layer.post_attention_layernorm.tensor(), layer.eps)?;
+    Ok((&x + layer.mlp.forward(&h)?)?)
+}
+
+impl CausalLM {
+    /// Runs t new positions (the prompt, then one token at a time) through the model, appending
+    /// their keys and values to `cache`; returns the logits of the last position, upcast to f32.
+    /// input_ids: (B, t) u32 -> (B, V)
+    pub fn forward_cached(&self, input_ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let (b, t) = input_ids.dims2()?;
+        let past = cache.len;
+        if b != cache.batch || past + t > cache.capacity || t == 0 {
+            return Err(ModelError::Invalid(format!(
+                "KV cache: {t} new positions for {b} rows do not fit a cache of {} rows with \
+                 {past} of {} positions used",
+                cache.batch, cache.capacity
+            )));
+        }
+        let dev = self.device();
+        let positions = Tensor::arange(past as u32, (past + t) as u32, dev)?
+            .unsqueeze(0)?
+            .repeat((b, 1))?; // (B, t)
+        let (cos, sin) = ops::rope_tables(&positions, &self.inv_freq, self.dtype())?; // (B, 1, t, D)
+        let window = self.config.sliding_window;
+        let mask = if t > 1 {
+            Some(chunk_mask(past, t, window, self.dtype(), dev)?)
+        } else {
+            None
+        };
+        let mut x = self.embed(input_ids)?; // (B, t, C)
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer_cached(
+                layer,
+                &x,
+                &cos,
+                &sin,
+                mask.as_ref(),
+                &cache.k[i],
+                &cache.v[i],
+                past,
+                window,
+            )?;
+        }
+        cache.len = past + t;
+        let last = x.narrow(1, t - 1, 1)?; // (B, 1, C)
+        self.head(&last)
+    }
+
+    /// The logits of the last position by the training forward, recomputing every position
+    /// (no cache): the reference the cached path is tested against.
+    /// input_ids: (B, T) u32 -> (B, V)
+    pub fn last_logits(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let (_, t) = input_ids.dims2()?;
+        let h = self.forward_hidden(input_ids, None)?; // (B, T, C), normed
+        let last = h.narrow(1, t - 1, 1)?; // (B, 1, C)
+        let logits = last.broadcast_matmul(&self.lm_head_weight().t()?)?; // (B, 1, V)
+        Ok(logits.squeeze(1)?.to_dtype(ops::upcast(self.dtype()))?)
+    }
+
+    /// Final norm and LM head. x: (B, 1, C) before the norm -> (B, V) f32
+    fn head(&self, x: &Tensor) -> Result<Tensor> {
+        let h = ops::rms_norm(x, self.norm.tensor(), self.config.rms_norm_eps)?;
+        let logits = h.broadcast_matmul(&self.lm_head_weight().t()?)?; // (B, 1, V)
+        Ok(logits.squeeze(1)?.to_dtype(ops::upcast(self.dtype()))?)
+    }
+}
+
+/// The keys of `generation_config.json` that decoding uses. Absent keys are None; the caller
+/// applies its own defaults (and command-line flags override these).
+#[derive(Clone, Debug, Default)]
+pub struct GenerationConfig {
+    /// Ids that end generation: `eos_token_id` (an id or a list) of generation_config.json, else
+    /// of config.json (as transformers falls back).
+    pub eos_token_ids: Vec<u32>,
+    pub do_sample: Option<bool>,
+    pub temperature: Option<f64>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub max_new_tokens: Option<usize>,
+}
+
+impl GenerationConfig {
+    /// Reads `dir/generation_config.json` if there is one; `config_eos` (config.json's
+    /// `eos_token_id`) is used when it names no `eos_token_id`.
+    pub fn from_dir(dir: &Path, config_eos: &[u32]) -> Result<Self> {
+        let path = dir.join("generation_config.json");
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(Self {
+                    eos_token_ids: config_eos.to_vec(),
+                    ..Self::default()
+                })
+            }
+            Err(source) => return Err(ModelError::Io { path, source }),
+        };
+        let j: Json = serde_json::from_str(&text).map_err(|source| ModelError::Json {
+            path: path.clone(),
+            source,
+        })?;
+        let bad = |key: &str, msg: &str| ModelError::Config {
+            path: path.clone(),
+            key: key.into(),
+            msg: msg.into(),
+        };
+        let id = |v: &Json| {
+            v.as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| bad("eos_token_id", "must be a token id or a list of token ids"))
+        };
+        let eos_token_ids = match j.get("eos_token_id") {
+            None | Some(Json::Null) => config_eos.to_vec(),
+            Some(Json::Array(ids)) => ids.iter().map(id).collect::<Result<_>>()?,
+            Some(v) => vec![id(v)?],
+        };
+        let float = |key: &str| -> Result<Option<f64>> {
+            match j.get(key) {
+                None | Some(Json::Null) => Ok(None),
+                Some(v) => v
+                    .as_f64()
+                    .map(Some)
+                    .ok_or_else(|| bad(key, "must be a number")),
+            }
+        };
+        let int = |key: &str| -> Result<Option<usize>> {
+            match j.get(key) {
+                None | Some(Json::Null) => Ok(None),
+                Some(v) => v
+                    .as_u64()
+                    .map(|n| Some(n as usize))
+                    .ok_or_else(|| bad(key, "must be a non-negative integer")),
+            }
+        };
+        let do_sample = match j.get("do_sample") {
+            None | Some(Json::Null) => None,
+            Some(v) => Some(
+                v.as_bool()
+                    .ok_or_else(|| bad("do_sample", "must be true or false"))?,
+            ),
+        };
+        Ok(Self {
+            eos_token_ids,
+            do_sample,
+            temperature: float("temperature")?,
+            top_k: int("top_k")?,
+            top_p: float("top_p")?,
+            repetition_penalty: float("repetition_penalty")?,
+            max_new_tokens: int("max_new_tokens")?,
+        })
+    }
+}
+
+/// How to decode.
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    /// At most this many new tokens (a stop token included).
+    pub max_new_tokens: usize,
+    /// Generation ends after any of these ids (which is kept as the last generated id, as
+    /// transformers returns it).
+    pub stop_ids: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// False: every step recomputes all positions through the training forward (slow; the
+    /// reference for the cache).
+    pub use_cache: bool,
+}
+
+/// The result of [`generate`], with timings.
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// The generated ids (prompt excluded), ending with the stop id when one was produced.
+    pub ids: Vec<u32>,
+    /// True when generation ended at a stop id (false: at max_new_tokens).
+    pub stopped: bool,
+    /// Time to the first new token: the prompt's forward (and the first sampling).
+    pub prefill_secs: f64,
+    /// Time for the remaining `ids.len() - 1` tokens, one forward each.
+    pub decode_secs: f64,
+    /// Bytes of the KV cache (0 without it).
+    pub cache_bytes: usize,
+}
+
+/// Generates after `prompt` (one row), calling `on_token` with each new id as it is chosen.
+pub fn generate(
+    model: &CausalLM,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    mut on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<Generation> {
+    if prompt.is_empty() {
+        return Err(ModelError::Invalid(
+            "the prompt is empty: give at least one token to generate from".into(),
+        ));
+    }
+    let mut sampler = Sampler::new(opts.sampling.clone())?;
+    let dev = model.device();
+    let mut history = prompt.to_vec(); // prompt + generated, for the repetition penalty
+    let mut out = Generation {
+        ids: Vec::new(),
+        stopped: false,
+        prefill_secs: 0.0,
+        decode_secs: 0.0,
+        cache_bytes: 0,
+    };
+    if opts.max_new_tokens == 0 {
+        return Ok(out);
+    }
+    let mut cache = if opts.use_cache {
+        let c = KvCache::new(model, 1, prompt.len() + opts.max_new_tokens)?;
+        out.cache_bytes = c.bytes();
+        Some(c)
+    } else {
+        None
+    };
+    let start = Instant::now();
+    let mut decode_start = start;
+    for step in 0..opts.max_new_tokens {
+        let logits = match cache.as_mut() {
+            // Prefill: the whole prompt; then the last token only.
+            Some(c) => {
+                let new = if step == 0 {
+                    prompt
+                } else {
+                    &history[history.len() - 1..]
+                };
+                let x = Tensor::new(new, dev)?.unsqueeze(0)?; // (1, t)
+                model.forward_cached(&x, c)?
+            }
+            None => {
+                let x = Tensor::new(history.as_slice(), dev)?.unsqueeze(0)?; // (1, T)
+                model.last_logits(&x)?
+            }
+        }; // (1, V)
+        let logits = logits.squeeze(0)?.to_dtype(DType::F32)?.to_vec1::<f32>()?; // syncs
+        let id = sampler.next(logits, &history);
+        history.push(id);
+        out.ids.push(id);
+        if step == 0 {
+            out.prefill_secs = start.elapsed().as_secs_f64();
+            decode_start = Instant::now();
+        }
+        on_token(id)?;
+        if opts.stop_ids.contains(&id) {
+            out.stopped = true;
+            break;
+        }
+    }
+    out.decode_secs = decode_start.elapsed().as_secs_f64();
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::LoadOptions;
+    use std::path::PathBuf;
+
+    fn fixture_model(name: &str) -> CausalLM {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/models")
+            .join(name);
+        CausalLM::load(&dir, &LoadOptions::frozen(DType::F32, &Device::Cpu)).unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// The cached forward (prompt in one chunk, then in uneven chunks, then token by token)
+    /// gives the last-position logits of the training forward, for every family.
+    #[test]
+    fn cached_logits_match_the_training_forward() {
+        let ids: Vec<u32> = vec![5, 17, 99, 3, 250, 8, 41, 77, 12, 199, 64, 2];
+        for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
+            let model = fixture_model(name);
+            let mut cache = KvCache::new(&model, 1, ids.len()).unwrap();
+            // Chunks of 5, 1, 3, then 1 at a time: prefill, a decode step, a chunk after it.
+            let mut fed = 0;
+            for len in [5, 1, 3, 1, 1, 1] {
+                let chunk = Tensor::new(&ids[fed..fed + len], &Device::Cpu)
+                    .unwrap()
+                    .unsqueeze(0)
+                    .unwrap();
+                let got = model.forward_cached(&chunk, &mut cache).unwrap();
+                fed += len;
+                let all = Tensor::new(&ids[..fed], &Device::Cpu)
+                    .unwrap()
+                    .unsqueeze(0)
+                    .unwrap();
+                let want = model.last_logits(&all).unwrap();
+                let full = model.logits(&all).unwrap().narrow(1, fed - 1, 1).unwrap();
+                assert!(max_diff(&want, &full.squeeze(1).unwrap()) < 1e-6);
+                let d = max_diff(&got, &want);
+                assert!(d < 1e-4, "{name}: {fed} positions: max diff {d}");
+                assert_eq!(cache.len(), fed);
+            }
+            // Full: one more position is refused with a message.
+            let x = Tensor::new(&[1u32], &Device::Cpu)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap();
+            let err = model
+                .forward_cached(&x, &mut cache)
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(err.contains("do not fit"), "{err}");
+        }
+    }
+
+    /// A sliding window in the config limits what the cached path attends to, as the mask does
+    /// in the training forward.
+    #[test]
+    fn cached_path_honours_the_sliding_window() {
+        let mut model = fixture_model("tiny-qwen2");
+        model.config.sliding_window = Some(3);
+        let ids: Vec<u32> = vec![5, 17, 99, 3, 250, 8, 41];
+        let mut cache = KvCache::new(&model, 1, ids.len()).unwrap();
+        let x = Tensor::new(&ids[..4], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        model.forward_cached(&x, &mut cache).unwrap();
+        for n in 5..=ids.len() {
+            let x = Tensor::new(&ids[n - 1..n], &Device::Cpu)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap();
+            let got = model.forward_cached(&x, &mut cache).unwrap();
+            let all = Tensor::new(&ids[..n], &Device::Cpu)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap();
+            let want = model.last_logits(&all).unwrap();
+            assert!(max_diff(&got, &want) < 1e-4);
+        }
+    }
+
+    #[test]
+    fn generation_config_reads_eos_lists_and_falls_back_to_config_json() {
+        let dir = std::env::temp_dir().join(format!("tallow-genconfig-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let none = GenerationConfig::from_dir(&dir, &[7]).unwrap();
+        assert_eq!(none.eos_token_ids, vec![7]);
+        std::fs::write(
+            dir.join("generation_config.json"),
+            r#"{"eos_token_id": [3, 9], "do_sample": true, "temperature": 0.7, "top_k": 20}"#,
+        )
+        .unwrap();
+        let g = GenerationConfig::from_dir(&dir, &[7]).unwrap();
+        assert_eq!(g.eos_token_ids, vec![3, 9]);
+        assert_eq!(g.do_sample, Some(true));
+        assert_eq!(g.temperature, Some(0.7));
+        assert_eq!(g.top_k, Some(20));
+        assert_eq!(g.top_p, None);
+        std::fs::write(
+            dir.join("generation_config.json"),
+            r#"{"eos_token_id": "x"}"#,
+        )
+        .unwrap();
+        let err = GenerationConfig::from_dir(&dir, &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("generation_config.json") && err.contains("eos_token_id"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Reference token ids for `tallow generate` from transformers' greedy `generate` (dev-only).
+
+Run (from the repository root, after scripts/make_fixtures.py has made the tiny models):
+
+    /work/pyref/bin/python scripts/make_generate_fixtures.py
+
+Pinned stack: see scripts/requirements-fixtures.txt (torch 2.8.0, transformers 4.57.1, peft 0.17.1).
+
+Writes tests/fixtures/reference/generate.json:
+
+    {"versions": {...}, "max_new_tokens": 24,
+     "cases": [{"name", "model", "adapter" (dir name under tests/fixtures/adapters, or null),
+                "prompt", "chat" (bool), "repetition_penalty",
+                "prompt_ids", "generated_ids", "stopped_at_eos"}]}
+
+Each case: the f32 model (eager attention, + PEFT adapter when named) runs
+`generate(do_sample=False, max_new_tokens=24, repetition_penalty=R)` with the model dir's
+generation_config.json (its eos_token_id stops generation; the EOS id is then the last generated
+id, as transformers returns it). prompt_ids: `tok(prompt)` (add_special_tokens=True) for a plain
+prompt; `tok.apply_chat_template([{"role": "user", "content": prompt}],
+add_generation_prompt=True)` for a chat one. generated_ids: the output after the prompt.
+The script checks that generate with use_cache=False gives the same ids.
+"""
+
+import json
+from pathlib import Path
+
+import peft
+import torch
+import transformers
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+FIX = REPO / "tests" / "fixtures"
+MAX_NEW_TOKENS = 24
+
+# (name, model, adapter, prompt, chat, repetition_penalty)
+CASES = [
+    ("llama-plain", "tiny-llama", None, "The quick brown fox", False, 1.0),
+    ("llama-chat", "tiny-llama", None, "What is the capital of France?", True, 1.0),
+    ("llama-adapter", "tiny-llama", "tiny-llama-peft", "The quick brown fox", False, 1.0),
+    ("qwen2-plain", "tiny-qwen2", None, "Once upon a time", False, 1.0),
+    ("qwen2-chat", "tiny-qwen2", None, "Tell me a story.", True, 1.0),
+    ("qwen2-adapter", "tiny-qwen2", "tiny-qwen2-peft", "Once upon a time", False, 1.0),
+    ("qwen2-repetition-penalty", "tiny-qwen2", None, "Once upon a time", False, 1.3),
+    ("qwen3-plain", "tiny-qwen3", None, "hello world", False, 1.0),
+    ("qwen3-chat", "tiny-qwen3", None, "Hi! How are you?", True, 1.0),
+    ("qwen3-adapter", "tiny-qwen3", "tiny-qwen3-peft", "hello world", False, 1.0),
+]
+
+
+def main():
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    out = []
+    for name, model_name, adapter, prompt, chat, rp in CASES:
+        mdir = FIX / "models" / model_name
+        tok = AutoTokenizer.from_pretrained(mdir)
+        model = AutoModelForCausalLM.from_pretrained(
+            mdir, torch_dtype=torch.float32, attn_implementation="eager"
+        )
+        if adapter:
+            model = PeftModel.from_pretrained(model, FIX / "adapters" / adapter)
+        model.eval()
+        if chat:
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+        else:
+            ids = tok(prompt)["input_ids"]
+        x = torch.tensor([ids])
+        gen = {}
+        for use_cache in (True, False):
+            with torch.no_grad():
+                y = model.generate(
+                    input_ids=x,
+                    attention_mask=torch.ones_like(x),
+                    do_sample=False,
+                    max_new_tokens=MAX_NEW_TOKENS,
+                    repetition_penalty=rp,
+                    use_cache=use_cache,
+                    pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
+                )
+            gen[use_cache] = y[0, len(ids):].tolist()
+        assert gen[True] == gen[False], f"{name}: cache changes transformers' ids"
+        eos = model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos])
+        stopped = bool(gen[True]) and gen[True][-1] in eos
+        print(f"{name}: {len(ids)} prompt ids, {len(gen[True])} generated, eos={stopped}")
+        out.append(
+            {
+                "name": name,
+                "model": model_name,
+                "adapter": adapter,
+                "prompt": prompt,
+                "chat": chat,
+                "repetition_penalty": rp,
+                "prompt_ids": ids,
+                "generated_ids": gen[True],
+                "stopped_at_eos": stopped,
+            }
+        )
+    doc = {
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "peft": peft.__version__,
+        },
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "cases": out,
+    }
+    path = FIX / "reference" / "generate.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
