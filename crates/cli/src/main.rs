@@ -5,6 +5,7 @@
 
 mod args;
 mod device;
+mod download;
 mod eval;
 mod merge;
 mod train;
@@ -34,6 +35,7 @@ fn main() {
         args::Command::Train(a) => train::run(a),
         args::Command::Eval(a) => eval::run(a),
         args::Command::Merge(a) => merge::run(a),
+        args::Command::Download(a) => download::run(a),
     };
     if let Err(err) = result {
         // Print the chain, skipping causes whose text the message above already includes
