@@ -2,6 +2,8 @@
 //! Fixtures (tiny HF models, data, reference numbers from transformers) live in
 //! `tests/fixtures/` and are made by `scripts/make_fixtures.py`.
 
+pub mod hub_server;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -128,6 +130,36 @@ where
         .args(args)
         .output()
         .unwrap();
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// Runs `tallow ARGS` with these environment variables set and the Hugging Face ones
+/// (`HF_TOKEN`, `HF_HOME`, `HF_ENDPOINT`, ...) of the calling environment removed.
+pub fn tallow_env<I, S>(args: I, env: &[(&str, String)]) -> Run
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let mut cmd = std::process::Command::new(tallow_bin());
+    cmd.args(args);
+    for k in [
+        "HF_TOKEN",
+        "HUGGING_FACE_HUB_TOKEN",
+        "HF_HOME",
+        "HF_HUB_CACHE",
+        "HF_ENDPOINT",
+        "HF_HUB_OFFLINE",
+    ] {
+        cmd.env_remove(k);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
     Run {
         code: out.status.code().unwrap_or(-1),
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),

@@ -28,6 +28,36 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Interactive multi-turn chat (reads lines from stdin; /reset clears, /exit quits).
     Chat(ChatArgs),
+    /// Download a model or dataset repo from the Hugging Face Hub into the HF cache.
+    Download(DownloadArgs),
+}
+
+/// Anywhere a model path is taken, a hub id `OWNER/NAME[@REVISION]` works too (from the HF
+/// cache, downloaded when missing); see `tallow download`.
+#[derive(clap::Args, Debug)]
+pub struct DownloadArgs {
+    /// Repo id: OWNER/NAME, optionally OWNER/NAME@REVISION.
+    pub repo_id: String,
+    /// Branch, tag or commit (default: main, or the @REVISION of the id).
+    #[arg(long)]
+    pub revision: Option<String>,
+    /// Only files matching this glob (repeatable; `*` also matches `/`). Replaces the default
+    /// set: config, tokenizer files, safetensors (+ index), generation config, chat template.
+    #[arg(long, value_name = "GLOB")]
+    pub include: Vec<String>,
+    /// Leave out files matching this glob (repeatable).
+    #[arg(long, value_name = "GLOB")]
+    pub exclude: Vec<String>,
+    /// model | dataset
+    #[arg(long, default_value = "model", value_parser = ["model", "dataset"])]
+    pub repo_type: String,
+    /// Put real files here instead of returning the cache snapshot (still cached in the HF
+    /// cache, hard-linked when on the same disk).
+    #[arg(long)]
+    pub local_dir: Option<PathBuf>,
+    /// No progress bars.
+    #[arg(long)]
+    pub quiet: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -48,7 +78,7 @@ pub struct TrainArgs {
 
 #[derive(clap::Args, Debug)]
 pub struct MergeArgs {
-    /// Base model directory.
+    /// Base model directory, or a hub id OWNER/NAME[@REVISION].
     #[arg(long)]
     pub model: PathBuf,
     /// PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
@@ -72,10 +102,12 @@ pub struct MergeArgs {
 
 #[derive(clap::Args, Debug)]
 pub struct EvalArgs {
-    /// HF-layout model directory (config.json, safetensors, tokenizer.json).
+    /// HF-layout model directory (config.json, safetensors, tokenizer.json), or a hub id
+    /// OWNER/NAME[@REVISION] (from the HF cache, downloaded when missing).
     #[arg(long)]
     pub model: PathBuf,
-    /// JSONL file: {"text"}, {"prompt","completion"} or {"messages"} rows.
+    /// JSONL file: {"text"}, {"prompt","completion"} or {"messages"} rows; or
+    /// hf://datasets/OWNER/NAME/path/to/file.jsonl.
     #[arg(long)]
     pub data: PathBuf,
     /// Row format: auto | text | prompt_completion | messages.

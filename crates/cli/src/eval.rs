@@ -20,19 +20,23 @@ pub fn run(a: EvalArgs) -> Result<()> {
         anyhow::bail!("--max-seq-len {}: must be at least 2", a.max_seq_len);
     }
 
-    if !a.model.is_dir() {
+    let model_dir = tallow_hub::resolve_model(&a.model)
+        .with_context(|| format!("--model {}", a.model.display()))?;
+    if !model_dir.is_dir() {
         anyhow::bail!(
-            "--model {}: no such directory (give an HF-layout dir with config.json, safetensors and tokenizer.json)",
+            "--model {}: no such directory (give an HF-layout dir with config.json, safetensors and tokenizer.json, or a hub id OWNER/NAME[@REVISION])",
             a.model.display()
         );
     }
-    let tok = TextTokenizer::from_model_dir(&a.model)?;
+    let data_path = tallow_hub::resolve_data(&a.data)
+        .with_context(|| format!("--data {}", a.data.display()))?;
+    let tok = TextTokenizer::from_model_dir(&model_dir)?;
     let opts = DataOptions {
         format,
         max_seq_len: a.max_seq_len,
         add_eos: !a.no_eos,
     };
-    let data = load_jsonl(&a.data, &tok, &opts)?;
+    let data = load_jsonl(&data_path, &tok, &opts)?;
     if data.examples.is_empty() {
         anyhow::bail!(
             "{}: no row has a target token left ({} skipped after truncation to {} tokens)",
@@ -45,8 +49,8 @@ pub fn run(a: EvalArgs) -> Result<()> {
         "nf4" => LoadOptions::nf4(dtype, &device, a.double_quant),
         _ => LoadOptions::frozen(dtype, &device),
     };
-    let mut model = CausalLM::load(&a.model, &opts)
-        .with_context(|| format!("loading the model from {}", a.model.display()))?;
+    let mut model = CausalLM::load(&model_dir, &opts)
+        .with_context(|| format!("loading the model from {}", model_dir.display()))?;
     if let Some(adapter) = &a.adapter {
         tallow_model::load_peft(&mut model, adapter)
             .with_context(|| format!("loading the adapter from {}", adapter.display()))?;

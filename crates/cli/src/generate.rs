@@ -30,19 +30,16 @@ pub struct Session {
 pub fn load(a: &DecodeArgs) -> Result<Session> {
     let device = parse_device(&a.device)?;
     let dtype = parse_dtype(&a.dtype, &device)?;
-    if !a.model.is_dir() {
-        bail!(
-            "--model {}: no such directory (give an HF-layout dir with config.json, safetensors and tokenizer.json)",
-            a.model.display()
-        );
-    }
-    let tok = TextTokenizer::from_model_dir(&a.model)?;
+    // A hub id (`OWNER/NAME[@REV]`) becomes its cached snapshot dir.
+    let model_dir = tallow_hub::resolve_model(&a.model)
+        .with_context(|| format!("--model {}", a.model.display()))?;
+    let tok = TextTokenizer::from_model_dir(&model_dir)?;
     let load = match a.quantize.as_str() {
         "nf4" => LoadOptions::nf4(dtype, &device, a.double_quant),
         _ => LoadOptions::frozen(dtype, &device),
     };
-    let mut model = CausalLM::load(&a.model, &load)
-        .with_context(|| format!("loading the model from {}", a.model.display()))?;
+    let mut model = CausalLM::load(&model_dir, &load)
+        .with_context(|| format!("loading the model from {}", model_dir.display()))?;
     if let Some(adapter) = &a.adapter {
         if !adapter.is_dir() {
             bail!(
@@ -53,7 +50,7 @@ pub fn load(a: &DecodeArgs) -> Result<Session> {
         tallow_model::load_peft(&mut model, adapter)
             .with_context(|| format!("loading the adapter from {}", adapter.display()))?;
     }
-    let gc = GenerationConfig::from_dir(&a.model, &model.config.eos_token_ids)?;
+    let gc = GenerationConfig::from_dir(&model_dir, &model.config.eos_token_ids)?;
     // transformers: sampling only when do_sample is true; then temperature defaults to 1.0.
     let temperature = a.temperature.unwrap_or(if gc.do_sample == Some(true) {
         gc.temperature.unwrap_or(1.0)
@@ -82,7 +79,7 @@ pub fn load(a: &DecodeArgs) -> Result<Session> {
     };
     eprintln!(
         "{}{}: {} on {}, {}, {}",
-        a.model.display(),
+        model_dir.display(),
         a.adapter
             .as_ref()
             .map(|p| format!(" + {}", p.display()))

@@ -6,6 +6,7 @@
 mod args;
 mod chat;
 mod device;
+mod download;
 mod eval;
 mod generate;
 mod merge;
@@ -38,6 +39,7 @@ fn main() {
         args::Command::Merge(a) => merge::run(a),
         args::Command::Generate(a) => generate::run(a),
         args::Command::Chat(a) => chat::run(a),
+        args::Command::Download(a) => download::run(a),
     };
     if let Err(err) = result {
         // Print the chain, skipping causes whose text the message above already includes

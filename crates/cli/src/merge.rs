@@ -8,7 +8,10 @@ use tallow_model::{load_peft, merge_lora, save_hf_model, CausalLM, LoadOptions};
 use crate::args::MergeArgs;
 use crate::device::parse_dtype;
 
-pub fn run(a: MergeArgs) -> Result<()> {
+pub fn run(mut a: MergeArgs) -> Result<()> {
+    // A hub id (`OWNER/NAME[@REV]`) becomes its cached snapshot dir.
+    a.model = tallow_hub::resolve_model(&a.model)
+        .with_context(|| format!("--model {}", a.model.display()))?;
     let dtype = match &a.dtype {
         Some(d) => parse_dtype(d, &Device::Cpu)?,
         None => config_dtype(&a.model).unwrap_or(DType::BF16),

@@ -372,7 +372,7 @@ impl TrainConfig {
         if m.path.as_os_str().is_empty() {
             return bad(
                 "model.path",
-                "is empty; set it to a local model dir, e.g. \"models/Qwen2.5-0.5B-Instruct\""
+                "is empty; set it to a local model dir or a hub id, e.g. \"Qwen/Qwen2.5-0.5B-Instruct\""
                     .into(),
             );
         }

@@ -173,6 +173,14 @@ pub enum TrainError {
     Model(#[from] tallow_model::ModelError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// `model.path` (hub id) or `data.train` / `data.eval` (`hf://datasets/...`) could not be
+    /// resolved from the Hugging Face Hub.
+    #[error("{key}: {source}")]
+    Hub {
+        key: &'static str,
+        #[source]
+        source: tallow_hub::HubError,
+    },
     #[error("cannot resume: {0}")]
     Resume(String),
     /// The loss or the gradient norm became NaN or infinite.

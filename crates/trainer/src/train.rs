@@ -99,6 +99,8 @@ pub struct Summary {
 
 /// Everything [`train`] works on, built by [`setup`].
 struct Run {
+    /// `model.path` as a local dir (a hub id resolved to its cached snapshot).
+    model_dir: PathBuf,
     model: CausalLM,
     /// The trainable variables, in a fixed order, with their checkpoint names.
     params: Vec<(String, Var)>,
@@ -109,14 +111,23 @@ struct Run {
 }
 
 fn setup(cfg: &TrainConfig, device: &Device) -> Result<Run, TrainError> {
-    let model_dir = cfg.model.path.as_path();
+    // Hub ids (`OWNER/NAME[@REV]`) and `hf://datasets/...` files come from the HF cache,
+    // downloaded when missing; local paths are used as written.
+    let hub = |key: &'static str| move |source| TrainError::Hub { key, source };
+    let model_dir = tallow_hub::resolve_model(&cfg.model.path).map_err(hub("model.path"))?;
+    let model_dir = model_dir.as_path();
+    let train_path = tallow_hub::resolve_data(&cfg.data.train).map_err(hub("data.train"))?;
+    let eval_path = match &cfg.data.eval {
+        None => None,
+        Some(p) => Some(tallow_hub::resolve_data(p).map_err(hub("data.eval"))?),
+    };
     let tok = TextTokenizer::from_model_dir(model_dir)?;
     let data_opts = DataOptions {
         format: cfg.data.format,
         max_seq_len: cfg.data.max_seq_len,
         add_eos: cfg.data.add_eos,
     };
-    let train_set = load_jsonl(&cfg.data.train, &tok, &data_opts)?;
+    let train_set = load_jsonl(&train_path, &tok, &data_opts)?;
     if train_set.examples.is_empty() {
         return Err(TrainError::Invalid(format!(
             "{}: no row has a target token left after truncation to {} tokens ({} skipped)",
@@ -125,7 +136,7 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Run, TrainError> {
             train_set.skipped
         )));
     }
-    let eval = match &cfg.data.eval {
+    let eval = match &eval_path {
         None => vec![],
         Some(p) => load_jsonl(p, &tok, &data_opts)?.examples,
     };
@@ -184,6 +195,7 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Run, TrainError> {
     };
     let pad = tok.batch_pad_id();
     Ok(Run {
+        model_dir: model_dir.to_path_buf(),
         model,
         params,
         lora,
@@ -272,6 +284,7 @@ pub fn train(
     let probe = Probe::for_device(device);
     probe.start_phase();
     let Run {
+        model_dir,
         model,
         params,
         lora,
@@ -538,7 +551,7 @@ pub fn train(
         }
         None => {
             let dir = out.join("model");
-            save_hf_model(&model, &cfg.model.path, &dir, model.dtype())?;
+            save_hf_model(&model, &model_dir, &dir, model.dtype())?;
             dir
         }
     };

@@ -1,0 +1,135 @@
+//! Errors of hub downloads. Every message names the repo (and revision or file where there is
+//! one) and says what to do.
+
+use std::path::PathBuf;
+
+/// An error while resolving or downloading from the Hugging Face Hub.
+#[derive(Debug, thiserror::Error)]
+pub enum HubError {
+    /// 401/403 on a gated or private repo.
+    #[error(
+        "the repo {repo} needs a token: run `huggingface-cli login` or set HF_TOKEN{}",
+        if *had_token {
+            format!(
+                " (a token was sent and refused: check that it has read access and, for a gated \
+                 repo, that access was granted at {endpoint}/{repo})"
+            )
+        } else {
+            format!(" (for a gated repo, also request access at {endpoint}/{repo})")
+        }
+    )]
+    NeedsToken {
+        repo: String,
+        endpoint: String,
+        had_token: bool,
+    },
+
+    /// The repo does not exist (or is private and no token was sent).
+    #[error(
+        "repo {repo} not found on {endpoint}: check the id (OWNER/NAME{}); a private repo also \
+         needs HF_TOKEN",
+        if *dataset { ", and that it is a dataset repo" } else { "" }
+    )]
+    RepoNotFound {
+        repo: String,
+        endpoint: String,
+        dataset: bool,
+    },
+
+    /// The repo exists but the revision (branch, tag or commit) does not.
+    #[error("repo {repo} has no revision {revision:?}: give an existing branch, tag or commit")]
+    RevisionNotFound { repo: String, revision: String },
+
+    /// The repo and revision exist but the file does not.
+    #[error("repo {repo} has no file {file:?} at revision {revision:?}")]
+    FileNotFound {
+        repo: String,
+        revision: String,
+        file: String,
+    },
+
+    /// Any other HTTP error status.
+    #[error("{url}: the hub answered HTTP {status}{}", if message.is_empty() { String::new() } else { format!(" ({message})") })]
+    Http {
+        url: String,
+        status: u16,
+        message: String,
+    },
+
+    /// The hub could not be reached (DNS, refused, reset, timeout) or a transfer was cut off.
+    #[error("network error reaching {endpoint} for {repo}: {message}; {cached}")]
+    Network {
+        repo: String,
+        endpoint: String,
+        message: String,
+        /// What the cache holds for the repo, in words.
+        cached: String,
+    },
+
+    /// `HF_HUB_OFFLINE=1` and what was asked for is not in the cache.
+    #[error(
+        "HF_HUB_OFFLINE is set and {what} is not in the cache {}: {cached}; unset HF_HUB_OFFLINE \
+         to download it",
+        cache.display()
+    )]
+    Offline {
+        what: String,
+        cache: PathBuf,
+        cached: String,
+    },
+
+    /// A downloaded file's SHA-256 is not the one the hub announced: the file was deleted.
+    #[error(
+        "{repo}: {file} was downloaded but its sha256 is {actual}, not the {expected} the hub \
+         announced; the file was deleted, run the command again"
+    )]
+    HashMismatch {
+        repo: String,
+        file: String,
+        expected: String,
+        actual: String,
+    },
+
+    /// The disk filled up while writing a download; the partial file was removed.
+    #[error(
+        "no space left on the device while downloading {repo}/{file} into {}: the partial file \
+         was removed; free space or point HF_HOME / HF_HUB_CACHE (or --local-dir) elsewhere",
+        dir.display()
+    )]
+    DiskFull {
+        repo: String,
+        file: String,
+        dir: PathBuf,
+    },
+
+    /// The revision has no file matching the include/exclude patterns.
+    #[error("{repo}@{revision}: no file matches {filter} (the repo has: {available})")]
+    NoMatchingFiles {
+        repo: String,
+        revision: String,
+        filter: String,
+        available: String,
+    },
+
+    /// A response lacks a header the download needs.
+    #[error("{url}: the response has no {header} header (is HF_ENDPOINT a Hugging Face hub?)")]
+    Protocol { url: String, header: &'static str },
+
+    /// Not a hub id / hf:// path the caller can use.
+    #[error("{spec:?} is not a {what}")]
+    BadSpec { spec: String, what: &'static str },
+
+    /// A local file operation failed.
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// `io_err(path)(e)`: wraps an I/O error with the path it concerns.
+pub(crate) fn io_err(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> HubError {
+    let path = path.into();
+    move |source| HubError::Io { path, source }
+}
