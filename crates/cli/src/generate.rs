@@ -33,6 +33,13 @@ pub fn load(a: &DecodeArgs) -> Result<Session> {
     // A hub id (`OWNER/NAME[@REV]`) becomes its cached snapshot dir.
     let model_dir = tallow_hub::resolve_model(&a.model)
         .with_context(|| format!("--model {}", a.model.display()))?;
+    if !model_dir.is_dir() {
+        bail!(
+            "--model {}: no such directory (give an HF-layout dir with config.json, safetensors \
+             and tokenizer.json, or a hub id OWNER/NAME)",
+            a.model.display()
+        );
+    }
     let tok = TextTokenizer::from_model_dir(&model_dir)?;
     let load = match a.quantize.as_str() {
         "nf4" => LoadOptions::nf4(dtype, &device, a.double_quant),
