@@ -17,7 +17,8 @@
 //!   `pytorch_model.bin` and `original/params.json`; tag `v1` (older commit, `extra.json` =
 //!   `{"rev":"v1"}`) and `main` (`{"rev":"main"}`).
 //! - `tallow-test/gated`: the same files as main, needing `Authorization: Bearer `[`TOKEN`].
-//! - dataset `tallow-test/chat`: `data/train.jsonl` (messages fixture), `data/text.jsonl`.
+//! - dataset `tallow-test/chat`: `data/train.jsonl` (messages fixture), `data/text.jsonl`,
+//!   `data/train.parquet` (the messages fixture as parquet).
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -133,6 +134,12 @@ impl HubServer {
                 File::new(std::fs::read(crate::data_file(fixture)).unwrap()),
             );
         }
+        data_files.insert(
+            "data/train.parquet".into(),
+            File::new(
+                std::fs::read(crate::data_file("messages").with_extension("parquet")).unwrap(),
+            ),
+        );
         let dataset = RepoDef {
             kind: "datasets",
             id: DATASET.into(),

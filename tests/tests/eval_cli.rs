@@ -215,3 +215,58 @@ fn cuda_without_the_feature_names_the_flag() {
     assert_ne!(r.code, 0);
     assert!(r.stderr.contains("--features cuda"), "{}", r.stderr);
 }
+
+/// A parquet copy of each data fixture (`scripts/make_parquet_fixtures.py`: snappy, rows spread
+/// over several row groups, messages as a list of structs) gives exactly the rows of the JSONL
+/// file, and `tallow eval` gives exactly the same loss on it.
+#[test]
+fn parquet_rows_equal_jsonl_rows() {
+    let dir = model_dir("tiny-qwen3");
+    let tok = TextTokenizer::from_model_dir(&dir).unwrap();
+    let opts = DataOptions {
+        format: Format::Auto,
+        max_seq_len: 32,
+        add_eos: true,
+    };
+    for format in FORMATS {
+        let jsonl = data_file(format);
+        let parquet = jsonl.with_extension("parquet");
+        let a = load_jsonl(&jsonl, &tok, &opts).unwrap();
+        let b = load_jsonl(&parquet, &tok, &opts).unwrap();
+        assert_eq!(a.format, b.format, "{format}");
+        assert_eq!(a.examples.len(), b.examples.len(), "{format}");
+        for (x, y) in a.examples.iter().zip(&b.examples) {
+            assert_eq!(x.ids, y.ids, "{format}: token ids differ");
+            assert_eq!(x.targets, y.targets, "{format}: targets differ");
+        }
+        let args = |p: &std::path::Path| {
+            vec![
+                "eval".to_string(),
+                "--model".into(),
+                dir.display().to_string(),
+                "--data".into(),
+                p.display().to_string(),
+                "--json".into(),
+            ]
+        };
+        let la = eval_loss(&args(&jsonl).iter().map(String::as_str).collect::<Vec<_>>());
+        let lb = eval_loss(
+            &args(&parquet)
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>(),
+        );
+        assert_eq!(
+            la, lb,
+            "{format}: eval loss differs between JSONL and parquet"
+        );
+    }
+    // Not parquet at all: a clear error naming the file.
+    let bad = scratch("bad-parquet").join("x.parquet");
+    std::fs::write(&bad, b"not a parquet file").unwrap();
+    let e = load_jsonl(&bad, &tok, &opts).err().unwrap().to_string();
+    assert!(
+        e.contains("cannot read parquet file") && e.contains("x.parquet"),
+        "{e}"
+    );
+}

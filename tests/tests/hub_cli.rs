@@ -392,6 +392,12 @@ fn eval_from_hub_equals_local() {
     let want = loss(local.to_str().unwrap(), messages.to_str().unwrap());
     let hf = format!("hf://datasets/{DATASET}/data/train.jsonl");
     assert_eq!(loss(MODEL, &hf), want);
+    let hf = format!("hf://datasets/{DATASET}/data/train.parquet");
+    assert_eq!(
+        loss(MODEL, &hf),
+        want,
+        "the parquet file of the hub dataset"
+    );
     assert!(repo_dir(&home, "datasets--tallow-test--chat")
         .join("refs/main")
         .exists());

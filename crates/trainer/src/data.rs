@@ -140,6 +140,9 @@ pub fn load_jsonl(
     tok: &TextTokenizer,
     opts: &DataOptions,
 ) -> Result<Dataset, DataError> {
+    if path.extension().is_some_and(|e| e == "parquet") {
+        return load_parquet(path, tok, opts);
+    }
     let text = std::fs::read_to_string(path).map_err(|source| DataError::Io {
         path: path.to_path_buf(),
         source,
@@ -155,39 +158,131 @@ pub fn load_jsonl(
         .lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| (i + 1, serde_json::from_str::<Json>(l)));
-
-    let mut format = opts.format;
-    let mut examples = Vec::new();
-    let mut skipped = 0;
-    let mut n_rows = 0;
+        .map(|(i, l)| {
+            let row = serde_json::from_str::<Json>(l).map_err(|e| RowError::Json(e.to_string()));
+            (i + 1, row)
+        });
+    let mut sink = RowSink::new(path, tok, opts);
     for (line, parsed) in rows {
-        let row = parsed.map_err(|e| row_err(line, RowError::Json(e.to_string())))?;
-        if n_rows == 0 {
-            format = resolve_format(&row, format).map_err(|e| row_err(line, e))?;
-            check_supported(format, tok, opts).map_err(|source| DataError::Unsupported {
-                data: path.to_path_buf(),
-                model_dir: tok.dir().to_path_buf(),
-                source,
+        sink.push(parsed)
+            .map_err(|e| e.at(|source| row_err(line, source)))?;
+    }
+    sink.finish()
+}
+
+/// Rows of a parquet file (`.parquet`), read one row group at a time; columns as in the JSONL
+/// formats (`text`, `prompt` + `completion`, or `messages` as a list of role/content structs).
+pub fn load_parquet(
+    path: &Path,
+    tok: &TextTokenizer,
+    opts: &DataOptions,
+) -> Result<Dataset, DataError> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let bad = |message: String| DataError::Parquet {
+        path: path.to_path_buf(),
+        message,
+    };
+    let file = std::fs::File::open(path).map_err(|source| DataError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let reader = SerializedFileReader::new(file).map_err(|e| bad(e.to_string()))?;
+    let mut sink = RowSink::new(path, tok, opts);
+    for group in 0..reader.metadata().num_row_groups() {
+        let rg = reader
+            .get_row_group(group)
+            .map_err(|e| bad(e.to_string()))?;
+        let rows = rg.get_row_iter(None).map_err(|e| bad(e.to_string()))?;
+        for (row, parsed) in rows.enumerate() {
+            let parsed = parsed
+                .map(|r| r.to_json_value())
+                .map_err(|e| RowError::Json(format!("cannot decode the row: {e}")));
+            sink.push(parsed).map_err(|e| {
+                e.at(|source| DataError::ParquetRow {
+                    path: path.to_path_buf(),
+                    group,
+                    row,
+                    source,
+                })
             })?;
         }
-        n_rows += 1;
-        match tokenize_row(&row, format, tok, opts).map_err(|e| row_err(line, e))? {
-            Some(example) => examples.push(example),
-            None => skipped += 1,
+    }
+    sink.finish()
+}
+
+/// The row loop shared by JSONL and parquet: the format is fixed by the first row, then each
+/// row is tokenized (or skipped when truncation leaves no target).
+struct RowSink<'a> {
+    path: &'a Path,
+    tok: &'a TextTokenizer,
+    opts: &'a DataOptions,
+    format: Format,
+    examples: Vec<Example>,
+    skipped: usize,
+    n_rows: usize,
+}
+
+/// A row failed: either with a row-level error (to be located by the caller) or a whole-file one.
+enum PushError {
+    Row(RowError),
+    File(DataError),
+}
+
+impl PushError {
+    fn at(self, locate: impl FnOnce(RowError) -> DataError) -> DataError {
+        match self {
+            PushError::Row(e) => locate(e),
+            PushError::File(e) => e,
         }
     }
-    if n_rows == 0 {
-        return Err(DataError::EmptyFile {
-            path: path.to_path_buf(),
-        });
+}
+
+impl<'a> RowSink<'a> {
+    fn new(path: &'a Path, tok: &'a TextTokenizer, opts: &'a DataOptions) -> Self {
+        Self {
+            path,
+            tok,
+            opts,
+            format: opts.format,
+            examples: Vec::new(),
+            skipped: 0,
+            n_rows: 0,
+        }
     }
-    Ok(Dataset {
-        path: path.to_path_buf(),
-        format,
-        examples,
-        skipped,
-    })
+
+    fn push(&mut self, parsed: Result<Json, RowError>) -> Result<(), PushError> {
+        let row = parsed.map_err(PushError::Row)?;
+        if self.n_rows == 0 {
+            self.format = resolve_format(&row, self.format).map_err(PushError::Row)?;
+            check_supported(self.format, self.tok, self.opts).map_err(|source| {
+                PushError::File(DataError::Unsupported {
+                    data: self.path.to_path_buf(),
+                    model_dir: self.tok.dir().to_path_buf(),
+                    source,
+                })
+            })?;
+        }
+        self.n_rows += 1;
+        match tokenize_row(&row, self.format, self.tok, self.opts).map_err(PushError::Row)? {
+            Some(example) => self.examples.push(example),
+            None => self.skipped += 1,
+        }
+        Ok(())
+    }
+
+    fn finish(self) -> Result<Dataset, DataError> {
+        if self.n_rows == 0 {
+            return Err(DataError::EmptyFile {
+                path: self.path.to_path_buf(),
+            });
+        }
+        Ok(Dataset {
+            path: self.path.to_path_buf(),
+            format: self.format,
+            examples: self.examples,
+            skipped: self.skipped,
+        })
+    }
 }
 
 /// `format`, or for `Format::Auto` the format the row's keys call for.

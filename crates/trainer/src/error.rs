@@ -87,6 +87,21 @@ pub enum DataError {
         source: RowError,
     },
 
+    /// One row of a parquet file is malformed or cannot be tokenized.
+    #[error("{}: row group {group}, row {row}: {source}", path.display())]
+    ParquetRow {
+        path: PathBuf,
+        /// 0-based row group, and 0-based row inside it.
+        group: usize,
+        row: usize,
+        #[source]
+        source: RowError,
+    },
+
+    /// A parquet file could not be read (not parquet, truncated, unsupported compression).
+    #[error("cannot read parquet file {}: {message} (tallow reads uncompressed and snappy-compressed parquet)", path.display())]
+    Parquet { path: PathBuf, message: String },
+
     /// Rendering, encoding or decoding one text failed outside a dataset row.
     #[error(transparent)]
     Text(#[from] RowError),
