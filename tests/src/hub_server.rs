@@ -37,12 +37,22 @@ pub const DATASET: &str = "tallow-test/chat";
 struct File {
     bytes: Vec<u8>,
     sha256: String,
+    /// git's blob id: sha1 of `blob {len}\0{bytes}` (the ETag of a non-LFS file).
+    git_sha1: String,
 }
 
 impl File {
     fn new(bytes: Vec<u8>) -> File {
         let sha256 = hex(&Sha256::digest(&bytes));
-        File { bytes, sha256 }
+        let mut h = sha1::Sha1::new();
+        h.update(format!("blob {}\0", bytes.len()).as_bytes());
+        h.update(&bytes);
+        let git_sha1 = hex(&h.finalize());
+        File {
+            bytes,
+            sha256,
+            git_sha1,
+        }
     }
 }
 
@@ -347,7 +357,7 @@ fn handle(
     let Some(f) = files.get(file) else {
         return error(&stream, head, "404 Not Found", "EntryNotFound");
     };
-    let git_etag = format!("\"{}\"", &f.sha256[..40]);
+    let git_etag = format!("\"{}\"", f.git_sha1);
     if is_lfs(file) {
         let headers = [
             ("Location", format!("{base_url}/cdn/{}", f.sha256)),

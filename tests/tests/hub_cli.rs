@@ -369,6 +369,21 @@ fn hash_mismatch_is_never_used() {
     let snap = repo.join("snapshots").join(hub.commit(MODEL, "main"));
     assert!(!snap.join("model.safetensors").exists());
     assert!(!repo.join("refs/main").exists());
+
+    // A small (non-LFS) file is checked against its git blob id.
+    let hub = HubServer::start();
+    let home = scratch("hub-corrupt-config");
+    hub.corrupt("config.json");
+    let r = tallow_env(["download", MODEL], &env(&hub.url, &home, &[]));
+    fails(
+        &r,
+        "corrupt config.json",
+        &["config.json", "git blob sha1", "deleted"],
+    );
+    let snap = repo_dir(&home, "models--tallow-test--tiny-qwen2")
+        .join("snapshots")
+        .join(hub.commit(MODEL, "main"));
+    assert!(!snap.join("config.json").exists());
 }
 
 /// `eval --model OWNER/NAME` equals eval of the local folder; `hf://datasets/...` equals the

@@ -44,6 +44,10 @@ fn is_sha256(s: &str) -> bool {
     s.len() == 64 && s.chars().all(|c| c.is_ascii_hexdigit())
 }
 
+fn is_sha1(s: &str) -> bool {
+    s.len() == 40 && s.chars().all(|c| c.is_ascii_hexdigit())
+}
+
 /// True for "no space left on device" (ENOSPC on Unix, ERROR_DISK_FULL on Windows).
 fn is_disk_full(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::StorageFull || matches!(e.raw_os_error(), Some(28 | 112))
@@ -324,8 +328,16 @@ impl Hub {
                 ),
             ));
         }
-        if is_sha256(&meta.etag) {
-            let actual = sha256_file(&part)?;
+        // LFS files: the ETag is the sha256 of the content; other files: git's blob id,
+        // sha1("blob {len}\0" + content).
+        let checked = if is_sha256(&meta.etag) {
+            Some(sha256_file(&part)?)
+        } else if is_sha1(&meta.etag) {
+            Some(git_blob_sha1_file(&part)?)
+        } else {
+            None
+        };
+        if let Some(actual) = checked {
             if !actual.eq_ignore_ascii_case(&meta.etag) {
                 let _ = std::fs::remove_file(&part);
                 bar.abandon();
@@ -341,6 +353,23 @@ impl Hub {
         bar.finish();
         Ok(())
     }
+}
+
+/// git's blob id of a file: sha1 of `blob {len}\0` followed by the content.
+fn git_blob_sha1_file(path: &Path) -> Result<String, HubError> {
+    let len = std::fs::metadata(path).map_err(io_err(path))?.len();
+    let mut f = std::fs::File::open(path).map_err(io_err(path))?;
+    let mut h = sha1::Sha1::new();
+    h.update(format!("blob {len}\0").as_bytes());
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let n = f.read(&mut buf).map_err(io_err(path))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
 fn sha256_file(path: &Path) -> Result<String, HubError> {

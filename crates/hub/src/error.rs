@@ -78,10 +78,12 @@ pub enum HubError {
         cached: String,
     },
 
-    /// A downloaded file's SHA-256 is not the one the hub announced: the file was deleted.
+    /// A downloaded file's hash (sha256 for LFS files, git's blob sha1 for others) is not the
+    /// one the hub announced: the file was deleted.
     #[error(
-        "{repo}: {file} was downloaded but its sha256 is {actual}, not the {expected} the hub \
-         announced; the file was deleted, run the command again"
+        "{repo}: {file} was downloaded corrupt: its {} is {actual}, not the {expected} the hub \
+         announced; the file was deleted, run the command again",
+        if expected.len() == 64 { "sha256" } else { "git blob sha1" }
     )]
     HashMismatch {
         repo: String,
