@@ -3,7 +3,7 @@
 //!
 //! ```text
 //!  forward:   x ──► layer(x.detach()) ──► y.detach()     (graph of the layer dropped at once)
-//!             x ─┬─► LayerCheckpoint ──► y               (graph keeps x only, plus y itself)
+//!             x ─┬─► attach2 op ──────► y               (graph keeps x only, plus y itself)
 //!  anchor var ───┘
 //!  backward:  dy ──► recompute layer(x as a fresh var), backward of sum(y * dy)
 //!                    ──► dx (to the outer graph) and the layer's parameter grads (to a side store)
@@ -21,9 +21,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, CudaStorage, CustomOp2, Layout, Shape, Storage, Tensor, Var};
+use candle_core::{Tensor, Var};
 
 use crate::error::Result;
 use crate::model::{DecoderLayer, RopeMask};
@@ -60,14 +59,50 @@ impl Checkpointing {
         let Some(anchor) = first_var(layer).or_else(|| x.track_op().then(|| x.clone())) else {
             return Ok(y); // nothing to differentiate: no graph at all
         };
-        let op = LayerCheckpoint {
-            layer: layer.clone(),
-            rope: rope.clone(),
-            y: Mutex::new(Some(y)),
-            grads: self.grads.clone(),
-        };
-        Ok(x.apply_op2(&anchor, op)?)
+        let (layer, rope, grads) = (layer.clone(), rope.clone(), self.grads.clone());
+        crate::ops::attach2(
+            "layer-checkpoint",
+            x,
+            &anchor,
+            y,
+            move |x, _anchor, _y, dy| recompute_backward(&layer, &rope, &grads, x, dy),
+        )
     }
+}
+
+/// The backward of a checkpointed layer: recompute it from its input `x`, backpropagate `dy`,
+/// return dx (when `x` tracks) and push the layer's variable gradients to `grads`.
+fn recompute_backward(
+    layer: &DecoderLayer,
+    rope: &RopeMask,
+    grads: &Mutex<Vec<GradStore>>,
+    x: &Tensor,
+    dy: &Tensor,
+) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    let map = |e: crate::error::ModelError| candle_core::Error::Msg(e.to_string());
+    let x_var = if x.track_op() {
+        Some(Var::from_tensor(&x.detach())?)
+    } else {
+        None
+    };
+    let x_in = x_var
+        .as_ref()
+        .map_or_else(|| x.detach(), |v| v.as_tensor().clone());
+    // Recompute, then backpropagate dy: d/dy' of sum(y' * dy) is exactly dy.
+    let y = layer.forward(&x_in, rope).map_err(map)?;
+    let mut store = (y * dy.detach())?.sum_all()?.backward()?;
+    let dx = x_var.and_then(|v| store.remove(v.as_tensor()));
+    // Keep only the layer's variables: Candle's store also holds gradients of untracked
+    // operands (masks, rotary tables), which must not stay alive for the whole backward.
+    let mut kept = GradStore::default();
+    for v in layer_vars(layer) {
+        if let Some(g) = store.remove(&v) {
+            kept.insert(&v, g);
+        }
+    }
+    drop(store);
+    grads.lock().expect("checkpoint grads lock").push(kept);
+    Ok((dx, None))
 }
 
 /// Every variable of the layer: LoRA A/B, and in full fine-tuning every weight.
@@ -102,91 +137,4 @@ fn layer_vars(layer: &DecoderLayer) -> Vec<Tensor> {
 /// One variable of the layer, to anchor the op in the graph.
 fn first_var(layer: &DecoderLayer) -> Option<Tensor> {
     layer_vars(layer).into_iter().next()
-}
-
-struct LayerCheckpoint {
-    layer: DecoderLayer,
-    rope: RopeMask,
-    /// The detached output, handed over (copied) once by the forward.
-    y: Mutex<Option<Tensor>>,
-    grads: Arc<Mutex<Vec<GradStore>>>,
-}
-
-impl LayerCheckpoint {
-    fn take_y(&self) -> candle_core::Result<Tensor> {
-        self.y
-            .lock()
-            .expect("checkpoint output lock")
-            .take()
-            .ok_or_else(|| candle_core::Error::Msg("layer checkpoint applied twice".into()))
-    }
-}
-
-impl CustomOp2 for LayerCheckpoint {
-    fn name(&self) -> &'static str {
-        "layer-checkpoint"
-    }
-
-    // (x, anchor) -> y, the layer output computed before the op was applied.
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let y = self.take_y()?;
-        let (s, l) = y.storage_and_layout();
-        let Storage::Cpu(s) = &*s else {
-            candle_core::bail!("layer checkpoint: output is not on the CPU");
-        };
-        Ok((s.try_clone(l)?, y.shape().clone()))
-    }
-
-    fn cuda_fwd(
-        &self,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let y = self.take_y()?;
-        let (s, l) = y.storage_and_layout();
-        let Storage::Cuda(s) = &*s else {
-            candle_core::bail!("layer checkpoint: output is not on the CUDA device");
-        };
-        Ok((s.try_clone(l)?, y.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        _anchor: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let wants_dx = x.track_op();
-        let map = |e: crate::error::ModelError| candle_core::Error::Msg(e.to_string());
-        let (x_in, x_var) = if wants_dx {
-            let v = Var::from_tensor(&x.detach())?;
-            (v.as_tensor().clone(), Some(v))
-        } else {
-            (x.detach(), None)
-        };
-        // Recompute, then backpropagate dy: d/dy' of sum(y' * dy) is exactly dy.
-        let y = self.layer.forward(&x_in, &self.rope).map_err(map)?;
-        let mut store = (y * dy.detach())?.sum_all()?.backward()?;
-        let dx = x_var.and_then(|v| store.remove(v.as_tensor()));
-        // Keep only the layer's variables: Candle's store also holds gradients of untracked
-        // operands (masks, rotary tables), which must not stay alive for the whole backward.
-        let mut kept = GradStore::default();
-        for v in layer_vars(&self.layer) {
-            if let Some(g) = store.remove(&v) {
-                kept.insert(&v, g);
-            }
-        }
-        drop(store);
-        self.grads.lock().expect("checkpoint grads lock").push(kept);
-        Ok((dx, None))
-    }
 }

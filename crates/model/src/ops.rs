@@ -126,7 +126,7 @@ fn attach1(
 }
 
 /// `value` as a function of `(x, w)`: bwd(x, w, value, d_value) -> (dx, dw).
-fn attach2(
+pub(crate) fn attach2(
     name: &'static str,
     x: &Tensor,
     w: &Tensor,
