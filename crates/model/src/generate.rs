@@ -129,21 +129,8 @@ fn attention_cached(
     let (b, t, _) = x.dims3()?;
     let (h, kv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
     let r = h / kv;
-    let q = a.q_proj.forward(x)?.reshape((b, t, h, d))?; // (B, t, H, D)
-    let k = a.k_proj.forward(x)?.reshape((b, t, kv, d))?; // (B, t, KV, D)
-    let v = a.v_proj.forward(x)?.reshape((b, t, kv, d))?;
-    let (q, k) = match (&a.q_norm, &a.k_norm) {
-        (Some(qn), Some(kn)) => (
-            ops::rms_norm(&q, qn.tensor(), a.eps)?,
-            ops::rms_norm(&k, kn.tensor(), a.eps)?,
-        ),
-        _ => (q, k),
-    };
-    let q = q.transpose(1, 2)?.contiguous()?; // (B, H, t, D)
-    let k = k.transpose(1, 2)?.contiguous()?; // (B, KV, t, D)
-    let v = v.transpose(1, 2)?.contiguous()?;
-    let q = ops::apply_rope(&q, cos, sin)?;
-    let k = ops::apply_rope(&k, cos, sin)?.contiguous()?;
+    let (q, k, v) = a.qkv(x, cos, sin)?; // q (B, H, t, D), k and v (B, KV, t, D)
+    let k = k.contiguous()?;
 
     // Written in place: no new sequence-sized tensor.
     k_cache.slice_set(&k, 2, past)?;
@@ -194,21 +181,19 @@ fn layer_cached(
     past: usize,
     window: Option<usize>,
 ) -> Result<Tensor> {
-    let h = ops::rms_norm(x, layer.input_layernorm.tensor(), layer.eps)?;
-    let attn = attention_cached(
-        &layer.self_attn,
-        &h,
-        cos,
-        sin,
-        mask,
-        k_cache,
-        v_cache,
-        past,
-        window,
-    )?;
-    let x = (x + attn)?;
-    let h = ops::rms_norm(&x, layer.post_attention_layernorm.tensor(), layer.eps)?;
-    Ok((&x + layer.mlp.forward(&h)?)?)
+    layer.block(x, |h| {
+        attention_cached(
+            &layer.self_attn,
+            h,
+            cos,
+            sin,
+            mask,
+            k_cache,
+            v_cache,
+            past,
+            window,
+        )
+    })
 }
 
 impl CausalLM {

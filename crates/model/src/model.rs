@@ -70,7 +70,15 @@ pub struct Attention {
 
 impl Attention {
     /// x: (B, T, C), cos/sin: (B, 1, T, D), mask: (B, 1, T, T) -> (B, T, C)
-    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    /// Projections, qk-norm (Qwen3) and rotary embedding of the queries and keys: what the
+    /// training forward and the cached (generation) forward share.
+    /// x: (B, T, C), cos/sin: (B, 1, T, D) -> q (B, H, T, D), k and v (B, KV, T, D)
+    pub(crate) fn qkv(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
         let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let q = self.q_proj.forward(x)?.reshape((b, t, h, d))?; // (B, T, H, D)
@@ -88,6 +96,13 @@ impl Attention {
         let v = v.transpose(1, 2)?.contiguous()?;
         let q = ops::apply_rope(&q, cos, sin)?;
         let k = ops::apply_rope(&k, cos, sin)?;
+        Ok((q, k, v))
+    }
+
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let (q, k, v) = self.qkv(x, cos, sin)?;
         let k = ops::repeat_kv(&k, h / kv)?; // (B, H, T, D)
         let v = ops::repeat_kv(&v, h / kv)?;
 
@@ -132,10 +147,21 @@ pub struct DecoderLayer {
 impl DecoderLayer {
     /// x: (B, T, C) -> (B, T, C)
     pub fn forward(&self, x: &Tensor, rope: &RopeMask) -> Result<Tensor> {
+        self.block(x, |h| {
+            self.self_attn.forward(h, &rope.cos, &rope.sin, &rope.mask)
+        })
+    }
+
+    /// The pre-norm block around an attention: x + attn(norm(x)), then + mlp(norm(.)). The
+    /// training forward and the cached forward differ only in `attn`.
+    /// x: (B, T, C) -> (B, T, C)
+    pub(crate) fn block(
+        &self,
+        x: &Tensor,
+        attn: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let h = ops::rms_norm(x, self.input_layernorm.tensor(), self.eps)?;
-        let x = (x + self
-            .self_attn
-            .forward(&h, &rope.cos, &rope.sin, &rope.mask)?)?;
+        let x = (x + attn(&h)?)?;
         let h = ops::rms_norm(&x, self.post_attention_layernorm.tensor(), self.eps)?;
         Ok((&x + self.mlp.forward(&h)?)?)
     }
