@@ -283,11 +283,6 @@ pub fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     Ok(shifted.broadcast_sub(&lse)?)
 }
 
-/// SiLU from primitives: x * sigmoid(x) = x / (1 + exp(-x)).
-pub fn silu(x: &Tensor) -> Result<Tensor> {
-    Ok((x / (x.neg()?.exp()? + 1.0)?)?)
-}
-
 /// Rotary-embedding inverse frequencies (D/2), with HF's `rope_scaling` rules.
 pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: Option<&RopeScaling>) -> Vec<f32> {
     let inv: Vec<f64> = (0..head_dim)
