@@ -30,6 +30,66 @@ pub enum Command {
     Chat(ChatArgs),
     /// Download a model or dataset repo from the Hugging Face Hub into the HF cache.
     Download(DownloadArgs),
+    /// Predicted peak memory of a training config (config.json only, no weights), with a plan
+    /// that fits a --budget.
+    Estimate(EstimateArgs),
+    /// Run a grid of training configs a few steps each, one process per cell: measured peak
+    /// memory per phase next to the estimate, and tokens/s.
+    Bench(BenchArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct EstimateArgs {
+    /// Training config (TOML); see configs/.
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Override any config key: `--set train.micro_batch_size=4`.
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Memory available (24GiB, 800MiB, 1.5GB): when the config does not fit, the smallest set
+    /// of changes that does; when it fits, the largest micro-batch that still does.
+    #[arg(long, value_name = "SIZE")]
+    pub budget: Option<String>,
+    /// Print one JSON object (total_bytes, components, phases, plan) instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// Training config (TOML) every cell starts from.
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Override a key in every cell: `--set data.max_seq_len=256`.
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// A grid axis: `--grid model.quantize=none,nf4` (repeatable; cells are the product of the
+    /// axes, the first axis varying slowest).
+    #[arg(long, value_name = "SECTION.KEY=V1,V2,...")]
+    pub grid: Vec<String>,
+    /// Optimizer steps per cell (peaks are taken over all of them; 2 or more measures the steady
+    /// state, with optimizer state allocated).
+    #[arg(long, default_value_t = 3)]
+    pub steps: usize,
+    /// Emulate a device with this much memory (24GiB, 800MiB): a cell whose measured peak goes
+    /// over it is reported as out of memory, as on a GPU of that size.
+    #[arg(long, value_name = "SIZE")]
+    pub memory_limit: Option<String>,
+    /// Print one JSON array of rows.
+    #[arg(long, group = "format")]
+    pub json: bool,
+    /// Print CSV.
+    #[arg(long, group = "format")]
+    pub csv: bool,
+    /// Print a Markdown table (the default).
+    #[arg(long, group = "format")]
+    pub markdown: bool,
+    /// Write a chart of peak memory (measured and estimated) and tokens/s per cell: .svg.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
+    /// Where the cells run (each in its own subdirectory; kept). Default: a temp dir, removed.
+    #[arg(long)]
+    pub work_dir: Option<PathBuf>,
 }
 
 /// Anywhere a model path is taken, a hub id `OWNER/NAME[@REVISION]` works too (from the HF
@@ -74,6 +134,11 @@ pub struct TrainArgs {
     /// No progress bar: one log line per logged step on stderr.
     #[arg(long)]
     pub quiet: bool,
+    /// Emulate a device with this much memory (24GiB, 800MiB): a phase whose measured peak goes
+    /// over it stops the run as out of memory (as a GPU of that size would), with the estimate's
+    /// breakdown and a plan that fits. On CUDA the device's own memory is the limit anyway.
+    #[arg(long, value_name = "SIZE")]
+    pub memory_limit: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]

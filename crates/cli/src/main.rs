@@ -4,12 +4,15 @@
 //! non-zero (1 for a failed command; clap exits 2 for a usage error).
 
 mod args;
+mod bench;
 mod chat;
 mod device;
 mod download;
+mod estimate;
 mod eval;
 mod generate;
 mod merge;
+mod plot;
 mod train;
 
 use clap::Parser;
@@ -40,6 +43,8 @@ fn main() {
         args::Command::Generate(a) => generate::run(a),
         args::Command::Chat(a) => chat::run(a),
         args::Command::Download(a) => download::run(a),
+        args::Command::Estimate(a) => estimate::run(a),
+        args::Command::Bench(a) => bench::run(a),
     };
     if let Err(err) = result {
         // Print the chain, skipping causes whose text the message above already includes

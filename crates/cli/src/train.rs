@@ -3,8 +3,10 @@
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use tallow_trainer::config::TrainConfig;
-use tallow_trainer::memory::human_bytes;
-use tallow_trainer::train::{train, Event};
+use tallow_trainer::error::TrainError;
+use tallow_trainer::estimate::{estimate, plan};
+use tallow_trainer::memory::{human_bytes, parse_bytes};
+use tallow_trainer::train::{train_with_limit, Event};
 
 use crate::args::TrainArgs;
 use crate::device::parse_device;
@@ -12,6 +14,10 @@ use crate::device::parse_device;
 pub fn run(a: TrainArgs) -> Result<()> {
     let cfg = TrainConfig::load(&a.config, &a.sets)?;
     let device = parse_device(&cfg.train.device).context("train.device")?;
+    let limit = match &a.memory_limit {
+        Some(l) => Some(parse_bytes(l).map_err(|e| anyhow::anyhow!("--memory-limit {e}"))?),
+        None => None,
+    };
     let bar = if a.quiet {
         ProgressBar::hidden()
     } else {
@@ -83,7 +89,14 @@ pub fn run(a: TrainArgs) -> Result<()> {
         }
         Event::Note(n) => say(n),
     };
-    let summary = train(&cfg, &device, a.resume, &mut on_event)?;
+    let summary = match train_with_limit(&cfg, &device, a.resume, limit, &mut on_event) {
+        Ok(s) => s,
+        Err(e @ TrainError::OutOfMemory { .. }) => {
+            bar.finish_and_clear();
+            return Err(out_of_memory(e, &a, &cfg, &device));
+        }
+        Err(e) => return Err(e.into()),
+    };
     bar.finish_and_clear();
     let mut line = format!("done: {} steps in {:.1}s", summary.steps, summary.elapsed_s);
     if let Some(l) = summary.last_loss {
@@ -106,4 +119,36 @@ pub fn run(a: TrainArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The OOM error with what to do about it: the estimate's breakdown for this config and the plan
+/// that fits the memory there was (the GPU's total, or --memory-limit).
+fn out_of_memory(
+    e: TrainError,
+    a: &TrainArgs,
+    cfg: &TrainConfig,
+    device: &candle_core::Device,
+) -> anyhow::Error {
+    let TrainError::OutOfMemory { limit_bytes, .. } = &e else {
+        return e.into();
+    };
+    let kind = if device.is_cuda() { "cuda" } else { "cpu" };
+    let mut help = String::new();
+    match crate::estimate::model_config(cfg) {
+        Ok(model) => {
+            let origin = a.config.display().to_string();
+            let est = estimate(&model, cfg, kind);
+            help += &crate::estimate::describe(&origin, &model, cfg, &est);
+            if let Some(budget) = limit_bytes {
+                let mut cmd = origin.clone();
+                for s in &a.sets {
+                    cmd += &format!(" --set {s}");
+                }
+                help += &crate::estimate::describe_plan(&plan(&model, cfg, kind, *budget), &cmd);
+            }
+        }
+        Err(err) => help += &format!("(no estimate: {err:#})\n"),
+    }
+    eprintln!("{help}");
+    e.into()
 }

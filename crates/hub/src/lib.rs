@@ -483,6 +483,18 @@ pub fn resolve_model(spec: &Path) -> Result<PathBuf, HubError> {
     Hub::from_env().model_snapshot(&id)
 }
 
+/// The `config.json` of a model path or hub id, without the weights: a local dir's file, or the
+/// one file fetched from the hub (cached). For `tallow estimate`, which reads nothing else.
+pub fn resolve_model_config(spec: &Path) -> Result<PathBuf, HubError> {
+    if spec.exists() {
+        return Ok(spec.join("config.json"));
+    }
+    let Some(id) = spec.to_str().and_then(|s| HubId::parse(s, RepoKind::Model)) else {
+        return Ok(spec.join("config.json"));
+    };
+    Hub::from_env().file(&id, "config.json")
+}
+
 /// The scheme of dataset files on the hub, as in huggingface_hub's HfFileSystem.
 pub const HF_DATASETS_PREFIX: &str = "hf://datasets/";
 

@@ -97,7 +97,9 @@ fn recompute_backward(
     let mut kept = GradStore::default();
     for v in layer_vars(layer) {
         if let Some(g) = store.remove(&v) {
-            kept.insert(&v, g);
+            // Detached: Candle's weight gradients keep the ops that made them (x^T dY), and with
+            // them this layer's recomputed activations, for as long as they live.
+            kept.insert(&v, g.detach());
         }
     }
     drop(store);

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use candle_core::{
-    CpuStorage, CudaStorage, CustomOp1, DType, Device, Layout, Shape, Storage, Tensor, Var,
+    CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape, Storage, Tensor, Var,
 };
 use rand::{Rng, SeedableRng};
 
@@ -208,7 +208,9 @@ impl Linear {
             Base::Dense(Param::Frozen(w)) => {
                 x2.contiguous()?.apply_op1(FrozenMatmul { w: w.clone() })?
             }
-            Base::Dense(Param::Trainable(w)) => x2.matmul(&w.t()?)?,
+            Base::Dense(Param::Trainable(w)) => {
+                x2.contiguous()?.apply_op2(w.as_tensor(), TrainableMatmul)?
+            }
             Base::Nf4(w) => x2.contiguous()?.apply_op1(Nf4Matmul { w: w.clone() })?,
         }; // (M, out)
         if let Some(b) = &self.bias {
@@ -270,6 +272,66 @@ impl CustomOp1 for FrozenMatmul {
     // dX = dY W: (M, N) x (N, K) -> (M, K)
     fn bwd(&self, _x: &Tensor, _y: &Tensor, dy: &Tensor) -> candle_core::Result<Option<Tensor>> {
         Ok(Some(dy.matmul(&self.w)?))
+    }
+}
+
+/// x W^T for a trainable W (full fine-tuning), whose backward gives dX = dY W and
+/// dW = dYᵀ X computed from detached tensors. Candle's own matmul backward builds dW as an op on
+/// X and dY, so every weight gradient kept its layer's input and upstream gradient alive until
+/// the gradients were dropped (measured: +111 MiB at the end of a 256-token backward of a
+/// 105M-parameter model, and with checkpointing every recomputed layer stayed alive).
+pub struct TrainableMatmul;
+
+impl CustomOp2 for TrainableMatmul {
+    fn name(&self) -> &'static str {
+        "trainable-matmul"
+    }
+
+    // x: (M, K), w: (N, K) -> (M, N)
+    fn cpu_fwd(
+        &self,
+        s: &CpuStorage,
+        l: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (m, k) = l.shape().dims2()?;
+        let (n, k2) = wl.shape().dims2()?;
+        if k != k2 {
+            candle_core::bail!("trainable matmul: input has {k} features, weight expects {k2}");
+        }
+        let out = s.matmul(ws, (1, m, n, k), l, &wl.transpose(0, 1)?)?;
+        Ok((out, Shape::from((m, n))))
+    }
+
+    fn cuda_fwd(
+        &self,
+        s: &CudaStorage,
+        l: &Layout,
+        ws: &CudaStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (m, k) = l.shape().dims2()?;
+        let (n, k2) = wl.shape().dims2()?;
+        if k != k2 {
+            candle_core::bail!("trainable matmul: input has {k} features, weight expects {k2}");
+        }
+        let out = s.matmul(ws, (1, m, n, k), l, &wl.transpose(0, 1)?)?;
+        Ok((out, Shape::from((m, n))))
+    }
+
+    // dX = dY W: (M, N) x (N, K); dW = dYᵀ X: (N, M) x (M, K)
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = dy.detach();
+        let dx = x.track_op().then(|| dy.matmul(&w.detach())).transpose()?;
+        let dw = dy.t()?.matmul(&x.detach())?;
+        Ok((dx, Some(dw)))
     }
 }
 

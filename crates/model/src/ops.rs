@@ -238,7 +238,9 @@ impl candle_core::CustomOp1 for Attach1 {
         self.cuda_fwd_value()
     }
     fn bwd(&self, x: &Tensor, v: &Tensor, dv: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        (self.bwd)(x, v, dv)
+        // Detached: a gradient that kept the ops it was computed with would keep their inputs
+        // (activations) alive for as long as the gradient lives.
+        Ok((self.bwd)(x, v, dv)?.map(|g| g.detach()))
     }
 }
 
@@ -271,7 +273,8 @@ impl candle_core::CustomOp2 for Attach2 {
         v: &Tensor,
         dv: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        (self.bwd)(x, w, v, dv)
+        let (dx, dw) = (self.bwd)(x, w, v, dv)?; // detached, as in Attach1
+        Ok((dx.map(|g| g.detach()), dw.map(|g| g.detach())))
     }
 }
 

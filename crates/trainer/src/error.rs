@@ -209,6 +209,35 @@ pub enum TrainError {
         value: f64,
         kept: String,
     },
+    /// The device (or `--memory-limit`) ran out of memory. The CLI adds the estimate's
+    /// breakdown and a plan that fits.
+    #[error(
+        "out of memory in the {phase} phase{at}: {detail}. {kept}",
+        at = if *step > 0 { format!(" of step {step}") } else { String::new() }
+    )]
+    OutOfMemory {
+        /// load | forward | backward | optimizer
+        phase: &'static str,
+        /// The optimizer step (1-based); 0 while loading.
+        step: usize,
+        /// Measured peak of the phase when known.
+        peak_bytes: Option<u64>,
+        /// The memory there was: `--memory-limit`, or the GPU's total.
+        limit_bytes: Option<u64>,
+        detail: String,
+        kept: String,
+    },
     #[error("{0}")]
     Invalid(String),
+}
+
+impl TrainError {
+    /// Is this error a device out-of-memory (CUDA's `CUDA_ERROR_OUT_OF_MEMORY`, cuBLAS' alloc
+    /// failure)?
+    pub fn is_device_oom(&self) -> bool {
+        let text = self.to_string();
+        text.contains("OUT_OF_MEMORY")
+            || text.contains("out of memory")
+            || text.contains("CUBLAS_STATUS_ALLOC_FAILED")
+    }
 }

@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod estimate;
 pub mod eval;
 pub mod grads;
 pub mod memory;

@@ -144,6 +144,15 @@ impl Probe {
         }
     }
 
+    /// The memory there is to use: the GPU's total on CUDA; None on the CPU.
+    pub fn device_total(&self) -> Option<u64> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Probe::Cuda(p) => p.total(),
+            _ => None,
+        }
+    }
+
     /// Bytes in use now.
     pub fn current(&self) -> Option<u64> {
         match self {
@@ -199,6 +208,37 @@ pub fn human_bytes(b: u64) -> String {
     }
 }
 
+/// Parses a byte count as users write it: `24GiB`, `1.5 GB`, `800MiB`, `512M`, `1048576`.
+/// Binary units (KiB, MiB, GiB, TiB; K, M, G, T alone are binary too) and decimal ones (KB, MB,
+/// GB, TB).
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("`{text}`: expected a size like 24GiB, 800MiB or 1.5GB"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024.0 * 1024.0,
+        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tib" => 1024f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        u => {
+            return Err(format!(
+                "`{text}`: unknown unit `{u}` (use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB)"
+            ))
+        }
+    };
+    Ok((value * mult).round() as u64)
+}
+
 #[cfg(feature = "cuda")]
 pub mod cuda {
     //! The default memory pool of a CUDA device (what cudarc's `cuMemAllocAsync` draws from).
@@ -246,6 +286,14 @@ pub mod cuda {
 
         pub fn current(&self) -> Option<u64> {
             self.attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+        }
+
+        /// Total memory of the device (`cuMemGetInfo`).
+        pub fn total(&self) -> Option<u64> {
+            self.stream.context().bind_to_thread().ok()?;
+            cudarc::driver::result::mem_get_info()
+                .ok()
+                .map(|(_, total)| total as u64)
         }
 
         pub fn reset_peak(&self) {

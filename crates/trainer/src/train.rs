@@ -272,6 +272,76 @@ pub fn train(
     resume: bool,
     on_event: &mut dyn FnMut(Event),
 ) -> Result<Summary, TrainError> {
+    train_with_limit(cfg, device, resume, None, on_event)
+}
+
+/// What the last good checkpoint is, for error messages of a stopped run.
+fn kept_message(last_checkpoint: &Option<PathBuf>) -> String {
+    match last_checkpoint {
+        Some(p) => format!(
+            "The last good checkpoint is {} (continue with --resume).",
+            p.display()
+        ),
+        None => "No checkpoint was written before it.".into(),
+    }
+}
+
+/// Turns a device out-of-memory error of `phase` into [`TrainError::OutOfMemory`] (other
+/// errors pass through), and stops the run as out of memory when the phase's measured peak went
+/// over `limit` (`--memory-limit`: a smaller device, emulated). Either way the OOM is logged to
+/// `metrics.jsonl` as `{"step", "oom": {"phase", "peak_bytes", "limit_bytes"}}`.
+#[allow(clippy::too_many_arguments)]
+fn check_memory<T>(
+    result: Result<T, TrainError>,
+    phase: &'static str,
+    step: usize,
+    peak: impl Fn() -> Option<u64>,
+    limit: Option<u64>,
+    device_total: Option<u64>,
+    last_checkpoint: &Option<PathBuf>,
+    metrics: &Path,
+) -> Result<T, TrainError> {
+    let (detail, peak_bytes, limit_bytes) = match result {
+        Err(e) if e.is_device_oom() => (e.to_string(), peak(), limit.or(device_total)),
+        Err(e) => return Err(e),
+        Ok(v) => match (limit, peak()) {
+            (Some(l), Some(p)) if p > l => (
+                format!(
+                    "the measured peak {} is over --memory-limit {}",
+                    crate::memory::human_bytes(p),
+                    crate::memory::human_bytes(l)
+                ),
+                Some(p),
+                Some(l),
+            ),
+            _ => return Ok(v),
+        },
+    };
+    let _ = append_metrics(
+        metrics,
+        &serde_json::json!({"step": step, "oom": {
+            "phase": phase, "peak_bytes": peak_bytes, "limit_bytes": limit_bytes}}),
+    );
+    Err(TrainError::OutOfMemory {
+        phase,
+        step,
+        peak_bytes,
+        limit_bytes,
+        detail,
+        kept: kept_message(last_checkpoint),
+    })
+}
+
+/// [`train`] on a device with `memory_limit` bytes (None: the device's own memory): a phase whose
+/// measured peak goes over it stops the run with [`TrainError::OutOfMemory`], as running out of
+/// GPU memory does.
+pub fn train_with_limit(
+    cfg: &TrainConfig,
+    device: &Device,
+    resume: bool,
+    memory_limit: Option<u64>,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<Summary, TrainError> {
     let t = &cfg.train;
     let out = t.output_dir.clone();
     std::fs::create_dir_all(&out)
@@ -282,7 +352,15 @@ pub fn train(
 
     // Phase "load": data, model, adapters, optimizer, resume state.
     let probe = Probe::for_device(device);
+    let total = probe.device_total();
     probe.start_phase();
+    // check!(result, phase, step, last checkpoint): device OOM and --memory-limit, see
+    // [`check_memory`].
+    macro_rules! check {
+        ($r:expr, $phase:expr, $step:expr, $last:expr) => {
+            check_memory($r, $phase, $step, || probe.peak(), memory_limit, total, $last, &metrics)
+        };
+    }
     let Run {
         model_dir,
         model,
@@ -291,7 +369,7 @@ pub fn train(
         rows,
         eval,
         pad,
-    } = setup(cfg, device)?;
+    } = check!(setup(cfg, device), "load", 0, &None)?;
     let vars: Vec<Var> = params.iter().map(|(_, v)| v.clone()).collect();
     let mut opt: Box<dyn Optimizer> = optim::build(t.optimizer, t.betas, t.eps, t.weight_decay);
     let rows_per_step = t.micro_batch_size * t.grad_accum;
@@ -431,16 +509,24 @@ pub fn train(
             );
             let batch = Batch::from_rows(micro, pad, device)?;
             probe.start_phase();
-            let hidden = model.forward_hidden(&batch.input_ids, batch.segments.as_deref())?; // (B, T, C)
-            let nll = lm_head_nll(&hidden, model.lm_head_weight(), &batch.targets)?; // sum over targets
-            let loss = (&nll / step_targets as f64)?; // this micro-batch's share of the step mean
+            let forward = || -> Result<_, TrainError> {
+                let hidden = model.forward_hidden(&batch.input_ids, batch.segments.as_deref())?; // (B, T, C)
+                let nll = lm_head_nll(&hidden, model.lm_head_weight(), &batch.targets)?; // sum over targets
+                let loss = (&nll / step_targets as f64)?; // this micro-batch's share of the step mean
+                Ok((hidden, nll, loss))
+            };
+            let (hidden, nll, loss) = check!(forward(), "forward", step + 1, &last_checkpoint)?;
             let forward_peak = probe.peak();
             probe.start_phase();
-            acc.add(&loss.backward()?)?;
-            // Checkpointed layers hand their parameters' gradients over separately.
-            for store in model.take_checkpoint_grads() {
-                acc.add(&store)?;
-            }
+            let backward = |acc: &mut GradAccumulator| -> Result<(), TrainError> {
+                acc.add(&loss.backward()?)?;
+                // Checkpointed layers hand their parameters' gradients over separately.
+                for store in model.take_checkpoint_grads() {
+                    acc.add(&store)?;
+                }
+                Ok(())
+            };
+            check!(backward(&mut acc), "backward", step + 1, &last_checkpoint)?;
             nll_sum += scalar_f64(&nll)?;
             drop((hidden, nll, loss));
             peaks = peaks.merge(&PhasePeaks {
@@ -455,27 +541,21 @@ pub fn train(
 
         // Clip, then one optimizer update.
         probe.start_phase();
-        let mut grads = acc.take()?;
+        let mut grads = check!(Ok(acc.take()?), "optimizer", step + 1, &last_checkpoint)?;
         let grad_norm = clip_grad_norm(&mut grads, t.max_grad_norm)?;
         for (what, value) in [("loss", loss), ("gradient norm", grad_norm)] {
             if !value.is_finite() {
-                let kept = match &last_checkpoint {
-                    Some(p) => format!(
-                        "The last good checkpoint is {} (continue with --resume).",
-                        p.display()
-                    ),
-                    None => "No checkpoint was written before it.".into(),
-                };
                 return Err(TrainError::NonFinite {
                     step: step + 1,
                     what,
                     value,
-                    kept,
+                    kept: kept_message(&last_checkpoint),
                 });
             }
         }
         let lr = lr_at(t.schedule, t.lr, step, t.warmup_steps, total_steps);
-        opt.step(&vars, &grads, lr)?;
+        let update = opt.step(&vars, &grads, lr).map_err(TrainError::from);
+        check!(update, "optimizer", step + 1, &last_checkpoint)?;
         drop(grads);
         peaks.optimizer = probe.peak();
         run_peaks = run_peaks.merge(&peaks);

@@ -1,0 +1,171 @@
+//! `tallow estimate`: the predicted peak memory of a training config, from config.json alone, and
+//! with `--budget` the changes that make it fit.
+
+use anyhow::{Context, Result};
+use tallow_model::DecoderConfig;
+use tallow_trainer::config::TrainConfig;
+use tallow_trainer::estimate::{estimate, plan, Estimate, Plan};
+use tallow_trainer::memory::{human_bytes, parse_bytes};
+
+use crate::args::EstimateArgs;
+
+/// "cuda" when the config's device is (or, for auto, would be) a GPU.
+pub fn device_kind(spec: &str) -> &'static str {
+    if spec.starts_with("cuda") || (spec == "auto" && cfg!(feature = "cuda") && cuda_present()) {
+        "cuda"
+    } else {
+        "cpu"
+    }
+}
+
+fn cuda_present() -> bool {
+    candle_core::Device::new_cuda(0).is_ok()
+}
+
+/// The model's config.json (local dir or hub id; only that file is fetched).
+pub fn model_config(cfg: &TrainConfig) -> Result<DecoderConfig> {
+    let path = tallow_hub::resolve_model_config(&cfg.model.path)
+        .with_context(|| format!("model.path {}", cfg.model.path.display()))?;
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("{}: cannot read the model's config.json", path.display()))?;
+    Ok(DecoderConfig::from_json_str(&text, &path)?)
+}
+
+pub fn run(a: EstimateArgs) -> Result<()> {
+    let cfg = TrainConfig::load(&a.config, &a.sets)?;
+    let model = model_config(&cfg)?;
+    let device = device_kind(&cfg.train.device);
+    let est = estimate(&model, &cfg, device);
+    let budget = match &a.budget {
+        Some(b) => Some(parse_bytes(b).map_err(|e| anyhow::anyhow!("--budget {e}"))?),
+        None => None,
+    };
+    let plan = budget.map(|b| plan(&model, &cfg, device, b));
+    if a.json {
+        let mut v = serde_json::to_value(&est)?;
+        v["components"] = est
+            .components
+            .iter()
+            .map(|c| (c.name.to_string(), serde_json::json!(c.bytes)))
+            .collect::<serde_json::Map<_, _>>()
+            .into();
+        v["details"] = est
+            .components
+            .iter()
+            .map(|c| (c.name.to_string(), serde_json::json!(c.detail)))
+            .collect::<serde_json::Map<_, _>>()
+            .into();
+        if let Some(p) = &plan {
+            v["plan"] = serde_json::to_value(p)?;
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        print!("{}", describe(&a.config.display().to_string(), &model, &cfg, &est));
+        if let Some(p) = &plan {
+            print!("{}", describe_plan(p, &a.config.display().to_string()));
+        }
+    }
+    Ok(())
+}
+
+/// The breakdown as a table, like the memory budgets users write by hand.
+pub fn describe(origin: &str, m: &DecoderConfig, cfg: &TrainConfig, est: &Estimate) -> String {
+    let method = match cfg.train.method {
+        tallow_trainer::config::Method::Lora => format!("LoRA r{}", cfg.lora.rank),
+        tallow_trainer::config::Method::Full => "full fine-tuning".into(),
+    };
+    let mut s = format!(
+        "{origin}: {} ({} layers, hidden {}, vocab {}), {method}, {}{}, {} optimizer, \
+         micro-batch {} x {} tokens{}, on {}\n\n",
+        m.arch.hf_class(),
+        m.num_hidden_layers,
+        m.hidden_size,
+        m.vocab_size,
+        cfg.model.dtype.name(),
+        if cfg.model.quantize == tallow_trainer::config::Quantize::Nf4 {
+            " + NF4"
+        } else {
+            ""
+        },
+        cfg.train.optimizer,
+        cfg.train.micro_batch_size,
+        cfg.data.max_seq_len,
+        if cfg.train.checkpointing {
+            ", checkpointing"
+        } else {
+            ""
+        },
+        est.device
+    );
+    s += &format!("{:<18} {:>12} {:>7}  {}\n", "component", "bytes", "share", "what");
+    for c in &est.components {
+        let share = 100.0 * c.bytes as f64 / est.total_bytes.max(1) as f64;
+        s += &format!(
+            "{:<18} {:>12} {:>6.1}%  {}\n",
+            c.name,
+            human_bytes(c.bytes),
+            share,
+            c.detail
+        );
+    }
+    s += &format!(
+        "{:<18} {:>12} {:>6.1}%  peak phase: {}\n\n",
+        "total",
+        human_bytes(est.total_bytes),
+        100.0,
+        est.peak_phase
+    );
+    let p = &est.phases;
+    s += &format!(
+        "per phase: load {}, forward {}, backward {}, optimizer {}\n",
+        human_bytes(p.load),
+        human_bytes(p.forward),
+        human_bytes(p.backward),
+        human_bytes(p.optimizer)
+    );
+    s += &format!(
+        "activations: {} per layer for {} tokens (without checkpointing)\n",
+        human_bytes(est.activation_bytes_per_layer),
+        est.tokens_per_micro_batch
+    );
+    s
+}
+
+/// The plan for a budget, with the command line that applies it.
+pub fn describe_plan(p: &Plan, config: &str) -> String {
+    let mut s = format!("\nbudget {}: ", human_bytes(p.budget_bytes));
+    if p.fits {
+        s += &format!("fits (predicted peak {}).", human_bytes(p.peak_bytes));
+        if let Some(mb) = p.largest_micro_batch {
+            s += &format!(" Largest micro-batch that fits: {mb}");
+            if let Some(ga) = p.grad_accum_for_largest {
+                s += &format!(" (with grad_accum {ga} for the same rows per step)");
+            }
+            s += ".";
+        }
+        return s + "\n";
+    }
+    if !p.possible {
+        return s + &format!(
+            "does not fit (predicted peak {}), and no combination of micro-batch 1, bf16, \
+             checkpointing, adamw8bit, NF4 and shorter sequences (down to 64 tokens) brings it \
+             under: use a smaller model or a larger device.\n",
+            human_bytes(p.peak_bytes)
+        );
+    }
+    s += &format!(
+        "does not fit (predicted peak {}). Smallest set of changes that fits:\n",
+        human_bytes(p.peak_bytes)
+    );
+    for (i, st) in p.steps.iter().enumerate() {
+        s += &format!(
+            "  {}. {:<40} -> {:>12}   {}\n",
+            i + 1,
+            st.what,
+            human_bytes(st.peak_bytes),
+            st.sets.join(" ")
+        );
+    }
+    let sets: Vec<String> = p.sets.iter().map(|x| format!("--set {x}")).collect();
+    s + &format!("run: tallow train --config {config} {}\n", sets.join(" "))
+}

@@ -1,0 +1,737 @@
+//! Peak memory of a training job, predicted from `config.json` and the training config alone
+//! (no weights read), and the plan that makes a job fit a memory budget.
+//!
+//! The estimate walks the same code the trainer runs and counts what each part keeps alive:
+//!
+//! - **weights**: frozen base per dtype, NF4 codes + block scales (double quant: 8-bit scales plus
+//!   one f32 per 256 blocks), trainable parameters (LoRA factors in f32; every weight in full FT);
+//! - **optimizer state**: adamw 8 bytes per trainable parameter, adamw8bit 2 (+ 8 per 256, f32
+//!   moments under 4096 elements), sgd none;
+//! - **gradients**: Candle's gradient store (the parameter dtype) next to the trainer's f32
+//!   accumulator, both alive when a backward ends;
+//! - **activations**: per decoder layer, every tensor the forward graph keeps for the backward
+//!   (listed op by op in [`layer_activation_bytes`]), linear in tokens plus the attention's
+//!   heads x T x T scores and probabilities; with checkpointing only each layer's input, plus one
+//!   layer rebuilt at a time;
+//! - **logits + loss**: the chunked LM head (at most 16M logits at a time, f32);
+//! - **backward workspace**: gradients in flight at the backward's high point (the attention
+//!   backward of one layer);
+//! - **overhead**: tokenizer, data, rotary tables and mask; on CUDA the context and cuBLAS
+//!   workspace, which the memory pool does not see.
+//!
+//! Per phase (the trainer measures the same phases): load, forward (weights + state + saved
+//! activations + the loss's logits), backward (+ gradients + workspace), optimizer (+ f32
+//! gradients + update temporaries). The peak is the largest phase, in the steady state after the
+//! first step (optimizer state allocated). `benchmarks/estimate.md` compares it with measured
+//! peaks; `tests/tests/estimate_cli.rs` asserts 10% on a grid of configs.
+
+use serde::Serialize;
+use tallow_model::DecoderConfig;
+
+use crate::config::{Method, ModelDtype, Quantize, TrainConfig};
+use crate::optim::OptimizerKind;
+
+/// Elements of one logits chunk of the LM head (`tallow_model::loss`).
+const LOSS_CHUNK_ELEMS: usize = 16 << 20;
+/// NF4 block size (bitsandbytes' default for 4-bit weights).
+const NF4_BLOCK: usize = 64;
+/// Double quantization: 8-bit block scales in groups of 256 with one f32 each.
+const NF4_NESTED_BLOCK: usize = 256;
+/// adamw8bit: block size and smallest 8-bit tensor (see `optim::adamw8bit`).
+const ADAM8_BLOCK: usize = crate::optim::adamw8bit::BLOCK;
+const ADAM8_MIN: usize = crate::optim::adamw8bit::MIN_8BIT_ELEMS;
+/// What a CUDA process holds outside the memory pool: context, kernels, cuBLAS workspace.
+const CUDA_CONTEXT_BYTES: u64 = 600 << 20;
+
+/// One line of the breakdown.
+#[derive(Debug, Clone, Serialize)]
+pub struct Component {
+    pub name: &'static str,
+    pub bytes: u64,
+    /// How the number was made, for the table.
+    pub detail: String,
+}
+
+/// Predicted peak bytes of each phase of a step.
+#[derive(Debug, Clone, Copy, Serialize, Default)]
+pub struct PhaseBytes {
+    pub load: u64,
+    pub forward: u64,
+    pub backward: u64,
+    pub optimizer: u64,
+}
+
+/// The prediction for one config.
+#[derive(Debug, Clone, Serialize)]
+pub struct Estimate {
+    /// The largest phase.
+    pub total_bytes: u64,
+    pub peak_phase: &'static str,
+    /// The breakdown of the peak phase; sums to `total_bytes`.
+    pub components: Vec<Component>,
+    pub phases: PhaseBytes,
+    pub trainable_params: u64,
+    /// Tokens in one forward: micro_batch_size x max_seq_len (rows assumed full).
+    pub tokens_per_micro_batch: usize,
+    /// Bytes one decoder layer keeps for the backward for one micro-batch, without checkpointing.
+    pub activation_bytes_per_layer: u64,
+    /// "cpu" or "cuda": what the numbers are comparable with.
+    pub device: &'static str,
+    /// Part of the total that the measured peaks do not see (the CUDA context is outside the
+    /// memory pool); 0 on the CPU.
+    pub outside_pool_bytes: u64,
+}
+
+/// What varies between phases, computed once.
+struct Parts {
+    frozen: (u64, String),
+    trainable: (u64, String),
+    state: (u64, String),
+    grads_backward: u64,
+    grads_optimizer: u64,
+    accumulator_live: u64,
+    activations: (u64, String),
+    loss_forward: u64,
+    workspace_forward: u64,
+    workspace_backward: u64,
+    workspace_optimizer: u64,
+    load_transient: u64,
+    overhead: (u64, String),
+}
+
+fn dtype_bytes(d: ModelDtype) -> usize {
+    match d {
+        ModelDtype::F32 => 4,
+        ModelDtype::Bf16 | ModelDtype::F16 => 2,
+    }
+}
+
+/// A decoder linear layer's shape and what wraps it.
+struct Lin {
+    name: &'static str,
+    inp: usize,
+    out: usize,
+    bias: bool,
+}
+
+fn layer_linears(m: &DecoderConfig) -> [Lin; 7] {
+    let (c, i, d) = (m.hidden_size, m.intermediate_size, m.head_dim);
+    let (q, kv) = (m.num_attention_heads * d, m.num_key_value_heads * d);
+    let l = |name, inp, out, bias| Lin {
+        name,
+        inp,
+        out,
+        bias,
+    };
+    [
+        l("q_proj", c, q, m.qkv_bias),
+        l("k_proj", c, kv, m.qkv_bias),
+        l("v_proj", c, kv, m.qkv_bias),
+        l("o_proj", q, c, m.o_bias),
+        l("gate_proj", c, i, m.mlp_bias),
+        l("up_proj", c, i, m.mlp_bias),
+        l("down_proj", i, c, m.mlp_bias),
+    ]
+}
+
+/// NF4 bytes of an (out, in) weight: 4-bit codes, plus per block of 64 an f32 absmax, or with
+/// double quantization an 8-bit absmax and one f32 per 256 blocks (+ the f32 offset).
+pub fn nf4_bytes(n: usize, double_quant: bool) -> u64 {
+    let blocks = n.div_ceil(NF4_BLOCK);
+    let scales = if double_quant {
+        blocks + 4 * blocks.div_ceil(NF4_NESTED_BLOCK) + 4
+    } else {
+        4 * blocks
+    };
+    (n.div_ceil(2) + scales) as u64
+}
+
+/// Optimizer state bytes of a parameter of `n` elements.
+fn state_bytes(kind: OptimizerKind, n: usize) -> u64 {
+    match kind {
+        OptimizerKind::AdamW => 8 * n as u64,
+        OptimizerKind::AdamW8bit if n >= ADAM8_MIN => (2 * n + 8 * n.div_ceil(ADAM8_BLOCK)) as u64,
+        OptimizerKind::AdamW8bit => 8 * n as u64,
+        OptimizerKind::Sgd => 0,
+    }
+}
+
+/// Bytes one decoder layer keeps alive for the backward, per micro-batch of `b` rows of `t`
+/// tokens, op by op as `tallow_model::model` runs them (s = model dtype bytes; LoRA runs in f32).
+pub fn layer_activation_bytes(m: &DecoderConfig, cfg: &TrainConfig, b: usize, t: usize) -> u64 {
+    let s = dtype_bytes(cfg.model.dtype);
+    let cast = |n: usize| if s == 4 { 0 } else { n }; // to_dtype is free when it is a no-op
+    let (c, d) = (m.hidden_size, m.head_dim);
+    let (h, kv) = (m.num_attention_heads, m.num_key_value_heads);
+    let (q, kvd) = (h * d, kv * d);
+    let lora = cfg.train.method == Method::Lora;
+    let targets = cfg.lora.targets();
+    let r = cfg.lora.rank;
+    let dropout = lora && cfg.lora.dropout > 0.0;
+    // One linear: its output (base matmul, + bias), and with LoRA: x cast to f32 (+ dropout
+    // mask and masked x), x·Aᵀ and its scaled copy (r), B·(..) in f32, cast back, sum.
+    let linear = |l: &Lin| -> usize {
+        let mut n = s * l.out + if l.bias { s * l.out } else { 0 };
+        if lora && targets.contains(&l.name) {
+            n += cast(4 * l.inp) + if dropout { 8 * l.inp } else { 0 };
+            n += 8 * r + 4 * l.out + cast(s * l.out) + s * l.out;
+        }
+        n
+    };
+    let [lq, lk, lv, lo, lg, lu, ld] = layer_linears(m);
+    let mut per_token = 0;
+    per_token += s * c; // input_layernorm output
+    per_token += linear(&lq) + linear(&lk) + linear(&lv);
+    if m.qk_norm {
+        per_token += s * (q + kvd); // q_norm, k_norm outputs
+    }
+    per_token += s * (q + 2 * kvd); // transpose(1, 2).contiguous() of q, k, v
+    per_token += s * (q + kvd); // rotary embedding of q, k
+    if kv != h {
+        per_token += 2 * s * q; // repeat_kv copies of k and v to H heads
+    }
+    per_token += s * q; // probs · v
+    per_token += s * q; // transpose back, contiguous
+    per_token += linear(&lo);
+    per_token += s * c; // residual add
+    per_token += s * c; // post_attention_layernorm output
+    per_token += linear(&lg) + s * m.intermediate_size; // gate, silu
+    per_token += linear(&lu) + s * m.intermediate_size; // up, silu(gate) * up
+    per_token += linear(&ld);
+    per_token += s * c; // residual add
+    // Attention scores (B, H, T, T): q·kᵀ, scaled, softmax probabilities in f32, cast back.
+    let per_score = 2 * s + 4 + cast(s);
+    (b * t * per_token + b * h * t * t * per_score) as u64
+}
+
+fn mib(b: u64) -> String {
+    crate::memory::human_bytes(b)
+}
+
+/// Predicts the peak memory of `cfg` on `device` ("cpu" or "cuda") for the model described by
+/// `model` (its config.json).
+pub fn estimate(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Estimate {
+    let parts = parts(model, cfg, device);
+    let tp = trainable_params(model, cfg);
+    let common = parts.frozen.0 + parts.trainable.0 + parts.overhead.0;
+    let phases = PhaseBytes {
+        load: parts.frozen.0 + parts.trainable.0 + parts.overhead.0 + parts.load_transient,
+        forward: common
+            + parts.state.0
+            + parts.accumulator_live
+            + parts.activations.0
+            + parts.loss_forward.max(parts.workspace_forward),
+        backward: common
+            + parts.state.0
+            + parts.grads_backward
+            + parts.activations.0
+            + parts.workspace_backward,
+        optimizer: common + parts.state.0 + parts.grads_optimizer + parts.workspace_optimizer,
+    };
+    let all = [
+        ("load", phases.load),
+        ("forward", phases.forward),
+        ("backward", phases.backward),
+        ("optimizer", phases.optimizer),
+    ];
+    let (peak_phase, total_bytes) = all
+        .into_iter()
+        .fold(("load", 0), |a, p| if p.1 > a.1 { p } else { a });
+    let c = |name, bytes, detail: String| Component {
+        name,
+        bytes,
+        detail,
+    };
+    let mut components = vec![
+        c("frozen_weights", parts.frozen.0, parts.frozen.1.clone()),
+        c("trainable_params", parts.trainable.0, parts.trainable.1.clone()),
+    ];
+    let zero = |d: &str| d.to_string();
+    match peak_phase {
+        "load" => {
+            components.push(c(
+                "workspace",
+                parts.load_transient,
+                zero("load: one tensor converted at a time"),
+            ));
+        }
+        _ => {
+            let (grads, act, logits, ws, why) = match peak_phase {
+                "forward" => (
+                    parts.accumulator_live,
+                    parts.activations.0,
+                    parts.loss_forward,
+                    parts.workspace_forward.saturating_sub(parts.loss_forward),
+                    "one checkpointed layer rebuilt in the forward",
+                ),
+                "backward" => (
+                    parts.grads_backward,
+                    parts.activations.0,
+                    0,
+                    parts.workspace_backward,
+                    "gradients in flight in one layer's backward",
+                ),
+                _ => (
+                    parts.grads_optimizer,
+                    0,
+                    0,
+                    parts.workspace_optimizer,
+                    "f32 temporaries of the update of the largest tensor",
+                ),
+            };
+            components.push(c("gradients", grads, grad_detail(cfg, peak_phase)));
+            components.push(c("optimizer_state", parts.state.0, parts.state.1.clone()));
+            components.push(c("activations", act, parts.activations.1.clone()));
+            components.push(c(
+                "logits_loss",
+                logits,
+                zero("LM head logits, one chunk of at most 16M in f32"),
+            ));
+            components.push(c("workspace", ws, why.into()));
+        }
+    }
+    components.push(c("overhead", parts.overhead.0, parts.overhead.1.clone()));
+    let b = cfg.train.micro_batch_size;
+    let t = cfg.data.max_seq_len;
+    Estimate {
+        total_bytes,
+        peak_phase,
+        components,
+        phases,
+        trainable_params: tp,
+        tokens_per_micro_batch: b * t,
+        activation_bytes_per_layer: layer_activation_bytes(model, cfg, b, t),
+        device,
+        outside_pool_bytes: if device == "cuda" {
+            CUDA_CONTEXT_BYTES
+        } else {
+            0
+        },
+    }
+}
+
+fn grad_detail(cfg: &TrainConfig, phase: &str) -> String {
+    let acc = if cfg.train.grad_accum > 1 {
+        format!("f32 sums over {} micro-batches", cfg.train.grad_accum)
+    } else {
+        "f32 sums".into()
+    };
+    match phase {
+        "forward" if cfg.train.grad_accum > 1 => acc,
+        "forward" => "none yet".into(),
+        "backward" => format!("this backward's gradients + {acc}"),
+        _ => acc,
+    }
+}
+
+/// Trainable parameters: LoRA factors, or every weight.
+pub fn trainable_params(m: &DecoderConfig, cfg: &TrainConfig) -> u64 {
+    match cfg.train.method {
+        Method::Full => m.num_params() as u64,
+        Method::Lora => {
+            let targets = cfg.lora.targets();
+            let per_layer: usize = layer_linears(m)
+                .iter()
+                .filter(|l| targets.contains(&l.name))
+                .map(|l| cfg.lora.rank * (l.inp + l.out))
+                .sum();
+            (per_layer * m.num_hidden_layers) as u64
+        }
+    }
+}
+
+/// Every parameter tensor's element count, for the optimizer state and update temporaries.
+fn param_tensors(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize> {
+    let mut v = Vec::new();
+    let targets = cfg.lora.targets();
+    for _ in 0..m.num_hidden_layers {
+        for l in layer_linears(m) {
+            match cfg.train.method {
+                Method::Full => {
+                    v.push(l.inp * l.out);
+                    if l.bias {
+                        v.push(l.out);
+                    }
+                }
+                Method::Lora if targets.contains(&l.name) => {
+                    v.push(cfg.lora.rank * l.inp);
+                    v.push(cfg.lora.rank * l.out);
+                }
+                Method::Lora => {}
+            }
+        }
+        if cfg.train.method == Method::Full {
+            v.extend([m.hidden_size, m.hidden_size]);
+            if m.qk_norm {
+                v.extend([m.head_dim, m.head_dim]);
+            }
+        }
+    }
+    if cfg.train.method == Method::Full {
+        v.push(m.vocab_size * m.hidden_size);
+        if !m.tie_word_embeddings {
+            v.push(m.vocab_size * m.hidden_size);
+        }
+        v.push(m.hidden_size);
+    }
+    v
+}
+
+fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
+    let s = dtype_bytes(cfg.model.dtype) as u64;
+    let full = cfg.train.method == Method::Full;
+    let (b, t) = (cfg.train.micro_batch_size, cfg.data.max_seq_len);
+    let (c, v, layers) = (m.hidden_size, m.vocab_size, m.num_hidden_layers);
+    let nf4 = cfg.model.quantize == Quantize::Nf4;
+
+    // Weights. Decoder linears (dense or NF4), embeddings, lm_head when untied, norms, biases.
+    let mut linear_elems = 0usize;
+    let mut linear_nf4 = 0u64;
+    let mut biases = 0usize;
+    let mut largest_linear = 0usize;
+    for l in layer_linears(m) {
+        linear_elems += l.inp * l.out;
+        linear_nf4 += nf4_bytes(l.inp * l.out, cfg.model.double_quant);
+        largest_linear = largest_linear.max(l.inp * l.out);
+        if l.bias {
+            biases += l.out;
+        }
+    }
+    let linear_elems = linear_elems * layers;
+    let linear_nf4 = linear_nf4 * layers as u64;
+    let other = (v * c * if m.tie_word_embeddings { 1 } else { 2 })
+        + layers * (2 * c + biases + if m.qk_norm { 2 * m.head_dim } else { 0 })
+        + c;
+    let dt = cfg.model.dtype.name();
+    let base_bytes = if nf4 {
+        linear_nf4 + s * other as u64
+    } else {
+        s * (linear_elems + other) as u64
+    };
+    let tp = trainable_params(m, cfg);
+    let (frozen, trainable) = if full {
+        (
+            (0, "none (every weight is trained)".to_string()),
+            (
+                s * tp,
+                format!("{tp} parameters in {dt} (full fine-tuning)"),
+            ),
+        )
+    } else {
+        let what = if nf4 {
+            format!(
+                "decoder linears NF4{} ({}), the rest {dt}",
+                if cfg.model.double_quant {
+                    " + double quant"
+                } else {
+                    ""
+                },
+                mib(linear_nf4)
+            )
+        } else {
+            format!("{} parameters in {dt}", linear_elems + other)
+        };
+        (
+            (base_bytes, what),
+            (
+                4 * tp,
+                format!(
+                    "LoRA r{} on {}, {tp} parameters in f32",
+                    cfg.lora.rank,
+                    cfg.lora.targets().join(",")
+                ),
+            ),
+        )
+    };
+    // Trainable parameters' dtype: LoRA f32, full FT the model dtype.
+    let var_bytes = if full { s } else { 4 };
+
+    let tensors = param_tensors(m, cfg);
+    let largest = tensors.iter().copied().max().unwrap_or(0) as u64;
+    let state_total: u64 = tensors
+        .iter()
+        .map(|&n| state_bytes(cfg.train.optimizer, n))
+        .sum();
+    let state = (
+        state_total,
+        match cfg.train.optimizer {
+            OptimizerKind::AdamW => "adamw: two f32 moments per trainable parameter".into(),
+            OptimizerKind::AdamW8bit => {
+                "adamw8bit: two 8-bit moments + f32 scale per 256 (f32 under 4096 elements)".into()
+            }
+            OptimizerKind::Sgd => "sgd: no state".into(),
+        },
+    );
+    let acc = 4 * tp;
+    let acc_before = if cfg.train.grad_accum > 1 { acc } else { 0 };
+
+    // Activations for the backward.
+    let per_layer = layer_activation_bytes(m, cfg, b, t);
+    let tokens = (b * t) as u64;
+    let every = cfg.train.checkpoint_every.max(1);
+    let checkpointed = if cfg.train.checkpointing {
+        layers.div_ceil(every)
+    } else {
+        0
+    };
+    let kept_layers = (layers - checkpointed) as u64;
+    // Outside the layers: embedding output, final norm, the target rows for the LM head.
+    let outside = 3 * s * tokens * c as u64;
+    let activations = (
+        kept_layers * per_layer + checkpointed as u64 * s * tokens * c as u64 + outside,
+        if checkpointed > 0 {
+            format!(
+                "{checkpointed} checkpointed layers keep their input ({} each), {kept_layers} \
+                 keep {} each; {b} x {t} tokens",
+                mib(s * tokens * c as u64),
+                mib(per_layer)
+            )
+        } else {
+            format!("{layers} layers x {} ({b} x {t} tokens)", mib(per_layer))
+        },
+    );
+
+    // The LM head: logits of a chunk of rows, in the model dtype then f32, log-softmax.
+    let rows = b * t.saturating_sub(1);
+    let chunk = rows.min((LOSS_CHUNK_ELEMS / v.max(1)).max(1)) as u64;
+    let loss_forward = chunk * v as u64 * (s + 12);
+    // Backward high point: the LM head's backward (logits, probabilities, their gradient for a
+    // chunk, and dh for every row in f32), or one layer's attention backward (score-sized
+    // gradients in f32) plus a few token-sized gradients.
+    let h = m.num_attention_heads as u64;
+    let attn_bwd = (b as u64) * h * (t * t) as u64 * 12 + tokens * 4 * 4 * c as u64;
+    let lm_bwd = chunk * v as u64 * (s + 16) + 8 * tokens * c as u64;
+    let rebuilt = if checkpointed > 0 { per_layer } else { 0 };
+    // Two high points: the end of the backward (every gradient in Candle's store, or in the
+    // checkpointed layers' side stores, plus what is in flight), and adding them to the f32
+    // accumulator (without checkpointing the whole store is alive next to the sums; with it,
+    // each layer's store is freed once added).
+    let end_of_backward = var_bytes * tp + acc_before;
+    let in_flight = rebuilt + attn_bwd.max(lm_bwd);
+    let layer_grads = if checkpointed > 0 {
+        var_bytes * tp / layers.max(1) as u64
+    } else {
+        var_bytes * tp
+    };
+    let at_add = acc + layer_grads;
+    let (grads_backward, workspace_backward) = if at_add >= end_of_backward + in_flight {
+        (at_add, 0)
+    } else {
+        (end_of_backward, in_flight)
+    };
+    let workspace_forward = rebuilt.max(loss_forward);
+    // Optimizer: f32 copies of the largest parameter, its gradient and moments while updating.
+    let workspace_optimizer = 6 * 4 * largest;
+    // Load: bf16/f32 tensors are converted one at a time; NF4 quantizes from an f32 copy.
+    let load_transient = if nf4 {
+        2 * 4 * largest_linear as u64
+    } else {
+        s * largest_linear as u64
+    };
+    let mut overhead = 2 << 20;
+    overhead += 200 * v as u64; // tokenizer
+    overhead += s * tokens * (2 * m.head_dim as u64) + s * (b * t * t) as u64; // rope + mask
+    let mut what = "tokenizer, data, rotary tables, attention mask".to_string();
+    if device == "cuda" {
+        overhead += CUDA_CONTEXT_BYTES;
+        what += "; CUDA context + cuBLAS workspace (outside the memory pool)";
+    }
+    Parts {
+        frozen,
+        trainable,
+        state,
+        grads_backward,
+        grads_optimizer: acc,
+        accumulator_live: if cfg.train.grad_accum > 1 { acc } else { 0 },
+        activations,
+        loss_forward,
+        workspace_forward,
+        workspace_backward,
+        workspace_optimizer,
+        load_transient,
+        overhead: (overhead, what),
+    }
+}
+
+/// One change of a plan, with the predicted peak once it (and the ones before it) are applied.
+#[derive(Debug, Clone, Serialize)]
+pub struct PlanStep {
+    /// The `--set` overrides of this change (`train.checkpointing=true`).
+    pub sets: Vec<String>,
+    pub what: String,
+    pub peak_bytes: u64,
+}
+
+/// What to change to fit a budget.
+#[derive(Debug, Clone, Serialize)]
+pub struct Plan {
+    pub budget_bytes: u64,
+    /// The config's own predicted peak.
+    pub peak_bytes: u64,
+    /// True when the config already fits (then `steps` is empty).
+    pub fits: bool,
+    /// The smallest set of changes that fits, in the usual order; empty when none does.
+    pub steps: Vec<PlanStep>,
+    /// False when no combination of the levers fits the budget.
+    pub possible: bool,
+    /// When it fits: the largest micro-batch that still fits, with the grad_accum that keeps the
+    /// rows per optimizer step (when it divides).
+    pub largest_micro_batch: Option<usize>,
+    pub grad_accum_for_largest: Option<usize>,
+    /// Every override of the plan, for `--set` (`tallow train --config F --set ...`).
+    pub sets: Vec<String>,
+}
+
+/// The levers, in the order users reach for them.
+const LEVERS: [&str; 6] = [
+    "micro-batch 1 + more accumulation",
+    "bf16 weights and activations",
+    "activation checkpointing",
+    "8-bit optimizer state (adamw8bit)",
+    "NF4 base weights (QLoRA)",
+    "shorter sequences",
+];
+
+/// Applies lever `i` to `cfg` when it changes something; the seq lever is applied by the caller.
+fn apply_lever(i: usize, cfg: &TrainConfig) -> Option<(TrainConfig, Vec<String>)> {
+    let mut c = cfg.clone();
+    let t = &mut c.train;
+    let sets = match i {
+        0 if t.micro_batch_size > 1 => {
+            t.grad_accum *= t.micro_batch_size;
+            t.micro_batch_size = 1;
+            vec![
+                "train.micro_batch_size=1".to_string(),
+                format!("train.grad_accum={}", t.grad_accum),
+            ]
+        }
+        1 if c.model.dtype == ModelDtype::F32 => {
+            c.model.dtype = ModelDtype::Bf16;
+            vec!["model.dtype=bf16".into()]
+        }
+        2 if !t.checkpointing || t.checkpoint_every > 1 => {
+            t.checkpointing = true;
+            t.checkpoint_every = 1;
+            vec![
+                "train.checkpointing=true".into(),
+                "train.checkpoint_every=1".into(),
+            ]
+        }
+        3 if t.optimizer == OptimizerKind::AdamW => {
+            t.optimizer = OptimizerKind::AdamW8bit;
+            vec!["train.optimizer=adamw8bit".into()]
+        }
+        4 if t.method == Method::Lora && c.model.quantize == Quantize::None => {
+            c.model.quantize = Quantize::Nf4;
+            vec!["model.quantize=nf4".into()]
+        }
+        _ => return None,
+    };
+    Some((c, sets))
+}
+
+/// The smallest set of changes (fewest levers, earlier levers first) after which the predicted
+/// peak of `cfg` fits `budget`; when it already fits, the largest micro-batch that does.
+pub fn plan(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str, budget: u64) -> Plan {
+    let peak = |c: &TrainConfig| estimate(model, c, device).total_bytes;
+    let own = peak(cfg);
+    let mut out = Plan {
+        budget_bytes: budget,
+        peak_bytes: own,
+        fits: own <= budget,
+        steps: vec![],
+        possible: true,
+        largest_micro_batch: None,
+        grad_accum_for_largest: None,
+        sets: vec![],
+    };
+    if out.fits {
+        let fits_mb = |mb: usize| {
+            let mut c = cfg.clone();
+            c.train.micro_batch_size = mb;
+            peak(&c) <= budget
+        };
+        let mut lo = cfg.train.micro_batch_size; // fits
+        let mut hi = lo * 2;
+        while hi <= 4096 && fits_mb(hi) {
+            lo = hi;
+            hi *= 2;
+        }
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            if fits_mb(mid) {
+                lo = mid
+            } else {
+                hi = mid
+            }
+        }
+        let rows = cfg.train.micro_batch_size * cfg.train.grad_accum;
+        out.largest_micro_batch = Some(lo);
+        out.grad_accum_for_largest = (rows % lo == 0).then(|| rows / lo);
+        return out;
+    }
+    let n = LEVERS.len();
+    let mut subsets: Vec<u32> = (1..(1u32 << n)).collect();
+    // Fewest levers first; among equals, the one whose levers come earliest in the order.
+    subsets.sort_by_key(|m| {
+        let idx: Vec<u32> = (0..n as u32).filter(|i| m & (1 << i) != 0).collect();
+        (m.count_ones(), idx)
+    });
+    for m in subsets {
+        let mut c = cfg.clone();
+        let mut steps = vec![];
+        let mut ok = true;
+        for i in 0..n {
+            if m & (1 << i) == 0 {
+                continue;
+            }
+            if i == 5 {
+                // Halve max_seq_len until it fits (not below 64).
+                let mut len = c.data.max_seq_len / 2;
+                let mut found = None;
+                while len >= 64 {
+                    let mut s = c.clone();
+                    s.data.max_seq_len = len;
+                    if peak(&s) <= budget {
+                        found = Some(s);
+                        break;
+                    }
+                    len /= 2;
+                }
+                match found {
+                    Some(s) => {
+                        steps.push(PlanStep {
+                            sets: vec![format!("data.max_seq_len={}", s.data.max_seq_len)],
+                            what: format!("{} ({} tokens)", LEVERS[i], s.data.max_seq_len),
+                            peak_bytes: peak(&s),
+                        });
+                        c = s;
+                    }
+                    None => ok = false,
+                }
+                continue;
+            }
+            match apply_lever(i, &c) {
+                Some((next, sets)) => {
+                    steps.push(PlanStep {
+                        sets,
+                        what: LEVERS[i].into(),
+                        peak_bytes: peak(&next),
+                    });
+                    c = next;
+                }
+                None => ok = false, // not applicable: another subset covers it
+            }
+            if !ok {
+                break;
+            }
+        }
+        if ok && peak(&c) <= budget {
+            out.sets = steps.iter().flat_map(|s| s.sets.clone()).collect();
+            out.steps = steps;
+            return out;
+        }
+    }
+    out.possible = false;
+    out
+}
