@@ -90,17 +90,28 @@ pub fn run(a: BenchArgs) -> Result<()> {
         Some(l) => Some(parse_bytes(l).map_err(|e| anyhow::anyhow!("--memory-limit {e}"))?),
         None => None,
     };
-    // Every cell's config is checked before any runs.
+    // Every cell's config is checked before any runs: an unknown key or a value that does not
+    // parse stops the bench; a combination that is not valid (nf4 with full fine-tuning) is
+    // reported as a failed cell and the grid goes on.
     let grid = cells(&axes);
     let mut configs = vec![];
     for cell in &grid {
         let mut sets = a.sets.clone();
         sets.extend(cell.iter().map(|(k, v)| format!("{k}={v}")));
-        let cfg = TrainConfig::load(&a.config, &sets)
-            .with_context(|| format!("grid cell {}", describe_cell(cell)))?;
-        configs.push(cfg);
+        match TrainConfig::load(&a.config, &sets) {
+            Ok(cfg) => configs.push(Ok(cfg)),
+            Err(e @ tallow_trainer::config::ConfigError::Invalid { .. }) => {
+                configs.push(Err(e.to_string()))
+            }
+            Err(e) => {
+                return Err(e).with_context(|| format!("grid cell {}", describe_cell(cell)))
+            }
+        }
     }
-    let model = crate::estimate::model_config(&configs[0])?;
+    let Some(first) = configs.iter().find_map(|c| c.as_ref().ok()) else {
+        bail!("no cell of the grid is a valid config (see the messages above)");
+    };
+    let model = crate::estimate::model_config(first)?;
     let tmp;
     let work = match &a.work_dir {
         Some(w) => w.clone(),
@@ -122,7 +133,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 describe_cell(cell)
             }
         );
-        let row = run_cell(&exe, &work.join(format!("cell-{i}")), cell, cfg, &model, a.steps, limit)?;
+        let row = match cfg {
+            Ok(cfg) => run_cell(
+                &exe,
+                &work.join(format!("cell-{i}")),
+                cell,
+                cfg,
+                &model,
+                a.steps,
+                limit,
+            )?,
+            Err(e) => invalid_row(cell, e),
+        };
         eprintln!("    {}", row_summary(&row));
         rows.push(row);
     }
@@ -276,6 +298,23 @@ fn run_cell(
         steps: done,
         error,
     })
+}
+
+/// A cell whose config is not valid: not run.
+fn invalid_row(cell: &[(String, String)], error: &str) -> Row {
+    Row {
+        config: cell.iter().cloned().collect(),
+        measured_peak_bytes: None,
+        estimated_peak_bytes: 0,
+        estimate_error: None,
+        tokens_per_s: None,
+        oom: false,
+        oom_phase: None,
+        phases: Phases::default(),
+        estimated_phases: Default::default(),
+        steps: 0,
+        error: Some(error.lines().next().unwrap_or(error).to_string()),
+    }
 }
 
 fn cell_name(r: &Row) -> String {

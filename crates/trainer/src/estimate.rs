@@ -521,7 +521,12 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     };
     let workspace_forward = rebuilt.max(loss_forward);
     // Optimizer: f32 copies of the largest parameter, its gradient and moments while updating.
-    let workspace_optimizer = 6 * 4 * largest;
+    // (adamw8bit also dequantizes both moments to f32 and requantizes them.)
+    let temporaries = match cfg.train.optimizer {
+        OptimizerKind::AdamW8bit => 8,
+        _ => 6,
+    };
+    let workspace_optimizer = temporaries * 4 * largest;
     // Load: bf16/f32 tensors are converted one at a time; NF4 quantizes from an f32 copy.
     let load_transient = if nf4 {
         2 * 4 * largest_linear as u64
@@ -630,8 +635,9 @@ fn apply_lever(i: usize, cfg: &TrainConfig) -> Option<(TrainConfig, Vec<String>)
     Some((c, sets))
 }
 
-/// The smallest set of changes (fewest levers, earlier levers first) after which the predicted
-/// peak of `cfg` fits `budget`; when it already fits, the largest micro-batch that does.
+/// The smallest set of changes (fewest levers, earlier levers first; shorter sequences only when
+/// nothing else fits) after which the predicted peak of `cfg` fits `budget`; when it already
+/// fits, the largest micro-batch that does.
 pub fn plan(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str, budget: u64) -> Plan {
     let peak = |c: &TrainConfig| estimate(model, c, device).total_bytes;
     let own = peak(cfg);
@@ -672,10 +678,11 @@ pub fn plan(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str, budg
     }
     let n = LEVERS.len();
     let mut subsets: Vec<u32> = (1..(1u32 << n)).collect();
-    // Fewest levers first; among equals, the one whose levers come earliest in the order.
+    // Shorter sequences change what is trained: only when no mix of the others fits. Then the
+    // fewest levers; among equals, the ones that come earliest in the usual order.
     subsets.sort_by_key(|m| {
         let idx: Vec<u32> = (0..n as u32).filter(|i| m & (1 << i) != 0).collect();
-        (m.count_ones(), idx)
+        (m & (1 << 5) != 0, m.count_ones(), idx)
     });
     for m in subsets {
         let mut c = cfg.clone();
@@ -734,4 +741,91 @@ pub fn plan(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str, budg
     }
     out.possible = false;
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn model() -> DecoderConfig {
+        let text = include_str!("../../../benchmarks/models/llama-105m.json");
+        DecoderConfig::from_json_str(text, Path::new("llama-105m.json")).unwrap()
+    }
+
+    fn cfg(sets: &[&str]) -> TrainConfig {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        TrainConfig::from_toml_str(
+            "[model]\npath = \"m\"\n[data]\ntrain = \"d.jsonl\"\nmax_seq_len = 512\n",
+            "test",
+            &sets,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn components_sum_to_the_peak_phase() {
+        for sets in [
+            vec![],
+            vec!["train.method=full"],
+            vec!["train.checkpointing=true"],
+            vec!["model.quantize=nf4", "train.micro_batch_size=4"],
+            vec!["train.grad_accum=4", "train.optimizer=adamw8bit"],
+        ] {
+            let e = estimate(&model(), &cfg(&sets), "cpu");
+            let sum: u64 = e.components.iter().map(|c| c.bytes).sum();
+            assert_eq!(sum, e.total_bytes, "{sets:?}");
+            let p = e.phases;
+            assert_eq!(
+                e.total_bytes,
+                p.load.max(p.forward).max(p.backward).max(p.optimizer)
+            );
+        }
+        let cuda = estimate(&model(), &cfg(&[]), "cuda");
+        let cpu = estimate(&model(), &cfg(&[]), "cpu");
+        assert_eq!(cuda.total_bytes - cpu.total_bytes, CUDA_CONTEXT_BYTES);
+        assert_eq!(cuda.outside_pool_bytes, CUDA_CONTEXT_BYTES);
+    }
+
+    #[test]
+    fn nf4_storage_is_codes_plus_scales() {
+        // 4096 x 4096: 8 MiB of codes, 262144 blocks -> 256 KiB of 8-bit scales + 1024 f32.
+        assert_eq!(nf4_bytes(4096 * 4096, true), 8 * 1048576 + 262144 + 4096 + 4);
+        assert_eq!(nf4_bytes(4096 * 4096, false), 8 * 1048576 + 4 * 262144);
+    }
+
+    #[test]
+    fn plan_takes_the_fewest_levers_in_the_usual_order() {
+        let m = model();
+        let base = cfg(&["train.micro_batch_size=4"]);
+        let own = estimate(&m, &base, "cpu").total_bytes;
+        // Just above micro-batch 1: the first lever alone.
+        let mb1 = estimate(&m, &cfg(&["train.grad_accum=32"]), "cpu").total_bytes;
+        let p = plan(&m, &base, "cpu", mb1 + 1);
+        assert!(!p.fits && p.possible);
+        assert_eq!(
+            p.sets,
+            ["train.micro_batch_size=1", "train.grad_accum=32"],
+            "{p:?}"
+        );
+        assert!(p.steps[0].peak_bytes <= mb1 + 1 && mb1 < own);
+        // Under what micro-batch 1 alone reaches: more levers, each step's peak lower.
+        let p = plan(&m, &base, "cpu", mb1 / 2);
+        assert!(p.possible && p.steps.len() >= 2, "{p:?}");
+        assert_eq!(p.steps[0].what, LEVERS[0]);
+        assert!(p.steps.last().unwrap().peak_bytes <= mb1 / 2);
+        assert!(p.steps.windows(2).all(|w| w[1].peak_bytes < w[0].peak_bytes));
+        // Nothing fits 1 MiB.
+        let p = plan(&m, &base, "cpu", 1 << 20);
+        assert!(!p.possible && p.steps.is_empty());
+        // Already fits: no steps, the largest micro-batch.
+        let p = plan(&m, &base, "cpu", own * 2);
+        assert!(p.fits && p.steps.is_empty());
+        let largest = p.largest_micro_batch.unwrap();
+        assert!(largest > 4);
+        let at = |mb: usize| {
+            estimate(&m, &cfg(&[&format!("train.micro_batch_size={mb}")]), "cpu").total_bytes
+        };
+        assert!(at(largest) <= own * 2 && at(largest + 1) > own * 2);
+    }
 }

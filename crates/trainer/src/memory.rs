@@ -316,6 +316,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn byte_sizes_parse_as_users_write_them() {
+        assert_eq!(parse_bytes("24GiB"), Ok(24 << 30));
+        assert_eq!(parse_bytes("800 MiB"), Ok(800 << 20));
+        assert_eq!(parse_bytes("1.5GB"), Ok(1_500_000_000));
+        assert_eq!(parse_bytes("512M"), Ok(512 << 20));
+        assert_eq!(parse_bytes("1048576"), Ok(1 << 20));
+        assert!(parse_bytes("12XB").unwrap_err().contains("XB"));
+        assert!(parse_bytes("GiB").is_err());
+    }
+
+    #[test]
     fn phase_peaks_merge_and_max() {
         let a = PhasePeaks {
             forward: Some(10),

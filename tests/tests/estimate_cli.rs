@@ -1,0 +1,388 @@
+//! `tallow estimate` (breakdown, JSON, `--budget` plans), out of memory during `tallow train`
+//! (with `--memory-limit`, the CPU stand-in for a smaller GPU: name the phase, print the
+//! breakdown and a plan, keep the last checkpoint), and `tallow bench`'s output formats and
+//! plot. The 10% accuracy grid is in `bench_cli.rs`.
+
+use std::path::{Path, PathBuf};
+
+use tallow_tests::*;
+
+/// A random 4-layer Llama (hidden 512, ~14M parameters) with long text rows.
+fn small_model(dir: &Path) -> PathBuf {
+    let cfg = dir.join("config-small.json");
+    std::fs::write(
+        &cfg,
+        r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 2048,
+            "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
+            "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+            "tie_word_embeddings": true, "bos_token_id": 320, "eos_token_id": 321,
+            "torch_dtype": "bfloat16"}"#,
+    )
+    .unwrap();
+    let model = dir.join("small");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_make-random-model"))
+        .arg(&cfg)
+        .arg(&model)
+        .args(["--rows", "8"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "make-random-model: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    model
+}
+
+fn write_config(dir: &Path, model: &Path, extra: &str) -> PathBuf {
+    let path = dir.join("train.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[model]\npath = {:?}\ndtype = \"bf16\"\n[data]\ntrain = {:?}\nmax_seq_len = 128\n\
+             shuffle = false\n[train]\nmicro_batch_size = 1\ngrad_accum = 1\nlr = 1e-4\n\
+             schedule = \"constant\"\ndevice = \"cpu\"\noutput_dir = {:?}\n{extra}",
+            model.display().to_string(),
+            model.join("bench.jsonl").display().to_string(),
+            dir.join("run").display().to_string()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn rewrite(path: &Path, from: &str, to: &str) -> PathBuf {
+    let text = std::fs::read_to_string(path).unwrap();
+    assert!(text.contains(from));
+    std::fs::write(path, text.replace(from, to)).unwrap();
+    path.to_path_buf()
+}
+
+fn estimate_json(config: &Path, extra: &[&str]) -> serde_json::Value {
+    let mut a = vec![
+        "estimate".to_string(),
+        "--config".into(),
+        config.display().to_string(),
+        "--json".into(),
+    ];
+    a.extend(extra.iter().map(|s| s.to_string()));
+    let r = tallow(&a);
+    assert_eq!(r.code, 0, "tallow {a:?}: {}", r.stderr);
+    serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", r.stdout))
+}
+
+fn total(v: &serde_json::Value) -> u64 {
+    v["total_bytes"].as_u64().expect("total_bytes")
+}
+
+#[test]
+fn estimate_reads_only_config_json_and_its_components_sum_to_the_total() {
+    let dir = scratch("estimate-json");
+    // A model dir with nothing but config.json: no weights, no tokenizer.
+    let model = dir.join("only-config");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../benchmarks/models/llama-105m.json"),
+        model.join("config.json"),
+    )
+    .unwrap();
+    let config = write_config(&dir, &model, "");
+    let v = estimate_json(&config, &[]);
+    let comps = v["components"].as_object().expect("components object");
+    for name in [
+        "frozen_weights",
+        "trainable_params",
+        "gradients",
+        "optimizer_state",
+        "activations",
+        "logits_loss",
+        "workspace",
+        "overhead",
+    ] {
+        assert!(comps.contains_key(name), "no component {name}: {v}");
+    }
+    let sum: u64 = comps.values().map(|b| b.as_u64().unwrap()).sum();
+    assert_eq!(sum, total(&v), "components must add up to the total");
+    // 105M parameters in bf16 (the 8 layers' linears + tied embedding + norms).
+    let frozen = comps["frozen_weights"].as_u64().unwrap();
+    assert_eq!(frozen, 2 * (8 * (4 * 1024 * 1024 + 3 * 1024 * 2816 + 2 * 1024) + 2048 * 1024 + 1024));
+
+    // Each lever moves its own component the way it claims.
+    let nf4 = estimate_json(&config, &["--set", "model.quantize=nf4"]);
+    let nf4_frozen = nf4["components"]["frozen_weights"].as_u64().unwrap();
+    assert!(
+        (nf4_frozen as f64) < 0.30 * frozen as f64,
+        "NF4 base {nf4_frozen} vs bf16 {frozen}"
+    );
+    let ckpt = estimate_json(&config, &["--set", "train.checkpointing=true"]);
+    assert!(
+        ckpt["components"]["activations"].as_u64().unwrap()
+            < v["components"]["activations"].as_u64().unwrap() / 4
+    );
+    let full = estimate_json(&config, &["--set", "train.method=full"]);
+    let full8 = estimate_json(
+        &config,
+        &["--set", "train.method=full", "--set", "train.optimizer=adamw8bit"],
+    );
+    let state = |v: &serde_json::Value| v["components"]["optimizer_state"].as_u64().unwrap();
+    assert!(state(&full8) * 10 < state(&full) * 3, "adamw8bit < 30% of adamw");
+    // Activations grow with micro-batch x sequence (and the scores with T^2).
+    let long = estimate_json(&config, &["--set", "data.max_seq_len=256"]);
+    let a = |v: &serde_json::Value| v["activation_bytes_per_layer"].as_u64().unwrap();
+    assert!(a(&long) > 2 * a(&v));
+    let mb2 = estimate_json(&config, &["--set", "train.micro_batch_size=2"]);
+    assert_eq!(a(&mb2), 2 * a(&v));
+
+    // The table: every component with bytes and a share.
+    let r = tallow([
+        "estimate",
+        "--config",
+        config.to_str().unwrap(),
+        "--budget",
+        "24GiB",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    for want in ["frozen_weights", "activations", "optimizer_state", "%", "total", "fits"] {
+        assert!(r.stdout.contains(want), "no `{want}` in:\n{}", r.stdout);
+    }
+}
+
+#[test]
+fn estimate_refuses_bad_budgets_and_missing_configs() {
+    let dir = scratch("estimate-bad");
+    let model = dir.join("only-config");
+    std::fs::create_dir_all(&model).unwrap();
+    let config = write_config(&dir, &model, "");
+    let r = tallow(["estimate", "--config", config.to_str().unwrap()]);
+    assert_eq!(r.code, 1);
+    assert!(r.stderr.contains("config.json"), "{}", r.stderr);
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../benchmarks/models/llama-105m.json"),
+        model.join("config.json"),
+    )
+    .unwrap();
+    let r = tallow([
+        "estimate",
+        "--config",
+        config.to_str().unwrap(),
+        "--budget",
+        "12XB",
+    ]);
+    assert_eq!(r.code, 1);
+    assert!(r.stderr.contains("--budget") && r.stderr.contains("XB"), "{}", r.stderr);
+    let r = tallow([
+        "estimate",
+        "--config",
+        config.to_str().unwrap(),
+        "--set",
+        "train.micro_batch=2",
+    ]);
+    assert_eq!(r.code, 1);
+    assert!(r.stderr.contains("micro_batch"), "{}", r.stderr);
+}
+
+#[test]
+fn a_budget_that_fits_gives_the_largest_micro_batch_that_fits() {
+    let dir = scratch("estimate-largest");
+    let model = dir.join("only-config");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../benchmarks/models/llama-105m.json"),
+        model.join("config.json"),
+    )
+    .unwrap();
+    let config = write_config(&dir, &model, "");
+    let v = estimate_json(&config, &["--budget", "2GiB"]);
+    let plan = &v["plan"];
+    assert_eq!(plan["fits"], true, "{plan}");
+    let mb = plan["largest_micro_batch"].as_u64().unwrap();
+    assert!(mb >= 1);
+    let at = |mb: u64| {
+        total(&estimate_json(
+            &config,
+            &["--set", &format!("train.micro_batch_size={mb}")],
+        ))
+    };
+    assert!(at(mb) <= 2 << 30, "micro-batch {mb} does not fit");
+    assert!(at(mb + 1) > 2 << 30, "micro-batch {} fits too", mb + 1);
+}
+
+/// A full fine-tune with AdamW on a budget its steady state does not fit: step 1 fits (its
+/// checkpoint is written), step 2 (optimizer state now allocated) runs out. The error names the
+/// phase and prints the breakdown and a plan; the checkpoint is kept; resuming with the plan's
+/// changes under the same limit finishes, with every measured peak under the budget.
+#[test]
+fn out_of_memory_names_the_phase_keeps_the_checkpoint_and_the_plan_fits_when_run() {
+    let dir = scratch("estimate-oom");
+    let model = small_model(&dir);
+    let config = write_config(
+        &dir,
+        &model,
+        "method = \"full\"\noptimizer = \"adamw\"\nmax_steps = 3\nsave_every = 1\n",
+    );
+    // Long rows: activations (what checkpointing saves) well above the estimate's error.
+    let config = rewrite(&config, "max_seq_len = 128", "max_seq_len = 512"
+    );
+    let plain = total(&estimate_json(&config, &[]));
+    let ckpt = total(&estimate_json(
+        &config,
+        &["--set", "train.checkpointing=true"],
+    ));
+    assert!(ckpt < plain, "checkpointing must lower the estimate");
+    let budget = ckpt + (plain - ckpt) / 2;
+
+    // The plan for that budget.
+    let v = estimate_json(&config, &["--budget", &budget.to_string()]);
+    let plan = &v["plan"];
+    assert_eq!(plan["fits"], false, "{plan}");
+    assert_eq!(plan["possible"], true, "{plan}");
+    let sets: Vec<String> = plan["sets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap().to_string())
+        .collect();
+    assert!(sets.contains(&"train.checkpointing=true".to_string()), "{plan}");
+    let steps = plan["steps"].as_array().unwrap();
+    assert!(steps.last().unwrap()["peak_bytes"].as_u64().unwrap() <= budget);
+
+    // Without the plan: out of memory in step 2, the step-1 checkpoint kept.
+    let limit = budget.to_string();
+    let r = tallow([
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--quiet",
+        "--memory-limit",
+        &limit,
+    ]);
+    assert_eq!(r.code, 1, "must fail: {}", r.stderr);
+    assert!(r.stderr.contains("out of memory in the"), "{}", r.stderr);
+    assert!(r.stderr.contains("phase of step 2"), "{}", r.stderr);
+    assert!(r.stderr.contains("step-1"), "names the kept checkpoint: {}", r.stderr);
+    assert!(r.stderr.contains("activations") && r.stderr.contains("Smallest set of changes"));
+    assert!(r.stderr.contains("--set train.checkpointing=true"), "{}", r.stderr);
+    let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
+    assert!(metrics.contains("\"oom\""), "{metrics}");
+    assert!(dir.join("run/checkpoints/step-1").is_dir());
+
+    // With the plan: resumes from the kept checkpoint and finishes under the limit.
+    let mut a = vec![
+        "train".to_string(),
+        "--config".into(),
+        config.display().to_string(),
+        "--quiet".into(),
+        "--resume".into(),
+        "--memory-limit".into(),
+        limit.clone(),
+    ];
+    for s in &sets {
+        a.push("--set".into());
+        a.push(s.clone());
+    }
+    let r = tallow(&a);
+    assert_eq!(r.code, 0, "the plan must fit: {}", r.stderr);
+    assert!(r.stderr.contains("resumed from"), "{}", r.stderr);
+    let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
+    let mut checked = 0;
+    for line in metrics.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        if let Some(p) = v.get("peak_bytes") {
+            if v["step"].as_u64().unwrap() >= 2 {
+                for phase in ["forward", "backward", "optimizer"] {
+                    assert!(p[phase].as_u64().unwrap() <= budget, "{phase} over: {line}");
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 2, "steps 2 and 3 measured: {metrics}");
+}
+
+#[test]
+fn bench_formats_plot_and_an_out_of_memory_cell() {
+    let dir = scratch("bench-formats");
+    let model = small_model(&dir);
+    let config = write_config(&dir, &model, "");
+    let config = rewrite(&config, "max_seq_len = 128", "max_seq_len = 256");
+    let base = [
+        "bench",
+        "--config",
+        config.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--grid",
+        "train.checkpointing=false,true",
+    ];
+    // JSON, with a memory limit between the two cells' estimates: the plain cell runs out and
+    // is reported, the checkpointed one runs.
+    let plain = total(&estimate_json(&config, &[]));
+    let ckpt = total(&estimate_json(
+        &config,
+        &["--set", "train.checkpointing=true"],
+    ));
+    let limit = (ckpt + (plain - ckpt) / 2).to_string();
+    let plot = dir.join("bench.svg");
+    let mut a: Vec<&str> = base.to_vec();
+    a.extend(["--json", "--memory-limit", &limit, "--plot", plot.to_str().unwrap()]);
+    let r = tallow(&a);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&r.stdout).unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0]["config"]["train.checkpointing"], "false");
+    assert_eq!(rows[0]["oom"], true, "{}", rows[0]);
+    assert!(rows[0]["phases"][rows[0]["oom_phase"].as_str().unwrap()].as_u64().unwrap()
+        > limit.parse::<u64>().unwrap());
+    assert_eq!(rows[1]["oom"], false, "{}", rows[1]);
+    assert!(rows[1]["measured_peak_bytes"].as_u64().unwrap() <= limit.parse::<u64>().unwrap());
+
+    // The plot: well-formed SVG with a bar per measured value and a label per cell.
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    let doc = roxmltree::Document::parse(&svg).expect("the plot is well-formed XML");
+    let root = doc.root_element();
+    assert_eq!(root.tag_name().name(), "svg");
+    assert!(root.attribute("width").is_some() && root.attribute("viewBox").is_some());
+    let bars = root
+        .descendants()
+        .filter(|n| n.attribute("class") == Some("bar"))
+        .count();
+    // measured: 2 cells (the OOM cell's peak is its measured overrun), estimated: 2,
+    // tokens/s: 1 (the OOM cell has none).
+    assert_eq!(bars, 5, "{svg}");
+    let labels: Vec<&str> = root
+        .descendants()
+        .filter(|n| n.attribute("class") == Some("label"))
+        .filter_map(|n| n.text())
+        .collect();
+    assert_eq!(labels, ["checkpointing=false", "checkpointing=true"]);
+    assert!(svg.contains(">OOM<"));
+
+    // CSV and Markdown.
+    let mut a = base.to_vec();
+    a.push("--csv");
+    let r = tallow(&a);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert_eq!(lines.len(), 3, "{}", r.stdout);
+    assert!(lines[0].starts_with("train.checkpointing,load_bytes,"), "{}", lines[0]);
+    let header: Vec<&str> = lines[0].split(',').collect();
+    for l in &lines[1..] {
+        assert_eq!(l.split(',').count(), header.len(), "{l}");
+    }
+    let mut a = base.to_vec();
+    a.push("--markdown");
+    let r = tallow(&a);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let table: Vec<&str> = r.stdout.lines().filter(|l| l.starts_with('|')).collect();
+    assert_eq!(table.len(), 4, "{}", r.stdout);
+    assert!(table[2].starts_with("| checkpointing=false |"), "{}", table[2]);
+
+    // Bad grids.
+    let r = tallow(["bench", "--config", config.to_str().unwrap(), "--grid", "lora.rank"]);
+    assert_eq!(r.code, 1);
+    assert!(r.stderr.contains("SECTION.KEY=V1,V2"), "{}", r.stderr);
+    let r = tallow(["bench", "--config", config.to_str().unwrap(), "--grid", "lora.rnk=8,16"]);
+    assert_eq!(r.code, 1);
+    assert!(r.stderr.contains("rnk"), "{}", r.stderr);
+}
