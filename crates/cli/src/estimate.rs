@@ -62,7 +62,12 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     } else {
         print!("{}", describe(&a.config.display().to_string(), &model, &cfg, &est));
         if let Some(p) = &plan {
-            print!("{}", describe_plan(p, &a.config.display().to_string()));
+            // The command to run: the config with the user's --set flags, then the plan's.
+            let mut cmd = a.config.display().to_string();
+            for s in &a.sets {
+                cmd += &format!(" --set {s}");
+            }
+            print!("{}", describe_plan(p, &cmd));
         }
     }
     Ok(())

@@ -483,9 +483,12 @@ pub fn resolve_model(spec: &Path) -> Result<PathBuf, HubError> {
     Hub::from_env().model_snapshot(&id)
 }
 
-/// The `config.json` of a model path or hub id, without the weights: a local dir's file, or the
-/// one file fetched from the hub (cached). For `tallow estimate`, which reads nothing else.
+/// The `config.json` of a model path or hub id, without the weights: a local dir's file (or the
+/// path itself when it is a file), or the one file fetched from the hub (cached). For `tallow estimate`, which reads nothing else.
 pub fn resolve_model_config(spec: &Path) -> Result<PathBuf, HubError> {
+    if spec.is_file() {
+        return Ok(spec.to_path_buf()); // a config.json itself
+    }
     if spec.exists() {
         return Ok(spec.join("config.json"));
     }

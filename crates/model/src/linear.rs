@@ -168,7 +168,14 @@ impl Lora {
         let mut x = x.to_dtype(self.a.dtype())?;
         if let Some(d) = &self.dropout {
             if let Some(seed) = d.seed() {
-                x = x.broadcast_mul(&d.mask(mix_seed(seed, self.id), x.dims(), x.device())?)?;
+                // x * mask, with the backward dx = dy * mask attached: Candle's product backward
+                // would also compute (and keep, until the gradients are dropped) a gradient for
+                // the mask, an (M, in) f32 tensor per adapter.
+                let mask = d.mask(mix_seed(seed, self.id), x.dims(), x.device())?;
+                let value = (x.detach() * &mask)?;
+                x = crate::ops::attach1("lora-dropout", &x, value, move |_x, _y, dy| {
+                    Ok(Some((dy * &mask)?))
+                })?;
             }
         }
         // The scale is applied to the rank-r intermediate rather than to the (M, out) output

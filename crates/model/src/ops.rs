@@ -106,7 +106,7 @@ type Bwd2 = dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> candle_core::Result<(O
     + Sync;
 
 /// `value` as a function of `x`: bwd(x, value, d_value) -> dx.
-fn attach1(
+pub(crate) fn attach1(
     name: &'static str,
     x: &Tensor,
     value: Tensor,

@@ -94,6 +94,8 @@ struct Parts {
     loss_forward: u64,
     workspace_forward: u64,
     workspace_backward: u64,
+    /// The part of `workspace_backward` that is the LM head's logits (when they are the larger).
+    logits_backward: u64,
     workspace_optimizer: u64,
     load_transient: u64,
     overhead: (u64, String),
@@ -267,8 +269,8 @@ pub fn estimate(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str) 
                 "backward" => (
                     parts.grads_backward,
                     parts.activations.0,
-                    0,
-                    parts.workspace_backward,
+                    parts.logits_backward,
+                    parts.workspace_backward - parts.logits_backward,
                     "gradients in flight in one layer's backward",
                 ),
                 _ => (
@@ -285,7 +287,7 @@ pub fn estimate(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str) 
             components.push(c(
                 "logits_loss",
                 logits,
-                zero("LM head logits, one chunk of at most 16M in f32"),
+                zero("LM head logits (and their gradient in the backward), a chunk of at most 16M in f32"),
             ));
             components.push(c("workspace", ws, why.into()));
         }
@@ -502,12 +504,14 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let attn_bwd = (b as u64) * h * (t * t) as u64 * 12 + tokens * 4 * 4 * c as u64;
     let lm_bwd = chunk * v as u64 * (s + 16) + 8 * tokens * c as u64;
     let rebuilt = if checkpointed > 0 { per_layer } else { 0 };
+    // NF4: a weight is dequantized (via f32) for its matmul, forward and backward.
+    let dequantized = if nf4 { (4 + s) * largest_linear as u64 } else { 0 };
     // Two high points: the end of the backward (every gradient in Candle's store, or in the
     // checkpointed layers' side stores, plus what is in flight), and adding them to the f32
     // accumulator (without checkpointing the whole store is alive next to the sums; with it,
     // each layer's store is freed once added).
     let end_of_backward = var_bytes * tp + acc_before;
-    let in_flight = rebuilt + attn_bwd.max(lm_bwd);
+    let in_flight = rebuilt + attn_bwd.max(lm_bwd) + dequantized;
     let layer_grads = if checkpointed > 0 {
         var_bytes * tp / layers.max(1) as u64
     } else {
@@ -519,7 +523,12 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     } else {
         (end_of_backward, in_flight)
     };
-    let workspace_forward = rebuilt.max(loss_forward);
+    let logits_backward = if workspace_backward > 0 && lm_bwd > attn_bwd {
+        lm_bwd
+    } else {
+        0
+    };
+    let workspace_forward = (rebuilt + dequantized).max(loss_forward);
     // Optimizer: f32 copies of the largest parameter, its gradient and moments while updating.
     // (adamw8bit also dequantizes both moments to f32 and requantizes them.)
     let temporaries = match cfg.train.optimizer {
@@ -529,7 +538,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let workspace_optimizer = temporaries * 4 * largest;
     // Load: bf16/f32 tensors are converted one at a time; NF4 quantizes from an f32 copy.
     let load_transient = if nf4 {
-        2 * 4 * largest_linear as u64
+        4 * largest_linear as u64
     } else {
         s * largest_linear as u64
     };
@@ -552,6 +561,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
         loss_forward,
         workspace_forward,
         workspace_backward,
+        logits_backward,
         workspace_optimizer,
         load_transient,
         overhead: (overhead, what),

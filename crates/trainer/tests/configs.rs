@@ -121,3 +121,30 @@ fn a_missing_file_is_an_error_naming_it() {
         .to_string();
     assert!(err.contains("configs/no-such.toml"), "{err}");
 }
+
+/// The memory column of `configs/README.md` is what `tallow estimate` says (on CUDA, from the
+/// real models' config.json kept in `benchmarks/models/`), so the docs cannot drift from it.
+#[test]
+fn readme_memory_column_matches_the_estimate() {
+    let root = repo_root();
+    let readme = std::fs::read_to_string(root.join("configs/README.md")).unwrap();
+    let mut checked = 0;
+    for line in readme.lines() {
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        if cells.len() < 4 || !cells[1].starts_with("`configs/") || !cells[3].ends_with("GiB") {
+            continue;
+        }
+        let file = cells[1].trim_matches('`');
+        let cfg = TrainConfig::load(&root.join(file), &[]).unwrap();
+        let repo = cfg.model.path.to_string_lossy().to_string();
+        let name = repo.rsplit('/').next().unwrap().to_lowercase();
+        let json = root.join(format!("benchmarks/models/{name}.json"));
+        let text = std::fs::read_to_string(&json).unwrap_or_else(|e| panic!("{}: {e}", json.display()));
+        let model = tallow_model::DecoderConfig::from_json_str(&text, &json).unwrap();
+        let est = tallow_trainer::estimate::estimate(&model, &cfg, "cuda");
+        let gib = format!("{:.1} GiB", est.total_bytes as f64 / (1u64 << 30) as f64);
+        assert_eq!(cells[3], gib, "{file}: README says {}, estimate {gib}", cells[3]);
+        checked += 1;
+    }
+    assert!(checked >= 9, "only {checked} rows with a memory figure");
+}
