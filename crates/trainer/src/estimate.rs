@@ -248,13 +248,13 @@ pub fn estimate(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str) 
         c("frozen_weights", parts.frozen.0, parts.frozen.1.clone()),
         c("trainable_params", parts.trainable.0, parts.trainable.1.clone()),
     ];
-    let zero = |d: &str| d.to_string();
+    let text = |d: &str| d.to_string();
     match peak_phase {
         "load" => {
             components.push(c(
                 "workspace",
                 parts.load_transient,
-                zero("load: one tensor converted at a time"),
+                text("load: one tensor converted at a time"),
             ));
         }
         _ => {
@@ -287,7 +287,7 @@ pub fn estimate(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str) 
             components.push(c(
                 "logits_loss",
                 logits,
-                zero("LM head logits (and their gradient in the backward), a chunk of at most 16M in f32"),
+                text("LM head logits (and their gradient in the backward), a chunk of at most 16M in f32"),
             ));
             components.push(c("workspace", ws, why.into()));
         }

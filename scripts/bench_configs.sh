@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Measured peak memory next to `tallow estimate`, with `tallow bench` (one process per cell), on
+# this machine; appends the tables to benchmarks/estimate.md and writes the charts next to it.
+#
+#   scripts/bench_configs.sh                 # CPU: every part below
+#   DEVICE=cuda TALLOW=./tallow PARTS=configs scripts/bench_configs.sh   # on a GPU machine
+#
+# Parts (PARTS, default "quickstart grid configs"):
+#   quickstart  configs/quickstart.toml (the tiny model in the repo) as it is, a 4-cell grid;
+#   grid        the 16-cell grid of tests/tests/bench_cli.rs on a random 105M Llama;
+#   configs     configs/qwen2.5-0.5b/{lora,qlora}.toml with random weights of the real
+#               architecture (benchmarks/models/qwen2.5-0.5b-instruct.json); on CPU at 256
+#               tokens per row and grad_accum 1 (the files' 2048 x 16 would take hours here).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEVICE=${DEVICE:-cpu}
+PARTS=${PARTS:-quickstart grid configs}
+WORK=${WORK:-target/bench-configs}
+OUT=${OUT:-benchmarks/estimate.md}
+STEPS=${STEPS:-3}
+mkdir -p "$WORK"
+if [ -z "${TALLOW:-}" ]; then
+  cargo build --release -q -p tallow -p tallow-tests
+  TALLOW=target/release/tallow
+fi
+MAKE=${MAKE:-target/release/make-random-model}
+header() {
+  {
+    echo
+    echo "## $(date -u +%Y-%m-%d) · measured, $DEVICE · $(uname -n) ($(nproc) cores) · $(git rev-parse --short HEAD) · $1"
+    echo
+    echo "\`$2\`"
+    echo
+  } >> "$OUT"
+}
+run() { # title, chart, bench args...
+  local title=$1 chart=$2
+  shift 2
+  header "$title" "tallow bench $* --steps $STEPS --markdown --plot $chart"
+  "$TALLOW" bench "$@" --steps "$STEPS" --markdown --plot "$chart" >> "$OUT"
+}
+for part in $PARTS; do
+  case $part in
+    quickstart)
+      run "configs/quickstart.toml" benchmarks/quickstart.svg \
+        --config configs/quickstart.toml --set "train.device=$DEVICE" \
+        --grid train.checkpointing=false,true --grid train.optimizer=adamw,adamw8bit
+      ;;
+    grid)
+      M=$WORK/llama-105m
+      [ -f "$M/model.safetensors" ] || "$MAKE" benchmarks/models/llama-105m.json "$M" --rows 8 >/dev/null
+      cat > "$WORK/base.toml" <<TOML
+[model]
+path = "$M"
+dtype = "bf16"
+[lora]
+rank = 16
+alpha = 32
+dropout = 0.0
+[data]
+train = "$M/bench.jsonl"
+max_seq_len = 128
+shuffle = false
+[train]
+micro_batch_size = 1
+grad_accum = 1
+lr = 1e-4
+schedule = "constant"
+device = "$DEVICE"
+output_dir = "$WORK/run"
+TOML
+      run "random 105M Llama, LoRA / full" benchmarks/estimate-grid-a.svg --config "$WORK/base.toml" \
+        --grid train.method=lora,full --grid train.checkpointing=false,true \
+        --grid train.optimizer=adamw,adamw8bit
+      run "random 105M Llama, LoRA r64 + dropout" benchmarks/estimate-grid-b.svg --config "$WORK/base.toml" \
+        --set lora.dropout=0.05 --set lora.rank=64 --grid model.quantize=none,nf4 \
+        --grid train.micro_batch_size=1,2 --grid data.max_seq_len=128,256
+      ;;
+    configs)
+      M=$WORK/qwen2.5-0.5b
+      [ -f "$M/model.safetensors" ] || "$MAKE" benchmarks/models/qwen2.5-0.5b-instruct.json "$M" --rows 8 >/dev/null
+      for f in lora qlora; do
+        sets=(--set "model.path=$M" --set "data.train=$M/bench.jsonl" --set "train.device=$DEVICE")
+        if [ "$DEVICE" = cpu ]; then sets+=(--set data.max_seq_len=256 --set train.grad_accum=1); fi
+        run "configs/qwen2.5-0.5b/$f.toml, random weights" "benchmarks/qwen2.5-0.5b-$f.svg" \
+          --config "configs/qwen2.5-0.5b/$f.toml" "${sets[@]}" --grid train.checkpointing=true,false
+      done
+      ;;
+    *) echo "unknown part $part" >&2; exit 1 ;;
+  esac
+done
