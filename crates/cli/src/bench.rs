@@ -205,9 +205,12 @@ fn run_cell(
 ) -> Result<Row> {
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))?;
-    // The cell's resolved config: a few steps, no eval, checkpoint only at the end.
+    // The cell's resolved config: a few steps, no warmup (the learning rate does not change
+    // memory; a warmup longer than the run would not validate), no eval, checkpoint only at the
+    // end.
     let mut c = cfg.clone();
     c.train.max_steps = steps;
+    c.train.warmup_steps = 0;
     c.train.output_dir = dir.join("run");
     c.train.log_every = 1;
     c.train.eval_every = 0;

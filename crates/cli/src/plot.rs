@@ -14,7 +14,6 @@ const LEFT: f64 = 80.0;
 const RIGHT: f64 = 20.0;
 const TOP: f64 = 40.0;
 const GAP: f64 = 70.0;
-const LABELS_H: f64 = 150.0;
 
 fn esc(t: &str) -> String {
     t.replace('&', "&amp;")
@@ -120,7 +119,8 @@ fn panel(
 /// The chart of a bench run: peak memory per cell (measured next to estimated), then tokens/s.
 pub fn render(rows: &[Row]) -> String {
     let n = rows.len().max(1);
-    let height = TOP + 2.0 * PANEL_H + GAP + LABELS_H;
+    let lines = rows.iter().map(|r| r.config.len().max(1)).max().unwrap_or(1);
+    let height = TOP + 2.0 * PANEL_H + GAP + 24.0 + 12.0 * lines as f64;
     let mut svg = String::new();
     let _ = writeln!(
         svg,
@@ -161,20 +161,32 @@ pub fn render(rows: &[Row]) -> String {
         )],
         &oom,
     );
+    // Cell labels under the bars: one line per grid key (key=value), centred on the cell.
     let slot = (W - LEFT - RIGHT) / n as f64;
     for (i, r) in rows.iter().enumerate() {
         let x = LEFT + slot * (i as f64 + 0.5);
-        let y = y1 + PANEL_H + 14.0;
-        let label: Vec<String> = r
+        let y = y1 + PANEL_H + 16.0;
+        let mut lines: Vec<String> = r
             .config
             .iter()
             .map(|(k, v)| format!("{}={v}", k.rsplit('.').next().unwrap_or(k)))
             .collect();
-        let _ = writeln!(
+        if lines.is_empty() {
+            lines.push("(config)".into());
+        }
+        let _ = write!(
             svg,
-            r#"<text class="label" x="{x:.1}" y="{y:.1}" font-size="11" text-anchor="end" transform="rotate(-40 {x:.1} {y:.1})">{}</text>"#,
-            esc(&if label.is_empty() { "(config)".into() } else { label.join(" ") })
+            r#"<text class="label" x="{x:.1}" y="{y:.1}" font-size="10" text-anchor="middle">"#
         );
+        for (j, l) in lines.iter().enumerate() {
+            let _ = write!(
+                svg,
+                r#"<tspan x="{x:.1}" dy="{}">{}</tspan>"#,
+                if j == 0 { 0 } else { 12 },
+                esc(l)
+            );
+        }
+        let _ = writeln!(svg, "</text>");
     }
     svg += "</svg>\n";
     svg
