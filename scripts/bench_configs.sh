@@ -6,7 +6,9 @@
 #   DEVICE=cuda TALLOW=./tallow PARTS=configs scripts/bench_configs.sh   # on a GPU machine
 #
 # Parts (PARTS, default "quickstart grid configs"):
-#   quickstart  configs/quickstart.toml (the tiny model in the repo) as it is, a 4-cell grid;
+#   quickstart  configs/quickstart.toml (the tiny model in the repo), a 4-cell grid: its rows are
+#               ~10 tokens, padded per micro-batch, where the estimate assumes max_seq_len-long
+#               rows (an upper bound); packing (data.pack) fills the rows;
 #   grid        the 16-cell grid of tests/tests/bench_cli.rs on a random 105M Llama;
 #   configs     configs/qwen2.5-0.5b/{lora,qlora}.toml with random weights of the real
 #               architecture (benchmarks/models/qwen2.5-0.5b-instruct.json); on CPU at 256
@@ -44,7 +46,7 @@ for part in $PARTS; do
     quickstart)
       run "configs/quickstart.toml" benchmarks/quickstart.svg \
         --config configs/quickstart.toml --set "train.device=$DEVICE" \
-        --grid train.checkpointing=false,true --grid train.optimizer=adamw,adamw8bit
+        --grid data.pack=false,true --grid train.checkpointing=false,true
       ;;
     grid)
       M=$WORK/llama-105m

@@ -13,7 +13,8 @@
 //!   (listed op by op in [`layer_activation_bytes`]), linear in tokens plus the attention's
 //!   heads x T x T scores and probabilities; with checkpointing only each layer's input, plus one
 //!   layer rebuilt at a time;
-//! - **logits + loss**: the chunked LM head (at most 16M logits at a time, f32);
+//! - **logits + loss**: the chunked LM head (at most 16M logits at a time, f32; on the CPU a
+//!   bf16 matmul also makes an f32 copy of the V x C head weight first);
 //! - **backward workspace**: gradients in flight at the backward's high point (the attention
 //!   backward of one layer);
 //! - **overhead**: tokenizer, data, rotary tables and mask; on CUDA the context and cuBLAS
@@ -496,22 +497,38 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // The LM head: logits of a chunk of rows, in the model dtype then f32, log-softmax.
     let rows = b * t.saturating_sub(1);
     let chunk = rows.min((LOSS_CHUNK_ELEMS / v.max(1)).max(1)) as u64;
-    let loss_forward = chunk * v as u64 * (s + 12);
+    // On the CPU a bf16/f16 matmul converts its operands to f32 in full and computes into an
+    // f32 output (the gemm crate's half-precision path, measured): with the LM head, a V x C f32
+    // copy of the head weight per chunk, forward and backward. CUDA's cuBLAS reads bf16 as is.
+    let cpu_half = device == "cpu" && s == 2;
+    let f32_copy = |n: usize| if cpu_half { 4 * n as u64 } else { 0 };
+    let logits = chunk * v as u64;
+    let loss_forward = if cpu_half {
+        (logits * (s + 12)).max(f32_copy(v * c) + logits * (4 + s))
+    } else {
+        logits * (s + 12)
+    };
     // Backward high point: the LM head's backward (logits, probabilities, their gradient for a
     // chunk, and dh for every row in f32), or one layer's attention backward (score-sized
     // gradients in f32) plus a few token-sized gradients.
     let h = m.num_attention_heads as u64;
     let attn_bwd = (b as u64) * h * (t * t) as u64 * 12 + tokens * 4 * 4 * c as u64;
-    let lm_bwd = chunk * v as u64 * (s + 16) + 8 * tokens * c as u64;
+    let lm_bwd = if cpu_half {
+        (logits * (s + 16)).max(f32_copy(v * c) + logits * 10)
+    } else {
+        logits * (s + 16)
+    } + 8 * tokens * c as u64;
     let rebuilt = if checkpointed > 0 { per_layer } else { 0 };
     // NF4: a weight is dequantized (via f32) for its matmul, forward and backward.
-    let dequantized = if nf4 { (4 + s) * largest_linear as u64 } else { 0 };
+    let dequantized = if nf4 { (4 + s) * largest_linear as u64 } else { 0 }
+        + f32_copy(largest_linear);
     // Two high points: the end of the backward (every gradient in Candle's store, or in the
     // checkpointed layers' side stores, plus what is in flight), and adding them to the f32
     // accumulator (without checkpointing the whole store is alive next to the sums; with it,
     // each layer's store is freed once added).
     let end_of_backward = var_bytes * tp + acc_before;
-    let in_flight = rebuilt + attn_bwd.max(lm_bwd) + dequantized;
+    // The LM head's backward comes first, before any layer is rebuilt.
+    let in_flight = lm_bwd.max(rebuilt + attn_bwd + dequantized);
     let layer_grads = if checkpointed > 0 {
         var_bytes * tp / layers.max(1) as u64
     } else {
