@@ -10,6 +10,8 @@
 #               ~10 tokens, padded per micro-batch, where the estimate assumes max_seq_len-long
 #               rows (an upper bound); packing (data.pack) fills the rows;
 #   grid        the 16-cell grid of tests/tests/bench_cli.rs on a random 105M Llama;
+#   configs-large  (not in the default) llama-3.2-1b, qwen2.5-1.5b, llama-3.2-3b LoRA configs at
+#               128 tokens on CPU, one cell each;
 #   configs     configs/qwen2.5-0.5b/{lora,qlora}.toml with random weights of the real
 #               architecture (benchmarks/models/qwen2.5-0.5b-instruct.json); on CPU at 256
 #               tokens per row and grad_accum 1 (the files' 2048 x 16 would take hours here).
@@ -86,6 +88,23 @@ TOML
         if [ "$DEVICE" = cpu ]; then sets+=(--set data.max_seq_len=256 --set train.grad_accum=1); fi
         run "configs/qwen2.5-0.5b/$f.toml, random weights" "benchmarks/qwen2.5-0.5b-$f.svg" \
           --config "configs/qwen2.5-0.5b/$f.toml" "${sets[@]}" --grid train.checkpointing=true,false
+      done
+      ;;
+    configs-large)
+      # The other LoRA configs with random weights of their real architecture, as written
+      # (checkpointing on) but on CPU at 128 tokens, grad_accum 1 and micro-batch 1, 2 steps: what
+      # a 2-core machine can run. (7B / 8B: 15 GiB of weights; not run here.)
+      for pair in llama-3.2-1b:llama-3.2-1b-instruct qwen2.5-1.5b:qwen2.5-1.5b-instruct \
+                  llama-3.2-3b:llama-3.2-3b-instruct; do
+        cfg=configs/${pair%%:*}/lora.toml
+        M=$WORK/${pair#*:}
+        [ -f "$M/model.safetensors" ] || "$MAKE" "benchmarks/models/${pair#*:}.json" "$M" --rows 4 >/dev/null
+        sets=(--set "model.path=$M" --set "data.train=$M/bench.jsonl" --set "train.device=$DEVICE")
+        if [ "$DEVICE" = cpu ]; then
+          sets+=(--set data.max_seq_len=128 --set train.grad_accum=1 --set train.micro_batch_size=1)
+        fi
+        STEPS=2 run "$cfg, random weights" "benchmarks/${pair%%:*}-lora.svg" --config "$cfg" "${sets[@]}"
+        rm -rf "$M"  # GBs of random weights
       done
       ;;
     *) echo "unknown part $part" >&2; exit 1 ;;

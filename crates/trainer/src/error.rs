@@ -241,3 +241,33 @@ impl TrainError {
             || text.contains("CUBLAS_STATUS_ALLOC_FAILED")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_out_of_memory_errors_are_recognized_and_others_are_not() {
+        // How cudarc's driver error and cuBLAS' allocation failure read through Candle.
+        for text in [
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")",
+            "cublas error: CUBLAS_STATUS_ALLOC_FAILED",
+        ] {
+            let e = TrainError::Candle(candle_core::Error::Msg(text.into()));
+            assert!(e.is_device_oom(), "{text}");
+        }
+        let e = TrainError::Candle(candle_core::Error::Msg("shape mismatch in matmul".into()));
+        assert!(!e.is_device_oom());
+        let oom = TrainError::OutOfMemory {
+            phase: "backward",
+            step: 12,
+            peak_bytes: Some(1 << 30),
+            limit_bytes: Some(1 << 30),
+            detail: "x".into(),
+            kept: "The last good checkpoint is c (continue with --resume).".into(),
+        };
+        let msg = oom.to_string();
+        assert!(msg.starts_with("out of memory in the backward phase of step 12: x."), "{msg}");
+        assert!(msg.contains("--resume"));
+    }
+}
