@@ -197,3 +197,26 @@ pub fn copy_model(model: &str, dest: &std::path::Path) {
         std::fs::copy(e.path(), dest.join(e.file_name())).unwrap();
     }
 }
+
+/// Runs the `make-random-model` dev tool (`exe`: an integration test passes
+/// `env!("CARGO_BIN_EXE_make-random-model")`): random weights for the architecture in
+/// `config_json`, written with a tokenizer and `bench.jsonl` into `out`.
+pub fn make_random_model(
+    exe: &str,
+    config_json: &std::path::Path,
+    out: &std::path::Path,
+    rows: usize,
+) {
+    let output = std::process::Command::new(exe)
+        .arg(config_json)
+        .arg(out)
+        .args(["--rows", &rows.to_string()])
+        .output()
+        .unwrap_or_else(|e| panic!("{exe}: {e}"));
+    assert!(
+        output.status.success(),
+        "make-random-model {}: {}",
+        config_json.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}

@@ -12,22 +12,11 @@ use tallow_tests::*;
 /// Relative bound on |estimated - measured| / measured.
 const TOLERANCE: f64 = 0.10;
 
-fn random_model(config: &str, dir: &Path) {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_make-random-model"))
-        .arg(config)
-        .arg(dir)
-        .args(["--rows", "8"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "make-random-model: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 /// Runs `tallow bench --json` with these grid arguments; returns the rows.
@@ -54,9 +43,11 @@ fn bench(config: &Path, args: &[&str]) -> Vec<serde_json::Value> {
 fn estimate_is_within_10_percent_of_the_measured_peak_on_a_grid_of_16_configs() {
     let dir = scratch("bench-grid");
     let model = dir.join("llama-105m");
-    random_model(
-        &repo().join("benchmarks/models/llama-105m.json").display().to_string(),
+    make_random_model(
+        env!("CARGO_BIN_EXE_make-random-model"),
+        &repo().join("benchmarks/models/llama-105m.json"),
         &model,
+        8,
     );
     let config = dir.join("base.toml");
     std::fs::write(

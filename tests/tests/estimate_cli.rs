@@ -21,17 +21,19 @@ fn small_model(dir: &Path) -> PathBuf {
     )
     .unwrap();
     let model = dir.join("small");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_make-random-model"))
-        .arg(&cfg)
-        .arg(&model)
-        .args(["--rows", "8"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "make-random-model: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    make_random_model(env!("CARGO_BIN_EXE_make-random-model"), &cfg, &model, 8);
+    model
+}
+
+/// A model dir with nothing but the 105M Llama's config.json: no weights, no tokenizer.
+fn only_config(dir: &Path) -> PathBuf {
+    let model = dir.join("only-config");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../benchmarks/models/llama-105m.json"),
+        model.join("config.json"),
+    )
+    .unwrap();
     model
 }
 
@@ -79,14 +81,7 @@ fn total(v: &serde_json::Value) -> u64 {
 #[test]
 fn estimate_reads_only_config_json_and_its_components_sum_to_the_total() {
     let dir = scratch("estimate-json");
-    // A model dir with nothing but config.json: no weights, no tokenizer.
-    let model = dir.join("only-config");
-    std::fs::create_dir_all(&model).unwrap();
-    std::fs::copy(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../benchmarks/models/llama-105m.json"),
-        model.join("config.json"),
-    )
-    .unwrap();
+    let model = only_config(&dir);
     let config = write_config(&dir, &model, "");
     let v = estimate_json(&config, &[]);
     let comps = v["components"].as_object().expect("components object");
@@ -106,7 +101,10 @@ fn estimate_reads_only_config_json_and_its_components_sum_to_the_total() {
     assert_eq!(sum, total(&v), "components must add up to the total");
     // 105M parameters in bf16 (the 8 layers' linears + tied embedding + norms).
     let frozen = comps["frozen_weights"].as_u64().unwrap();
-    assert_eq!(frozen, 2 * (8 * (4 * 1024 * 1024 + 3 * 1024 * 2816 + 2 * 1024) + 2048 * 1024 + 1024));
+    assert_eq!(
+        frozen,
+        2 * (8 * (4 * 1024 * 1024 + 3 * 1024 * 2816 + 2 * 1024) + 2048 * 1024 + 1024)
+    );
 
     // Each lever moves its own component the way it claims.
     let nf4 = estimate_json(&config, &["--set", "model.quantize=nf4"]);
@@ -123,10 +121,18 @@ fn estimate_reads_only_config_json_and_its_components_sum_to_the_total() {
     let full = estimate_json(&config, &["--set", "train.method=full"]);
     let full8 = estimate_json(
         &config,
-        &["--set", "train.method=full", "--set", "train.optimizer=adamw8bit"],
+        &[
+            "--set",
+            "train.method=full",
+            "--set",
+            "train.optimizer=adamw8bit",
+        ],
     );
     let state = |v: &serde_json::Value| v["components"]["optimizer_state"].as_u64().unwrap();
-    assert!(state(&full8) * 10 < state(&full) * 3, "adamw8bit < 30% of adamw");
+    assert!(
+        state(&full8) * 10 < state(&full) * 3,
+        "adamw8bit < 30% of adamw"
+    );
     // Activations grow with micro-batch x sequence (and the scores with T^2).
     let long = estimate_json(&config, &["--set", "data.max_seq_len=256"]);
     let a = |v: &serde_json::Value| v["activation_bytes_per_layer"].as_u64().unwrap();
@@ -143,7 +149,14 @@ fn estimate_reads_only_config_json_and_its_components_sum_to_the_total() {
         "24GiB",
     ]);
     assert_eq!(r.code, 0, "{}", r.stderr);
-    for want in ["frozen_weights", "activations", "optimizer_state", "%", "total", "fits"] {
+    for want in [
+        "frozen_weights",
+        "activations",
+        "optimizer_state",
+        "%",
+        "total",
+        "fits",
+    ] {
         assert!(r.stdout.contains(want), "no `{want}` in:\n{}", r.stdout);
     }
 }
@@ -170,7 +183,11 @@ fn estimate_refuses_bad_budgets_and_missing_configs() {
         "12XB",
     ]);
     assert_eq!(r.code, 1);
-    assert!(r.stderr.contains("--budget") && r.stderr.contains("XB"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("--budget") && r.stderr.contains("XB"),
+        "{}",
+        r.stderr
+    );
     let r = tallow([
         "estimate",
         "--config",
@@ -185,13 +202,7 @@ fn estimate_refuses_bad_budgets_and_missing_configs() {
 #[test]
 fn a_budget_that_fits_gives_the_largest_micro_batch_that_fits() {
     let dir = scratch("estimate-largest");
-    let model = dir.join("only-config");
-    std::fs::create_dir_all(&model).unwrap();
-    std::fs::copy(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../benchmarks/models/llama-105m.json"),
-        model.join("config.json"),
-    )
-    .unwrap();
+    let model = only_config(&dir);
     let config = write_config(&dir, &model, "");
     let v = estimate_json(&config, &["--budget", "2GiB"]);
     let plan = &v["plan"];
@@ -222,8 +233,7 @@ fn out_of_memory_names_the_phase_keeps_the_checkpoint_and_the_plan_fits_when_run
         "method = \"full\"\noptimizer = \"adamw\"\nmax_steps = 3\nsave_every = 1\n",
     );
     // Long rows: activations (what checkpointing saves) well above the estimate's error.
-    let config = rewrite(&config, "max_seq_len = 128", "max_seq_len = 512"
-    );
+    let config = rewrite(&config, "max_seq_len = 128", "max_seq_len = 512");
     let plain = total(&estimate_json(&config, &[]));
     let ckpt = total(&estimate_json(
         &config,
@@ -243,7 +253,10 @@ fn out_of_memory_names_the_phase_keeps_the_checkpoint_and_the_plan_fits_when_run
         .iter()
         .map(|s| s.as_str().unwrap().to_string())
         .collect();
-    assert!(sets.contains(&"train.checkpointing=true".to_string()), "{plan}");
+    assert!(
+        sets.contains(&"train.checkpointing=true".to_string()),
+        "{plan}"
+    );
     let steps = plan["steps"].as_array().unwrap();
     assert!(steps.last().unwrap()["peak_bytes"].as_u64().unwrap() <= budget);
 
@@ -260,9 +273,17 @@ fn out_of_memory_names_the_phase_keeps_the_checkpoint_and_the_plan_fits_when_run
     assert_eq!(r.code, 1, "must fail: {}", r.stderr);
     assert!(r.stderr.contains("out of memory in the"), "{}", r.stderr);
     assert!(r.stderr.contains("phase of step 2"), "{}", r.stderr);
-    assert!(r.stderr.contains("step-1"), "names the kept checkpoint: {}", r.stderr);
+    assert!(
+        r.stderr.contains("step-1"),
+        "names the kept checkpoint: {}",
+        r.stderr
+    );
     assert!(r.stderr.contains("activations") && r.stderr.contains("Smallest set of changes"));
-    assert!(r.stderr.contains("--set train.checkpointing=true"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("--set train.checkpointing=true"),
+        "{}",
+        r.stderr
+    );
     let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
     assert!(metrics.contains("\"oom\""), "{metrics}");
     assert!(dir.join("run/checkpoints/step-1").is_dir());
@@ -326,15 +347,25 @@ fn bench_formats_plot_and_an_out_of_memory_cell() {
     let limit = (ckpt + (plain - ckpt) / 2).to_string();
     let plot = dir.join("bench.svg");
     let mut a: Vec<&str> = base.to_vec();
-    a.extend(["--json", "--memory-limit", &limit, "--plot", plot.to_str().unwrap()]);
+    a.extend([
+        "--json",
+        "--memory-limit",
+        &limit,
+        "--plot",
+        plot.to_str().unwrap(),
+    ]);
     let r = tallow(&a);
     assert_eq!(r.code, 0, "{}", r.stderr);
     let rows: Vec<serde_json::Value> = serde_json::from_str(&r.stdout).unwrap();
     assert_eq!(rows.len(), 2);
     assert_eq!(rows[0]["config"]["train.checkpointing"], "false");
     assert_eq!(rows[0]["oom"], true, "{}", rows[0]);
-    assert!(rows[0]["phases"][rows[0]["oom_phase"].as_str().unwrap()].as_u64().unwrap()
-        > limit.parse::<u64>().unwrap());
+    assert!(
+        rows[0]["phases"][rows[0]["oom_phase"].as_str().unwrap()]
+            .as_u64()
+            .unwrap()
+            > limit.parse::<u64>().unwrap()
+    );
     assert_eq!(rows[1]["oom"], false, "{}", rows[1]);
     assert!(rows[1]["measured_peak_bytes"].as_u64().unwrap() <= limit.parse::<u64>().unwrap());
 
@@ -356,7 +387,8 @@ fn bench_formats_plot_and_an_out_of_memory_cell() {
         .filter(|n| n.attribute("class") == Some("label"))
         .map(|n| {
             n.descendants()
-                .filter_map(|t| t.is_text().then(|| t.text().unwrap_or("")))
+                .filter(|t| t.is_text())
+                .filter_map(|t| t.text())
                 .collect::<Vec<_>>()
                 .join(" ")
         })
@@ -371,7 +403,11 @@ fn bench_formats_plot_and_an_out_of_memory_cell() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     let lines: Vec<&str> = r.stdout.lines().collect();
     assert_eq!(lines.len(), 3, "{}", r.stdout);
-    assert!(lines[0].starts_with("train.checkpointing,load_bytes,"), "{}", lines[0]);
+    assert!(
+        lines[0].starts_with("train.checkpointing,load_bytes,"),
+        "{}",
+        lines[0]
+    );
     let header: Vec<&str> = lines[0].split(',').collect();
     for l in &lines[1..] {
         assert_eq!(l.split(',').count(), header.len(), "{l}");
@@ -382,13 +418,29 @@ fn bench_formats_plot_and_an_out_of_memory_cell() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     let table: Vec<&str> = r.stdout.lines().filter(|l| l.starts_with('|')).collect();
     assert_eq!(table.len(), 4, "{}", r.stdout);
-    assert!(table[2].starts_with("| checkpointing=false |"), "{}", table[2]);
+    assert!(
+        table[2].starts_with("| checkpointing=false |"),
+        "{}",
+        table[2]
+    );
 
     // Bad grids.
-    let r = tallow(["bench", "--config", config.to_str().unwrap(), "--grid", "lora.rank"]);
+    let r = tallow([
+        "bench",
+        "--config",
+        config.to_str().unwrap(),
+        "--grid",
+        "lora.rank",
+    ]);
     assert_eq!(r.code, 1);
     assert!(r.stderr.contains("SECTION.KEY=V1,V2"), "{}", r.stderr);
-    let r = tallow(["bench", "--config", config.to_str().unwrap(), "--grid", "lora.rnk=8,16"]);
+    let r = tallow([
+        "bench",
+        "--config",
+        config.to_str().unwrap(),
+        "--grid",
+        "lora.rnk=8,16",
+    ]);
     assert_eq!(r.code, 1);
     assert!(r.stderr.contains("rnk"), "{}", r.stderr);
 }

@@ -103,9 +103,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             Err(e @ tallow_trainer::config::ConfigError::Invalid { .. }) => {
                 configs.push(Err(e.to_string()))
             }
-            Err(e) => {
-                return Err(e).with_context(|| format!("grid cell {}", describe_cell(cell)))
-            }
+            Err(e) => return Err(e).with_context(|| format!("grid cell {}", describe_cell(cell))),
         }
     }
     let Some(first) = configs.iter().find_map(|c| c.as_ref().ok()) else {
@@ -265,10 +263,15 @@ fn run_cell(
             }
         }
     }
-    let measured = [phases.load, phases.forward, phases.backward, phases.optimizer]
-        .into_iter()
-        .flatten()
-        .max();
+    let measured = [
+        phases.load,
+        phases.forward,
+        phases.backward,
+        phases.optimizer,
+    ]
+    .into_iter()
+    .flatten()
+    .max();
     let stderr = String::from_utf8_lossy(&out.stderr);
     let oom = oom_phase.is_some() || (!out.status.success() && stderr.contains("out of memory"));
     let error = (!out.status.success() && !oom).then(|| {
@@ -333,7 +336,9 @@ fn cell_name(r: &Row) -> String {
 }
 
 fn mib(b: Option<u64>) -> String {
-    b.map_or("-".into(), |b| format!("{:.1}", b as f64 / (1u64 << 20) as f64))
+    b.map_or("-".into(), |b| {
+        format!("{:.1}", b as f64 / (1u64 << 20) as f64)
+    })
 }
 
 pub fn to_markdown(rows: &[Row]) -> String {
@@ -400,7 +405,8 @@ pub fn to_csv(rows: &[Row]) -> String {
             o(p.optimizer),
             o(r.measured_peak_bytes),
             r.estimated_peak_bytes,
-            r.estimate_error.map_or(String::new(), |e| format!("{e:.4}")),
+            r.estimate_error
+                .map_or(String::new(), |e| format!("{e:.4}")),
             r.tokens_per_s.map_or(String::new(), |t| format!("{t:.2}")),
             r.oom,
             r.oom_phase.as_deref().unwrap_or(""),

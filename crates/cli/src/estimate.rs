@@ -60,7 +60,10 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         }
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
-        print!("{}", describe(&a.config.display().to_string(), &model, &cfg, &est));
+        print!(
+            "{}",
+            describe(&a.config.display().to_string(), &model, &cfg, &est)
+        );
         if let Some(p) = &plan {
             // The command to run: the config with the user's --set flags, then the plan's.
             let mut cmd = a.config.display().to_string();
@@ -102,7 +105,10 @@ pub fn describe(origin: &str, m: &DecoderConfig, cfg: &TrainConfig, est: &Estima
         },
         est.device
     );
-    s += &format!("{:<18} {:>12} {:>7}  {}\n", "component", "bytes", "share", "what");
+    s += &format!(
+        "{:<18} {:>12} {:>7}  {}\n",
+        "component", "bytes", "share", "what"
+    );
     for c in &est.components {
         let share = 100.0 * c.bytes as f64 / est.total_bytes.max(1) as f64;
         s += &format!(

@@ -69,7 +69,11 @@ fn panel(
             W - RIGHT,
             LEFT - 6.0,
             y + 4.0,
-            if v >= 100.0 { format!("{v:.0}") } else { format!("{v:.1}") }
+            if v >= 100.0 {
+                format!("{v:.0}")
+            } else {
+                format!("{v:.1}")
+            }
         );
     }
     let _ = writeln!(
@@ -119,7 +123,11 @@ fn panel(
 /// The chart of a bench run: peak memory per cell (measured next to estimated), then tokens/s.
 pub fn render(rows: &[Row]) -> String {
     let n = rows.len().max(1);
-    let lines = rows.iter().map(|r| r.config.len().max(1)).max().unwrap_or(1);
+    let lines = rows
+        .iter()
+        .map(|r| r.config.len().max(1))
+        .max()
+        .unwrap_or(1);
     let height = TOP + 2.0 * PANEL_H + GAP + 24.0 + 12.0 * lines as f64;
     let mut svg = String::new();
     let _ = writeln!(
@@ -143,7 +151,9 @@ pub fn render(rows: &[Row]) -> String {
             (
                 "estimated peak",
                 "#f0a030",
-                rows.iter().map(|r| mib(Some(r.estimated_peak_bytes))).collect(),
+                rows.iter()
+                    .map(|r| mib(Some(r.estimated_peak_bytes)))
+                    .collect(),
             ),
         ],
         &oom,

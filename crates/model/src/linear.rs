@@ -18,7 +18,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use candle_core::{
-    CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape, Storage, Tensor, Var,
+    CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape, Storage, Tensor,
+    Var,
 };
 use rand::{Rng, SeedableRng};
 
@@ -289,6 +290,16 @@ impl CustomOp1 for FrozenMatmul {
 /// 105M-parameter model, and with checkpointing every recomputed layer stayed alive).
 pub struct TrainableMatmul;
 
+/// (M, N, K) of x (M, K) times w (N, K) transposed.
+fn trainable_mnk(l: &Layout, wl: &Layout) -> candle_core::Result<(usize, usize, usize)> {
+    let (m, k) = l.shape().dims2()?;
+    let (n, k2) = wl.shape().dims2()?;
+    if k != k2 {
+        candle_core::bail!("trainable matmul: input has {k} features, weight expects {k2}");
+    }
+    Ok((m, n, k))
+}
+
 impl CustomOp2 for TrainableMatmul {
     fn name(&self) -> &'static str {
         "trainable-matmul"
@@ -302,11 +313,7 @@ impl CustomOp2 for TrainableMatmul {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (m, k) = l.shape().dims2()?;
-        let (n, k2) = wl.shape().dims2()?;
-        if k != k2 {
-            candle_core::bail!("trainable matmul: input has {k} features, weight expects {k2}");
-        }
+        let (m, n, k) = trainable_mnk(l, wl)?;
         let out = s.matmul(ws, (1, m, n, k), l, &wl.transpose(0, 1)?)?;
         Ok((out, Shape::from((m, n))))
     }
@@ -318,11 +325,7 @@ impl CustomOp2 for TrainableMatmul {
         ws: &CudaStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (m, k) = l.shape().dims2()?;
-        let (n, k2) = wl.shape().dims2()?;
-        if k != k2 {
-            candle_core::bail!("trainable matmul: input has {k} features, weight expects {k2}");
-        }
+        let (m, n, k) = trainable_mnk(l, wl)?;
         let out = s.matmul(ws, (1, m, n, k), l, &wl.transpose(0, 1)?)?;
         Ok((out, Shape::from((m, n))))
     }

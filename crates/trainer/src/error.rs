@@ -267,7 +267,10 @@ mod tests {
             kept: "The last good checkpoint is c (continue with --resume).".into(),
         };
         let msg = oom.to_string();
-        assert!(msg.starts_with("out of memory in the backward phase of step 12: x."), "{msg}");
+        assert!(
+            msg.starts_with("out of memory in the backward phase of step 12: x."),
+            "{msg}"
+        );
         assert!(msg.contains("--resume"));
     }
 }

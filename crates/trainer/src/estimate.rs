@@ -202,7 +202,7 @@ pub fn layer_activation_bytes(m: &DecoderConfig, cfg: &TrainConfig, b: usize, t:
     per_token += linear(&lu) + s * m.intermediate_size; // up, silu(gate) * up
     per_token += linear(&ld);
     per_token += s * c; // residual add
-    // Attention scores (B, H, T, T): q·kᵀ, scaled, softmax probabilities in f32, cast back.
+                        // Attention scores (B, H, T, T): q·kᵀ, scaled, softmax probabilities in f32, cast back.
     let per_score = 2 * s + 4 + cast(s);
     (b * t * per_token + b * h * t * t * per_score) as u64
 }
@@ -237,9 +237,9 @@ pub fn estimate(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str) 
         ("backward", phases.backward),
         ("optimizer", phases.optimizer),
     ];
-    let (peak_phase, total_bytes) = all
-        .into_iter()
-        .fold(("load", 0), |a, p| if p.1 > a.1 { p } else { a });
+    let (peak_phase, total_bytes) =
+        all.into_iter()
+            .fold(("load", 0), |a, p| if p.1 > a.1 { p } else { a });
     let c = |name, bytes, detail: String| Component {
         name,
         bytes,
@@ -247,7 +247,11 @@ pub fn estimate(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str) 
     };
     let mut components = vec![
         c("frozen_weights", parts.frozen.0, parts.frozen.1.clone()),
-        c("trainable_params", parts.trainable.0, parts.trainable.1.clone()),
+        c(
+            "trainable_params",
+            parts.trainable.0,
+            parts.trainable.1.clone(),
+        ),
     ];
     let text = |d: &str| d.to_string();
     match peak_phase {
@@ -520,8 +524,11 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     } + 8 * tokens * c as u64;
     let rebuilt = if checkpointed > 0 { per_layer } else { 0 };
     // NF4: a weight is dequantized (via f32) for its matmul, forward and backward.
-    let dequantized = if nf4 { (4 + s) * largest_linear as u64 } else { 0 }
-        + f32_copy(largest_linear);
+    let dequantized = if nf4 {
+        (4 + s) * largest_linear as u64
+    } else {
+        0
+    } + f32_copy(largest_linear);
     // Two high points: the end of the backward (every gradient in Candle's store, or in the
     // checkpointed layers' side stores, plus what is in flight), and adding them to the f32
     // accumulator (without checkpointing the whole store is alive next to the sums; with it,
@@ -700,7 +707,7 @@ pub fn plan(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str, budg
         }
         let rows = cfg.train.micro_batch_size * cfg.train.grad_accum;
         out.largest_micro_batch = Some(lo);
-        out.grad_accum_for_largest = (rows % lo == 0).then(|| rows / lo);
+        out.grad_accum_for_largest = rows.is_multiple_of(lo).then(|| rows / lo);
         return out;
     }
     let n = LEVERS.len();
@@ -715,7 +722,7 @@ pub fn plan(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str, budg
         let mut c = cfg.clone();
         let mut steps = vec![];
         let mut ok = true;
-        for i in 0..n {
+        for (i, lever) in LEVERS.iter().enumerate() {
             if m & (1 << i) == 0 {
                 continue;
             }
@@ -736,7 +743,7 @@ pub fn plan(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str, budg
                     Some(s) => {
                         steps.push(PlanStep {
                             sets: vec![format!("data.max_seq_len={}", s.data.max_seq_len)],
-                            what: format!("{} ({} tokens)", LEVERS[i], s.data.max_seq_len),
+                            what: format!("{lever} ({} tokens)", s.data.max_seq_len),
                             peak_bytes: peak(&s),
                         });
                         c = s;
@@ -749,7 +756,7 @@ pub fn plan(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str, budg
                 Some((next, sets)) => {
                     steps.push(PlanStep {
                         sets,
-                        what: LEVERS[i].into(),
+                        what: lever.to_string(),
                         peak_bytes: peak(&next),
                     });
                     c = next;
@@ -817,7 +824,10 @@ mod tests {
     #[test]
     fn nf4_storage_is_codes_plus_scales() {
         // 4096 x 4096: 8 MiB of codes, 262144 blocks -> 256 KiB of 8-bit scales + 1024 f32.
-        assert_eq!(nf4_bytes(4096 * 4096, true), 8 * 1048576 + 262144 + 4096 + 4);
+        assert_eq!(
+            nf4_bytes(4096 * 4096, true),
+            8 * 1048576 + 262144 + 4096 + 4
+        );
         assert_eq!(nf4_bytes(4096 * 4096, false), 8 * 1048576 + 4 * 262144);
     }
 
@@ -841,7 +851,10 @@ mod tests {
         assert!(p.possible && p.steps.len() >= 2, "{p:?}");
         assert_eq!(p.steps[0].what, LEVERS[0]);
         assert!(p.steps.last().unwrap().peak_bytes <= mb1 / 2);
-        assert!(p.steps.windows(2).all(|w| w[1].peak_bytes < w[0].peak_bytes));
+        assert!(p
+            .steps
+            .windows(2)
+            .all(|w| w[1].peak_bytes < w[0].peak_bytes));
         // Nothing fits 1 MiB.
         let p = plan(&m, &base, "cpu", 1 << 20);
         assert!(!p.possible && p.steps.is_empty());

@@ -358,7 +358,16 @@ pub fn train_with_limit(
     // [`check_memory`].
     macro_rules! check {
         ($r:expr, $phase:expr, $step:expr, $last:expr) => {
-            check_memory($r, $phase, $step, || probe.peak(), memory_limit, total, $last, &metrics)
+            check_memory(
+                $r,
+                $phase,
+                $step,
+                || probe.peak(),
+                memory_limit,
+                total,
+                $last,
+                &metrics,
+            )
         };
     }
     let Run {

@@ -139,11 +139,16 @@ fn readme_memory_column_matches_the_estimate() {
         let repo = cfg.model.path.to_string_lossy().to_string();
         let name = repo.rsplit('/').next().unwrap().to_lowercase();
         let json = root.join(format!("benchmarks/models/{name}.json"));
-        let text = std::fs::read_to_string(&json).unwrap_or_else(|e| panic!("{}: {e}", json.display()));
+        let text =
+            std::fs::read_to_string(&json).unwrap_or_else(|e| panic!("{}: {e}", json.display()));
         let model = tallow_model::DecoderConfig::from_json_str(&text, &json).unwrap();
         let est = tallow_trainer::estimate::estimate(&model, &cfg, "cuda");
         let gib = format!("{:.1} GiB", est.total_bytes as f64 / (1u64 << 30) as f64);
-        assert_eq!(cells[3], gib, "{file}: README says {}, estimate {gib}", cells[3]);
+        assert_eq!(
+            cells[3], gib,
+            "{file}: README says {}, estimate {gib}",
+            cells[3]
+        );
         checked += 1;
     }
     assert!(checked >= 9, "only {checked} rows with a memory figure");
