@@ -6,7 +6,7 @@
 #
 #   scripts/build_cuda.sh                 # -> target/release/tallow (stripped), PTX for sm_90
 #   CUDA_COMPUTE_CAP=80 scripts/build_cuda.sh
-#   CHECK_ONLY=1 scripts/build_cuda.sh    # `cargo check --features cuda` only (what CI runs)
+#   CHECK_ONLY=1 scripts/build_cuda.sh    # `cargo check --features cuda` only (needs the wheels; not in CI)
 #
 # Needs: python3 with pip (only to download wheels), gcc/g++ <= 14, and the driver stub
 # `libcuda.so.1` at link time (Debian: `apt-get install libcuda1`, any version; or set
