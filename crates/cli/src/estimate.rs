@@ -65,12 +65,10 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             describe(&a.config.display().to_string(), &model, &cfg, &est)
         );
         if let Some(p) = &plan {
-            // The command to run: the config with the user's --set flags, then the plan's.
-            let mut cmd = a.config.display().to_string();
-            for s in &a.sets {
-                cmd += &format!(" --set {s}");
-            }
-            print!("{}", describe_plan(p, &cmd));
+            print!(
+                "{}",
+                describe_plan(p, &a.config.display().to_string(), &a.sets)
+            );
         }
     }
     Ok(())
@@ -142,8 +140,9 @@ pub fn describe(origin: &str, m: &DecoderConfig, cfg: &TrainConfig, est: &Estima
     s
 }
 
-/// The plan for a budget, with the command line that applies it.
-pub fn describe_plan(p: &Plan, config: &str) -> String {
+/// The plan for a budget, with the command line that applies it: the config with the user's
+/// `--set` flags, then the plan's.
+pub fn describe_plan(p: &Plan, config: &str, user_sets: &[String]) -> String {
     let mut s = format!("\nbudget {}: ", human_bytes(p.budget_bytes));
     if p.fits {
         s += &format!("fits (predicted peak {}).", human_bytes(p.peak_bytes));
@@ -177,6 +176,10 @@ pub fn describe_plan(p: &Plan, config: &str) -> String {
             st.sets.join(" ")
         );
     }
-    let sets: Vec<String> = p.sets.iter().map(|x| format!("--set {x}")).collect();
+    let sets: Vec<String> = user_sets
+        .iter()
+        .chain(&p.sets)
+        .map(|x| format!("--set {x}"))
+        .collect();
     s + &format!("run: tallow train --config {config} {}\n", sets.join(" "))
 }

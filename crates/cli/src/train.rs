@@ -140,11 +140,8 @@ fn out_of_memory(
             let est = estimate(&model, cfg, kind);
             help += &crate::estimate::describe(&origin, &model, cfg, &est);
             if let Some(budget) = limit_bytes {
-                let mut cmd = origin.clone();
-                for s in &a.sets {
-                    cmd += &format!(" --set {s}");
-                }
-                help += &crate::estimate::describe_plan(&plan(&model, cfg, kind, *budget), &cmd);
+                let p = plan(&model, cfg, kind, *budget);
+                help += &crate::estimate::describe_plan(&p, &origin, &a.sets);
             }
         }
         Err(err) => help += &format!("(no estimate: {err:#})\n"),

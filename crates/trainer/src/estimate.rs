@@ -85,6 +85,9 @@ pub struct Estimate {
 
 /// What varies between phases, computed once.
 struct Parts {
+    trainable_params: u64,
+    /// One decoder layer's saved activations for the micro-batch, without checkpointing.
+    per_layer: u64,
     frozen: (u64, String),
     trainable: (u64, String),
     state: (u64, String),
@@ -215,10 +218,9 @@ fn mib(b: u64) -> String {
 /// `model` (its config.json).
 pub fn estimate(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Estimate {
     let parts = parts(model, cfg, device);
-    let tp = trainable_params(model, cfg);
     let common = parts.frozen.0 + parts.trainable.0 + parts.overhead.0;
     let phases = PhaseBytes {
-        load: parts.frozen.0 + parts.trainable.0 + parts.overhead.0 + parts.load_transient,
+        load: common + parts.load_transient,
         forward: common
             + parts.state.0
             + parts.accumulator_live
@@ -305,9 +307,9 @@ pub fn estimate(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str) 
         peak_phase,
         components,
         phases,
-        trainable_params: tp,
+        trainable_params: parts.trainable_params,
         tokens_per_micro_batch: b * t,
-        activation_bytes_per_layer: layer_activation_bytes(model, cfg, b, t),
+        activation_bytes_per_layer: parts.per_layer,
         device,
         outside_pool_bytes: if device == "cuda" {
             CUDA_CONTEXT_BYTES
@@ -575,6 +577,8 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
         what += "; CUDA context + cuBLAS workspace (outside the memory pool)";
     }
     Parts {
+        trainable_params: tp,
+        per_layer,
         frozen,
         trainable,
         state,

@@ -304,8 +304,9 @@ fn check_memory<T>(
     let (detail, peak_bytes, limit_bytes) = match result {
         Err(e) if e.is_device_oom() => (e.to_string(), peak(), limit.or(device_total)),
         Err(e) => return Err(e),
-        Ok(v) => match (limit, peak()) {
-            (Some(l), Some(p)) if p > l => (
+        // The peak is read only under a limit (on CUDA reading it synchronizes the device).
+        Ok(v) => match limit.and_then(|l| Some((l, peak()?))) {
+            Some((l, p)) if p > l => (
                 format!(
                     "the measured peak {} is over --memory-limit {}",
                     crate::memory::human_bytes(p),
@@ -550,7 +551,8 @@ pub fn train_with_limit(
 
         // Clip, then one optimizer update.
         probe.start_phase();
-        let mut grads = check!(Ok(acc.take()?), "optimizer", step + 1, &last_checkpoint)?;
+        let taken = acc.take().map_err(TrainError::from);
+        let mut grads = check!(taken, "optimizer", step + 1, &last_checkpoint)?;
         let grad_norm = clip_grad_norm(&mut grads, t.max_grad_norm)?;
         for (what, value) in [("loss", loss), ("gradient norm", grad_norm)] {
             if !value.is_finite() {
