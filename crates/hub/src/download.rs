@@ -358,23 +358,17 @@ impl Hub {
 /// git's blob id of a file: sha1 of `blob {len}\0` followed by the content.
 fn git_blob_sha1_file(path: &Path) -> Result<String, HubError> {
     let len = std::fs::metadata(path).map_err(io_err(path))?.len();
-    let mut f = std::fs::File::open(path).map_err(io_err(path))?;
-    let mut h = sha1::Sha1::new();
-    h.update(format!("blob {len}\0").as_bytes());
-    let mut buf = vec![0u8; 1 << 16];
-    loop {
-        let n = f.read(&mut buf).map_err(io_err(path))?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    hash_file(sha1::Sha1::new(), format!("blob {len}\0").as_bytes(), path)
 }
 
 fn sha256_file(path: &Path) -> Result<String, HubError> {
+    hash_file(Sha256::new(), b"", path)
+}
+
+/// Lower-case hex digest of `prefix` followed by the file's content, read in 64 KiB blocks.
+fn hash_file<D: Digest>(mut h: D, prefix: &[u8], path: &Path) -> Result<String, HubError> {
     let mut f = std::fs::File::open(path).map_err(io_err(path))?;
-    let mut h = Sha256::new();
+    h.update(prefix);
     let mut buf = vec![0u8; 1 << 16];
     loop {
         let n = f.read(&mut buf).map_err(io_err(path))?;
