@@ -16,7 +16,8 @@ Pinned reference stack (see scripts/requirements-fixtures.txt):
     safetensors==0.8.0  numpy==2.4.6  jinja2==3.1.6
 
 The output is deterministic (fixed seeds, single-threaded CPU torch, deterministic
-algorithms). Everything under the generated sub-directories is deleted and rewritten:
+algorithms). Only the files listed here are deleted and rewritten (the other scripts' fixtures
+beside them are kept):
 
     tests/fixtures/tokenizers/{chatml,bos}/      tiny byte-level BPE tokenizers
     tests/fixtures/models/tiny-llama/             LlamaForCausalLM, "bos" tokenizer, 2 shards
@@ -680,6 +681,17 @@ Regenerate with `/work/pyref/bin/python scripts/make_fixtures.py`
 (or any venv with `pip install -r scripts/requirements-fixtures.txt`).
 See the docstring of scripts/make_fixtures.py for layout, tokenization rules and the
 definition of every reference value.
+
+`reference/generate.json` (transformers' greedy `generate` ids for `tallow generate`) is made by
+`/work/pyref/bin/python scripts/make_generate_fixtures.py`, after the models above.
+
+`v5/` holds the same models saved by transformers 5.x (its `config.json` layout:
+`rope_parameters`, `dtype`) and what transformers 5 + PEFT 0.21 compute on them
+(`scripts/make_v5_fixtures.py`, venv from `scripts/requirements-fixtures-v5.txt`).
+`reference/config-keys.json` is every key of each family's config class under both
+transformers versions (`scripts/make_config_key_fixtures.py`, run in each venv);
+`reference/saved-models.json` the losses both versions compute on models tallow merged or
+fully fine-tuned (`scripts/make_saved_model_fixtures.py`).
 """
 
 
@@ -691,8 +703,15 @@ def main():
     torch.use_deterministic_algorithms(True)
     transformers.logging.set_verbosity_error()
 
-    for sub in ("tokenizers", "models", "data", "reference"):
+    # Only what this script writes: the other scripts' fixtures (NF4, PEFT, generate, v5,
+    # config keys, saved models, parquet) under the same folders are kept.
+    models = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
+    for sub in ["tokenizers/chatml", "tokenizers/bos"] + [f"models/{m}" for m in models]:
         shutil.rmtree(FIX / sub, ignore_errors=True)
+    for f in [f"data/{fmt}.jsonl" for fmt in DATASETS] + [
+        f"reference/{m}.{ext}" for m in models for ext in ("json", "safetensors")
+    ]:
+        (FIX / f).unlink(missing_ok=True)
     FIX.mkdir(parents=True, exist_ok=True)
     (FIX / "README.md").write_text(README, encoding="utf-8")
 

@@ -20,6 +20,28 @@ pub fn model_dir(model: &str) -> PathBuf {
     fixtures().join("models").join(model)
 }
 
+/// The two `config.json` layouts real checkpoints come in, each with its fixture root:
+/// `tests/fixtures/` was written by transformers 4.57 (`rope_theta`, `rope_scaling`),
+/// `tests/fixtures/v5/` by transformers 5.x (`rope_parameters`; same weights, tiny-qwen3 there
+/// with linear rope scaling), made by `scripts/make_v5_fixtures.py`. Each root has
+/// `models/<M>/`, `reference/<M>.json`, `reference/peft-<M>.json` (+ `-sgd.safetensors`) and
+/// `reference/generate.json`; the PEFT adapters are the ones under `tests/fixtures/adapters/`.
+pub fn layouts() -> [(&'static str, PathBuf); 2] {
+    [
+        ("transformers 4.57", fixtures()),
+        ("transformers 5", fixtures().join("v5")),
+    ]
+}
+
+/// `<root>/reference/<name>`, parsed.
+pub fn json_at(root: &std::path::Path, name: &str) -> serde_json::Value {
+    let p = root.join("reference").join(name);
+    serde_json::from_str(
+        &std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())),
+    )
+    .unwrap()
+}
+
 pub fn data_file(format: &str) -> PathBuf {
     fixtures().join("data").join(format!("{format}.jsonl"))
 }

@@ -31,8 +31,9 @@ fn generate_json(args: &[&str]) -> serde_json::Value {
 }
 
 /// The command-line arguments of one reference case.
-fn case_args(case: &serde_json::Value, max_new: u64) -> Vec<String> {
-    let model = model_dir(case["model"].as_str().unwrap());
+/// The model comes from the fixture root `root` (one per config layout, see `layouts`).
+fn case_args_at(root: &std::path::Path, case: &serde_json::Value, max_new: u64) -> Vec<String> {
+    let model = root.join("models").join(case["model"].as_str().unwrap());
     let mut a = vec![
         "--model".to_string(),
         model.to_str().unwrap().to_string(),
@@ -57,10 +58,17 @@ fn case_args(case: &serde_json::Value, max_new: u64) -> Vec<String> {
 }
 
 /// Greedy ids equal transformers' for Llama, Qwen2 and Qwen3, plain and chat prompts, with a
-/// PEFT adapter and with a repetition penalty, through the KV cache and through full recompute.
+/// PEFT adapter and with a repetition penalty, through the KV cache and through full recompute;
+/// in both config layouts (transformers 4.57's and 5's, each with its own reference).
 #[test]
 fn greedy_ids_match_transformers_with_and_without_the_cache() {
-    let r = reference();
+    for (layout, root) in layouts() {
+        greedy_ids_match(layout, &root);
+    }
+}
+
+fn greedy_ids_match(layout: &str, root: &std::path::Path) {
+    let r = json_at(root, "generate.json");
     let max_new = r["max_new_tokens"].as_u64().unwrap();
     let cases = r["cases"].as_array().unwrap();
     let families: std::collections::HashSet<&str> =
@@ -71,17 +79,21 @@ fn greedy_ids_match_transformers_with_and_without_the_cache() {
         let want_prompt = ids(&case["prompt_ids"]);
         let want = ids(&case["generated_ids"]);
         for no_cache in [false, true] {
-            let mut a = case_args(case, max_new);
+            let mut a = case_args_at(root, case, max_new);
             if no_cache {
                 a.push("--no-cache".into());
             }
             let a: Vec<&str> = a.iter().map(String::as_str).collect();
             let out = generate_json(&a);
-            assert_eq!(ids(&out["prompt_ids"]), want_prompt, "{name}: prompt ids");
+            assert_eq!(
+                ids(&out["prompt_ids"]),
+                want_prompt,
+                "{layout} {name}: prompt ids"
+            );
             assert_eq!(
                 ids(&out["generated_ids"]),
                 want,
-                "{name} (no_cache {no_cache}): generated ids"
+                "{layout} {name} (no_cache {no_cache}): generated ids"
             );
         }
     }

@@ -1,4 +1,6 @@
-//! Parity with HF transformers 4.57.1 (reference numbers from `scripts/make_fixtures.py`) for tiny
+//! Parity with HF transformers 4.57.1 (reference numbers from `scripts/make_fixtures.py`), and
+//! with transformers 5 on the same models saved in its config layout
+//! (`scripts/make_v5_fixtures.py`), for tiny
 //! random Llama (llama3 rope scaling, GQA, untied, sharded), Qwen2 (q/k/v bias, tied) and Qwen3
 //! (qk-norm, head_dim != hidden / heads) checkpoints, on rows of all three data formats.
 //!
@@ -31,50 +33,58 @@ fn nll_and_count(model: &CausalLM, rows: &[(Vec<u32>, Vec<bool>)]) -> (f64, usiz
     (total, count)
 }
 
+/// Both config layouts: the models as transformers 4.57 saved them (logits and loss) and as
+/// transformers 5 saved them (`rope_parameters`; loss, computed by transformers 5).
 #[test]
 fn f32_logits_and_loss_match_transformers_for_every_model_and_format() {
-    for model_name in MODELS {
-        let reference = reference_json(model_name);
-        let tensors = reference_tensors(model_name);
-        let model = CausalLM::load(
-            &model_dir(model_name),
-            &LoadOptions::frozen(DType::F32, &Device::Cpu),
-        )
-        .unwrap();
-        for format in FORMATS {
-            let rows = reference_rows(&reference, format);
-            assert!(!rows.is_empty());
-            for (k, (ids, _)) in rows.iter().enumerate() {
-                let input = Tensor::new(ids.as_slice(), &Device::Cpu)
+    for (layout, root) in layouts() {
+        for model_name in MODELS {
+            let reference = json_at(&root, &format!("{model_name}.json"));
+            let logits_file = root.join(format!("reference/{model_name}.safetensors"));
+            let tensors = logits_file
+                .exists()
+                .then(|| candle_core::safetensors::load(&logits_file, &Device::Cpu).unwrap());
+            let model = CausalLM::load(
+                &root.join("models").join(model_name),
+                &LoadOptions::frozen(DType::F32, &Device::Cpu),
+            )
+            .unwrap();
+            for format in FORMATS {
+                let rows = reference_rows(&reference, format);
+                assert!(!rows.is_empty());
+                for (k, (ids, _)) in rows.iter().enumerate() {
+                    let Some(tensors) = &tensors else { break };
+                    let input = Tensor::new(ids.as_slice(), &Device::Cpu)
+                        .unwrap()
+                        .unsqueeze(0)
+                        .unwrap();
+                    let logits = model.logits(&input).unwrap().squeeze(0).unwrap();
+                    let expected = &tensors[&format!("{format}.{k}.logits")];
+                    let d = max_abs_diff(&logits, expected);
+                    assert!(
+                        d < 1e-4,
+                        "{layout} {model_name} {format} row {k}: logits differ by {d}"
+                    );
+                }
+                let (nll, count) = nll_and_count(&model, &rows);
+                let f = &reference["formats"][format];
+                let want_count: u64 = f["n_targets"]
+                    .as_array()
                     .unwrap()
-                    .unsqueeze(0)
-                    .unwrap();
-                let logits = model.logits(&input).unwrap().squeeze(0).unwrap();
-                let expected = &tensors[&format!("{format}.{k}.logits")];
-                let d = max_abs_diff(&logits, expected);
+                    .iter()
+                    .map(|v| v.as_u64().unwrap())
+                    .sum();
+                assert_eq!(
+                    count as u64, want_count,
+                    "{layout} {model_name} {format}: target count"
+                );
+                let loss = nll / count as f64;
+                let want = f["loss"].as_f64().unwrap();
                 assert!(
-                    d < 1e-4,
-                    "{model_name} {format} row {k}: logits differ by {d}"
+                    (loss - want).abs() < 1e-4,
+                    "{layout} {model_name} {format}: loss {loss} vs {want}"
                 );
             }
-            let (nll, count) = nll_and_count(&model, &rows);
-            let f = &reference["formats"][format];
-            let want_count: u64 = f["n_targets"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap())
-                .sum();
-            assert_eq!(
-                count as u64, want_count,
-                "{model_name} {format}: target count"
-            );
-            let loss = nll / count as f64;
-            let want = f["loss"].as_f64().unwrap();
-            assert!(
-                (loss - want).abs() < 1e-4,
-                "{model_name} {format}: loss {loss} vs {want}"
-            );
         }
     }
 }

@@ -371,19 +371,7 @@ pub fn save_hf_model(model: &CausalLM, src_dir: &Path, out: &Path, dtype: DType)
     }
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
     save_safetensors(&staged.join("model.safetensors"), &tensors, Some(meta))?;
-    let mut cfg = model.config.raw.clone();
-    if let Some(obj) = cfg.as_object_mut() {
-        let name = match dtype {
-            DType::BF16 => "bfloat16",
-            DType::F16 => "float16",
-            _ => "float32",
-        };
-        obj.insert("torch_dtype".into(), name.into());
-        obj.remove("quantization_config");
-        if obj.contains_key("dtype") {
-            obj.insert("dtype".into(), name.into());
-        }
-    }
+    let cfg = model.config.to_hf_json(dtype);
     write_atomic(
         &staged.join("config.json"),
         serde_json::to_string_pretty(&cfg).expect("json").as_bytes(),

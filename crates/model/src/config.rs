@@ -9,6 +9,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::error::{ModelError, Result};
+use crate::hf_keys::{check_keys, HfConfig};
 use crate::{llama, qwen2, qwen3};
 
 /// The model families tallow implements, with the HF class names that select them.
@@ -133,6 +134,17 @@ fn check_quantization_config(raw: &serde_json::Value, path: &Path) -> Result<()>
     Ok(())
 }
 
+/// Checks every key of `raw` against family `T` (read, ignored or refused by name), then reads
+/// the family struct.
+fn parse<T: HfConfig>(raw: &serde_json::Value, path: &Path) -> Result<T> {
+    check_keys::<T>(raw, path)?;
+    T::deserialize(raw).map_err(|e| ModelError::Config {
+        path: path.to_path_buf(),
+        key: "(config.json)".into(),
+        msg: e.to_string(),
+    })
+}
+
 impl DecoderConfig {
     /// Reads `dir/config.json` and validates it for its family.
     pub fn from_dir(dir: &Path) -> Result<Self> {
@@ -165,23 +177,81 @@ impl DecoderConfig {
             }
         })?;
         check_quantization_config(&raw, path)?;
-        let parse_err = |e: serde_json::Error| ModelError::Config {
-            path: path.to_path_buf(),
-            key: "(config.json)".into(),
-            msg: e.to_string(),
-        };
         let cfg = match arch {
-            Arch::Llama | Arch::Mistral => llama::LlamaConfig::deserialize(&raw)
-                .map_err(parse_err)?
-                .into_config(arch, path)?,
-            Arch::Qwen2 => qwen2::Qwen2Config::deserialize(&raw)
-                .map_err(parse_err)?
-                .into_config(path)?,
-            Arch::Qwen3 => qwen3::Qwen3Config::deserialize(&raw)
-                .map_err(parse_err)?
-                .into_config(path)?,
+            Arch::Llama | Arch::Mistral => {
+                parse::<llama::LlamaConfig>(&raw, path)?.into_config(arch, path)?
+            }
+            Arch::Qwen2 => parse::<qwen2::Qwen2Config>(&raw, path)?.into_config(path)?,
+            Arch::Qwen3 => parse::<qwen3::Qwen3Config>(&raw, path)?.into_config(path)?,
         };
         Ok(DecoderConfig { raw, ..cfg })
+    }
+
+    /// `config.json` for a model tallow writes (merge, full fine-tuning): the source's keys, with
+    /// the rotary settings in both layouts (transformers 4 reads `rope_theta` / `rope_scaling`,
+    /// transformers 5 prefers `rope_parameters`) and the weights' dtype under both names
+    /// (`torch_dtype`, `dtype`), so either major loads the same model. A source's per-layer-type
+    /// `rope_parameters` is kept as it is (it agrees with the rest: checked on load);
+    /// `quantization_config` is dropped (the weights written are dense).
+    pub fn to_hf_json(&self, dtype: candle_core::DType) -> serde_json::Value {
+        let mut cfg = self.raw.clone();
+        let Some(obj) = cfg.as_object_mut() else {
+            return cfg;
+        };
+        let dtype = match dtype {
+            candle_core::DType::BF16 => "bfloat16",
+            candle_core::DType::F16 => "float16",
+            _ => "float32",
+        };
+        obj.insert("torch_dtype".into(), dtype.into());
+        obj.insert("dtype".into(), dtype.into());
+        obj.remove("quantization_config");
+        let num = |x: f64| -> serde_json::Value {
+            if x.fract() == 0.0 && x.abs() < 1e15 {
+                (x as i64).into()
+            } else {
+                x.into()
+            }
+        };
+        let (kind, mut params) = match &self.rope_scaling {
+            None => ("default", serde_json::Map::new()),
+            Some(RopeScaling::Linear { factor }) => {
+                let mut m = serde_json::Map::new();
+                m.insert("factor".into(), (*factor).into());
+                ("linear", m)
+            }
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => {
+                let mut m = serde_json::Map::new();
+                m.insert("factor".into(), (*factor).into());
+                m.insert("low_freq_factor".into(), (*low_freq_factor).into());
+                m.insert("high_freq_factor".into(), (*high_freq_factor).into());
+                m.insert(
+                    "original_max_position_embeddings".into(),
+                    num(*original_max_position_embeddings),
+                );
+                ("llama3", m)
+            }
+        };
+        params.insert("rope_type".into(), kind.into());
+        obj.insert(
+            "rope_scaling".into(),
+            if self.rope_scaling.is_some() {
+                params.clone().into()
+            } else {
+                serde_json::Value::Null
+            },
+        );
+        obj.insert("rope_theta".into(), self.rope_theta.into());
+        if obj.get("rope_parameters").is_none_or(|p| p.is_null()) {
+            params.insert("rope_theta".into(), self.rope_theta.into());
+            obj.insert("rope_parameters".into(), params.into());
+        }
+        cfg
     }
 
     /// Number of parameters of the full model (embeddings counted once when tied).
@@ -230,42 +300,205 @@ pub(crate) mod raw {
         }
     }
 
-    /// Parses `rope_scaling` (null, or an object with `rope_type` or the older `type`).
-    pub fn rope_scaling(v: &Option<serde_json::Value>, path: &Path) -> Result<Option<RopeScaling>> {
-        let Some(v) = v else { return Ok(None) };
-        if v.is_null() {
-            return Ok(None);
-        }
+    /// The rotary settings, read from either layout transformers writes:
+    /// - transformers 4: top-level `rope_theta` and `rope_scaling` (null, or an object with
+    ///   `rope_type`, or the older `type`, and the type's parameters);
+    /// - transformers 5: `rope_parameters`, one object with `rope_type`, `rope_theta` and the
+    ///   type's parameters, or one such object per layer type
+    ///   (`{"full_attention": {...}, "sliding_attention": {...}}`).
+    ///
+    /// `layer_types` are the layer types this model has (each one's parameters must agree:
+    /// tallow runs one rotary table). When both layouts are present they must agree.
+    pub fn rope(
+        rope_theta: Option<f64>,
+        rope_scaling: &Option<serde_json::Value>,
+        rope_parameters: &Option<serde_json::Value>,
+        layer_types: &[String],
+        default_theta: f64,
+        path: &Path,
+    ) -> Result<(f64, Option<RopeScaling>)> {
+        let legacy_scaling = match rope_scaling {
+            Some(v) if !v.is_null() => Some(rope_object(v, "rope_scaling", path)?),
+            _ => None,
+        };
+        let legacy = (
+            rope_theta
+                .or(legacy_scaling.as_ref().and_then(|r| r.theta))
+                .unwrap_or(default_theta),
+            legacy_scaling.and_then(|r| r.scaling),
+        );
+        let Some(params) = rope_parameters.as_ref().filter(|v| !v.is_null()) else {
+            return Ok(legacy);
+        };
         let err = |msg: String| ModelError::Config {
             path: path.to_path_buf(),
-            key: "rope_scaling".into(),
+            key: "rope_parameters".into(),
             msg,
         };
-        let kind = v
-            .get("rope_type")
-            .or_else(|| v.get("type"))
-            .and_then(|t| t.as_str())
-            .ok_or_else(|| err("no `rope_type`".into()))?;
+        let is_single = params.as_object().is_some_and(|o| {
+            o.contains_key("rope_type") || o.contains_key("type") || o.contains_key("rope_theta")
+        });
+        let parsed = if is_single {
+            rope_object(params, "rope_parameters", path)?
+        } else {
+            // One object per layer type: the types this model has must all agree.
+            let obj = params
+                .as_object()
+                .ok_or_else(|| err(format!("expected an object, found {params}")))?;
+            let mut seen: Option<(String, RopeObject)> = None;
+            for t in layer_types {
+                let v = obj.get(t).ok_or_else(|| {
+                    err(format!(
+                        "no rotary parameters for layer type `{t}` (has: {})",
+                        obj.keys().cloned().collect::<Vec<_>>().join(", ")
+                    ))
+                })?;
+                let r = rope_object(v, &format!("rope_parameters.{t}"), path)?;
+                match &seen {
+                    Some((first, r0)) if *r0 != r => {
+                        return Err(err(format!(
+                            "layer types `{first}` and `{t}` have different rotary parameters; \
+                             tallow runs one rotary table for every layer of this family"
+                        )))
+                    }
+                    Some(_) => {}
+                    None => seen = Some((t.clone(), r)),
+                }
+            }
+            seen.map(|(_, r)| r)
+                .ok_or_else(|| err("the model has no layer types".into()))?
+        };
+        let theta = parsed.theta.or(rope_theta).unwrap_or(default_theta);
+        let new = (theta, parsed.scaling);
+        let has_legacy =
+            rope_theta.is_some() || rope_scaling.as_ref().is_some_and(|v| !v.is_null());
+        if has_legacy && new != legacy {
+            return Err(err(format!(
+                "this key (transformers 5) and `rope_theta` / `rope_scaling` (transformers 4) \
+                 disagree: theta {} with {:?} here, theta {} with {:?} there; remove the stale one",
+                new.0, new.1, legacy.0, legacy.1
+            )));
+        }
+        Ok(new)
+    }
+
+    /// One rotary-parameter object: `rope_type` (or `type`; absent = default), an optional
+    /// `rope_theta`, and the type's own numbers.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct RopeObject {
+        pub theta: Option<f64>,
+        pub scaling: Option<RopeScaling>,
+    }
+
+    fn rope_object(v: &serde_json::Value, key: &str, path: &Path) -> Result<RopeObject> {
+        let err = |msg: String| ModelError::Config {
+            path: path.to_path_buf(),
+            key: key.into(),
+            msg,
+        };
+        let obj = v
+            .as_object()
+            .ok_or_else(|| err(format!("expected an object, found {v}")))?;
+        let kind = match obj.get("rope_type").or_else(|| obj.get("type")) {
+            Some(t) => t
+                .as_str()
+                .ok_or_else(|| err(format!("`rope_type` must be a string, found {t}")))?,
+            None if key == "rope_scaling" => return Err(err("no `rope_type`".into())),
+            None => "default",
+        };
         let num = |k: &str| {
-            v.get(k)
+            obj.get(k)
                 .and_then(|x| x.as_f64())
                 .ok_or_else(|| err(format!("`{kind}` scaling needs a number `{k}`")))
         };
-        match kind {
-            "default" => Ok(None),
-            "llama3" => Ok(Some(RopeScaling::Llama3 {
+        let theta = match obj.get("rope_theta") {
+            None => None,
+            Some(t) => Some(
+                t.as_f64()
+                    .ok_or_else(|| err(format!("`rope_theta` must be a number, found {t}")))?,
+            ),
+        };
+        // transformers 5 keeps a partial rotary fraction here; the Llama / Qwen layout rotates
+        // the whole head.
+        if let Some(f) = obj.get("partial_rotary_factor") {
+            if f.as_f64() != Some(1.0) {
+                return Err(err(format!(
+                    "`partial_rotary_factor` {f} is not supported (tallow rotates the whole head)"
+                )));
+            }
+        }
+        let scaling = match kind {
+            "default" => None,
+            "llama3" => Some(RopeScaling::Llama3 {
                 factor: num("factor")?,
                 low_freq_factor: num("low_freq_factor")?,
                 high_freq_factor: num("high_freq_factor")?,
                 original_max_position_embeddings: num("original_max_position_embeddings")?,
-            })),
-            "linear" => Ok(Some(RopeScaling::Linear {
+            }),
+            "linear" => Some(RopeScaling::Linear {
                 factor: num("factor")?,
-            })),
-            other => Err(err(format!(
-                "rope type `{other}` is not supported (supported: default, llama3, linear)"
-            ))),
+            }),
+            other => {
+                return Err(err(format!(
+                    "rope type `{other}` is not supported (supported: default, llama3, linear)"
+                )))
+            }
+        };
+        Ok(RopeObject { theta, scaling })
+    }
+
+    /// `layer_types` (transformers >= 4.56 writes it for some families, 5.x for most): one entry
+    /// per layer; `allowed` are the types this family runs. Absent: every layer `full_attention`.
+    pub fn layer_types(
+        types: &Option<Vec<String>>,
+        num_layers: usize,
+        allowed: &[&str],
+        family: &str,
+        path: &Path,
+    ) -> Result<Vec<String>> {
+        let Some(types) = types else {
+            return Ok(vec!["full_attention".to_string()]);
+        };
+        let err = |msg: String| ModelError::Config {
+            path: path.to_path_buf(),
+            key: "layer_types".into(),
+            msg,
+        };
+        if types.len() != num_layers {
+            return Err(err(format!(
+                "has {} entries but num_hidden_layers is {num_layers}",
+                types.len()
+            )));
         }
+        let mut distinct: Vec<String> = Vec::new();
+        for t in types {
+            if !allowed.contains(&t.as_str()) {
+                return Err(err(format!(
+                    "layer type `{t}` is not supported by tallow's {family} (supported: {})",
+                    allowed.join(", ")
+                )));
+            }
+            if !distinct.contains(t) {
+                distinct.push(t.clone());
+            }
+        }
+        Ok(distinct)
+    }
+
+    /// `attention_dropout`: transformers drops attention probabilities while training; tallow's
+    /// attention has no dropout, so only 0 is accepted.
+    pub fn check_attention_dropout(p: f64, path: &Path) -> Result<()> {
+        if p != 0.0 {
+            return Err(ModelError::Config {
+                path: path.to_path_buf(),
+                key: "attention_dropout".into(),
+                msg: format!(
+                    "{p} is not supported (tallow's attention has no dropout); set it to 0.0 \
+                     (LoRA dropout is `lora.dropout` in the training config)"
+                ),
+            });
+        }
+        Ok(())
     }
 
     pub fn check_act(act: &str, path: &Path) -> Result<()> {
@@ -295,5 +528,191 @@ pub(crate) mod raw {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Value};
+
+    fn parse(v: &Value) -> Result<DecoderConfig> {
+        DecoderConfig::from_json_str(&v.to_string(), Path::new("m/config.json"))
+    }
+
+    fn base(arch: &str, model_type: &str) -> Value {
+        json!({
+            "architectures": [arch], "model_type": model_type, "vocab_size": 100,
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2,
+        })
+    }
+
+    fn with(mut v: Value, extra: Value) -> Value {
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        v
+    }
+
+    const FAMILIES: [(&str, &str); 3] = [
+        ("LlamaForCausalLM", "llama"),
+        ("Qwen2ForCausalLM", "qwen2"),
+        ("Qwen3ForCausalLM", "qwen3"),
+    ];
+
+    /// Each rope type tallow supports, as transformers 4 writes it (top-level `rope_theta`,
+    /// `rope_scaling`, `torch_dtype`) and as transformers 5 does (`rope_parameters`, `dtype`),
+    /// single and per layer type: the same settings for every family.
+    #[test]
+    fn rope_settings_read_the_same_from_both_layouts() {
+        let llama3 = json!({"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64});
+        let cases: Vec<(&str, Value, Option<RopeScaling>)> = vec![
+            ("default", json!({}), None),
+            (
+                "linear",
+                json!({"factor": 2.5}),
+                Some(RopeScaling::Linear { factor: 2.5 }),
+            ),
+            (
+                "llama3",
+                llama3.clone(),
+                Some(RopeScaling::Llama3 {
+                    factor: 8.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position_embeddings: 64.0,
+                }),
+            ),
+        ];
+        for (arch, mt) in FAMILIES {
+            for (kind, params, want) in &cases {
+                let mut scaling = params.clone();
+                scaling["rope_type"] = json!(kind);
+                let v4 = with(
+                    base(arch, mt),
+                    json!({"rope_theta": 5e5, "torch_dtype": "float32",
+                        "rope_scaling": if *kind == "default" { Value::Null } else { scaling.clone() }}),
+                );
+                let mut v5_params = scaling.clone();
+                v5_params["rope_theta"] = json!(5e5);
+                let v5 = with(
+                    base(arch, mt),
+                    json!({"rope_parameters": v5_params.clone(), "dtype": "float32"}),
+                );
+                let v5_per_type = with(
+                    base(arch, mt),
+                    json!({"rope_parameters": {"full_attention": v5_params.clone()},
+                        "layer_types": ["full_attention", "full_attention"]}),
+                );
+                // the older `type` key of rope_scaling
+                let mut old_type = params.clone();
+                old_type["type"] = json!(kind);
+                let v4_type = with(
+                    base(arch, mt),
+                    json!({"rope_theta": 5e5,
+                        "rope_scaling": if *kind == "default" { Value::Null } else { old_type }}),
+                );
+                // both layouts present and agreeing (what tallow itself writes)
+                let both = with(v4.clone(), json!({"rope_parameters": v5_params.clone()}));
+                for (layout, v) in [
+                    ("v4", &v4),
+                    ("v4 type", &v4_type),
+                    ("v5", &v5),
+                    ("v5 per layer type", &v5_per_type),
+                    ("both", &both),
+                ] {
+                    let c = parse(v).unwrap_or_else(|e| panic!("{mt} {kind} {layout}: {e}"));
+                    assert_eq!(c.rope_theta, 5e5, "{mt} {kind} {layout}");
+                    assert_eq!(&c.rope_scaling, want, "{mt} {kind} {layout}");
+                }
+            }
+            // the default theta when neither layout gives one
+            assert_eq!(parse(&base(arch, mt)).unwrap().rope_theta, 10000.0);
+        }
+    }
+
+    #[test]
+    fn rope_layouts_that_disagree_or_are_not_implemented_are_refused_by_name() {
+        for (arch, mt) in FAMILIES {
+            let refused = |extra: Value, needles: &[&str]| {
+                let e = parse(&with(base(arch, mt), extra.clone()))
+                    .err()
+                    .unwrap_or_else(|| panic!("{mt}: {extra} was accepted"))
+                    .to_string();
+                assert!(e.contains("m/config.json"), "{e}");
+                for n in needles {
+                    assert!(e.contains(n), "{mt}: `{n}` not in: {e}");
+                }
+            };
+            refused(
+                json!({"rope_theta": 1e4, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
+                &["`rope_parameters`", "rope_theta", "disagree", "stale"],
+            );
+            refused(
+                json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}),
+                &["`rope_parameters`", "`yarn`", "default, llama3, linear"],
+            );
+            refused(
+                json!({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+                &["`rope_scaling`", "`dynamic`"],
+            );
+            refused(
+                json!({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6}}),
+                &["`rope_parameters`", "needs a number `factor`"],
+            );
+            refused(
+                json!({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                    "partial_rotary_factor": 0.5}}),
+                &["partial_rotary_factor"],
+            );
+            refused(
+                json!({"layer_types": ["full_attention", "sliding_attention"],
+                    "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
+                &["`layer_types`", "`sliding_attention`"],
+            );
+            refused(
+                json!({"rope_parameters": {"sliding_attention": {"rope_type": "default"}}}),
+                &["`rope_parameters`", "`full_attention`"],
+            );
+            refused(
+                json!({"layer_types": ["full_attention"]}),
+                &["`layer_types`", "1 entries"],
+            );
+            refused(
+                json!({"attention_dropout": 0.1}),
+                &["`attention_dropout`", "0.1"],
+            );
+            refused(
+                json!({"attn_logit_softcapping": 50.0}),
+                &["`attn_logit_softcapping`", "not implemented", "50.0"],
+            );
+            refused(
+                json!({"is_encoder_decoder": true}),
+                &["`is_encoder_decoder`"],
+            );
+        }
+    }
+
+    #[test]
+    fn mistral_layer_types_follow_its_window() {
+        let m = with(
+            base("MistralForCausalLM", "mistral"),
+            json!({"sliding_window": 8, "layer_types": ["sliding_attention", "sliding_attention"],
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
+        );
+        let c = parse(&m).unwrap();
+        assert_eq!((c.sliding_window, c.rope_theta), (Some(8), 1e6));
+        let bad = with(
+            m,
+            json!({"layer_types": ["full_attention", "full_attention"]}),
+        );
+        let e = parse(&bad).unwrap_err().to_string();
+        assert!(
+            e.contains("`layer_types`") && e.contains("`full_attention`"),
+            "{e}"
+        );
     }
 }

@@ -12,6 +12,7 @@ pub mod checkpointing;
 pub mod config;
 pub mod error;
 pub mod generate;
+pub mod hf_keys;
 pub mod io;
 pub mod linear;
 pub mod llama;

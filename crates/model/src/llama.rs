@@ -8,9 +8,12 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::config::raw::{check_act, check_heads, rope_scaling, TokenIds};
+use crate::config::raw::{
+    check_act, check_attention_dropout, check_heads, layer_types, rope, TokenIds,
+};
 use crate::config::{Arch, DecoderConfig};
 use crate::error::{ModelError, Result};
+use crate::hf_keys::HfConfig;
 
 /// `config.json` of `LlamaForCausalLM` / `MistralForCausalLM`, keys and defaults as in HF.
 #[derive(Debug, Clone, Deserialize)]
@@ -28,10 +31,17 @@ pub struct LlamaConfig {
     pub max_position_embeddings: usize,
     #[serde(default = "eps")]
     pub rms_norm_eps: f64,
-    #[serde(default = "theta")]
-    pub rope_theta: f64,
+    /// transformers 4 layout; transformers 5 writes `rope_parameters` instead.
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
     #[serde(default)]
     pub rope_scaling: Option<serde_json::Value>,
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    #[serde(default)]
+    pub attention_dropout: f64,
     #[serde(default)]
     pub attention_bias: bool,
     #[serde(default)]
@@ -57,8 +67,11 @@ fn max_pos() -> usize {
 fn eps() -> f64 {
     1e-6
 }
-fn theta() -> f64 {
-    10000.0
+const DEFAULT_THETA: f64 = 10000.0;
+
+impl HfConfig for LlamaConfig {
+    const FAMILY: &'static str = "Llama";
+    const IGNORED: &'static [&'static str] = &[];
 }
 
 impl LlamaConfig {
@@ -66,6 +79,29 @@ impl LlamaConfig {
         check_act(&self.hidden_act, path)?;
         let kv = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
         check_heads(self.hidden_size, self.num_attention_heads, kv, path)?;
+        check_attention_dropout(self.attention_dropout, path)?;
+        // Mistral's window applies to every layer (`sliding_window`); transformers 5 may spell
+        // it out per layer, which must then agree with it.
+        let (family, allowed): (&str, &[&str]) = match (arch, self.sliding_window) {
+            (Arch::Mistral, Some(_)) => ("Mistral", &["sliding_attention"]),
+            (Arch::Mistral, None) => ("Mistral", &["full_attention"]),
+            _ => ("Llama", &["full_attention"]),
+        };
+        let types = layer_types(
+            &self.layer_types,
+            self.num_hidden_layers,
+            allowed,
+            family,
+            path,
+        )?;
+        let (rope_theta, rope_scaling) = rope(
+            self.rope_theta,
+            &self.rope_scaling,
+            &self.rope_parameters,
+            &types,
+            DEFAULT_THETA,
+            path,
+        )?;
         if self.pretraining_tp.unwrap_or(1) != 1 {
             return Err(ModelError::Config {
                 path: path.to_path_buf(),
@@ -85,8 +121,8 @@ impl LlamaConfig {
                 .head_dim
                 .unwrap_or(self.hidden_size / self.num_attention_heads),
             rms_norm_eps: self.rms_norm_eps,
-            rope_theta: self.rope_theta,
-            rope_scaling: rope_scaling(&self.rope_scaling, path)?,
+            rope_theta,
+            rope_scaling,
             max_position_embeddings: self.max_position_embeddings,
             qkv_bias: self.attention_bias,
             o_bias: self.attention_bias,

@@ -8,9 +8,12 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::config::raw::{check_act, check_heads, rope_scaling, TokenIds};
+use crate::config::raw::{
+    check_act, check_attention_dropout, check_heads, layer_types, rope, TokenIds,
+};
 use crate::config::{Arch, DecoderConfig};
 use crate::error::{ModelError, Result};
+use crate::hf_keys::HfConfig;
 
 /// `config.json` of `Qwen2ForCausalLM`, keys and defaults as in HF.
 #[derive(Debug, Clone, Deserialize)]
@@ -27,10 +30,17 @@ pub struct Qwen2Config {
     pub max_position_embeddings: usize,
     #[serde(default = "eps")]
     pub rms_norm_eps: f64,
-    #[serde(default = "theta")]
-    pub rope_theta: f64,
+    /// transformers 4 layout; transformers 5 writes `rope_parameters` instead.
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
     #[serde(default)]
     pub rope_scaling: Option<serde_json::Value>,
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    #[serde(default)]
+    pub attention_dropout: f64,
     #[serde(default)]
     pub tie_word_embeddings: bool,
     #[serde(default)]
@@ -50,8 +60,12 @@ fn max_pos() -> usize {
 fn eps() -> f64 {
     1e-6
 }
-fn theta() -> f64 {
-    10000.0
+const DEFAULT_THETA: f64 = 10000.0;
+
+impl HfConfig for Qwen2Config {
+    const FAMILY: &'static str = "Qwen2";
+    /// Only used with `use_sliding_window = true`, which is refused.
+    const IGNORED: &'static [&'static str] = &["sliding_window", "max_window_layers"];
 }
 
 impl Qwen2Config {
@@ -59,6 +73,7 @@ impl Qwen2Config {
         check_act(&self.hidden_act, path)?;
         let kv = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
         check_heads(self.hidden_size, self.num_attention_heads, kv, path)?;
+        check_attention_dropout(self.attention_dropout, path)?;
         if self.use_sliding_window {
             return Err(ModelError::Config {
                 path: path.to_path_buf(),
@@ -66,6 +81,21 @@ impl Qwen2Config {
                 msg: "sliding-window Qwen2 is not supported; set it to false".into(),
             });
         }
+        let types = layer_types(
+            &self.layer_types,
+            self.num_hidden_layers,
+            &["full_attention"],
+            "Qwen2",
+            path,
+        )?;
+        let (rope_theta, rope_scaling) = rope(
+            self.rope_theta,
+            &self.rope_scaling,
+            &self.rope_parameters,
+            &types,
+            DEFAULT_THETA,
+            path,
+        )?;
         Ok(DecoderConfig {
             arch: Arch::Qwen2,
             vocab_size: self.vocab_size,
@@ -76,8 +106,8 @@ impl Qwen2Config {
             num_key_value_heads: kv,
             head_dim: self.hidden_size / self.num_attention_heads,
             rms_norm_eps: self.rms_norm_eps,
-            rope_theta: self.rope_theta,
-            rope_scaling: rope_scaling(&self.rope_scaling, path)?,
+            rope_theta,
+            rope_scaling,
             max_position_embeddings: self.max_position_embeddings,
             qkv_bias: true,
             o_bias: false,

@@ -9,9 +9,12 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::config::raw::{check_act, check_heads, rope_scaling, TokenIds};
+use crate::config::raw::{
+    check_act, check_attention_dropout, check_heads, layer_types, rope, TokenIds,
+};
 use crate::config::{Arch, DecoderConfig};
 use crate::error::{ModelError, Result};
+use crate::hf_keys::HfConfig;
 
 /// `config.json` of `Qwen3ForCausalLM`, keys and defaults as in HF.
 #[derive(Debug, Clone, Deserialize)]
@@ -30,10 +33,17 @@ pub struct Qwen3Config {
     pub max_position_embeddings: usize,
     #[serde(default = "eps")]
     pub rms_norm_eps: f64,
-    #[serde(default = "theta")]
-    pub rope_theta: f64,
+    /// transformers 4 layout; transformers 5 writes `rope_parameters` instead.
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
     #[serde(default)]
     pub rope_scaling: Option<serde_json::Value>,
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    #[serde(default)]
+    pub attention_dropout: f64,
     #[serde(default)]
     pub attention_bias: bool,
     #[serde(default)]
@@ -58,8 +68,12 @@ fn max_pos() -> usize {
 fn eps() -> f64 {
     1e-6
 }
-fn theta() -> f64 {
-    10000.0
+const DEFAULT_THETA: f64 = 10000.0;
+
+impl HfConfig for Qwen3Config {
+    const FAMILY: &'static str = "Qwen3";
+    /// Only used with `use_sliding_window = true`, which is refused.
+    const IGNORED: &'static [&'static str] = &["sliding_window", "max_window_layers"];
 }
 
 impl Qwen3Config {
@@ -67,6 +81,7 @@ impl Qwen3Config {
         check_act(&self.hidden_act, path)?;
         let kv = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
         check_heads(self.hidden_size, self.num_attention_heads, kv, path)?;
+        check_attention_dropout(self.attention_dropout, path)?;
         if self.use_sliding_window {
             return Err(ModelError::Config {
                 path: path.to_path_buf(),
@@ -74,6 +89,21 @@ impl Qwen3Config {
                 msg: "sliding-window Qwen3 is not supported; set it to false".into(),
             });
         }
+        let types = layer_types(
+            &self.layer_types,
+            self.num_hidden_layers,
+            &["full_attention"],
+            "Qwen3",
+            path,
+        )?;
+        let (rope_theta, rope_scaling) = rope(
+            self.rope_theta,
+            &self.rope_scaling,
+            &self.rope_parameters,
+            &types,
+            DEFAULT_THETA,
+            path,
+        )?;
         Ok(DecoderConfig {
             arch: Arch::Qwen3,
             vocab_size: self.vocab_size,
@@ -84,8 +114,8 @@ impl Qwen3Config {
             num_key_value_heads: kv,
             head_dim: self.head_dim,
             rms_norm_eps: self.rms_norm_eps,
-            rope_theta: self.rope_theta,
-            rope_scaling: rope_scaling(&self.rope_scaling, path)?,
+            rope_theta,
+            rope_scaling,
             max_position_embeddings: self.max_position_embeddings,
             qkv_bias: self.attention_bias,
             o_bias: self.attention_bias,

@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""The full key set of each family's transformers config class, for the config-key test (dev-only).
+
+Run once per transformers major version (each adds its own entry, the others are kept):
+
+    /work/pyref/bin/python  scripts/make_config_key_fixtures.py   # transformers 4.57.1
+    /work/pyref5/bin/python scripts/make_config_key_fixtures.py   # transformers 5.x
+
+Writes tests/fixtures/reference/config-keys.json:
+
+    {"<transformers version>": {"<HF class>": {"model_type": ..., "keys": {key: default value}}}}
+
+where the keys are `ConfigClass().to_dict()` (every attribute a config of that class carries,
+generic PretrainedConfig ones included) merged with the keys `save_pretrained` writes for a small
+instance with rope scaling (`config.json` as transformers writes it). Values that are not JSON
+become their repr.
+"""
+
+import json
+import tempfile
+from pathlib import Path
+
+import transformers
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "tests" / "fixtures" / "reference" / "config-keys.json"
+SMALL = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+def jsonable(v):
+    try:
+        json.dumps(v)
+        return v
+    except TypeError:
+        return repr(v)
+
+
+def keys_of(cls):
+    full = {k: jsonable(v) for k, v in cls().to_dict().items()}
+    major = int(transformers.__version__.split(".")[0])
+    rope = {"rope_type": "linear", "factor": 2.0}
+    kw = dict(SMALL)
+    if major >= 5:
+        kw["rope_parameters"] = dict(rope, rope_theta=1e6)
+    else:
+        kw.update(rope_theta=1e6, rope_scaling=rope)
+    with tempfile.TemporaryDirectory() as d:
+        cls(**kw).save_pretrained(d)
+        saved = json.loads((Path(d) / "config.json").read_text())
+    for k, v in saved.items():
+        full.setdefault(k, jsonable(v))
+    return {"model_type": cls.model_type, "keys": dict(sorted(full.items()))}
+
+
+def main():
+    doc = json.loads(OUT.read_text()) if OUT.exists() else {}
+    doc[transformers.__version__] = {
+        cls.__name__.replace("Config", "ForCausalLM"): keys_of(cls)
+        for cls in (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
+    }
+    OUT.write_text(json.dumps(dict(sorted(doc.items())), indent=1, sort_keys=True) + "\n")
+    for v, classes in doc.items():
+        print(v, {c: len(x["keys"]) for c, x in classes.items()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""Reference fixtures from transformers 5.x: the tiny models in the config.json layout that
+transformers 5 writes, and what transformers 5 + PEFT compute on them (dev-only).
+
+Run (from the repository root, after scripts/make_fixtures.py, make_peft_fixtures.py and
+make_generate_fixtures.py have made the transformers 4.57 fixtures):
+
+    python -m venv /work/pyref5
+    /work/pyref5/bin/pip install -r scripts/requirements-fixtures-v5.txt
+    /work/pyref5/bin/python scripts/make_v5_fixtures.py
+
+Only tests/fixtures/v5/ is deleted and rewritten; the 4.57 fixtures are read, never modified.
+
+    tests/fixtures/v5/models/<M>/                 the 4.57 model <M>, loaded by transformers 5 and
+                                                  saved by its save_pretrained: config.json with
+                                                  `rope_parameters` (no `rope_theta` /
+                                                  `rope_scaling`) and `dtype`; the tokenizer files
+                                                  copied as written (tokenizer.json,
+                                                  tokenizer_config.json, chat_template.jinja).
+                                                  tiny-qwen3 is switched to linear rope scaling
+                                                  (factor 2, theta 1e6) so that a second rope type
+                                                  has a 5.x fixture.
+    tests/fixtures/v5/reference/<M>.json          rows (the 4.57 reference's ids and targets), and
+                                                  per format: nll_sum, n_targets, loss
+    tests/fixtures/v5/reference/peft-<M>.json     the 4.57 PEFT adapter tests/fixtures/adapters/
+                                                  <M>-peft loaded by PEFT 0.21 on this model: loss
+                                                  per format; one SGD step (lr 0.5) on the text
+                                                  rows: sgd_loss_before / sgd_loss_after
+    tests/fixtures/v5/reference/peft-<M>-sgd.safetensors   "after.<key>" / "grad.<key>"
+    tests/fixtures/v5/reference/generate.json     the cases of tests/fixtures/reference/
+                                                  generate.json (same prompt ids), greedy
+                                                  `generate` under transformers 5
+
+Every loss is computed as scripts/make_fixtures.py computes it (row_nll: f32 model, eager
+attention, each row alone, NLL summed in float64). The tokenizer is never rebuilt:
+transformers 5's AutoTokenizer may construct a family's pre-tokenizer from its class instead
+of using tokenizer.json as written; these fixtures only reuse the 4.57 reference's token ids,
+and the script checks that a tokenizer loaded from tokenizer.json (PreTrainedTokenizerFast with
+tokenizer_file) reproduces them.
+"""
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import torch  # noqa: E402
+import peft  # noqa: E402
+import transformers  # noqa: E402
+from peft import PeftModel  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_fixtures as mf  # noqa: E402  (row_nll, DATASETS, encode_*)
+
+FIX = mf.FIX
+OUT = FIX / "v5"
+MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
+SGD_LR = 0.5
+PINNED = {"transformers": "5.23.0", "peft": "0.21.2", "torch": "2.8.0"}
+VERSIONS = {
+    "torch": torch.__version__,
+    "transformers": transformers.__version__,
+    "peft": peft.__version__,
+}
+# A second rope type under the 5.x layout (the 4.57 tiny-qwen3 has plain rope, theta 1e6).
+ROPE_OVERRIDE = {"tiny-qwen3": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def load(model_dir: Path, config=None):
+    kw = {"config": config} if config is not None else {}
+    m = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), attn_implementation="eager", dtype=torch.float32, **kw
+    )
+    m.eval()
+    return m
+
+
+def build_model(name: str) -> Path:
+    src = FIX / "models" / name
+    out = OUT / "models" / name
+    cfg = AutoConfig.from_pretrained(str(src))
+    if name in ROPE_OVERRIDE:
+        cfg.rope_parameters = dict(ROPE_OVERRIDE[name])
+    model = load(src, cfg)
+    model.save_pretrained(str(out))
+    for f in TOKENIZER_FILES:
+        if (src / f).exists():
+            shutil.copy(src / f, out / f)
+    c = json.loads((out / "config.json").read_text())
+    assert "rope_parameters" in c and "rope_theta" not in c and "rope_scaling" not in c, c
+    assert "dtype" in c and "torch_dtype" not in c, c
+    assert c["transformers_version"].startswith("5."), c["transformers_version"]
+    # same weights as the 4.57 model
+    ref = load(src)
+    for (k, a), (k2, b) in zip(ref.state_dict().items(), load(out).state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k
+    return out
+
+
+def check_tokenizer(model_dir: Path, ref):
+    """tokenizer.json as written gives the 4.57 reference's ids for the text rows."""
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
+    for row, r in zip(mf.DATASETS["text"], ref["formats"]["text"]["rows"]):
+        ids = tok(row["text"], add_special_tokens=True).input_ids
+        n = min(len(ids), len(r["ids"]))  # reference rows: + eos, truncated to 32
+        assert ids[:n] == r["ids"][:n], (model_dir.name, ids, r["ids"])
+
+
+def eval_losses(model, ref):
+    out = {}
+    with torch.no_grad():
+        for fmt, f in ref["formats"].items():
+            nlls, ns = [], []
+            for r in f["rows"]:
+                nll, _ = mf.row_nll(model, r["ids"], r["targets"])
+                nlls.append(nll.item())
+                ns.append(sum(r["targets"]))
+            out[fmt] = {"rows": f["rows"], "nll_sum": nlls, "n_targets": ns, "loss": sum(nlls) / sum(ns)}
+    return out
+
+
+def text_loss(model, ref):
+    rows = ref["formats"]["text"]["rows"]
+    total = sum(mf.row_nll(model, r["ids"], r["targets"])[0] for r in rows)
+    return total / sum(sum(r["targets"]) for r in rows)
+
+
+def file_key_to_param(key: str) -> str:
+    for part in (".lora_A.", ".lora_B."):
+        if part in key:
+            head, tail = key.split(part, 1)
+            return f"{head}{part}default.{tail}"
+    raise ValueError(key)
+
+
+def peft_reference(name: str, model_dir: Path, ref):
+    adapter = FIX / "adapters" / f"{name}-peft"
+    m = PeftModel.from_pretrained(load(model_dir), str(adapter))
+    m.eval()
+    losses = {fmt: {"loss": v["loss"]} for fmt, v in eval_losses(m, ref).items()}
+
+    m = PeftModel.from_pretrained(load(model_dir), str(adapter), is_trainable=True)
+    m.eval()
+    sd = load_file(str(adapter / "adapter_model.safetensors"))
+    params = dict(m.named_parameters())
+    trainable = {n: p for n, p in params.items() if p.requires_grad}
+    key_of = {file_key_to_param(k): k for k in sd}
+    assert set(key_of) == set(trainable), set(key_of) ^ set(trainable)
+    for pn, k in key_of.items():
+        assert torch.equal(params[pn].detach(), sd[k]), k
+    opt = torch.optim.SGD(list(trainable.values()), lr=SGD_LR)
+    opt.zero_grad(set_to_none=True)
+    loss = text_loss(m, ref)
+    loss.backward()
+    before = loss.item()
+    tensors = {}
+    for pn, p in trainable.items():
+        tensors[f"grad.{key_of[pn]}"] = p.grad.detach().float().clone().contiguous()
+    opt.step()
+    for pn, p in trainable.items():
+        tensors[f"after.{key_of[pn]}"] = p.detach().float().clone().contiguous()
+    with torch.no_grad():
+        after = text_loss(m, ref).item()
+    assert after < before, (before, after)
+    path = OUT / "reference" / f"peft-{name}-sgd.safetensors"
+    save_file(dict(sorted(tensors.items())), str(path), metadata={"format": "pt"})
+    return {
+        "versions": VERSIONS,
+        "adapters": {"peft": {"adapter_dir": str(adapter.relative_to(mf.REPO)), "formats": losses}},
+        "sgd": {"adapter": "peft", "lr": SGD_LR, "sgd_loss_before": before, "sgd_loss_after": after},
+    }
+
+
+def generate_reference():
+    src = json.loads((FIX / "reference" / "generate.json").read_text())
+    max_new = src["max_new_tokens"]
+    cases = []
+    for case in src["cases"]:
+        mdir = OUT / "models" / case["model"]
+        model = load(mdir)
+        if case["adapter"]:
+            model = PeftModel.from_pretrained(model, str(FIX / "adapters" / case["adapter"]))
+            model.eval()
+        x = torch.tensor([case["prompt_ids"]])
+        with torch.no_grad():
+            y = model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=max_new,
+                repetition_penalty=case["repetition_penalty"],
+                pad_token_id=0,
+            )
+        gen = y[0, x.shape[1]:].tolist()
+        eos = model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos])
+        c = dict(case, generated_ids=gen, stopped_at_eos=bool(gen) and gen[-1] in eos)
+        c["same_as_4_57"] = gen == case["generated_ids"]
+        print(f"  generate {case['name']}: {len(gen)} ids, same as 4.57: {c['same_as_4_57']}")
+        cases.append(c)
+    doc = {"versions": VERSIONS, "max_new_tokens": max_new, "cases": cases}
+    (OUT / "reference" / "generate.json").write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def main():
+    for k, v in PINNED.items():
+        if not VERSIONS[k].startswith(v):
+            print(f"WARNING: {k} {VERSIONS[k]} != pinned {v}", file=sys.stderr)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    transformers.logging.set_verbosity_error()
+    shutil.rmtree(OUT, ignore_errors=True)
+    (OUT / "reference").mkdir(parents=True)
+    for name in MODELS:
+        ref4 = json.loads((FIX / "reference" / f"{name}.json").read_text())
+        mdir = build_model(name)
+        check_tokenizer(mdir, ref4)
+        formats = eval_losses(load(mdir), ref4)
+        doc = {"versions": VERSIONS, "model": name, "formats": formats}
+        mf.write_json(OUT / "reference" / f"{name}.json", doc)
+        mf.write_json(OUT / "reference" / f"peft-{name}.json", peft_reference(name, mdir, ref4))
+        print(name, {fmt: round(f["loss"], 6) for fmt, f in formats.items()},
+              "4.57:", {fmt: round(f["loss"], 6) for fmt, f in ref4["formats"].items()})
+    generate_reference()
+    (OUT / "README.md").write_text(
+        "# transformers 5.x fixtures (generated; do not edit by hand)\n\n"
+        "Made by `scripts/make_v5_fixtures.py` (see its docstring) with "
+        f"transformers {VERSIONS['transformers']}, peft {VERSIONS['peft']}, torch {VERSIONS['torch']}.\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
