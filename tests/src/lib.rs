@@ -242,3 +242,49 @@ pub fn make_random_model(
         String::from_utf8_lossy(&output.stderr)
     );
 }
+
+/// LoRA dropout used by `tests/dropout.rs` and its fixture (`dropout-masks` dev tool): rate,
+/// run seed and the text rows' micro-batch (all 4 rows, right-padded to the longest).
+pub const DROPOUT_P: f64 = 0.3;
+pub const DROPOUT_SEED: u64 = 7;
+
+/// The keep flags (1 = kept) of every LoRA dropout mask tallow draws in micro-batch 0 of step 0
+/// of a run seeded `seed` with dropout `p`, for `model` + the PEFT adapter in `adapter`, on a
+/// micro-batch of `rows` rows padded to `t` tokens: u8 tensors (rows, t, in) keyed by PEFT module
+/// name (`base_model.model.model.layers.0.self_attn.q_proj`). Also checks that every kept value
+/// is exactly 1/(1-p).
+pub fn dropout_keep_masks(
+    model: &std::path::Path,
+    adapter: &std::path::Path,
+    p: f64,
+    seed: u64,
+    rows: usize,
+    t: usize,
+) -> HashMap<String, Tensor> {
+    use tallow_model::{adapter::peft_prefix, load_peft, set_dropout_rate, CausalLM, LoadOptions};
+    let dev = Device::Cpu;
+    let mut m = CausalLM::load(model, &LoadOptions::frozen(candle_core::DType::F32, &dev)).unwrap();
+    load_peft(&mut m, adapter).unwrap();
+    set_dropout_rate(&mut m, p);
+    let micro_seed = tallow_trainer::train::dropout_seed(seed, 0, 0);
+    let mut out = HashMap::new();
+    for (i, layer) in m.layers.iter().enumerate() {
+        for (path, lin) in layer.linears() {
+            let Some(lora) = &lin.lora else { continue };
+            let k = lin.in_features();
+            let mask = lora
+                .dropout_mask(micro_seed, &[rows * t, k], &dev)
+                .unwrap()
+                .expect("dropout is on");
+            let values = mask.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let scale = (1.0 / (1.0 - p)) as f32;
+            assert!(values.iter().all(|&v| v == 0.0 || v == scale));
+            let keep: Vec<u8> = values.iter().map(|&v| u8::from(v > 0.0)).collect();
+            out.insert(
+                peft_prefix(i, path),
+                Tensor::from_vec(keep, (rows, t, k), &dev).unwrap(),
+            );
+        }
+    }
+    out
+}

@@ -85,6 +85,43 @@ fn accumulation_equals_a_big_batch() {
     }
 }
 
+/// `tallow train --config CONFIG --resume --quiet`, which must resume at `step` of `total`: the
+/// CLI names the checkpoint and the step, and runs only the steps after it (a resume that
+/// silently restarted would give the same bits, training being deterministic).
+fn resume_at(config: &Path, step: usize, total: usize) {
+    let r = tallow([
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--resume",
+        "--quiet",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let from = format!("step-{step} at step {step}");
+    assert!(
+        r.stderr.contains("resumed from") && r.stderr.contains(&from),
+        "the CLI names the checkpoint and step it resumed from (`{from}`): {}",
+        r.stderr
+    );
+    let run: Vec<usize> = r
+        .stderr
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("step ")?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert_eq!(
+        run,
+        (step + 1..=total).collect::<Vec<_>>(),
+        "steps run after resuming: {}",
+        r.stderr
+    );
+}
+
 /// A run killed after its step-2 checkpoint and resumed equals the uninterrupted run, bit for bit
 /// (CPU, dropout on, shuffled data, cosine schedule, AdamW).
 #[test]
@@ -100,13 +137,27 @@ fn resumed_run_equals_uninterrupted_run_bit_for_bit() {
     // Simulate a kill right after step 2: only the step-2 checkpoint survives.
     std::fs::remove_dir_all(b.join("run/checkpoints/step-4")).unwrap();
     std::fs::remove_dir_all(b.join("run/adapter")).unwrap();
-    train_ok(&[
-        "train",
-        "--config",
-        cb.to_str().unwrap(),
-        "--resume",
-        "--quiet",
-    ]);
+    // Mark the step-1 metrics line: a resume keeps the lines of the steps it does not redo, a
+    // silent restart (same bits, training is deterministic) would rewrite it.
+    let metrics = b.join("run/metrics.jsonl");
+    let marked = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .replace("{\"step\":1,", "{\"step\":1,\"marker\":true,");
+    assert!(marked.contains("\"marker\":true"), "{marked}");
+    std::fs::write(&metrics, &marked).unwrap();
+    resume_at(&cb, 2, 4);
+    let lines = std::fs::read_to_string(&metrics).unwrap();
+    let steps: Vec<(u64, bool)> = lines
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v.get("loss").is_some())
+        .map(|v| (v["step"].as_u64().unwrap(), v.get("marker").is_some()))
+        .collect();
+    assert_eq!(
+        steps,
+        [(1, true), (2, false), (3, false), (4, false)],
+        "metrics.jsonl: steps 1-2 kept from before the kill, 3-4 from the resumed run"
+    );
     let (ta, tb) = (adapter(&a), adapter(&b));
     for (k, t) in &ta {
         let same = t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
@@ -128,18 +179,35 @@ fn resumed_run_equals_uninterrupted_run_bit_for_bit() {
         "train.max_steps=2",
         "--quiet",
     ]);
-    train_ok(&[
-        "train",
-        "--config",
-        cd.to_str().unwrap(),
-        "--resume",
-        "--quiet",
-    ]);
+    resume_at(&cd, 2, 4);
     let (tc, td) = (adapter(&c), adapter(&d));
     assert!(
         tc.iter().all(|(k, t)| max_abs_diff(t, &td[k]) == 0.0),
         "2 + 2 steps differ from 4 steps"
     );
+}
+
+/// `--resume` with nothing to resume from says so on stderr (as HF Trainer and torchtune make a
+/// fresh start visible) and trains from step 0.
+#[test]
+fn resume_without_a_checkpoint_says_it_starts_from_step_0() {
+    let a = scratch("resume-none");
+    let c = config(&a, "tiny-llama", "rank = 4", "max_steps = 1");
+    let r = tallow([
+        "train",
+        "--config",
+        c.to_str().unwrap(),
+        "--resume",
+        "--quiet",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let want = format!(
+        "no checkpoint in {}: starting from step 0",
+        a.join("run/checkpoints").display()
+    );
+    assert!(r.stderr.contains(&want), "`{want}` not in: {}", r.stderr);
+    assert!(!r.stderr.contains("resumed from"), "{}", r.stderr);
+    assert!(r.stderr.contains("step 1 "), "{}", r.stderr);
 }
 
 #[test]
@@ -425,13 +493,7 @@ fn adamw8bit_resumed_run_equals_uninterrupted_run_bit_for_bit() {
     );
     std::fs::remove_dir_all(b.join("run/checkpoints/step-4")).unwrap();
     std::fs::remove_dir_all(b.join("run/model")).unwrap();
-    train_ok(&[
-        "train",
-        "--config",
-        cb.to_str().unwrap(),
-        "--resume",
-        "--quiet",
-    ]);
+    resume_at(&cb, 2, 4);
     let model = |d: &Path| {
         candle_core::safetensors::load(d.join("run/model/model.safetensors"), &Device::Cpu).unwrap()
     };

@@ -52,7 +52,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             bar.set_length(total_steps as u64);
             bar.set_position(start_step as u64);
             let from = resumed_from
-                .map(|p| format!(", resumed from {}", p.display()))
+                .map(|p| format!(", resumed from {} at step {start_step}", p.display()))
                 .unwrap_or_default();
             say(format!("training {total_steps} steps on {rows} rows, {trainable_params} trainable parameters{from}"));
             if let (Some(p), Some(l)) = (load_peak_bytes, load_live_bytes) {

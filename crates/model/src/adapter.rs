@@ -91,7 +91,8 @@ fn module_name(path: &str) -> &str {
 }
 
 /// The PEFT key prefix of layer `i`'s module `path` (`self_attn.q_proj`).
-fn peft_prefix(i: usize, path: &str) -> String {
+/// The PEFT module name of the linear `path` ("self_attn.q_proj") of decoder layer `i`.
+pub fn peft_prefix(i: usize, path: &str) -> String {
     format!("base_model.model.model.layers.{i}.{path}")
 }
 

@@ -164,15 +164,32 @@ impl Lora {
         self.a.dim(0).unwrap_or(0)
     }
 
+    /// The dropout mask this adapter multiplies its input by in the micro-batch whose seed is
+    /// `micro_seed` (what the trainer passes to `set_dropout`), for an input of `dims` ((M, in)):
+    /// 0 with probability p, else 1/(1-p); None without dropout. A pure function of
+    /// (micro_seed, adapter id, dims).
+    pub fn dropout_mask(
+        &self,
+        micro_seed: u64,
+        dims: &[usize],
+        device: &Device,
+    ) -> Result<Option<Tensor>> {
+        match &self.dropout {
+            Some(d) if d.p > 0.0 => {
+                Ok(Some(d.mask(mix_seed(micro_seed, self.id), dims, device)?))
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// s · B A x for x: (M, in) in any float dtype -> (M, out) in f32.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut x = x.to_dtype(self.a.dtype())?;
-        if let Some(d) = &self.dropout {
-            if let Some(seed) = d.seed() {
+        if let Some(seed) = self.dropout.as_ref().and_then(|d| d.seed()) {
+            if let Some(mask) = self.dropout_mask(seed, x.dims(), x.device())? {
                 // x * mask, with the backward dx = dy * mask attached: Candle's product backward
                 // would also compute (and keep, until the gradients are dropped) a gradient for
                 // the mask, an (M, in) f32 tensor per adapter.
-                let mask = d.mask(mix_seed(seed, self.id), x.dims(), x.device())?;
                 let value = (x.detach() * &mask)?;
                 x = crate::ops::attach1("lora-dropout", &x, value, move |_x, _y, dy| {
                     Ok(Some((dy * &mask)?))

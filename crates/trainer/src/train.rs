@@ -264,6 +264,13 @@ fn scalar_f64(t: &Tensor) -> Result<f64, TrainError> {
     Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
 }
 
+/// The LoRA dropout seed of micro-batch `micro` of optimizer step `step` (0-based) of a run
+/// seeded `run_seed`: every mask of the run is a pure function of it and the adapter id
+/// (`Lora::dropout_mask`), so a resumed run draws the masks an uninterrupted one would.
+pub fn dropout_seed(run_seed: u64, step: usize, micro: usize) -> u64 {
+    mix_seed(run_seed, ((step as u64) << 20) | micro as u64)
+}
+
 /// Runs a training job as configured. `resume`: continue from the newest checkpoint in
 /// `train.output_dir` (a fresh start when there is none).
 pub fn train(
@@ -445,7 +452,7 @@ pub fn train_with_limit(
                 resumed_from = Some(dir);
             }
             None => on_event(Event::Note(format!(
-                "--resume: no checkpoint in {}, starting from step 0",
+                "no checkpoint in {}: starting from step 0",
                 checkpoint::checkpoints_dir(&out).display()
             ))),
         }
@@ -513,10 +520,7 @@ pub fn train_with_limit(
 
         // Forward + backward over the micro-batches; gradients summed in the accumulator.
         for (m, micro) in step_rows.chunks(t.micro_batch_size).enumerate() {
-            set_dropout(
-                &model,
-                Some(mix_seed(t.seed, ((step as u64) << 20) | m as u64)),
-            );
+            set_dropout(&model, Some(dropout_seed(t.seed, step, m)));
             let batch = Batch::from_rows(micro, pad, device)?;
             probe.start_phase();
             let forward = || -> Result<_, TrainError> {
