@@ -74,48 +74,59 @@ fn check_var(what: &str, var: &Var, analytic: &Tensor, loss: &dyn Fn() -> f64, s
     }
 }
 
+/// Every decoder layer of each family (the fixtures have 2), each on its own.
 #[test]
 fn decoder_layer_gradients_match_finite_differences() {
     for (m, model_name) in MODELS.iter().enumerate() {
         let model = load_f64(model_name);
         let c = model.config.hidden_size;
         let (b, t) = (2, 5);
-        let x = Var::randn(0f64, 1., (b, t, c), &Device::Cpu).unwrap();
-        let r = Tensor::randn(0f64, 1., (b, t, c), &Device::Cpu).unwrap();
         let rope = model.rope_mask(b, t, None).unwrap();
-        let layer = &model.layers[0];
-        let loss = || {
-            let y = layer.forward(x.as_tensor(), &rope).unwrap();
-            (y * &r).unwrap().sum_all().unwrap()
-        };
-        let grads = loss().backward().unwrap();
-        let value = || scalar(&loss());
-        check_var(
-            &format!("{model_name} input"),
-            &x,
-            grads.get(&x).unwrap(),
-            &value,
-            m,
-        );
-        let params: Vec<_> = model
-            .named_params()
-            .into_iter()
-            .filter(|(n, _)| n.starts_with("model.layers.0."))
-            .collect();
-        let expected = 9
-            + if model.config.qkv_bias { 3 } else { 0 }
-            + if model.config.qk_norm { 2 } else { 0 };
-        assert_eq!(
-            params.len(),
-            expected,
-            "{model_name}: layer parameter count"
-        );
-        for (k, (name, p)) in params.iter().enumerate() {
-            let var = p.var().unwrap();
-            let g = grads
-                .get(var)
-                .unwrap_or_else(|| panic!("{model_name}: no gradient for {name}"));
-            check_var(&format!("{model_name} {name}"), var, g, &value, 100 * m + k);
+        assert!(model.layers.len() >= 2);
+        for (l, layer) in model.layers.iter().enumerate() {
+            let x = Var::randn(0f64, 1., (b, t, c), &Device::Cpu).unwrap();
+            let r = Tensor::randn(0f64, 1., (b, t, c), &Device::Cpu).unwrap();
+            let loss = || {
+                let y = layer.forward(x.as_tensor(), &rope).unwrap();
+                (y * &r).unwrap().sum_all().unwrap()
+            };
+            let grads = loss().backward().unwrap();
+            let value = || scalar(&loss());
+            let seed = 1000 * l + m;
+            check_var(
+                &format!("{model_name} layer {l} input"),
+                &x,
+                grads.get(&x).unwrap(),
+                &value,
+                seed,
+            );
+            let prefix = format!("model.layers.{l}.");
+            let params: Vec<_> = model
+                .named_params()
+                .into_iter()
+                .filter(|(n, _)| n.starts_with(&prefix))
+                .collect();
+            let expected = 9
+                + if model.config.qkv_bias { 3 } else { 0 }
+                + if model.config.qk_norm { 2 } else { 0 };
+            assert_eq!(
+                params.len(),
+                expected,
+                "{model_name}: layer {l} parameter count"
+            );
+            for (k, (name, p)) in params.iter().enumerate() {
+                let var = p.var().unwrap();
+                let g = grads
+                    .get(var)
+                    .unwrap_or_else(|| panic!("{model_name}: no gradient for {name}"));
+                check_var(
+                    &format!("{model_name} {name}"),
+                    var,
+                    g,
+                    &value,
+                    seed + 100 * k,
+                );
+            }
         }
     }
 }
