@@ -21,6 +21,10 @@ id, as transformers returns it). prompt_ids: `tok(prompt)` (add_special_tokens=T
 prompt; `tok.apply_chat_template([{"role": "user", "content": prompt}],
 add_generation_prompt=True)` for a chat one. generated_ids: the output after the prompt.
 The script checks that generate with use_cache=False gives the same ids.
+
+"stop_at_eos": {"case", "eos_token_id", "generated_ids"}: the llama-plain case generated again
+with eos_token_id = [an id that first appears mid-way in its output]; generation stops right
+after it.
 """
 
 import json
@@ -103,7 +107,26 @@ def main():
                 "stopped_at_eos": stopped,
             }
         )
+    # A reference that stops at EOS: llama-plain again, with a stop id that first appears
+    # mid-way in its greedy output (the first id at position >= 3 not seen before), given to
+    # generate as eos_token_id; tests/generate_cli.rs writes it into generation_config.json.
+    base = next(c for c in out if c["name"] == "llama-plain")
+    full = base["generated_ids"]
+    k = next(i for i in range(3, len(full)) if full[i] not in full[:i])
+    stop = full[k]
+    mdir = FIX / "models" / base["model"]
+    model = AutoModelForCausalLM.from_pretrained(mdir, torch_dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    x = torch.tensor([base["prompt_ids"]])
+    with torch.no_grad():
+        y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                           max_new_tokens=MAX_NEW_TOKENS, eos_token_id=[stop], pad_token_id=0)
+    stopped = y[0, x.shape[1]:].tolist()
+    assert stopped[-1] == stop and len(stopped) == k + 1, (stopped, k)
+    print(f"stop at eos: id {stop}, {len(stopped)} ids")
+    stop_case = {"case": "llama-plain", "eos_token_id": [stop], "generated_ids": stopped}
     doc = {
+        "stop_at_eos": stop_case,
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,

@@ -100,24 +100,28 @@ fn greedy_ids_match(layout: &str, root: &std::path::Path) {
 }
 
 /// A stop id from generation_config.json (here a list, as chat models write it) ends generation
-/// where transformers would: right after its first occurrence in the greedy output, kept as the
-/// last id and left out of the text.
+/// where transformers does (`stop_at_eos` of the reference: transformers' own generate with that
+/// eos_token_id): right after its first occurrence, kept as the last id and left out of the
+/// text.
 #[test]
 fn generation_stops_at_eos_from_generation_config() {
     let r = reference();
+    let stop_case = &r["stop_at_eos"];
     let case = &r["cases"]
         .as_array()
         .unwrap()
         .iter()
-        .find(|c| c["name"] == "llama-plain")
+        .find(|c| c["name"] == stop_case["case"])
         .unwrap()
         .clone();
     let full = ids(&case["generated_ids"]);
-    // A stop id that first appears mid-way.
-    let k = (3..full.len())
-        .find(|&i| !full[..i].contains(&full[i]))
-        .expect("a fresh id after position 3");
-    let stop = full[k];
+    let want = ids(&stop_case["generated_ids"]);
+    let stop = ids(&stop_case["eos_token_id"])[0];
+    let k = want.len() - 1;
+    assert!(
+        want.len() < full.len() && want[..] == full[..=k] && want[k] == stop,
+        "transformers stopped after the first {stop}: {want:?} vs {full:?}"
+    );
     let dir = scratch("gen-eos");
     copy_model("tiny-llama", &dir);
     std::fs::write(
@@ -138,11 +142,7 @@ fn generation_stops_at_eos_from_generation_config() {
             a.push("--no-cache");
         }
         let out = generate_json(&a);
-        assert_eq!(
-            ids(&out["generated_ids"]),
-            full[..=k].to_vec(),
-            "cache {cache}"
-        );
+        assert_eq!(ids(&out["generated_ids"]), want, "cache {cache}");
         assert_eq!(out["stopped"], true);
         let tok = tallow_trainer::TextTokenizer::from_model_dir(&model_dir("tiny-llama")).unwrap();
         assert_eq!(
