@@ -84,6 +84,15 @@ pub struct BenchArgs {
     /// Print a Markdown table (the default).
     #[arg(long, group = "format")]
     pub markdown: bool,
+    /// Also write the rows as JSON to FILE (as hyperfine's `--export-json`), whatever prints.
+    #[arg(long, value_name = "FILE")]
+    pub export_json: Option<PathBuf>,
+    /// Also write the rows as CSV to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub export_csv: Option<PathBuf>,
+    /// Also write the rows as a Markdown table to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub export_markdown: Option<PathBuf>,
     /// Write a chart of peak memory (measured and estimated) and tokens/s per cell: .svg.
     #[arg(long, value_name = "FILE")]
     pub plot: Option<PathBuf>,

@@ -146,12 +146,24 @@ pub fn run(a: BenchArgs) -> Result<()> {
         eprintln!("    {}", row_summary(&row));
         rows.push(row);
     }
+    let json = serde_json::to_string_pretty(&rows)? + "\n";
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        print!("{json}");
     } else if a.csv {
         print!("{}", to_csv(&rows));
     } else {
         print!("{}", to_markdown(&rows));
+    }
+    // One run, every format: the cells are the expensive part.
+    for (path, text) in [
+        (&a.export_json, json),
+        (&a.export_csv, to_csv(&rows)),
+        (&a.export_markdown, to_markdown(&rows)),
+    ] {
+        if let Some(p) = path {
+            tallow_model::io::write_atomic(p, text.as_bytes())
+                .with_context(|| format!("writing {}", p.display()))?;
+        }
     }
     if let Some(p) = &a.plot {
         crate::plot::write_svg(p, &rows).with_context(|| format!("--plot {}", p.display()))?;
