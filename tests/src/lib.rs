@@ -203,6 +203,32 @@ pub fn eval_loss(args: &[&str]) -> f64 {
         .expect("eval --json prints a loss")
 }
 
+/// `tallow eval --json` of `model` (+ `adapter`) on the fixture data file of `format`, in f32 with
+/// the fixtures' max_seq_len (32): the loss.
+pub fn eval_fixture(
+    model: &std::path::Path,
+    adapter: Option<&std::path::Path>,
+    format: &str,
+) -> f64 {
+    let data = data_file(format);
+    let mut args = vec![
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--max-seq-len",
+        "32",
+        "--dtype",
+        "f32",
+        "--json",
+    ];
+    if let Some(a) = adapter {
+        args.extend(["--adapter", a.to_str().unwrap()]);
+    }
+    eval_loss(&args)
+}
+
 /// A fresh, empty scratch directory under the target dir's tmp.
 pub fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tallow-test-{}-{name}", std::process::id()));

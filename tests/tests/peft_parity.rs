@@ -25,20 +25,8 @@ fn adapters_written_by_peft_give_peft_loss() {
                     let want = reference["adapters"][kind]["formats"][format]["loss"]
                         .as_f64()
                         .unwrap();
-                    let got = eval_loss(&[
-                        "eval",
-                        "--model",
-                        root.join("models").join(model).to_str().unwrap(),
-                        "--adapter",
-                        adapter.to_str().unwrap(),
-                        "--data",
-                        data_file(format).to_str().unwrap(),
-                        "--max-seq-len",
-                        "32",
-                        "--dtype",
-                        "f32",
-                        "--json",
-                    ]);
+                    let got =
+                        eval_fixture(&root.join("models").join(model), Some(&adapter), format);
                     assert!(
                         (got - want).abs() < 1e-4,
                         "{layout} {model} {kind} {format}: {got} vs PEFT {want}"
@@ -124,20 +112,7 @@ fn adapter_written_by_tallow_gives_the_loss_peft_computed() {
     let adapter = fixtures().join("adapters/tiny-qwen2-tallow");
     for format in FORMATS {
         let want = reference["formats"][format]["loss"].as_f64().unwrap();
-        let got = eval_loss(&[
-            "eval",
-            "--model",
-            model_dir("tiny-qwen2").to_str().unwrap(),
-            "--adapter",
-            adapter.to_str().unwrap(),
-            "--data",
-            data_file(format).to_str().unwrap(),
-            "--max-seq-len",
-            "32",
-            "--dtype",
-            "f32",
-            "--json",
-        ]);
+        let got = eval_fixture(&model_dir("tiny-qwen2"), Some(&adapter), format);
         assert!(
             (got - want).abs() < 1e-4,
             "{format}: tallow {got} vs PEFT {want}"

@@ -300,6 +300,43 @@ pub(crate) mod raw {
         }
     }
 
+    /// The rotary keys of a family struct, as read (both transformers layouts and `layer_types`).
+    pub struct RotaryKeys<'a> {
+        pub rope_theta: Option<f64>,
+        pub rope_scaling: &'a Option<serde_json::Value>,
+        pub rope_parameters: &'a Option<serde_json::Value>,
+        pub layer_types: &'a Option<Vec<String>>,
+        pub num_hidden_layers: usize,
+    }
+
+    /// transformers' default `rope_theta` for Llama, Mistral, Qwen2 and Qwen3.
+    pub const DEFAULT_THETA: f64 = 10000.0;
+
+    /// `layer_types` checked against the types `family` runs (`allowed`), then the rotary theta
+    /// and scaling from whichever layout the config has (see [`rope`]).
+    pub fn rotary(
+        keys: RotaryKeys,
+        allowed: &[&str],
+        family: &str,
+        path: &Path,
+    ) -> Result<(f64, Option<RopeScaling>)> {
+        let types = layer_types(
+            keys.layer_types,
+            keys.num_hidden_layers,
+            allowed,
+            family,
+            path,
+        )?;
+        rope(
+            keys.rope_theta,
+            keys.rope_scaling,
+            keys.rope_parameters,
+            &types,
+            DEFAULT_THETA,
+            path,
+        )
+    }
+
     /// The rotary settings, read from either layout transformers writes:
     /// - transformers 4: top-level `rope_theta` and `rope_scaling` (null, or an object with
     ///   `rope_type`, or the older `type`, and the type's parameters);

@@ -9,7 +9,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::config::raw::{
-    check_act, check_attention_dropout, check_heads, layer_types, rope, TokenIds,
+    check_act, check_attention_dropout, check_heads, rotary, RotaryKeys, TokenIds,
 };
 use crate::config::{Arch, DecoderConfig};
 use crate::error::{ModelError, Result};
@@ -67,14 +67,22 @@ fn max_pos() -> usize {
 fn eps() -> f64 {
     1e-6
 }
-const DEFAULT_THETA: f64 = 10000.0;
-
 impl HfConfig for LlamaConfig {
     const FAMILY: &'static str = "Llama";
     const IGNORED: &'static [&'static str] = &[];
 }
 
 impl LlamaConfig {
+    fn rotary_keys(&self) -> RotaryKeys<'_> {
+        RotaryKeys {
+            rope_theta: self.rope_theta,
+            rope_scaling: &self.rope_scaling,
+            rope_parameters: &self.rope_parameters,
+            layer_types: &self.layer_types,
+            num_hidden_layers: self.num_hidden_layers,
+        }
+    }
+
     pub fn into_config(self, arch: Arch, path: &Path) -> Result<DecoderConfig> {
         check_act(&self.hidden_act, path)?;
         let kv = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
@@ -87,21 +95,7 @@ impl LlamaConfig {
             (Arch::Mistral, None) => ("Mistral", &["full_attention"]),
             _ => ("Llama", &["full_attention"]),
         };
-        let types = layer_types(
-            &self.layer_types,
-            self.num_hidden_layers,
-            allowed,
-            family,
-            path,
-        )?;
-        let (rope_theta, rope_scaling) = rope(
-            self.rope_theta,
-            &self.rope_scaling,
-            &self.rope_parameters,
-            &types,
-            DEFAULT_THETA,
-            path,
-        )?;
+        let (rope_theta, rope_scaling) = rotary(self.rotary_keys(), allowed, family, path)?;
         if self.pretraining_tp.unwrap_or(1) != 1 {
             return Err(ModelError::Config {
                 path: path.to_path_buf(),

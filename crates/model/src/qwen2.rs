@@ -9,7 +9,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::config::raw::{
-    check_act, check_attention_dropout, check_heads, layer_types, rope, TokenIds,
+    check_act, check_attention_dropout, check_heads, rotary, RotaryKeys, TokenIds,
 };
 use crate::config::{Arch, DecoderConfig};
 use crate::error::{ModelError, Result};
@@ -60,8 +60,6 @@ fn max_pos() -> usize {
 fn eps() -> f64 {
     1e-6
 }
-const DEFAULT_THETA: f64 = 10000.0;
-
 impl HfConfig for Qwen2Config {
     const FAMILY: &'static str = "Qwen2";
     /// Only used with `use_sliding_window = true`, which is refused.
@@ -69,6 +67,16 @@ impl HfConfig for Qwen2Config {
 }
 
 impl Qwen2Config {
+    fn rotary_keys(&self) -> RotaryKeys<'_> {
+        RotaryKeys {
+            rope_theta: self.rope_theta,
+            rope_scaling: &self.rope_scaling,
+            rope_parameters: &self.rope_parameters,
+            layer_types: &self.layer_types,
+            num_hidden_layers: self.num_hidden_layers,
+        }
+    }
+
     pub fn into_config(self, path: &Path) -> Result<DecoderConfig> {
         check_act(&self.hidden_act, path)?;
         let kv = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
@@ -81,21 +89,8 @@ impl Qwen2Config {
                 msg: "sliding-window Qwen2 is not supported; set it to false".into(),
             });
         }
-        let types = layer_types(
-            &self.layer_types,
-            self.num_hidden_layers,
-            &["full_attention"],
-            "Qwen2",
-            path,
-        )?;
-        let (rope_theta, rope_scaling) = rope(
-            self.rope_theta,
-            &self.rope_scaling,
-            &self.rope_parameters,
-            &types,
-            DEFAULT_THETA,
-            path,
-        )?;
+        let (rope_theta, rope_scaling) =
+            rotary(self.rotary_keys(), &["full_attention"], "Qwen2", path)?;
         Ok(DecoderConfig {
             arch: Arch::Qwen2,
             vocab_size: self.vocab_size,
