@@ -67,7 +67,7 @@ fn each_step_matches_bitsandbytes_adamw8bit() {
         let vars: Vec<Var> = (0..2)
             .map(|i| Var::from_tensor(&before(i)).unwrap())
             .collect();
-        let mut opt = AdamW8bit::new(hp.clone());
+        let mut opt = AdamW8bit::new(hp);
         if k > 1 {
             let mut state: HashMap<String, Tensor> = HashMap::new();
             for part in [

@@ -83,6 +83,7 @@ fn mean_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
 ///   (measured 0.60 .. 0.91 E; a model with a missing upcast lands at several E, see the op test);
 /// - tallow's bf16 really is bf16: mean |tallow - transformers f32| >= 0.5 E (measured ~1 E; a
 ///   model silently run in f32 gives ~0).
+///
 /// The tight bf16 checks are per op, in `upcast_ops_match_transformers_bf16`.
 #[test]
 fn bf16_logits_are_as_close_to_transformers_bf16_as_bf16_allows() {

@@ -599,3 +599,27 @@ fn checkpointing_gives_the_same_adapter_and_a_lower_forward_peak() {
         "forward peak with checkpointing {p_on} is not below {p_off}"
     );
 }
+
+/// One device-to-host read per optimizer step (issue 15: each is a stream sync on CUDA): the
+/// loss of every micro-batch and the gradient norm stay on the device and are read together,
+/// with gradient accumulation and clipping on (the former loop read once per micro-batch and
+/// once for the norm: 4 here).
+#[test]
+fn one_host_read_per_optimizer_step() {
+    let a = scratch("host-reads");
+    let c = config(
+        &a,
+        "tiny-llama",
+        "rank = 4\ndropout = 0.1",
+        "max_steps = 3\nmicro_batch_size = 1\ngrad_accum = 3\nmax_grad_norm = 0.5",
+    );
+    train_ok(&["train", "--config", c.to_str().unwrap(), "--quiet"]);
+    let metrics = std::fs::read_to_string(a.join("run/metrics.jsonl")).unwrap();
+    let reads: Vec<u64> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v.get("loss").is_some())
+        .map(|v| v["host_reads"].as_u64().unwrap())
+        .collect();
+    assert_eq!(reads, [1, 1, 1], "{metrics}");
+}

@@ -35,7 +35,8 @@ pub fn evaluate(
     mut progress: impl FnMut(usize),
 ) -> tallow_model::Result<EvalResult> {
     let batch_size = batch_size.max(1);
-    let mut nll_sum = 0f64;
+    // Summed on the device, read once at the end (`crate::host`).
+    let mut nll_total: Option<candle_core::Tensor> = None;
     let mut tokens = 0;
     let mut input_tokens = 0;
     let mut done = 0;
@@ -44,12 +45,20 @@ pub fn evaluate(
         let batch = Batch::new(&refs, pad_id, model.device())?;
         let hidden = model.forward_hidden(&batch.input_ids, None)?; // (B, T, C)
         let nll = lm_head_nll(&hidden, model.lm_head_weight(), &batch.targets)?;
-        nll_sum += nll.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let nll = nll.detach().to_dtype(DType::F64)?; // no graph kept across batches
+        nll_total = Some(match nll_total {
+            Some(acc) => (acc + nll)?,
+            None => nll,
+        });
         tokens += batch.targets.count;
         input_tokens += batch.tokens;
         done += chunk.len();
         progress(done);
     }
+    let nll_sum = match &nll_total {
+        Some(t) => crate::host::read(t)?[0],
+        None => 0.0,
+    };
     let loss = if tokens > 0 {
         nll_sum / tokens as f64
     } else {

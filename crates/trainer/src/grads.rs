@@ -5,8 +5,8 @@
 //! parameter. At the step boundary the trainer takes the sums, scales them (1 / target tokens),
 //! clips them with [`clip_grad_norm`] and hands them to the optimizer.
 //!
-//! Everything is Candle tensor ops on the parameters' device; the only host sync is the norm's
-//! final `to_scalar` in [`clip_grad_norm`].
+//! Everything is Candle tensor ops on the parameters' device, clipping included: the norm stays
+//! a device tensor, read by the trainer together with the step's loss (`crate::host`).
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, TensorId, Var};
@@ -83,21 +83,20 @@ impl GradAccumulator {
     }
 }
 
-/// Global L2 norm over all grads (computed in f32 on the device, one host sync); if
-/// `max_norm > 0` and the norm is over it, scales all grads by `max_norm / (norm + 1e-6)` as
-/// `torch.nn.utils.clip_grad_norm_` does (torch multiplies by that factor clamped to 1, so a
-/// factor >= 1 leaves the grads unchanged; here they are then not touched at all). Returns the
-/// norm before clipping.
+/// Global L2 norm over all grads, computed in f32 on the device and returned there as a 0-d
+/// tensor (no host sync: the trainer reads it with the step's loss); if `max_norm > 0`, every
+/// grad is multiplied by `min(1, max_norm / (norm + 1e-6))`, as `torch.nn.utils.clip_grad_norm_`
+/// does (a multiply by 1 when under the norm). Returns the norm before clipping.
 ///
-/// A non-finite norm (inf/NaN gradients) is returned as is and the grads are left unscaled: the
-/// caller should skip the step. All grads are expected on one device (the first one's; others are
-/// moved there for the sum).
-pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> candle_core::Result<f64> {
+/// With a non-finite norm (inf/NaN gradients) the grads become non-finite too: the caller stops
+/// before the update. All grads are expected on one device (the first one's; others are moved
+/// there for the sum).
+pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> candle_core::Result<Tensor> {
     let Some(first) = grads.first() else {
-        return Ok(0.0);
+        return Tensor::zeros((), DType::F32, &Device::Cpu);
     };
     let device = first.device().clone();
-    // sum over all grads of sum(g^2): a 0-d f32 tensor on the device, no sync yet
+    // sum over all grads of sum(g^2): a 0-d f32 tensor on the device, no sync
     let mut sum_sq: Option<Tensor> = None;
     for g in grads.iter() {
         let s = g
@@ -111,16 +110,13 @@ pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> candle_core::Resul
             Some(acc) => (acc + s)?,
         });
     }
-    let sum_sq = sum_sq.expect("grads is not empty");
-    // the one CPU-GPU sync point: read the norm back
-    let norm = sum_sq.sqrt()?.to_scalar::<f32>()? as f64;
+    let norm = sum_sq.expect("grads is not empty").sqrt()?;
     if max_norm > 0.0 {
-        // torch: clip_coef = max_norm / (total_norm + 1e-6), clamped to at most 1
-        let clip_coef = max_norm / (norm + 1e-6);
-        if clip_coef < 1.0 {
-            for g in grads.iter_mut() {
-                *g = (&*g * clip_coef)?;
-            }
+        // torch: clip_coef = max_norm / (total_norm + 1e-6), clamped to at most 1, and every
+        // gradient multiplied by it (a no-op multiply by 1 when under the norm), on the device
+        let coef = ((&norm + 1e-6)?.recip()? * max_norm)?.clamp(0f32, 1f32)?;
+        for g in grads.iter_mut() {
+            *g = g.broadcast_mul(&coef.to_dtype(g.dtype())?.to_device(g.device())?)?;
         }
     }
     Ok(norm)
@@ -196,6 +192,10 @@ mod tests {
         assert_eq!(vals(&g[0]), vec![257.0; 2]);
     }
 
+    fn scalar(t: &Tensor) -> f64 {
+        t.to_scalar::<f32>().unwrap() as f64
+    }
+
     fn grads() -> Vec<Tensor> {
         let dev = Device::Cpu;
         vec![
@@ -209,7 +209,7 @@ mod tests {
         // sqrt(9 + 16 + 1 + 4 + 4 + 0.25) = sqrt(34.25)
         let expected = 34.25f64.sqrt();
         let mut g = grads();
-        let norm = clip_grad_norm(&mut g, 1.0).unwrap();
+        let norm = scalar(&clip_grad_norm(&mut g, 1.0).unwrap());
         assert!((norm - expected).abs() < 1e-6, "{norm} vs {expected}");
         let coef = 1.0 / (expected + 1e-6);
         for (clipped, orig) in g.iter().zip(grads()) {
@@ -221,7 +221,7 @@ mod tests {
             }
         }
         // the clipped grads have norm max_norm (up to the 1e-6 in the denominator)
-        let after = clip_grad_norm(&mut g, 0.0).unwrap();
+        let after = scalar(&clip_grad_norm(&mut g, 0.0).unwrap());
         assert!((after - 1.0).abs() < 1e-6, "{after}");
     }
 
@@ -229,12 +229,12 @@ mod tests {
     fn clip_grad_norm_leaves_grads_under_max_norm_or_with_max_norm_zero() {
         for max_norm in [10.0, 0.0] {
             let mut g = grads();
-            let norm = clip_grad_norm(&mut g, max_norm).unwrap();
+            let norm = scalar(&clip_grad_norm(&mut g, max_norm).unwrap());
             assert!((norm - 34.25f64.sqrt()).abs() < 1e-6);
             for (a, b) in g.iter().zip(grads()) {
                 assert_eq!(vals(a), vals(&b), "max_norm {max_norm}");
             }
         }
-        assert_eq!(clip_grad_norm(&mut [], 1.0).unwrap(), 0.0);
+        assert_eq!(scalar(&clip_grad_norm(&mut [], 1.0).unwrap()), 0.0);
     }
 }

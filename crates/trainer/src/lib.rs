@@ -12,6 +12,7 @@ pub mod error;
 pub mod estimate;
 pub mod eval;
 pub mod grads;
+pub mod host;
 pub mod memory;
 pub mod optim;
 pub mod schedule;

@@ -29,6 +29,7 @@ use crate::data::{load_jsonl, DataOptions, Example};
 use crate::error::TrainError;
 use crate::eval::evaluate;
 use crate::grads::{clip_grad_norm, GradAccumulator};
+use crate::host;
 use crate::memory::{PhasePeaks, Probe};
 use crate::optim::{self, Optimizer};
 use crate::schedule::lr_at;
@@ -53,6 +54,9 @@ pub struct StepLog {
     pub live_bytes: Option<u64>,
     /// Bytes of the optimizer's state tensors (moments, 8-bit codes and scales).
     pub optimizer_state_bytes: u64,
+    /// Device-to-host reads this step made ([`crate::host`]): 1, the loss and gradient norm read
+    /// together (each read is a stream sync on CUDA).
+    pub host_reads: u64,
 }
 
 /// What the run reports as it goes (the CLI turns these into a progress bar and messages).
@@ -258,10 +262,6 @@ fn truncate_metrics(path: &Path, step: usize) -> Result<(), TrainError> {
         .collect();
     tallow_model::io::write_atomic(path, kept.as_bytes())?;
     Ok(())
-}
-
-fn scalar_f64(t: &Tensor) -> Result<f64, TrainError> {
-    Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
 }
 
 /// The LoRA dropout seed of micro-batch `micro` of optimizer step `step` (0-based) of a run
@@ -515,7 +515,9 @@ pub fn train_with_limit(
         let step_rows: Vec<&Row> = plan.rows(step).into_iter().map(|i| &rows[i]).collect();
         let step_targets: usize = step_rows.iter().map(|r| r.n_targets()).sum();
         let mut step_tokens = 0;
-        let mut nll_sum = 0.0;
+        let reads_before = host::reads();
+        // The step's summed NLL stays on the device until the one read of the step.
+        let mut nll_sum: Option<Tensor> = None;
         let mut peaks = PhasePeaks::default();
 
         // Forward + backward over the micro-batches; gradients summed in the accumulator.
@@ -541,7 +543,11 @@ pub fn train_with_limit(
                 Ok(())
             };
             check!(backward(&mut acc), "backward", step + 1, &last_checkpoint)?;
-            nll_sum += scalar_f64(&nll)?;
+            let nll_value = nll.detach();
+            nll_sum = Some(match nll_sum {
+                Some(acc) => (acc + nll_value)?,
+                None => nll_value,
+            });
             drop((hidden, nll, loss));
             peaks = peaks.merge(&PhasePeaks {
                 forward: forward_peak,
@@ -551,13 +557,25 @@ pub fn train_with_limit(
             step_tokens += batch.tokens;
         }
         set_dropout(&model, None);
-        let loss = nll_sum / step_targets as f64;
 
         // Clip, then one optimizer update.
         probe.start_phase();
         let taken = acc.take().map_err(TrainError::from);
         let mut grads = check!(taken, "optimizer", step + 1, &last_checkpoint)?;
         let grad_norm = clip_grad_norm(&mut grads, t.max_grad_norm)?;
+        // The one host read of the step: its loss and gradient norm together.
+        let nll_sum = nll_sum.expect("a step has at least one micro-batch");
+        let both = Tensor::stack(
+            &[
+                nll_sum.to_dtype(DType::F64)?,
+                grad_norm
+                    .to_device(nll_sum.device())?
+                    .to_dtype(DType::F64)?,
+            ],
+            0,
+        )?;
+        let read = host::read(&both)?;
+        let (loss, grad_norm) = (read[0] / step_targets as f64, read[1]);
         for (what, value) in [("loss", loss), ("gradient norm", grad_norm)] {
             if !value.is_finite() {
                 return Err(TrainError::NonFinite {
@@ -589,6 +607,7 @@ pub fn train_with_limit(
             tokens_per_s: step_tokens as f64 / dt.max(1e-9),
             elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
             peak_bytes: peaks,
+            host_reads: host::reads() - reads_before,
             live_bytes: probe.current(),
             optimizer_state_bytes: opt.state_bytes() as u64,
         };
