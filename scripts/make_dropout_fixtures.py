@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_fixtures as mf  # noqa: E402
+import make_peft_fixtures as mp  # noqa: E402  (file_key_to_param)
 
 FIX = mf.FIX
 MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
@@ -55,14 +56,6 @@ class FixedMask(torch.nn.Module):
 
     def forward(self, x):  # x: (1, T, in)
         return x * self.keep[: x.shape[1]].unsqueeze(0) / (1.0 - self.p)
-
-
-def file_key_to_param(key):
-    for part in (".lora_A.", ".lora_B."):
-        if part in key:
-            head, tail = key.split(part, 1)
-            return f"{head}{part}default.{tail}"
-    raise ValueError(key)
 
 
 def main():
@@ -97,7 +90,7 @@ def main():
             plain = loss_fn(False).item()
         sd = load_file(str(adapter / "adapter_model.safetensors"))
         params = dict(model.named_parameters())
-        key_of = {file_key_to_param(k): k for k in sd}
+        key_of = {mp.file_key_to_param(k): k for k in sd}
         trainable = {n: p for n, p in params.items() if p.requires_grad}
         assert set(key_of) == set(trainable)
         opt = torch.optim.SGD(list(trainable.values()), lr=LR)

@@ -55,7 +55,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import make_fixtures as mf  # noqa: E402  (row_nll, DATASETS, encode_*)
+import make_fixtures as mf  # noqa: E402  (DATASETS, write_json)
+import make_peft_fixtures as mp  # noqa: E402  (eval_losses, text_loss, file_key_to_param)
 
 FIX = mf.FIX
 OUT = FIX / "v5"
@@ -112,51 +113,34 @@ def check_tokenizer(model_dir: Path, ref):
         assert ids[:n] == r["ids"][:n], (model_dir.name, ids, r["ids"])
 
 
-def eval_losses(model, ref):
-    out = {}
-    with torch.no_grad():
-        for fmt, f in ref["formats"].items():
-            nlls, ns = [], []
-            for r in f["rows"]:
-                nll, _ = mf.row_nll(model, r["ids"], r["targets"])
-                nlls.append(nll.item())
-                ns.append(sum(r["targets"]))
-            out[fmt] = {"rows": f["rows"], "nll_sum": nlls, "n_targets": ns, "loss": sum(nlls) / sum(ns)}
-    return out
-
-
-def text_loss(model, ref):
-    rows = ref["formats"]["text"]["rows"]
-    total = sum(mf.row_nll(model, r["ids"], r["targets"])[0] for r in rows)
-    return total / sum(sum(r["targets"]) for r in rows)
-
-
-def file_key_to_param(key: str) -> str:
-    for part in (".lora_A.", ".lora_B."):
-        if part in key:
-            head, tail = key.split(part, 1)
-            return f"{head}{part}default.{tail}"
-    raise ValueError(key)
+def formats_of(model, ref):
+    """Per format: the reference rows and their losses (make_peft_fixtures.eval_losses)."""
+    losses = mp.eval_losses(model, ref)
+    return {
+        fmt: {"rows": f["rows"], "nll_sum": losses[fmt]["nll_sum"],
+              "n_targets": losses[fmt]["n_targets"], "loss": losses[fmt]["loss"]}
+        for fmt, f in ref["formats"].items()
+    }
 
 
 def peft_reference(name: str, model_dir: Path, ref):
     adapter = FIX / "adapters" / f"{name}-peft"
     m = PeftModel.from_pretrained(load(model_dir), str(adapter))
     m.eval()
-    losses = {fmt: {"loss": v["loss"]} for fmt, v in eval_losses(m, ref).items()}
+    losses = {fmt: {"loss": v["loss"]} for fmt, v in mp.eval_losses(m, ref).items()}
 
     m = PeftModel.from_pretrained(load(model_dir), str(adapter), is_trainable=True)
     m.eval()
     sd = load_file(str(adapter / "adapter_model.safetensors"))
     params = dict(m.named_parameters())
     trainable = {n: p for n, p in params.items() if p.requires_grad}
-    key_of = {file_key_to_param(k): k for k in sd}
+    key_of = {mp.file_key_to_param(k): k for k in sd}
     assert set(key_of) == set(trainable), set(key_of) ^ set(trainable)
     for pn, k in key_of.items():
         assert torch.equal(params[pn].detach(), sd[k]), k
     opt = torch.optim.SGD(list(trainable.values()), lr=SGD_LR)
     opt.zero_grad(set_to_none=True)
-    loss = text_loss(m, ref)
+    loss = mp.text_loss(m, ref)
     loss.backward()
     before = loss.item()
     tensors = {}
@@ -166,7 +150,7 @@ def peft_reference(name: str, model_dir: Path, ref):
     for pn, p in trainable.items():
         tensors[f"after.{key_of[pn]}"] = p.detach().float().clone().contiguous()
     with torch.no_grad():
-        after = text_loss(m, ref).item()
+        after = mp.text_loss(m, ref).item()
     assert after < before, (before, after)
     path = OUT / "reference" / f"peft-{name}-sgd.safetensors"
     save_file(dict(sorted(tensors.items())), str(path), metadata={"format": "pt"})
@@ -222,7 +206,7 @@ def main():
         ref4 = json.loads((FIX / "reference" / f"{name}.json").read_text())
         mdir = build_model(name)
         check_tokenizer(mdir, ref4)
-        formats = eval_losses(load(mdir), ref4)
+        formats = formats_of(load(mdir), ref4)
         doc = {"versions": VERSIONS, "model": name, "formats": formats}
         mf.write_json(OUT / "reference" / f"{name}.json", doc)
         mf.write_json(OUT / "reference" / f"peft-{name}.json", peft_reference(name, mdir, ref4))

@@ -98,6 +98,16 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
         .unwrap()
 }
 
+/// Every element of `t`, flattened row-major, as f64.
+pub fn values(t: &Tensor) -> Vec<f64> {
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(candle_core::DType::F64)
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap()
+}
+
 /// max |a| over all elements, in f64.
 pub fn max_abs(a: &Tensor) -> f64 {
     a.to_dtype(candle_core::DType::F64)

@@ -19,15 +19,6 @@ fn codes(t: &Tensor) -> Vec<u8> {
     t.flatten_all().unwrap().to_vec1::<u8>().unwrap()
 }
 
-fn floats(t: &Tensor) -> Vec<f64> {
-    t.flatten_all()
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap()
-}
-
 /// Tolerances, each against the size of what it must catch:
 /// - parameter after the step: 1e-6 absolute, a few f32 ulps of parameters up to ~4 (one ulp
 ///   there is 2.4e-7 .. 4.8e-7). The update here is ~1e-2 per element; the decoupled weight
@@ -117,10 +108,10 @@ fn each_step_matches_bitsandbytes_adamw8bit() {
         for (what, signed) in [("exp_avg", true), ("exp_avg_sq", false)] {
             let map = dynamic_map(signed);
             let ours_c = codes(&ours[&format!("0.{what}.codes")]);
-            let ours_a = floats(&ours[&format!("0.{what}.absmax")]);
+            let ours_a = values(&ours[&format!("0.{what}.absmax")]);
             let bnb_c = codes(&t[&format!("after.{k}.0.{what}.codes")]);
-            let bnb_a = floats(&t[&format!("after.{k}.0.{what}.absmax")]);
-            let x = floats(&t[&format!("after.{k}.0.{what}.fp32")]);
+            let bnb_a = values(&t[&format!("after.{k}.0.{what}.absmax")]);
+            let x = values(&t[&format!("after.{k}.0.{what}.fp32")]);
             let mut differ = 0;
             for (j, &xj) in x.iter().enumerate() {
                 let (b, a) = (j / 256, bnb_a[j / 256]);

@@ -17,20 +17,7 @@ fn fixture() -> HashMap<String, Tensor> {
 
 /// max |a - b| in units of one bf16 ulp of b (2^-7 relative), elementwise.
 fn ulps(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a
-        .to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap();
-    let b = b
-        .to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap();
+    let (a, b) = (values(a), values(b));
     a.iter()
         .zip(&b)
         .filter(|(x, y)| x.is_finite() || y.is_finite())
@@ -47,20 +34,7 @@ fn ulps(a: &Tensor, b: &Tensor) -> f64 {
 
 /// Fraction of elements that differ.
 fn mismatch(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    let b = b
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
+    let (a, b) = (values(a), values(b));
     a.iter().zip(&b).filter(|(x, y)| x != y).count() as f64 / a.len() as f64
 }
 

@@ -104,10 +104,7 @@ fn one_sgd_step_with_dropout_matches_peft_given_the_same_masks() {
 
 /// Keep flags of a mask as 0/1 floats.
 fn keep(mask: &Tensor) -> Vec<f64> {
-    mask.flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
+    values(mask)
         .iter()
         .map(|&v| f64::from(u8::from(v > 0.0)))
         .collect()

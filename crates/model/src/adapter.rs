@@ -90,8 +90,7 @@ fn module_name(path: &str) -> &str {
     path.rsplit('.').next().unwrap_or(path)
 }
 
-/// The PEFT key prefix of layer `i`'s module `path` (`self_attn.q_proj`).
-/// The PEFT module name of the linear `path` ("self_attn.q_proj") of decoder layer `i`.
+/// The PEFT module name (key prefix) of layer `i`'s linear `path` (`self_attn.q_proj`).
 pub fn peft_prefix(i: usize, path: &str) -> String {
     format!("base_model.model.model.layers.{i}.{path}")
 }
