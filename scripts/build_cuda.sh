@@ -1,58 +1,89 @@
 #!/usr/bin/env bash
-# Builds `tallow` with `--features cuda` on a machine without a GPU or a system CUDA install,
-# against CUDA 13.0 taken from NVIDIA's PyPI wheels, so that the binary links the CUDA 13
-# libraries (libcublas.so.13, libcudart.so.13, ...) an H100/H200 machine with a CUDA 13 driver
-# has (e.g. inside its PyTorch environment's `nvidia` package).
+# Builds tallow's CUDA binary, `tallow-cuda`, on a machine without a GPU or a system CUDA
+# install, with the CUDA toolkit taken from NVIDIA's PyPI wheels. The plain `tallow` (CPU build)
+# hands `--device cuda` to a `tallow-cuda` installed beside it (docs/cuda.md says why).
 #
-#   scripts/build_cuda.sh                 # -> target/release/tallow (stripped), PTX for sm_90
-#   CUDA_COMPUTE_CAP=80 scripts/build_cuda.sh
-#   CHECK_ONLY=1 scripts/build_cuda.sh    # `cargo check --features cuda` only (needs the wheels; not in CI)
+#   scripts/build_cuda.sh                        # CUDA 13, PTX for compute 8.0 -> target/release/tallow-cuda
+#   CUDA_MAJOR=12 scripts/build_cuda.sh          # CUDA 12.x wheels, for drivers older than 580
+#   CUDA_COMPUTE_CAP=90 scripts/build_cuda.sh    # PTX for one capability (80 = A100 / RTX 30 and up)
+#   CI_COMPILE=1 scripts/build_cuda.sh           # CI: `cargo build --features cuda --all-targets`
+#                                                #     (dev profile, tests included), nothing installed
 #
-# Needs: python3 with pip (only to download wheels), gcc/g++ <= 14, and the driver stub
-# `libcuda.so.1` at link time (Debian: `apt-get install libcuda1`, any version; or set
-# LIBCUDA=/path/to/libcuda.so.1). With a normal CUDA >= 12 install, skip this script:
-#   CUDA_COMPUTE_CAP=90 cargo build --release --features cuda
+# Compute capability: candle's kernels are compiled to PTX for CUDA_COMPUTE_CAP (default 80); the
+# driver JIT-compiles that PTX for any newer GPU (sm_86/89 cards, Hopper, Blackwell) on first use,
+# so the default runs on A100, A10/A6000, L4/L40S, RTX 30/40/50, H100/H200 and B200. Older cards
+# (V100 = 70, T4 = 75) need CUDA_COMPUTE_CAP=70/75 and have no bf16.
 #
-# Running the binary on the GPU machine: point LD_LIBRARY_PATH at the CUDA 13 libs there, e.g.
-#   export LD_LIBRARY_PATH=$(python3 -c 'import nvidia,os;print(os.path.join(nvidia.__path__[0],"cu13","lib"))')
+# Driver: a CUDA 13 build needs driver >= 580; a CUDA 12 build needs >= 525 (12.0) and, for the
+# 12.x wheels pinned below, >= 550. `tallow doctor` prints the driver's CUDA version.
+#
+# Needs: python3 with pip (to download wheels only) and gcc/g++ <= 14. No driver: the link step
+# uses a stub libcuda.so generated here from the driver functions cudarc binds (the real
+# libcuda.so.1 is found at run time, from the driver).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CUDA_DIR=${CUDA_DIR:-$PWD/target/cuda13}
-ROOT=$CUDA_DIR/nvidia/cu13
+CUDA_MAJOR=${CUDA_MAJOR:-13}
+CUDA_DIR=${CUDA_DIR:-$PWD/target/cuda$CUDA_MAJOR}
+ROOT=$CUDA_DIR/root
+case $CUDA_MAJOR in
+  13) WHEELS=('nvidia-cuda-nvcc==13.0.*' 'nvidia-nvvm==13.0.*' 'nvidia-cuda-runtime==13.0.*'
+        'nvidia-cuda-crt==13.0.*' 'nvidia-cuda-cccl==13.0.*' 'nvidia-cublas==13.0.*'
+        'nvidia-cuda-nvrtc==13.0.*' 'nvidia-curand==10.4.0.*') ;;
+  12) WHEELS=('nvidia-cuda-nvcc-cu12==12.4.*' 'nvidia-cuda-runtime-cu12==12.4.*'
+        'nvidia-cuda-cccl-cu12==12.4.*' 'nvidia-cublas-cu12==12.4.*'
+        'nvidia-cuda-nvrtc-cu12==12.4.*' 'nvidia-curand-cu12==10.3.5.*') ;;
+  *) echo "error: CUDA_MAJOR must be 12 or 13, not $CUDA_MAJOR" >&2; exit 1 ;;
+esac
+
 if [ ! -x "$ROOT/bin/nvcc" ]; then
-  mkdir -p "$CUDA_DIR/wheels"
-  python3 -m pip download --no-deps --quiet -d "$CUDA_DIR/wheels" \
-    'nvidia-cuda-nvcc==13.0.*' 'nvidia-nvvm==13.0.*' 'nvidia-cuda-runtime==13.0.*' \
-    'nvidia-cuda-crt==13.0.*' 'nvidia-cuda-cccl==13.0.*' 'nvidia-cublas==13.0.*' \
-    'nvidia-cuda-nvrtc==13.0.*' 'nvidia-curand==10.4.0.*'
+  mkdir -p "$CUDA_DIR/wheels" "$CUDA_DIR/unpacked" "$ROOT"
+  python3 -m pip download --no-deps --quiet -d "$CUDA_DIR/wheels" "${WHEELS[@]}"
   for w in "$CUDA_DIR"/wheels/*.whl; do
-    python3 -m zipfile -e "$w" "$CUDA_DIR"
+    python3 -m zipfile -e "$w" "$CUDA_DIR/unpacked"
+  done
+  # CUDA 13 wheels unpack into nvidia/cu13/{bin,include,lib,nvvm}; CUDA 12 wheels into one
+  # folder per component (nvidia/cuda_nvcc/bin, nvidia/cublas/lib, ...). Merge either into one
+  # toolkit-shaped root of symlinks.
+  for component in "$CUDA_DIR"/unpacked/nvidia/*/; do
+    cp -rs "$component". "$ROOT/"
   done
   chmod +x "$ROOT"/bin/* "$ROOT"/nvvm/bin/* 2>/dev/null || true
 fi
-# Linker names for the versioned libraries, and the driver stub.
+
+# Linker names for the versioned libraries.
 (
   cd "$ROOT/lib"
-  for l in cublas cublasLt cudart nvrtc; do
-    [ -e "lib$l.so" ] || ln -sf "$(ls lib$l.so.13* | head -1)" "lib$l.so"
+  for l in cublas cublasLt cudart nvrtc curand; do
+    [ -e "lib$l.so" ] || ln -sf "$(ls lib$l.so.[0-9]* | head -1)" "lib$l.so"
   done
-  [ -e libcurand.so ] || ln -sf "$(ls libcurand.so.10* | head -1)" libcurand.so
-  if [ ! -e libcuda.so ]; then
-    LIBCUDA=${LIBCUDA:-$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}')}
-    if [ -z "$LIBCUDA" ]; then
-      echo "error: no libcuda.so.1 to link against; install Debian's libcuda1 (non-free) or set LIBCUDA" >&2
-      exit 1
-    fi
-    ln -sf "$LIBCUDA" libcuda.so
-  fi
 )
 [ -e "$ROOT/lib64" ] || ln -sf lib "$ROOT/lib64"
+
+# The driver stub: every cu* function cudarc's driver bindings name, as an empty function, in a
+# library whose soname is the driver's (libcuda.so.1). Only the linker sees it.
+if [ ! -e "$ROOT/stubs/libcuda.so" ]; then
+  cargo fetch --quiet
+  version=$(awk '/^name = "cudarc"$/ { getline; gsub(/[^0-9.]/, ""); print; exit }' Cargo.lock)
+  cudarc=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-"$version" | head -1)
+  mkdir -p "$ROOT/stubs"
+  grep -o 'fn cu[A-Za-z0-9_]*(' "$cudarc/src/driver/sys/mod.rs" | sort -u |
+    sed 's/^fn \(.*\)($/void \1(void) {}/' > "$ROOT/stubs/libcuda.c"
+  gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$ROOT/stubs/libcuda.so" "$ROOT/stubs/libcuda.c"
+fi
+
 export CUDA_ROOT=$ROOT CUDA_PATH=$ROOT PATH=$ROOT/bin:$PATH
-export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
-export LIBRARY_PATH=$ROOT/lib${LIBRARY_PATH:+:$LIBRARY_PATH}
-if [ "${CHECK_ONLY:-0}" = 1 ]; then
-  cargo check --workspace --all-targets --features tallow/cuda,tallow-tests/cuda
+export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-80}
+export LIBRARY_PATH=$ROOT/lib:$ROOT/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}
+FEATURES=tallow/cuda
+if [ "${CI_COMPILE:-0}" = 1 ]; then
+  # Every target with the CUDA code compiled in: the binary, the test binaries, the tools.
+  cargo build --workspace --all-targets --features tallow/cuda,tallow-tests/cuda
 else
-  cargo build --release -p tallow --features cuda
-  ls -l "${CARGO_TARGET_DIR:-target}/release/tallow"
+  # Its own target folder, so the CPU build of `tallow` in target/release is not overwritten.
+  CUDA_TARGET=${CARGO_TARGET_DIR:-target}/cuda-build
+  CARGO_TARGET_DIR=$CUDA_TARGET cargo build --release -p tallow --features $FEATURES
+  mkdir -p "${CARGO_TARGET_DIR:-target}/release"
+  cp "$CUDA_TARGET/release/tallow" "${CARGO_TARGET_DIR:-target}/release/tallow-cuda"
+  ls -l "${CARGO_TARGET_DIR:-target}/release/tallow-cuda"
+  echo "install it beside the CPU build: cp target/release/tallow-cuda \"\$(dirname \"\$(command -v tallow)\")\""
 fi

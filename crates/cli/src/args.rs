@@ -36,6 +36,23 @@ pub enum Command {
     /// Run a grid of training configs a few steps each, one process per cell: measured peak
     /// memory per phase next to the estimate, and tokens/s.
     Bench(BenchArgs),
+    /// Whether this build works here: build, driver, GPU, then a self-test of every op of a
+    /// training step on the device against the CPU reference. Exit 1 if any check fails.
+    Doctor(DoctorArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct DoctorArgs {
+    /// Device to test: auto | cpu | cuda | cuda:N (the CPU build hands cuda to tallow-cuda).
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Dtypes to test, comma-separated: default f32 on the CPU, f32,bf16 on CUDA.
+    #[arg(long, value_delimiter = ',')]
+    pub dtype: Vec<String>,
+    /// Print one JSON object {"ok", "build", "driver", "checks": [{"name", "ok", "max_abs_err",
+    /// "tol"}...]} instead of the report.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(clap::Args, Debug)]

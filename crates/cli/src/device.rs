@@ -1,18 +1,20 @@
 //! `--device` and `--dtype` values.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device};
 
-/// auto | cpu | cuda | cuda:N. `auto` picks CUDA device 0 when this binary has CUDA support and a
-/// GPU answers, else the CPU.
+use crate::gpu;
+
+/// auto | cpu | cuda | cuda:N.
+///
+/// The CPU build (no `cuda` feature) opens no GPU itself: for `cuda` it checks driver, device and
+/// libraries ([`gpu::check_cuda`]) and replaces itself with `tallow-cuda`, or fails naming what
+/// is missing. `auto` does the same when a GPU is usable and otherwise picks the CPU; either way it
+/// says on stderr which device it chose and why.
 pub fn parse_device(spec: &str) -> Result<Device> {
     match spec {
         "cpu" => Ok(Device::Cpu),
-        "auto" => Ok(if cfg!(feature = "cuda") {
-            Device::new_cuda(0).unwrap_or(Device::Cpu)
-        } else {
-            Device::Cpu
-        }),
+        "auto" => Ok(auto()),
         s if s == "cuda" || s.starts_with("cuda:") => {
             let ordinal: usize = match s.strip_prefix("cuda:") {
                 Some(n) => n
@@ -20,17 +22,77 @@ pub fn parse_device(spec: &str) -> Result<Device> {
                     .with_context(|| format!("--device {s}: `{n}` is not a GPU number"))?,
                 None => 0,
             };
-            if !cfg!(feature = "cuda") {
-                bail!(
-                    "--device {s}: this tallow was built without CUDA support; rebuild with \
-                     `cargo build --release --features cuda` (see README, \"CUDA\")"
-                );
-            }
-            let dev = Device::new_cuda(ordinal)
-                .with_context(|| format!("--device {s}: cannot open the GPU"))?;
-            Ok(dev)
+            open_cuda(ordinal).map_err(|why| anyhow!("--device {s}: {why}"))
         }
         other => bail!("--device {other}: expected auto, cpu, cuda or cuda:N"),
+    }
+}
+
+/// One line naming a GPU: "NVIDIA H100 80GB HBM3, compute 9.0, 79.1 GiB".
+fn describe(g: &gpu::GpuInfo) -> String {
+    format!(
+        "{}, compute {}.{}, {}",
+        g.name,
+        g.compute_capability.0,
+        g.compute_capability.1,
+        tallow_trainer::memory::human_bytes(g.total_bytes as u64)
+    )
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(ordinal: usize) -> std::result::Result<Device, String> {
+    let (binary, _) = gpu::check_cuda(ordinal)?;
+    Err(gpu::hand_off(&binary))
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(ordinal: usize) -> std::result::Result<Device, String> {
+    Device::new_cuda(ordinal).map_err(|e| match gpu::probe_driver() {
+        // The driver's own account first (no driver, no device, too old); Candle's error else.
+        Err(why) => why,
+        Ok(d) if ordinal >= d.devices.len() => format!(
+            "there is no GPU {ordinal}: the driver sees {}",
+            d.devices.len()
+        ),
+        Ok(_) => format!("cannot open GPU {ordinal}: {e}"),
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn auto() -> Device {
+    match gpu::check_cuda(0) {
+        Ok((binary, driver)) => {
+            eprintln!(
+                "tallow: device auto -> cuda:0 ({}): running {}",
+                describe(&driver.devices[0]),
+                binary.display()
+            );
+            let why = gpu::hand_off(&binary);
+            eprintln!("tallow: device auto -> cpu: {why}");
+            Device::Cpu
+        }
+        Err(why) => {
+            eprintln!("tallow: device auto -> cpu: {why}");
+            Device::Cpu
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn auto() -> Device {
+    match open_cuda(0) {
+        Ok(dev) => {
+            let name = gpu::probe_driver()
+                .ok()
+                .and_then(|d| d.devices.first().map(describe))
+                .unwrap_or_else(|| "GPU 0".into());
+            eprintln!("tallow: device auto -> cuda:0 ({name})");
+            dev
+        }
+        Err(why) => {
+            eprintln!("tallow: device auto -> cpu: {why}");
+            Device::Cpu
+        }
     }
 }
 

@@ -7,10 +7,12 @@ mod args;
 mod bench;
 mod chat;
 mod device;
+mod doctor;
 mod download;
 mod estimate;
 mod eval;
 mod generate;
+mod gpu;
 mod merge;
 mod plot;
 mod train;
@@ -45,6 +47,7 @@ fn main() {
         args::Command::Download(a) => download::run(a),
         args::Command::Estimate(a) => estimate::run(a),
         args::Command::Bench(a) => bench::run(a),
+        args::Command::Doctor(a) => doctor::run(a),
     };
     if let Err(err) = result {
         // Print the chain, skipping causes whose text the message above already includes

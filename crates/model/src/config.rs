@@ -187,6 +187,50 @@ impl DecoderConfig {
         Ok(DecoderConfig { raw, ..cfg })
     }
 
+    /// Every tensor of an HF checkpoint of this config, with its name and shape, in file order
+    /// (what `CausalLM::from_weights` reads): for tools and self-tests that make random models.
+    pub fn hf_tensor_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let (hs, d) = (self.hidden_size, self.head_dim);
+        let (q, kv, i) = (
+            self.num_attention_heads * d,
+            self.num_key_value_heads * d,
+            self.intermediate_size,
+        );
+        let mut out = vec![(
+            "model.embed_tokens.weight".to_string(),
+            vec![self.vocab_size, hs],
+        )];
+        for l in 0..self.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            let lin = [
+                ("self_attn.q_proj", q, hs, self.qkv_bias),
+                ("self_attn.k_proj", kv, hs, self.qkv_bias),
+                ("self_attn.v_proj", kv, hs, self.qkv_bias),
+                ("self_attn.o_proj", hs, q, self.o_bias),
+                ("mlp.gate_proj", i, hs, self.mlp_bias),
+                ("mlp.up_proj", i, hs, self.mlp_bias),
+                ("mlp.down_proj", hs, i, self.mlp_bias),
+            ];
+            for (n, o, inp, bias) in lin {
+                out.push((format!("{p}.{n}.weight"), vec![o, inp]));
+                if bias {
+                    out.push((format!("{p}.{n}.bias"), vec![o]));
+                }
+            }
+            if self.qk_norm {
+                out.push((format!("{p}.self_attn.q_norm.weight"), vec![d]));
+                out.push((format!("{p}.self_attn.k_norm.weight"), vec![d]));
+            }
+            out.push((format!("{p}.input_layernorm.weight"), vec![hs]));
+            out.push((format!("{p}.post_attention_layernorm.weight"), vec![hs]));
+        }
+        out.push(("model.norm.weight".into(), vec![hs]));
+        if !self.tie_word_embeddings {
+            out.push(("lm_head.weight".into(), vec![self.vocab_size, hs]));
+        }
+        out
+    }
+
     /// `config.json` for a model tallow writes (merge, full fine-tuning): the source's keys, with
     /// the rotary settings in both layouts (transformers 4 reads `rope_theta` / `rope_scaling`,
     /// transformers 5 prefers `rope_parameters`) and the weights' dtype under both names

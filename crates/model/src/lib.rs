@@ -10,6 +10,9 @@
 pub mod adapter;
 pub mod checkpointing;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod dropout;
 pub mod error;
 pub mod generate;
 pub mod hf_keys;

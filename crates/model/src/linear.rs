@@ -14,7 +14,6 @@
 //! 4-bit weight and dequantizes it inside forward and again inside backward.
 
 use candle_core::backend::BackendStorage;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use candle_core::{
@@ -23,6 +22,8 @@ use candle_core::{
 };
 use rand::{Rng, SeedableRng};
 
+pub use crate::dropout::Dropout;
+use crate::dropout::DropoutOp;
 use crate::error::Result;
 pub use crate::quant::nf4::{Nf4Matmul, Nf4Weight};
 
@@ -106,51 +107,6 @@ pub struct Lora {
     pub id: u64,
 }
 
-/// LoRA dropout, switched on per micro-batch by the trainer with a seed derived from
-/// (run seed, step, micro-batch): masks are a pure function of that seed and the adapter id, so a
-/// resumed run draws exactly the masks of an uninterrupted one, with no RNG state to save.
-pub struct Dropout {
-    pub p: f32,
-    /// u64::MAX = off (evaluation).
-    seed: AtomicU64,
-}
-
-impl Dropout {
-    pub fn new(p: f32) -> Self {
-        Self {
-            p,
-            seed: AtomicU64::new(u64::MAX),
-        }
-    }
-
-    /// Some(seed): training with that seed; None: no dropout.
-    pub fn set(&self, seed: Option<u64>) {
-        self.seed.store(seed.unwrap_or(u64::MAX), Ordering::Relaxed);
-    }
-
-    fn seed(&self) -> Option<u64> {
-        let s = self.seed.load(Ordering::Relaxed);
-        (s != u64::MAX && self.p > 0.0).then_some(s)
-    }
-
-    /// Inverted-dropout mask: 0 with probability p, else 1/(1-p). shape in f32.
-    fn mask(&self, seed: u64, dims: &[usize], device: &Device) -> Result<Tensor> {
-        let keep = 1.0 - self.p as f64;
-        let u = if device.is_cuda() {
-            // curand is seedable on the device: no host work, no transfer.
-            device.set_seed(seed)?;
-            Tensor::rand(0f32, 1., dims, device)?
-        } else {
-            // Candle's CPU rng cannot be seeded; draw from a seeded host generator.
-            let n: usize = dims.iter().product();
-            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-            let v: Vec<f32> = (0..n).map(|_| rng.random::<f32>()).collect();
-            Tensor::from_vec(v, dims, device)?
-        };
-        Ok((u.ge(self.p as f64)?.to_dtype(DType::F32)? / keep)?)
-    }
-}
-
 /// SplitMix64 finalizer: mixes an adapter id into a seed.
 pub fn mix_seed(seed: u64, id: u64) -> u64 {
     let mut z = seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
@@ -167,34 +123,40 @@ impl Lora {
     /// The dropout mask this adapter multiplies its input by in the micro-batch whose seed is
     /// `micro_seed` (what the trainer passes to `set_dropout`), for an input of `dims` ((M, in)):
     /// 0 with probability p, else 1/(1-p); None without dropout. A pure function of
-    /// (micro_seed, adapter id, dims).
+    /// (micro_seed, adapter id, element index): [`DropoutOp`] applied to ones.
     pub fn dropout_mask(
         &self,
         micro_seed: u64,
         dims: &[usize],
         device: &Device,
     ) -> Result<Option<Tensor>> {
+        match self.dropout_op(micro_seed) {
+            Some(op) => Ok(Some(op.apply(&Tensor::ones(dims, DType::F32, device)?)?)),
+            None => Ok(None),
+        }
+    }
+
+    fn dropout_op(&self, micro_seed: u64) -> Option<DropoutOp> {
         match &self.dropout {
-            Some(d) if d.p > 0.0 => {
-                Ok(Some(d.mask(mix_seed(micro_seed, self.id), dims, device)?))
-            }
-            _ => Ok(None),
+            Some(d) if d.p > 0.0 => Some(DropoutOp {
+                seed: mix_seed(micro_seed, self.id),
+                p: d.p,
+            }),
+            _ => None,
         }
     }
 
     /// s · B A x for x: (M, in) in any float dtype -> (M, out) in f32.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut x = x.to_dtype(self.a.dtype())?;
-        if let Some(seed) = self.dropout.as_ref().and_then(|d| d.seed()) {
-            if let Some(mask) = self.dropout_mask(seed, x.dims(), x.device())? {
-                // x * mask, with the backward dx = dy * mask attached: Candle's product backward
-                // would also compute (and keep, until the gradients are dropped) a gradient for
-                // the mask, an (M, in) f32 tensor per adapter.
-                let value = (x.detach() * &mask)?;
-                x = crate::ops::attach1("lora-dropout", &x, value, move |_x, _y, dy| {
-                    Ok(Some((dy * &mask)?))
-                })?;
-            }
+        if let Some(op) = self
+            .dropout
+            .as_ref()
+            .and_then(|d| d.seed())
+            .and_then(|s| self.dropout_op(s))
+        {
+            // One element-wise op whose backward is itself on dy: no mask is stored.
+            x = op.apply(&x)?;
         }
         // The scale is applied to the rank-r intermediate rather than to the (M, out) output
         // (PEFT's order): same value up to rounding, and the graph keeps an (M, r) tensor less

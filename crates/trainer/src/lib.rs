@@ -8,6 +8,7 @@ pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod doctor;
 pub mod error;
 pub mod estimate;
 pub mod eval;

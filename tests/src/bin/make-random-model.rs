@@ -22,49 +22,6 @@ fn usage() -> ! {
     std::process::exit(2)
 }
 
-/// Every tensor of the model with its HF name and shape, in file order.
-fn tensor_shapes(c: &DecoderConfig) -> Vec<(String, Vec<usize>)> {
-    let (hs, d) = (c.hidden_size, c.head_dim);
-    let (q, kv, i) = (
-        c.num_attention_heads * d,
-        c.num_key_value_heads * d,
-        c.intermediate_size,
-    );
-    let mut out = vec![(
-        "model.embed_tokens.weight".to_string(),
-        vec![c.vocab_size, hs],
-    )];
-    for l in 0..c.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        let lin = [
-            ("self_attn.q_proj", q, hs, c.qkv_bias),
-            ("self_attn.k_proj", kv, hs, c.qkv_bias),
-            ("self_attn.v_proj", kv, hs, c.qkv_bias),
-            ("self_attn.o_proj", hs, q, c.o_bias),
-            ("mlp.gate_proj", i, hs, c.mlp_bias),
-            ("mlp.up_proj", i, hs, c.mlp_bias),
-            ("mlp.down_proj", hs, i, c.mlp_bias),
-        ];
-        for (n, o, inp, bias) in lin {
-            out.push((format!("{p}.{n}.weight"), vec![o, inp]));
-            if bias {
-                out.push((format!("{p}.{n}.bias"), vec![o]));
-            }
-        }
-        if c.qk_norm {
-            out.push((format!("{p}.self_attn.q_norm.weight"), vec![d]));
-            out.push((format!("{p}.self_attn.k_norm.weight"), vec![d]));
-        }
-        out.push((format!("{p}.input_layernorm.weight"), vec![hs]));
-        out.push((format!("{p}.post_attention_layernorm.weight"), vec![hs]));
-    }
-    out.push(("model.norm.weight".into(), vec![hs]));
-    if !c.tie_word_embeddings {
-        out.push(("lm_head.weight".into(), vec![c.vocab_size, hs]));
-    }
-    out
-}
-
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.len() < 2 {
@@ -97,7 +54,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     // Shards of at most ~2 GB, with an index when there is more than one.
-    let shapes = tensor_shapes(&c);
+    let shapes = c.hf_tensor_shapes();
     let limit = 2usize << 30;
     let mut shards: Vec<Vec<(String, Vec<usize>)>> = vec![vec![]];
     let mut size = 0;

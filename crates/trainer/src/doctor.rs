@@ -1,0 +1,728 @@
+//! `tallow doctor`'s self-test: every custom op and path of a training step, run on the chosen
+//! device and compared with the CPU reference on small random inputs.
+//!
+//! - On a GPU: the op on the device (its CUDA kernel or Candle tensor ops) against the same op on
+//!   the CPU (tallow's CPU kernels), in each dtype tested.
+//! - On the CPU: the device-generic tensor path (what CUDA runs for NF4 dequantization and the
+//!   plain-matmul form of the frozen / trainable linears) against the CPU kernels, and, for
+//!   ops that have one path only, f32 against the same op in f64 (or a scalar loop). So CI runs
+//!   the self-test itself.
+//!
+//! Each check reports the largest absolute difference over its outputs (values and gradients,
+//! inputs scaled to O(1)) and its tolerance: 0 where the two paths do the same IEEE operations
+//! (NF4 dequantization, dropout masks), else a per-dtype bound (f32 1e-4 for single ops, looser
+//! for whole layers; bf16 / f16 a few units of their precision).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use tallow_model::dropout::DropoutOp;
+use tallow_model::linear::{FrozenMatmul, TrainableMatmul};
+use tallow_model::loss::{lm_head_nll, Targets};
+use tallow_model::quant::nf4::Nf4Matmul;
+use tallow_model::{ops, Base, CausalLM, Linear, LoadOptions, Lora, Nf4Weight, Param};
+
+use crate::optim::{AdamW, AdamW8bit, AdamWParams, Optimizer};
+
+/// One comparison.
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    pub name: String,
+    pub ok: bool,
+    pub max_abs_err: f64,
+    pub tol: f64,
+    /// Why it could not run (then `ok` is false), or what was compared.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+/// The whole self-test.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub ok: bool,
+    pub checks: Vec<Check>,
+}
+
+type R<T> = candle_core::Result<T>;
+
+/// Seeded N(0, 1) values as an f32 CPU tensor.
+fn randn(rng: &mut rand::rngs::StdRng, shape: &[usize]) -> R<Tensor> {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            // Box-Muller
+            let (u1, u2): (f32, f32) = (rng.random::<f32>().max(1e-7), rng.random());
+            (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu)
+}
+
+/// Largest |a - b| over pairs of tensors (any devices and dtypes), in f64.
+fn max_err(got: &[Tensor], want: &[Tensor]) -> R<f64> {
+    if got.len() != want.len() {
+        candle_core::bail!("{} outputs against {}", got.len(), want.len());
+    }
+    let mut worst = 0f64;
+    for (g, w) in got.iter().zip(want) {
+        if g.dims() != w.dims() {
+            candle_core::bail!("shape {:?} against {:?}", g.dims(), w.dims());
+        }
+        let g = g.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
+        let w = w.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
+        let d = (g - w)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
+        if d.is_nan() {
+            return Ok(f64::INFINITY);
+        }
+        worst = worst.max(d);
+    }
+    Ok(worst)
+}
+
+/// Tolerance for one op's outputs of O(1) in `dtype`.
+fn tol(dtype: DType, f32_tol: f64) -> f64 {
+    match dtype {
+        DType::BF16 => 6e-2,
+        DType::F16 => 8e-3,
+        _ => f32_tol,
+    }
+}
+
+/// A check computed by `f(device, dtype, generic)` on the subject and the reference.
+struct Case {
+    name: &'static str,
+    /// Tolerance in f32 (other dtypes: [`tol`]); 0 = bit-equal in every dtype.
+    f32_tol: f64,
+    /// Whether the op has a separate device-generic path to compare with the CPU kernel on the
+    /// CPU; if not, the CPU compares `dtype` against f64 (`reference_f64`) or a scalar loop.
+    generic_on_cpu: bool,
+    /// Whether the reference may run in f64 on the CPU (ops without a CPU kernel).
+    reference_f64: bool,
+    /// What the CPU comparison compares (the report's note).
+    on_cpu: &'static str,
+    /// Tolerance of the CPU comparison when it compares different algorithms (8-bit against
+    /// f32 AdamW); None: `f32_tol`.
+    cpu_tol: Option<f64>,
+    run: fn(&Device, DType, bool) -> R<Vec<Tensor>>,
+}
+
+const CASES: &[Case] = &[
+    Case {
+        name: "rmsnorm fwd+bwd",
+        on_cpu: "against f64",
+        f32_tol: 1e-4,
+        generic_on_cpu: false,
+        reference_f64: true,
+        cpu_tol: None,
+        run: rmsnorm,
+    },
+    Case {
+        name: "rope fwd+bwd",
+        on_cpu: "against f64",
+        f32_tol: 1e-4,
+        generic_on_cpu: false,
+        reference_f64: true,
+        cpu_tol: None,
+        run: rope,
+    },
+    Case {
+        name: "softmax fwd+bwd",
+        on_cpu: "against f64",
+        f32_tol: 1e-5,
+        generic_on_cpu: false,
+        reference_f64: true,
+        cpu_tol: None,
+        run: softmax,
+    },
+    Case {
+        name: "frozen matmul fwd+bwd",
+        on_cpu: "plain matmul against the frozen-matmul op",
+        f32_tol: 1e-4,
+        generic_on_cpu: true,
+        reference_f64: false,
+        cpu_tol: None,
+        run: frozen_matmul,
+    },
+    Case {
+        name: "trainable matmul fwd+bwd",
+        on_cpu: "plain matmul against the trainable-matmul op",
+        f32_tol: 1e-4,
+        generic_on_cpu: true,
+        reference_f64: false,
+        cpu_tol: None,
+        run: trainable_matmul,
+    },
+    Case {
+        name: "nf4 dequantize",
+        on_cpu: "tensor-op path (CUDA's) against the CPU kernel",
+        f32_tol: 0.0,
+        generic_on_cpu: true,
+        reference_f64: false,
+        cpu_tol: None,
+        run: nf4_dequant,
+    },
+    Case {
+        name: "nf4 double-quant dequantize",
+        on_cpu: "tensor-op path (CUDA's) against the CPU kernel",
+        f32_tol: 0.0,
+        generic_on_cpu: true,
+        reference_f64: false,
+        cpu_tol: None,
+        run: nf4_dequant_double,
+    },
+    Case {
+        name: "nf4 matmul fwd+bwd",
+        on_cpu: "tensor-op dequantize + matmul against the NF4 op",
+        f32_tol: 1e-4,
+        generic_on_cpu: true,
+        reference_f64: false,
+        cpu_tol: None,
+        run: nf4_matmul,
+    },
+    Case {
+        name: "lora dropout mask",
+        on_cpu: "scalar hash loop against the CPU kernel",
+        f32_tol: 0.0,
+        generic_on_cpu: true,
+        reference_f64: false,
+        cpu_tol: None,
+        run: dropout,
+    },
+    Case {
+        name: "fused loss fwd+bwd",
+        on_cpu: "full logits + log-softmax against the chunked fused loss",
+        f32_tol: 1e-4,
+        generic_on_cpu: true,
+        reference_f64: false,
+        cpu_tol: None,
+        run: fused_loss,
+    },
+    Case {
+        name: "lora linear fwd+bwd",
+        on_cpu: "plain ops against the LoRA linear",
+        f32_tol: 1e-4,
+        generic_on_cpu: true,
+        reference_f64: false,
+        cpu_tol: None,
+        run: lora_linear,
+    },
+    Case {
+        name: "adamw 3 steps",
+        on_cpu: "f64 scalar AdamW against the tensor-op AdamW",
+        f32_tol: 2e-6,
+        generic_on_cpu: true,
+        reference_f64: false,
+        cpu_tol: None,
+        run: adamw,
+    },
+    Case {
+        name: "adamw8bit 3 steps",
+        on_cpu: "f32 AdamW against AdamW8bit",
+        f32_tol: 1e-6,
+        generic_on_cpu: true,
+        reference_f64: false,
+        cpu_tol: Some(2e-3),
+        run: adamw8bit,
+    },
+    Case {
+        name: "checkpointed layer gradients",
+        on_cpu: "checkpointing on against off",
+        f32_tol: 1e-4,
+        generic_on_cpu: true,
+        reference_f64: false,
+        cpu_tol: None,
+        run: checkpointed,
+    },
+];
+
+/// Runs every check on `device` for each of `dtypes` (the CPU reference always runs on the
+/// CPU). A check that errors fails with the error as its note.
+pub fn self_test(device: &Device, dtypes: &[DType]) -> Report {
+    let mut checks = Vec::new();
+    for &dtype in dtypes {
+        for case in CASES {
+            let name = format!("{} {}", case.name, dtype_name(dtype));
+            let generic = device.is_cpu() && case.generic_on_cpu;
+            let f32_run = device.is_cpu() && !case.generic_on_cpu && case.reference_f64;
+            // Subject: the op on the device in `dtype` (on the CPU: its generic path, or the
+            // op in `dtype` against an f64 / scalar reference).
+            let result = (|| -> R<(f64, f64, Option<String>)> {
+                let got = (case.run)(device, dtype, generic)?;
+                let (want, note) = if f32_run && case.reference_f64 {
+                    (
+                        (case.run)(&Device::Cpu, DType::F64, false)?,
+                        Some("against f64".into()),
+                    )
+                } else if device.is_cpu() {
+                    (
+                        (case.run)(&Device::Cpu, dtype, false)?,
+                        Some(case.on_cpu.into()),
+                    )
+                } else {
+                    ((case.run)(&Device::Cpu, dtype, false)?, None)
+                };
+                let t = match case.cpu_tol {
+                    Some(t) if device.is_cpu() => t,
+                    _ if case.f32_tol == 0.0 => 0.0,
+                    _ => tol(dtype, case.f32_tol),
+                };
+                Ok((max_err(&got, &want)?, t, note))
+            })();
+            checks.push(match result {
+                Ok((err, t, note)) => Check {
+                    ok: err <= t,
+                    name,
+                    max_abs_err: err,
+                    tol: t,
+                    note,
+                },
+                Err(e) => Check {
+                    name,
+                    ok: false,
+                    max_abs_err: f64::INFINITY,
+                    tol: 0.0,
+                    note: Some(format!("error: {e}")),
+                },
+            });
+        }
+    }
+    let _ = std::fs::remove_dir_all(tiny_model_dir());
+    Report {
+        ok: checks.iter().all(|c| c.ok),
+        checks,
+    }
+}
+
+/// Where the checkpointing check writes its tiny model (removed when the self-test ends).
+fn tiny_model_dir() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("tallow-doctor-{}", std::process::id()))
+}
+
+pub fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::F64 => "f64",
+        _ => "other",
+    }
+}
+
+fn rng(seed: u64) -> rand::rngs::StdRng {
+    rand::rngs::StdRng::seed_from_u64(seed)
+}
+
+/// A seeded input on `dev` in `dtype`.
+fn input(r: &mut rand::rngs::StdRng, shape: &[usize], dev: &Device, dtype: DType) -> R<Tensor> {
+    randn(r, shape)?.to_dtype(dtype)?.to_device(dev)
+}
+
+/// Gradients of sum(y * probe) for a seeded probe: a backward with a non-trivial upstream grad.
+fn grads_of(y: &Tensor, wrt: &[&Var], seed: u64) -> R<Vec<Tensor>> {
+    let probe = input(&mut rng(seed), y.dims(), y.device(), y.dtype())?;
+    let loss = (y * probe)?.to_dtype(ops::upcast(y.dtype()))?.sum_all()?;
+    let g = loss.backward()?;
+    wrt.iter()
+        .map(|v| {
+            g.get(v)
+                .cloned()
+                .ok_or_else(|| candle_core::Error::Msg("a gradient is missing".into()))
+        })
+        .collect()
+}
+
+fn rmsnorm(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
+    let r = &mut rng(1);
+    let x = Var::from_tensor(&input(r, &[2, 5, 64], dev, dt)?)?;
+    let w = Var::from_tensor(&input(r, &[64], dev, dt)?.affine(0.1, 1.0)?)?;
+    let y = ops::rms_norm(&x, &w, 1e-6).map_err(to_candle)?;
+    let mut out = grads_of(&y, &[&x, &w], 2)?;
+    out.insert(0, y);
+    Ok(out)
+}
+
+fn rope(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
+    let r = &mut rng(3);
+    let x = Var::from_tensor(&input(r, &[2, 3, 7, 16], dev, dt)?)?;
+    let pos = Tensor::arange(0u32, 7, dev)?.unsqueeze(0)?.repeat((2, 1))?;
+    let inv = ops::rope_inv_freq(16, 10000.0, None);
+    let (cos, sin) = ops::rope_tables(&pos, &inv, dt).map_err(to_candle)?;
+    let y = ops::apply_rope(&x, &cos, &sin).map_err(to_candle)?;
+    let mut out = grads_of(&y, &[&x], 4)?;
+    out.insert(0, y);
+    Ok(out)
+}
+
+fn softmax(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
+    let r = &mut rng(5);
+    let s = Var::from_tensor(&(input(r, &[2, 3, 9, 9], dev, dt)? * 3.0)?)?;
+    let segments = vec![vec![0u32; 9], [vec![0u32; 4], vec![1u32; 5]].concat()];
+    let mask = ops::attention_mask(&segments, None, dt, dev).map_err(to_candle)?;
+    let p = ops::masked_softmax(&s, &mask).map_err(to_candle)?;
+    let mut out = grads_of(&p, &[&s], 6)?;
+    out.insert(0, p);
+    Ok(out)
+}
+
+fn frozen_matmul(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    let r = &mut rng(7);
+    let x = Var::from_tensor(&input(r, &[6, 48], dev, dt)?)?;
+    let w = (input(r, &[40, 48], dev, dt)? * 0.15)?;
+    let y = if generic {
+        x.matmul(&w.t()?)?
+    } else {
+        x.as_tensor().apply_op1(FrozenMatmul { w })?
+    };
+    let mut out = grads_of(&y, &[&x], 8)?;
+    out.insert(0, y);
+    Ok(out)
+}
+
+fn trainable_matmul(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    let r = &mut rng(9);
+    let x = Var::from_tensor(&input(r, &[6, 48], dev, dt)?)?;
+    let w = Var::from_tensor(&(input(r, &[40, 48], dev, dt)? * 0.15)?)?;
+    let y = if generic {
+        x.matmul(&w.t()?)?
+    } else {
+        x.as_tensor().apply_op2(w.as_tensor(), TrainableMatmul)?
+    };
+    let mut out = grads_of(&y, &[&x, &w], 10)?;
+    out.insert(0, y);
+    Ok(out)
+}
+
+/// An NF4 weight (40, 128) quantized on the CPU and moved to `dev`, dequantizing to `dt`.
+fn nf4_weight(dev: &Device, dt: DType, double_quant: bool) -> R<Nf4Weight> {
+    let w = (randn(&mut rng(11), &[40, 128])? * 0.05)?;
+    let mut q = Nf4Weight::quantize(&w, double_quant).map_err(to_candle)?;
+    q.dtype = dt;
+    q.to_device(dev).map_err(to_candle)
+}
+
+fn nf4_dequant(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    let q = nf4_weight(dev, dt, false)?;
+    let w = if generic {
+        q.dequantize_generic()
+    } else {
+        q.dequantize()
+    }
+    .map_err(to_candle)?;
+    Ok(vec![w])
+}
+
+fn nf4_dequant_double(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    let q = nf4_weight(dev, dt, true)?;
+    let w = if generic {
+        q.dequantize_generic()
+    } else {
+        q.dequantize()
+    }
+    .map_err(to_candle)?;
+    Ok(vec![w])
+}
+
+fn nf4_matmul(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    let q = Arc::new(nf4_weight(dev, dt, true)?);
+    let x = Var::from_tensor(&input(&mut rng(12), &[6, 128], dev, dt)?)?;
+    let y = if generic {
+        let w = q.dequantize_generic().map_err(to_candle)?;
+        x.matmul(&w.t()?)?
+    } else {
+        x.as_tensor().apply_op1(Nf4Matmul { w: q })?
+    };
+    let mut out = grads_of(&y, &[&x], 13)?;
+    out.insert(0, y);
+    Ok(out)
+}
+
+/// The mask applied to ones (f32, the adapter dtype whatever the model's), and the backward of
+/// a probe through it. `generic` on the CPU: the mask recomputed element by element from
+/// [`tallow_model::dropout::mix`], the function the CPU loop and the CUDA kernel implement.
+fn dropout(dev: &Device, _dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    let op = DropoutOp {
+        seed: 0x5eed,
+        p: 0.25,
+    };
+    let n = 3 * 1000 + 7;
+    if generic {
+        let threshold = (0.25f64 * 4_294_967_296.0).round() as u32;
+        let scale = (1.0 / (1.0 - 0.25f64)) as f32;
+        let v: Vec<f32> = (0..n)
+            .map(|i| {
+                let h = tallow_model::dropout::mix(
+                    op.seed
+                        .wrapping_add((i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+                );
+                if (h >> 32) as u32 >= threshold {
+                    scale
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let m = Tensor::from_vec(v, n, dev)?;
+        return Ok(vec![m.clone(), m]);
+    }
+    let ones = Var::from_tensor(&Tensor::ones(n, DType::F32, dev)?)?;
+    let m = op.apply(&ones).map_err(to_candle)?;
+    let g = m.sum_all()?.backward()?;
+    let dx = g
+        .get(&ones)
+        .cloned()
+        .ok_or_else(|| candle_core::Error::Msg("no gradient".into()))?;
+    Ok(vec![m, dx])
+}
+
+fn fused_loss(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    let r = &mut rng(14);
+    let (b, t, c, v) = (2, 9, 32, 300);
+    let h = Var::from_tensor(&input(r, &[b, t, c], dev, dt)?)?;
+    let head = Var::from_tensor(&(input(r, &[v, c], dev, dt)? * 0.2)?)?;
+    let ids: Vec<Vec<u32>> = (0..b)
+        .map(|_| (0..t).map(|_| r.random_range(0..v as u32)).collect())
+        .collect();
+    let tg: Vec<Vec<bool>> = (0..b).map(|i| (0..t).map(|j| j > i).collect()).collect();
+    let targets = Targets::new(&ids, &tg, dev).map_err(to_candle)?;
+    let loss = if generic {
+        // Full logits, log-softmax, pick the targets: the textbook form.
+        let up = ops::upcast(dt);
+        let logits = h
+            .broadcast_matmul(&head.t()?)?
+            .to_dtype(up)?
+            .reshape((b * t, v))?;
+        let logp = ops::log_softmax_last_dim(&logits).map_err(to_candle)?;
+        let rows = logp.index_select(&targets.positions, 0)?; // (N, V)
+        let picked = rows.gather(&targets.labels.unsqueeze(1)?, 1)?; // (N, 1)
+        picked.sum_all()?.neg()?
+    } else {
+        lm_head_nll(&h, &head, &targets).map_err(to_candle)?
+    };
+    let g = loss.backward()?;
+    let get = |x: &Var| {
+        g.get(x)
+            .cloned()
+            .ok_or_else(|| candle_core::Error::Msg("no gradient".into()))
+    };
+    // The loss is a sum over N targets: per-target error is what the tolerance bounds.
+    Ok(vec![(loss / targets.count as f64)?, get(&h)?, get(&head)?])
+}
+
+fn lora_linear(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    let r = &mut rng(15);
+    let x = Var::from_tensor(&input(r, &[2, 5, 48], dev, dt)?)?;
+    let w = (input(r, &[40, 48], dev, dt)? * 0.15)?;
+    let a = Var::from_tensor(&(input(r, &[8, 48], dev, DType::F32)? * 0.15)?)?;
+    let b = Var::from_tensor(&(input(r, &[40, 8], dev, DType::F32)? * 0.15)?)?;
+    let scale = 2.0;
+    let y = if generic {
+        // W x + s B A x from plain ops (no dropout: the mask has its own check).
+        let x2 = x.reshape((10, 48))?;
+        let base = x2.matmul(&w.t()?)?;
+        let lora = (x2.to_dtype(DType::F32)?.matmul(&a.t()?)? * scale)?.matmul(&b.t()?)?;
+        (base + lora.to_dtype(dt)?)?.reshape((2, 5, 40))?
+    } else {
+        let lin = Linear {
+            weight: Base::Dense(Param::Frozen(w)),
+            bias: None,
+            lora: Some(Lora {
+                a: a.clone(),
+                b: b.clone(),
+                scale,
+                dropout: None,
+                id: 0,
+            }),
+        };
+        lin.forward(&x).map_err(to_candle)?
+    };
+    let mut out = grads_of(&y, &[&x, &a, &b], 16)?;
+    out.insert(0, y);
+    Ok(out)
+}
+
+fn hp() -> AdamWParams {
+    AdamWParams {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+    }
+}
+
+/// Three steps on two parameters (one large enough for 8-bit state), seeded gradients.
+fn optimizer_run(dev: &Device, opt: &mut dyn Optimizer) -> R<Vec<Tensor>> {
+    let r = &mut rng(17);
+    let params = [
+        Var::from_tensor(&input(r, &[96, 64], dev, DType::F32)?)?,
+        Var::from_tensor(&input(r, &[33], dev, DType::F32)?)?,
+    ];
+    for _ in 0..3 {
+        let grads: Vec<Tensor> = params
+            .iter()
+            .map(|p| input(r, p.dims(), dev, DType::F32))
+            .collect::<R<_>>()?;
+        opt.step(&params, &grads, 1e-2)?;
+    }
+    Ok(params.iter().map(|p| p.as_tensor().clone()).collect())
+}
+
+fn adamw(dev: &Device, _dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    if generic {
+        // torch.optim.AdamW's update written out per element, in f64.
+        let r = &mut rng(17);
+        let init = [randn(r, &[96, 64])?, randn(r, &[33])?];
+        let mut p: Vec<Vec<f64>> = init
+            .iter()
+            .map(|t| t.flatten_all()?.to_dtype(DType::F64)?.to_vec1())
+            .collect::<R<_>>()?;
+        let mut m: Vec<Vec<f64>> = p.iter().map(|v| vec![0.0; v.len()]).collect();
+        let mut v2 = m.clone();
+        let (b1, b2, eps, wd, lr) = (0.9f64, 0.999f64, 1e-8, 0.01, 1e-2);
+        for t in 1..=3 {
+            let grads = [randn(r, &[96, 64])?, randn(r, &[33])?];
+            for (k, g) in grads.iter().enumerate() {
+                let g: Vec<f64> = g.flatten_all()?.to_dtype(DType::F64)?.to_vec1()?;
+                for i in 0..g.len() {
+                    p[k][i] *= 1.0 - lr * wd;
+                    m[k][i] = b1 * m[k][i] + (1.0 - b1) * g[i];
+                    v2[k][i] = b2 * v2[k][i] + (1.0 - b2) * g[i] * g[i];
+                    let mhat = m[k][i] / (1.0 - b1.powi(t));
+                    let vhat = v2[k][i] / (1.0 - b2.powi(t));
+                    p[k][i] -= lr * mhat / (vhat.sqrt() + eps);
+                }
+            }
+        }
+        return p
+            .into_iter()
+            .zip(init.iter())
+            .map(|(v, t)| Tensor::from_vec(v, t.dims(), dev))
+            .collect();
+    }
+    optimizer_run(dev, &mut AdamW::new(hp()))
+}
+
+/// `generic` (the CPU comparison): f32 AdamW, which 8-bit moments must follow closely.
+fn adamw8bit(dev: &Device, _dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    if generic {
+        return optimizer_run(dev, &mut AdamW::new(hp()));
+    }
+    optimizer_run(dev, &mut AdamW8bit::new(hp()))
+}
+
+/// LoRA gradients of a 2-layer random Qwen2 with every layer checkpointed (the subject) against
+/// the same model without checkpointing on the CPU (the reference).
+fn checkpointed(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    let model_dir = tiny_model_dir().join("model");
+    if !model_dir.join("model.safetensors").exists() {
+        write_tiny_model(&model_dir)?;
+    }
+    let opts = LoadOptions::frozen(dt, dev);
+    let mut model = CausalLM::load(&model_dir, &opts).map_err(to_candle)?;
+    let spec = tallow_model::LoraSpec {
+        rank: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        targets: tallow_model::adapter::LINEAR_MODULES
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+        rslora: false,
+    };
+    tallow_model::attach_lora(&mut model, &spec, 1).map_err(to_candle)?;
+    // B = 0 at init would make A's gradient zero: give B values.
+    let vars = tallow_model::lora_vars(&model);
+    let r = &mut rng(19);
+    for (name, v) in &vars {
+        if name.ends_with("lora_B.weight") {
+            v.set(&(input(r, v.dims(), dev, DType::F32)? * 0.1)?)?;
+        }
+    }
+    // The subject on the CPU uses checkpointing too (`generic`), the reference does not.
+    if !dev.is_cpu() || generic {
+        model.set_checkpointing(Some(1));
+    }
+    let ids: Vec<Vec<u32>> = (0..2)
+        .map(|_| (0..12).map(|_| r.random_range(0..64u32)).collect())
+        .collect();
+    let tg = vec![vec![true; 12]; 2];
+    let flat: Vec<u32> = ids.iter().flatten().copied().collect();
+    let input_ids = Tensor::from_vec(flat, (2, 12), dev)?;
+    let targets = Targets::new(&ids, &tg, dev).map_err(to_candle)?;
+    let h = model.forward_hidden(&input_ids, None).map_err(to_candle)?;
+    let loss = (lm_head_nll(&h, model.lm_head_weight(), &targets).map_err(to_candle)?
+        / targets.count as f64)?;
+    let mut grads = loss.backward()?;
+    for g in model.take_checkpoint_grads() {
+        for (_, v) in &vars {
+            if let Some(t) = g.get(v) {
+                let sum = match grads.get(v) {
+                    Some(prev) => (prev + t)?,
+                    None => t.clone(),
+                };
+                grads.insert(v, sum);
+            }
+        }
+    }
+    let mut out = vec![loss];
+    for (name, v) in &vars {
+        out.push(
+            grads
+                .get(v)
+                .cloned()
+                .ok_or_else(|| candle_core::Error::Msg(format!("no gradient for {name}")))?,
+        );
+    }
+    Ok(out)
+}
+
+/// A 2-layer Qwen2 (vocab 64, hidden 32) with N(0, 0.1) weights, seeded, in f32.
+fn write_tiny_model(dir: &std::path::Path) -> R<()> {
+    std::fs::create_dir_all(dir)?;
+    let config = serde_json::json!({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 128,
+        "tie_word_embeddings": true, "torch_dtype": "float32"
+    });
+    let path = dir.join("config.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&config).expect("json"))?;
+    let c = tallow_model::DecoderConfig::from_dir(dir).map_err(to_candle)?;
+    let r = &mut rng(23);
+    let tensors: HashMap<String, Tensor> = c
+        .hf_tensor_shapes()
+        .into_iter()
+        .map(|(n, s)| {
+            let t = if n.ends_with("norm.weight") {
+                Tensor::ones(s.as_slice(), DType::F32, &Device::Cpu)
+            } else {
+                randn(r, &s).and_then(|t| t * 0.1)
+            }?;
+            Ok((n, t))
+        })
+        .collect::<R<_>>()?;
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))
+}
+
+fn to_candle(e: tallow_model::ModelError) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_check_passes_on_the_cpu() {
+        let report = self_test(&Device::Cpu, &[DType::F32]);
+        for c in &report.checks {
+            assert!(c.ok, "{c:?}");
+        }
+        assert_eq!(report.checks.len(), CASES.len());
+        assert!(report.ok);
+    }
+}
