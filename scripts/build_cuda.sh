@@ -4,78 +4,98 @@
 # hands `--device cuda` to a `tallow-cuda` installed beside it (docs/cuda.md says why).
 #
 #   scripts/build_cuda.sh                        # CUDA 13, PTX for compute 8.0 -> target/release/tallow-cuda
-#   CUDA_MAJOR=12 scripts/build_cuda.sh          # CUDA 12.x wheels, for drivers older than 580
+#   CUDA_ROOT=/usr/local/cuda-12.4 scripts/build_cuda.sh   # an installed toolkit (CUDA 12: drivers < 580)
 #   CUDA_COMPUTE_CAP=90 scripts/build_cuda.sh    # PTX for one capability (80 = A100 / RTX 30 and up)
 #   CI_COMPILE=1 scripts/build_cuda.sh           # CI: `cargo build --features cuda --all-targets`
 #                                                #     (dev profile, tests included), nothing installed
+#   eval "$(SETUP_ONLY=1 scripts/build_cuda.sh)"  # only fetch the toolkit; print its environment
 #
 # Compute capability: candle's kernels are compiled to PTX for CUDA_COMPUTE_CAP (default 80); the
 # driver JIT-compiles that PTX for any newer GPU (sm_86/89 cards, Hopper, Blackwell) on first use,
 # so the default runs on A100, A10/A6000, L4/L40S, RTX 30/40/50, H100/H200 and B200. Older cards
 # (V100 = 70, T4 = 75) need CUDA_COMPUTE_CAP=70/75 and have no bf16.
 #
-# Driver: a CUDA 13 build needs driver >= 580; a CUDA 12 build needs >= 525 (12.0) and, for the
-# 12.x wheels pinned below, >= 550. `tallow doctor` prints the driver's CUDA version.
+# Driver: the PTX is JIT-compiled by the driver, which must support the toolkit's CUDA version:
+# CUDA 13.0 needs driver >= 580, 12.4 >= 550, 12.0 >= 525. `tallow doctor` prints the driver's.
+# CUDA 12: NVIDIA's CUDA 12 PyPI wheels ship no `nvcc` (nvidia-cuda-nvcc-cu12 holds only
+# ptxas), so a CUDA 12 build takes an installed toolkit (NVIDIA's apt/dnf repo `cuda-toolkit-12-4`,
+# the runfile, or conda's `cuda-nvcc=12.4 cuda-libraries-dev=12.4`) through CUDA_ROOT.
 #
 # Needs: python3 with pip (to download wheels only) and gcc/g++ <= 14. No driver: the link step
 # uses a stub libcuda.so generated here from the driver functions cudarc binds (the real
 # libcuda.so.1 is found at run time, from the driver).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CUDA_MAJOR=${CUDA_MAJOR:-13}
-CUDA_DIR=${CUDA_DIR:-$PWD/target/cuda$CUDA_MAJOR}
-ROOT=$CUDA_DIR/root
-case $CUDA_MAJOR in
-  13) WHEELS=('nvidia-cuda-nvcc==13.0.*' 'nvidia-nvvm==13.0.*' 'nvidia-cuda-runtime==13.0.*'
-        'nvidia-cuda-crt==13.0.*' 'nvidia-cuda-cccl==13.0.*' 'nvidia-cublas==13.0.*'
-        'nvidia-cuda-nvrtc==13.0.*' 'nvidia-curand==10.4.0.*') ;;
-  12) WHEELS=('nvidia-cuda-nvcc-cu12==12.4.*' 'nvidia-cuda-runtime-cu12==12.4.*'
-        'nvidia-cuda-cccl-cu12==12.4.*' 'nvidia-cublas-cu12==12.4.*'
-        'nvidia-cuda-nvrtc-cu12==12.4.*' 'nvidia-curand-cu12==10.3.5.*') ;;
-  *) echo "error: CUDA_MAJOR must be 12 or 13, not $CUDA_MAJOR" >&2; exit 1 ;;
-esac
-
-if [ ! -x "$ROOT/bin/nvcc" ]; then
-  mkdir -p "$CUDA_DIR/wheels" "$CUDA_DIR/unpacked" "$ROOT"
-  python3 -m pip download --no-deps --quiet -d "$CUDA_DIR/wheels" "${WHEELS[@]}"
-  for w in "$CUDA_DIR"/wheels/*.whl; do
-    python3 -m zipfile -e "$w" "$CUDA_DIR/unpacked"
-  done
-  # CUDA 13 wheels unpack into nvidia/cu13/{bin,include,lib,nvvm}; CUDA 12 wheels into one
-  # folder per component (nvidia/cuda_nvcc/bin, nvidia/cublas/lib, ...). Merge either into one
-  # toolkit-shaped root of symlinks.
-  for component in "$CUDA_DIR"/unpacked/nvidia/*/; do
-    cp -rs "$component". "$ROOT/"
-  done
-  chmod +x "$ROOT"/bin/* "$ROOT"/nvvm/bin/* 2>/dev/null || true
+if [ -n "${CUDA_ROOT:-}" ]; then
+  # An installed toolkit: its nvcc, headers, libraries (lib64) and driver stub (lib64/stubs).
+  ROOT=$CUDA_ROOT
+  if [ ! -x "$ROOT/bin/nvcc" ]; then
+    echo "error: CUDA_ROOT=$ROOT has no bin/nvcc" >&2
+    exit 1
+  fi
+else
+  CUDA_MAJOR=${CUDA_MAJOR:-13}
+  if [ "$CUDA_MAJOR" != 13 ]; then
+    echo "error: the PyPI wheels give a full toolkit for CUDA 13 only (NVIDIA's CUDA $CUDA_MAJOR nvcc" \
+      "wheel holds ptxas, not nvcc); install a CUDA $CUDA_MAJOR toolkit and run" \
+      "CUDA_ROOT=/usr/local/cuda-$CUDA_MAJOR.x scripts/build_cuda.sh (docs/cuda.md)" >&2
+    exit 1
+  fi
+  CUDA_DIR=${CUDA_DIR:-$PWD/target/cuda13}
+  ROOT=$CUDA_DIR/root
+  WHEELS=('nvidia-cuda-nvcc==13.0.*' 'nvidia-nvvm==13.0.*' 'nvidia-cuda-runtime==13.0.*'
+    'nvidia-cuda-crt==13.0.*' 'nvidia-cuda-cccl==13.0.*' 'nvidia-cublas==13.0.*'
+    'nvidia-cuda-nvrtc==13.0.*' 'nvidia-curand==10.4.0.*')
+  if [ ! -x "$ROOT/bin/nvcc" ]; then
+    mkdir -p "$CUDA_DIR/wheels" "$CUDA_DIR/unpacked" "$ROOT"
+    python3 -m pip download --no-deps --quiet -d "$CUDA_DIR/wheels" "${WHEELS[@]}"
+    for w in "$CUDA_DIR"/wheels/*.whl; do
+      python3 -m zipfile -e "$w" "$CUDA_DIR/unpacked"
+    done
+    # The wheels unpack into nvidia/cu13/{bin,include,lib,nvvm}: one toolkit-shaped root of
+    # symlinks (merging any other nvidia/<component>/ folders too).
+    for component in "$CUDA_DIR"/unpacked/nvidia/*/; do
+      cp -rsf "$component". "$ROOT/"
+    done
+    chmod +x "$ROOT"/bin/* "$ROOT"/nvvm/bin/* 2>/dev/null || true
+  fi
 fi
 
 # Linker names for the versioned libraries.
-(
-  cd "$ROOT/lib"
-  for l in cublas cublasLt cudart nvrtc curand; do
-    [ -e "lib$l.so" ] || ln -sf "$(ls lib$l.so.[0-9]* | head -1)" "lib$l.so"
-  done
-)
-[ -e "$ROOT/lib64" ] || ln -sf lib "$ROOT/lib64"
+if [ -z "${CUDA_ROOT:-}" ]; then
+  (
+    cd "$ROOT/lib"
+    for l in cublas cublasLt cudart nvrtc curand; do
+      [ -e "lib$l.so" ] || ln -sf "$(ls lib$l.so.[0-9]* | head -1)" "lib$l.so"
+    done
+  )
+  [ -e "$ROOT/lib64" ] || ln -sf lib "$ROOT/lib64"
+fi
+STUBS=$PWD/target/cuda-stubs
+[ -e "$ROOT/lib64/stubs/libcuda.so" ] && STUBS=$ROOT/lib64/stubs
 
 # The driver stub: every cu* function cudarc's driver bindings name, as an empty function, in a
 # library whose soname is the driver's (libcuda.so.1). Only the linker sees it.
-if [ ! -e "$ROOT/stubs/libcuda.so" ]; then
+if [ ! -e "$STUBS/libcuda.so" ]; then
   cargo fetch --quiet
   version=$(awk '/^name = "cudarc"$/ { getline; gsub(/[^0-9.]/, ""); print; exit }' Cargo.lock)
   cudarc=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-"$version" | head -1)
-  mkdir -p "$ROOT/stubs"
+  mkdir -p "$STUBS"
   grep -o 'fn cu[A-Za-z0-9_]*(' "$cudarc/src/driver/sys/mod.rs" | sort -u |
-    sed 's/^fn \(.*\)($/void \1(void) {}/' > "$ROOT/stubs/libcuda.c"
-  gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$ROOT/stubs/libcuda.so" "$ROOT/stubs/libcuda.c"
+    sed 's/^fn \(.*\)($/void \1(void) {}/' > "$STUBS/libcuda.c"
+  gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$STUBS/libcuda.so" "$STUBS/libcuda.c"
 fi
 
 export CUDA_ROOT=$ROOT CUDA_PATH=$ROOT PATH=$ROOT/bin:$PATH
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-80}
-export LIBRARY_PATH=$ROOT/lib:$ROOT/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}
+export LIBRARY_PATH=$ROOT/lib64:$STUBS${LIBRARY_PATH:+:$LIBRARY_PATH}
 FEATURES=tallow/cuda
-if [ "${CI_COMPILE:-0}" = 1 ]; then
+if [ "${SETUP_ONLY:-0}" = 1 ]; then
+  # For `eval`: the variables a `cargo build --features cuda` needs.
+  for v in CUDA_ROOT CUDA_PATH PATH CUDA_COMPUTE_CAP LIBRARY_PATH; do
+    printf 'export %s=%q\n' "$v" "${!v}"
+  done
+elif [ "${CI_COMPILE:-0}" = 1 ]; then
   # Every target with the CUDA code compiled in: the binary, the test binaries, the tools.
   cargo build --workspace --all-targets --features tallow/cuda,tallow-tests/cuda
 else

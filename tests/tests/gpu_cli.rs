@@ -31,12 +31,15 @@ const FAKE_CUBLAS: &str = "int fake_cublas(void) { return 7; }\n";
 /// version as `tallow-cuda` does (12.8: needs a driver for CUDA >= 12.8).
 const FAKE_TALLOW_CUDA: &str = r#"
 #include <stdio.h>
+#include <stdlib.h>
 __attribute__((used)) static const char marker[] = "tallow-cuda-toolkit:12.8;";
 int fake_cublas(void);
 int main(int argc, char **argv) {
     printf("fake tallow-cuda:");
     for (int i = 1; i < argc; i++) printf(" %s", argv[i]);
     printf("\n");
+    const char *h = getenv("TALLOW_HANDED_OFF");
+    printf("handed off: %s\n", h ? h : "no");
     return fake_cublas() == 7 ? 0 : 1;
 }
 "#;
@@ -127,7 +130,7 @@ fn cuda_is_handed_to_tallow_cuda_with_the_same_arguments() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(
         r.stdout.trim(),
-        "fake tallow-cuda: doctor --device cuda:0 --json"
+        "fake tallow-cuda: doctor --device cuda:0 --json\nhanded off: 1"
     );
 
     // auto says which device it chose and why, then hands over too.
@@ -227,7 +230,8 @@ fn each_missing_piece_is_named() {
     assert!(
         r.stderr
             .contains("built with CUDA 12.8, which needs driver >= 570")
-            && r.stderr.contains("CUDA_MAJOR=12"),
+            && r.stderr
+                .contains("CUDA_ROOT=/usr/local/cuda-12.x scripts/build_cuda.sh"),
         "{}",
         r.stderr
     );

@@ -86,7 +86,9 @@ fn auto() -> Device {
                 .ok()
                 .and_then(|d| d.devices.first().map(describe))
                 .unwrap_or_else(|| "GPU 0".into());
-            eprintln!("tallow: device auto -> cuda:0 ({name})");
+            if std::env::var_os(gpu::HANDED_OFF).is_none() {
+                eprintln!("tallow: device auto -> cuda:0 ({name})");
+            }
             dev
         }
         Err(why) => {

@@ -19,6 +19,9 @@ use std::path::{Path, PathBuf};
 /// The CUDA binary's file name, looked up beside the running `tallow`.
 pub const CUDA_BINARY: &str = "tallow-cuda";
 
+/// Set in `tallow-cuda`'s environment by the hand-off.
+pub const HANDED_OFF: &str = "TALLOW_HANDED_OFF";
+
 /// What the driver reports about one device.
 #[derive(Debug, Clone)]
 pub struct GpuInfo {
@@ -280,8 +283,8 @@ pub fn check_cuda(ordinal: usize) -> Result<(PathBuf, DriverInfo), String> {
             let driver_major = driver.cuda_version / 1000;
             return Err(format!(
                 "the NVIDIA driver supports CUDA {} but {} was built with CUDA {}, which needs \
-                 driver >= {}; update the driver, or build for CUDA {driver_major}: \
-                 `CUDA_MAJOR={driver_major} scripts/build_cuda.sh`",
+                 driver >= {}; update the driver, or build with a CUDA {driver_major} toolkit: \
+                 `CUDA_ROOT=/usr/local/cuda-{driver_major}.x scripts/build_cuda.sh` (docs/cuda.md)",
                 cuda_version_text(driver.cuda_version),
                 binary.display(),
                 cuda_version_text(required),
@@ -307,7 +310,11 @@ pub fn check_cuda(ordinal: usize) -> Result<(PathBuf, DriverInfo), String> {
 pub fn hand_off(binary: &Path) -> String {
     use std::os::unix::process::CommandExt;
     let args: Vec<OsString> = std::env::args_os().skip(1).collect();
-    let err = std::process::Command::new(binary).args(args).exec();
+    // The CPU build has said which device `auto` chose; the CUDA build need not say it again.
+    let err = std::process::Command::new(binary)
+        .args(args)
+        .env(HANDED_OFF, "1")
+        .exec();
     format!("cannot start {}: {err}", binary.display())
 }
 

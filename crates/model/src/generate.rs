@@ -148,9 +148,8 @@ fn attention_cached(
     // Grouped-query attention without repeating K/V: head h uses key/value head h / R (as
     // `ops::repeat_kv` lays them out), so the R query heads of one key/value head become rows.
     let q = q.reshape((b, kv, r * t, d))?; // (B, KV, R*t, D), rows ordered (R, t)
-    let scale = 1.0 / (d as f64).sqrt();
-    let scores = (q.matmul(&keys.t()?)? * scale)?; // (B, KV, R*t, L')
-                                                   // Softmax in f32 and cast back, as the training forward (and HF's eager attention) does.
+    let scores = q.matmul(&keys.t()?)?; // (B, KV, R*t, L'); q carries 1/sqrt(D) (`qkv`)
+                                        // Softmax in f32 and cast back, as the training forward (and HF's eager attention) does.
     let up = ops::upcast(scores.dtype());
     let mut scores = scores.to_dtype(up)?;
     if let Some(m) = mask {

@@ -187,6 +187,14 @@ impl Linear {
 
     /// x: (..., in) -> (..., out)
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_with(x, None)
+    }
+
+    /// [`Linear::forward`] with the adapter's input given: `lora_x` is x already cast to the
+    /// adapter dtype (f32), made once by [`adapter_input`] for the linears that read the same x
+    /// (q/k/v, gate/up), so a bf16 model keeps one f32 copy of x in the graph instead of three.
+    /// x, lora_x: (..., in) -> (..., out)
+    pub fn forward_with(&self, x: &Tensor, lora_x: Option<&Tensor>) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let k = *dims.last().expect("linear input has at least one dim");
         let m: usize = dims[..dims.len() - 1].iter().product();
@@ -204,11 +212,28 @@ impl Linear {
             y = y.broadcast_add(b.tensor())?;
         }
         if let Some(lora) = &self.lora {
-            y = (y.clone() + lora.forward(&x2)?.to_dtype(y.dtype())?)?;
+            let xl = match lora_x {
+                Some(xl) => xl.reshape((m, k))?, // (M, in), already f32
+                None => x2,
+            };
+            y = (y.clone() + lora.forward(&xl)?.to_dtype(y.dtype())?)?;
         }
         let mut out_dims = dims;
         *out_dims.last_mut().unwrap() = self.out_features();
         Ok(y.reshape(out_dims)?)
+    }
+}
+
+/// x cast once to the adapter dtype (f32) for the `linears` that all read x, when at least two
+/// of them carry an adapter and x is not f32 already; None otherwise (each casts its own, or
+/// the cast is a no-op).
+pub fn adapter_input(linears: &[&Linear], x: &Tensor) -> Result<Option<Tensor>> {
+    let with_lora: Vec<&Lora> = linears.iter().filter_map(|l| l.lora.as_ref()).collect();
+    match with_lora.first() {
+        Some(l) if with_lora.len() >= 2 && x.dtype() != l.a.dtype() => {
+            Ok(Some(x.to_dtype(l.a.dtype())?))
+        }
+        _ => Ok(None),
     }
 }
 

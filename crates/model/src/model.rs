@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::checkpointing::Checkpointing;
 use crate::config::DecoderConfig;
 use crate::error::{ModelError, Result};
-use crate::linear::{Base, Linear, Param};
+use crate::linear::{adapter_input, Base, Linear, Param};
 use crate::ops;
 use crate::quant::nf4::{Nf4Options, Nf4Weight};
 use crate::weights::Weights;
@@ -81,9 +81,12 @@ impl Attention {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
         let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let q = self.q_proj.forward(x)?.reshape((b, t, h, d))?; // (B, T, H, D)
-        let k = self.k_proj.forward(x)?.reshape((b, t, kv, d))?; // (B, T, KV, D)
-        let v = self.v_proj.forward(x)?.reshape((b, t, kv, d))?;
+        // x in f32 once for the three adapters (bf16 models), not once per projection.
+        let xa = adapter_input(&[&self.q_proj, &self.k_proj, &self.v_proj], x)?;
+        let xa = xa.as_ref();
+        let q = self.q_proj.forward_with(x, xa)?.reshape((b, t, h, d))?; // (B, T, H, D)
+        let k = self.k_proj.forward_with(x, xa)?.reshape((b, t, kv, d))?; // (B, T, KV, D)
+        let v = self.v_proj.forward_with(x, xa)?.reshape((b, t, kv, d))?;
         let (q, k) = match (&self.q_norm, &self.k_norm) {
             (Some(qn), Some(kn)) => (
                 ops::rms_norm(&q, qn.tensor(), self.eps)?,
@@ -94,7 +97,9 @@ impl Attention {
         let q = q.transpose(1, 2)?.contiguous()?; // (B, H, T, D)
         let k = k.transpose(1, 2)?.contiguous()?; // (B, KV, T, D)
         let v = v.transpose(1, 2)?.contiguous()?;
-        let q = ops::apply_rope(&q, cos, sin)?;
+        // The attention scale 1/sqrt(D) is folded into q's rotary embedding (one op, no extra
+        // tensor), so the graph keeps no unscaled (B, H, T, T) scores.
+        let q = ops::apply_rope_scaled(&q, cos, sin, 1.0 / (d as f64).sqrt())?;
         let k = ops::apply_rope(&k, cos, sin)?;
         Ok((q, k, v))
     }
@@ -106,9 +111,9 @@ impl Attention {
         let k = ops::repeat_kv(&k, h / kv)?; // (B, H, T, D)
         let v = ops::repeat_kv(&v, h / kv)?;
 
-        // Eager attention, as HF's: scores in the compute dtype, softmax in f32, cast back.
-        let scale = 1.0 / (d as f64).sqrt();
-        let scores = (q.matmul(&k.t()?)? * scale)?; // (B, H, T, T)
+        // Eager attention, as HF's: scores in the compute dtype (q carries the 1/sqrt(D) scale,
+        // see `qkv`), softmax in f32, cast back.
+        let scores = q.matmul(&k.t()?)?; // (B, H, T, T)
         let probs = ops::masked_softmax(&scores, mask)?.to_dtype(v.dtype())?; // f32, cast back
         let y = probs.matmul(&v)?; // (B, H, T, D)
         let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, h * d))?; // (B, T, H*D)
@@ -127,8 +132,9 @@ pub struct Mlp {
 impl Mlp {
     /// x: (B, T, C) -> (B, T, C), through (B, T, I)
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let g = self.gate_proj.forward(x)?.silu()?; // Candle's silu has a backward
-        let u = self.up_proj.forward(x)?;
+        let xa = adapter_input(&[&self.gate_proj, &self.up_proj], x)?; // one f32 copy of x
+        let g = self.gate_proj.forward_with(x, xa.as_ref())?.silu()?; // Candle's silu has a backward
+        let u = self.up_proj.forward_with(x, xa.as_ref())?;
         self.down_proj.forward(&(g * u)?)
     }
 }

@@ -343,11 +343,25 @@ pub fn rope_tables(positions: &Tensor, inv_freq: &[f32], dtype: DType) -> Result
 /// `rotate_half([x1, x2]) = [-x2, x1]` over the two halves of the head dim.
 /// x: (B, H, T, D), cos/sin: (B, 1, T, D) -> (B, H, T, D)
 pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let value = rope_value(&x.detach(), cos, sin)?;
+    apply_rope_scaled(x, cos, sin, 1.0)
+}
+
+/// [`apply_rope`] times `scale` in one graph op (the attention's 1/sqrt(D) folded into q):
+/// y = scale · (x * cos + R(x) * sin), dx = scale · (dy * cos + Rᵀ(dy * sin)).
+pub fn apply_rope_scaled(x: &Tensor, cos: &Tensor, sin: &Tensor, scale: f64) -> Result<Tensor> {
+    let mut value = rope_value(&x.detach(), cos, sin)?;
+    if scale != 1.0 {
+        value = (value * scale)?;
+    }
     // y = x * cos + R(x) * sin with R([x1, x2]) = [-x2, x1], so dx = dy * cos + R^T(dy * sin),
     // R^T([z1, z2]) = [z2, -z1]. cos / sin are constants (not in the graph).
     let (cos, sin) = (cos.detach(), sin.detach());
     attach1("rope", x, value, move |_x, _y, dy| {
+        let dy = if scale != 1.0 {
+            (dy * scale)?
+        } else {
+            dy.clone()
+        };
         let d = dy.dim(D::Minus1)?;
         let z = dy.broadcast_mul(&sin)?;
         let z1 = z.narrow(D::Minus1, 0, d / 2)?;

@@ -174,39 +174,47 @@ pub fn layer_activation_bytes(m: &DecoderConfig, cfg: &TrainConfig, b: usize, t:
     let targets = cfg.lora.targets();
     let r = cfg.lora.rank;
     let dropout = lora && cfg.lora.dropout > 0.0;
-    // One linear: its output (base matmul, + bias), and with LoRA: x cast to f32 (+ dropout
-    // mask and masked x), x·Aᵀ and its scaled copy (r), B·(..) in f32, cast back, sum.
-    let linear = |l: &Lin| -> usize {
+    // One linear: its output (base matmul, + bias), and with LoRA: x cast to f32 (unless
+    // `shared`: one cast for the group, counted by `group_cast`), the dropped-out x (the
+    // dropout op keeps no mask), x·Aᵀ and its scaled copy (r), B·(..) in f32, cast back, sum.
+    let adapted = |l: &Lin| lora && targets.contains(&l.name);
+    let linear = |l: &Lin, shared: bool| -> usize {
         let mut n = s * l.out + if l.bias { s * l.out } else { 0 };
-        if lora && targets.contains(&l.name) {
-            n += cast(4 * l.inp) + if dropout { 8 * l.inp } else { 0 };
+        if adapted(l) {
+            n += if shared { 0 } else { cast(4 * l.inp) } + if dropout { 4 * l.inp } else { 0 };
             n += 8 * r + 4 * l.out + cast(s * l.out) + s * l.out;
         }
         n
     };
+    // Linears reading one input (q/k/v, gate/up) share its f32 cast when >= 2 are adapted.
+    let group = |ls: &[&Lin]| -> usize {
+        let shared = ls.iter().filter(|l| adapted(l)).count() >= 2;
+        let cast_once = if shared { cast(4 * ls[0].inp) } else { 0 };
+        cast_once + ls.iter().map(|l| linear(l, shared)).sum::<usize>()
+    };
     let [lq, lk, lv, lo, lg, lu, ld] = layer_linears(m);
     let mut per_token = 0;
     per_token += s * c; // input_layernorm output
-    per_token += linear(&lq) + linear(&lk) + linear(&lv);
+    per_token += group(&[&lq, &lk, &lv]);
     if m.qk_norm {
         per_token += s * (q + kvd); // q_norm, k_norm outputs
     }
     per_token += s * (q + 2 * kvd); // transpose(1, 2).contiguous() of q, k, v
-    per_token += s * (q + kvd); // rotary embedding of q, k
+    per_token += s * (q + kvd); // rotary embedding of q (scaled by 1/sqrt(D)), k
     if kv != h {
         per_token += 2 * s * q; // repeat_kv copies of k and v to H heads
     }
     per_token += s * q; // probs · v
     per_token += s * q; // transpose back, contiguous
-    per_token += linear(&lo);
+    per_token += linear(&lo, false);
     per_token += s * c; // residual add
     per_token += s * c; // post_attention_layernorm output
-    per_token += linear(&lg) + s * m.intermediate_size; // gate, silu
-    per_token += linear(&lu) + s * m.intermediate_size; // up, silu(gate) * up
-    per_token += linear(&ld);
+    per_token += group(&[&lg, &lu]) + 2 * s * m.intermediate_size; // gate, up; silu, silu(gate) * up
+    per_token += linear(&ld, false);
     per_token += s * c; // residual add
-                        // Attention scores (B, H, T, T): q·kᵀ, scaled, softmax probabilities in f32, cast back.
-    let per_score = 2 * s + 4 + cast(s);
+                        // Attention scores (B, H, T, T): q·kᵀ (q carries the 1/sqrt(D) scale), softmax
+                        // probabilities in f32, cast back.
+    let per_score = s + 4 + cast(s);
     (b * t * per_token + b * h * t * t * per_score) as u64
 }
 
