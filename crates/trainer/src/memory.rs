@@ -192,6 +192,34 @@ impl Probe {
     }
 }
 
+/// A step's view of the [`Probe`]: the probe itself on the steps that measure, nothing (no
+/// call, no sync) on the others.
+#[derive(Clone, Copy)]
+pub struct StepProbe<'a>(Option<&'a Probe>);
+
+impl StepProbe<'_> {
+    pub fn start_phase(&self) {
+        if let Some(p) = self.0 {
+            p.start_phase()
+        }
+    }
+
+    pub fn peak(&self) -> Option<u64> {
+        self.0.and_then(Probe::peak)
+    }
+
+    pub fn current(&self) -> Option<u64> {
+        self.0.and_then(Probe::current)
+    }
+}
+
+impl Probe {
+    /// This probe for a step that measures (`measure`), or a silent one.
+    pub fn on_step(&self, measure: bool) -> StepProbe<'_> {
+        StepProbe(measure.then_some(self))
+    }
+}
+
 /// Peak bytes per phase of a training step (`None` where nothing measures).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct PhasePeaks {

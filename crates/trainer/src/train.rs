@@ -537,16 +537,11 @@ pub fn train_with_limit(
     let mut run_peaks = PhasePeaks::default();
     // Metrics lines: every `log_every`-th step and the last one.
     let logged = |done: usize| done % t.log_every.max(1) == 0 || done == total_steps;
-    // A step that measures its memory: logged, or checked against --memory-limit. The others
-    // never probe (on CUDA each probe call synchronizes the stream).
-    let no_probe = Probe::Off;
     for step in start_step..total_steps {
         let t0 = Instant::now();
-        let probe = if memory_limit.is_some() || logged(step + 1) {
-            &probe
-        } else {
-            &no_probe
-        };
+        // A step that measures its memory: logged, or checked against --memory-limit. The
+        // others never probe (on CUDA each probe call synchronizes the stream).
+        let probe = probe.on_step(memory_limit.is_some() || logged(step + 1));
         let probes_before = crate::memory::probes();
         let (mut ops_forward, mut ops_backward) = (0, 0);
         let step_rows: Vec<&Row> = plan.rows(step).into_iter().map(|i| &rows[i]).collect();
