@@ -55,9 +55,17 @@ fn evaluation_records_no_graph_and_needs_less_memory_than_a_training_forward() {
                 rank: 8,
                 alpha: 16.0,
                 dropout: 0.0,
-                targets: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-                    .map(String::from)
-                    .to_vec(),
+                targets: [
+                    "q_proj",
+                    "k_proj",
+                    "v_proj",
+                    "o_proj",
+                    "gate_proj",
+                    "up_proj",
+                    "down_proj",
+                ]
+                .map(String::from)
+                .to_vec(),
                 rslora: false,
             };
             attach_lora(&mut model, &spec, 1).unwrap();
@@ -74,10 +82,17 @@ fn evaluation_records_no_graph_and_needs_less_memory_than_a_training_forward() {
         let base = probe.current().unwrap();
         let hidden = model.forward_hidden(&batch.input_ids, None).unwrap();
         let nll = lm_head_nll(&hidden, model.lm_head_weight(), &batch.targets).unwrap();
-        assert!(nll.track_op(), "{what}: the training forward must record its ops");
+        assert!(
+            nll.track_op(),
+            "{what}: the training forward must record its ops"
+        );
         let tracked_peak = probe.peak().unwrap() - base;
-        let tracked_loss =
-            nll.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap() / batch.targets.count as f64;
+        let tracked_loss = nll
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+            / batch.targets.count as f64;
         drop((hidden, nll));
 
         // Evaluation of the same batch.
@@ -86,7 +101,9 @@ fn evaluation_records_no_graph_and_needs_less_memory_than_a_training_forward() {
         let r = evaluate(&model, &examples, examples.len(), 0, |_| {}).unwrap();
         let eval_peak = probe.peak().unwrap() - base;
         assert_eq!(r.loss, tracked_loss, "{what}: evaluation changed the loss");
-        eprintln!("{what}: peak above weights: evaluate {eval_peak} B, tracked forward {tracked_peak} B");
+        eprintln!(
+            "{what}: peak above weights: evaluate {eval_peak} B, tracked forward {tracked_peak} B"
+        );
         assert!(
             4 * eval_peak < tracked_peak,
             "{what}: evaluation peaked at {eval_peak} B, the tracked forward at {tracked_peak} B"

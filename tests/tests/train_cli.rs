@@ -656,7 +656,12 @@ fn memory_is_probed_only_on_logged_steps_or_under_a_limit() {
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|v| v.get("loss").is_some())
-        .map(|v| (v["step"].as_u64().unwrap(), v["memory_probes"].as_u64().unwrap()))
+        .map(|v| {
+            (
+                v["step"].as_u64().unwrap(),
+                v["memory_probes"].as_u64().unwrap(),
+            )
+        })
         .collect();
     assert_eq!(logged, [(2, 17), (4, 17)], "{metrics}");
 }
@@ -701,16 +706,33 @@ fn op_counts_are_reproducible_and_grow_by_the_same_amount_per_layer() {
             .lines()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
             .filter(|v| v.get("loss").is_some())
-            .map(|v| (v["ops_forward"].as_u64().unwrap(), v["ops_backward"].as_u64().unwrap()))
+            .map(|v| {
+                (
+                    v["ops_forward"].as_u64().unwrap(),
+                    v["ops_backward"].as_u64().unwrap(),
+                )
+            })
             .collect()
     };
     let two = counts(2, "two-a");
     assert_eq!(two.len(), 3);
     assert_eq!(counts(2, "two-b"), two, "two identical runs");
-    assert!(two.iter().all(|c| *c == two[0]), "equal-shaped steps: {two:?}");
+    assert!(
+        two.iter().all(|c| *c == two[0]),
+        "equal-shaped steps: {two:?}"
+    );
     let (one, three) = (counts(1, "one")[0], counts(3, "three")[0]);
-    let per_layer = |a: (u64, u64), b: (u64, u64)| (b.0 as i64 - a.0 as i64, b.1 as i64 - a.1 as i64);
+    let per_layer =
+        |a: (u64, u64), b: (u64, u64)| (b.0 as i64 - a.0 as i64, b.1 as i64 - a.1 as i64);
     let (d12, d23) = (per_layer(one, two[0]), per_layer(two[0], three));
-    assert!(d12.0 > 0 && d12.1 > 0, "a layer adds ops: {one:?} -> {:?}", two[0]);
-    assert_eq!(d12, d23, "every layer adds the same ops: {one:?} {:?} {three:?}", two[0]);
+    assert!(
+        d12.0 > 0 && d12.1 > 0,
+        "a layer adds ops: {one:?} -> {:?}",
+        two[0]
+    );
+    assert_eq!(
+        d12, d23,
+        "every layer adds the same ops: {one:?} {:?} {three:?}",
+        two[0]
+    );
 }

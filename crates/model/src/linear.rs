@@ -235,9 +235,9 @@ impl Linear {
             Base::Dense(Param::Frozen(w)) => {
                 x2.contiguous()?.apply_op1(FrozenMatmul { w: w.clone() })?
             }
-            Base::Dense(Param::Trainable(w)) => {
-                x2.contiguous()?.apply_op2(&no_grad::enter(w), TrainableMatmul)?
-            }
+            Base::Dense(Param::Trainable(w)) => x2
+                .contiguous()?
+                .apply_op2(&no_grad::enter(w), TrainableMatmul)?,
             Base::Nf4(w) => x2.contiguous()?.apply_op1(Nf4Matmul { w: w.clone() })?,
         }; // (M, out)
         if let Some(b) = &self.bias {

@@ -76,7 +76,10 @@ mod tests {
         let lin = trainable_linear(&dev)?;
         let x = Tensor::randn(0f32, 1., (2, 3, 4), &dev)?;
         let tracked = lin.forward(&x)?;
-        assert!(tracked.track_op(), "the training forward must record its ops");
+        assert!(
+            tracked.track_op(),
+            "the training forward must record its ops"
+        );
         let free = no_grad(|| lin.forward(&x))?;
         assert!(!free.track_op(), "no_grad forward recorded an op");
         let diff = (&tracked - &free)?

@@ -1542,7 +1542,10 @@ mod tests {
         assert_eq!(t.device, "auto");
         assert_eq!(t.output_dir, PathBuf::from("runs/example"));
         assert_eq!((t.log_every, t.eval_every, t.save_every), (1, 0, 0));
-        assert!(t.tf32, "TF32 is on by default (it only acts on CUDA f32 matmuls)");
+        assert!(
+            t.tf32,
+            "TF32 is on by default (it only acts on CUDA f32 matmuls)"
+        );
         assert_eq!(LoraSection::default(), c.lora);
         assert_eq!(TrainSection::default(), c.train);
         assert_eq!(

@@ -108,7 +108,10 @@ fn set_applies_on_top_of_a_shipped_config() {
     let config = TrainConfig::load(&path, &sets).unwrap();
     assert_eq!((config.train.lr, config.train.max_steps), (1e-3, 50));
     assert!(!config.train.tf32);
-    assert!(TrainConfig::load(&path, &[]).unwrap().train.tf32, "on by default");
+    assert!(
+        TrainConfig::load(&path, &[]).unwrap().train.tf32,
+        "on by default"
+    );
 
     let bad = ["train.learning_rate=1e-3".to_string()];
     let err = TrainConfig::load(&path, &bad).unwrap_err().to_string();
