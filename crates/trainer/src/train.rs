@@ -536,7 +536,7 @@ pub fn train_with_limit(
     let mut last_checkpoint: Option<PathBuf> = resumed_from.clone();
     let mut run_peaks = PhasePeaks::default();
     // Metrics lines: every `log_every`-th step and the last one.
-    let logged = |done: usize| done % t.log_every.max(1) == 0 || done == total_steps;
+    let logged = |done: usize| done.is_multiple_of(t.log_every.max(1)) || done == total_steps;
     for step in start_step..total_steps {
         let t0 = Instant::now();
         // A step that measures its memory: logged, or checked against --memory-limit. The
