@@ -623,3 +623,116 @@ fn one_host_read_per_optimizer_step() {
         .collect();
     assert_eq!(reads, [1, 1, 1], "{metrics}");
 }
+
+/// Memory is probed only on the steps that ask (issue 15: on CUDA each probe call is a stream
+/// sync): with `log_every = 2`, steps 1 and 3 make no probe call and steps 2 and 4 measure every
+/// phase (2 micro-batches x (forward, backward) x (reset, peak) + optimizer reset and peak +
+/// live bytes = 11); under `--memory-limit` every step measures and also checks each phase's
+/// peak against the limit (6 more reads: 17).
+#[test]
+fn memory_is_probed_only_on_logged_steps_or_under_a_limit() {
+    use tallow_trainer::train::{train_with_limit, Event};
+    let a = scratch("probes");
+    let c = config(
+        &a,
+        "tiny-llama",
+        "rank = 4",
+        "max_steps = 4\nmicro_batch_size = 1\ngrad_accum = 2\nlog_every = 2\ndevice = \"cpu\"",
+    );
+    let cfg = tallow_trainer::TrainConfig::load(&c, &[]).unwrap();
+    for (limit, want) in [(None, [0, 11, 0, 11]), (Some(u64::MAX), [17; 4])] {
+        let mut probes = vec![];
+        let mut on_event = |e: Event| {
+            if let Event::Step(s) = e {
+                probes.push(s.memory_probes);
+            }
+        };
+        train_with_limit(&cfg, &Device::Cpu, false, limit, &mut on_event).unwrap();
+        assert_eq!(probes, want, "--memory-limit {limit:?}");
+    }
+    // metrics.jsonl (of the last run, under the limit) has the logged steps only.
+    let metrics = std::fs::read_to_string(a.join("run/metrics.jsonl")).unwrap();
+    let logged: Vec<(u64, u64)> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v.get("loss").is_some())
+        .map(|v| {
+            (
+                v["step"].as_u64().unwrap(),
+                v["memory_probes"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(logged, [(2, 17), (4, 17)], "{metrics}");
+}
+
+/// `ops_forward` / `ops_backward` (tensors Candle creates per step, `tallow_trainer::opcount`):
+/// two identical runs count exactly the same, every step of a run with equal-shaped batches
+/// counts the same, and each decoder layer adds the same number of ops (1 -> 2 -> 3 layers of a
+/// random tiny Llama: equal differences, both positive). Exact (integers, no tolerance).
+#[test]
+fn op_counts_are_reproducible_and_grow_by_the_same_amount_per_layer() {
+    let dir = scratch("op-counts");
+    let base: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(model_dir("tiny-llama").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    let counts = |layers: usize, run: &str| -> Vec<(u64, u64)> {
+        let model = dir.join(format!("llama-{layers}"));
+        if !model.exists() {
+            let mut cfg = base.clone();
+            cfg["num_hidden_layers"] = layers.into();
+            let json = dir.join(format!("llama-{layers}.json"));
+            std::fs::write(&json, cfg.to_string()).unwrap();
+            make_random_model(env!("CARGO_BIN_EXE_make-random-model"), &json, &model, 4);
+        }
+        let out = dir.join(run);
+        let config = dir.join(format!("{run}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "[model]\npath = {:?}\ndtype = \"f32\"\n[lora]\nrank = 4\ndropout = 0.0\n\
+                 [data]\ntrain = {:?}\nmax_seq_len = 32\n[train]\nmax_steps = 3\n\
+                 micro_batch_size = 1\ngrad_accum = 1\ndevice = \"cpu\"\noutput_dir = {:?}\n",
+                model.display().to_string(),
+                model.join("bench.jsonl").display().to_string(),
+                out.display().to_string()
+            ),
+        )
+        .unwrap();
+        train_ok(&["train", "--config", config.to_str().unwrap(), "--quiet"]);
+        std::fs::read_to_string(out.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v.get("loss").is_some())
+            .map(|v| {
+                (
+                    v["ops_forward"].as_u64().unwrap(),
+                    v["ops_backward"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let two = counts(2, "two-a");
+    assert_eq!(two.len(), 3);
+    assert_eq!(counts(2, "two-b"), two, "two identical runs");
+    assert!(
+        two.iter().all(|c| *c == two[0]),
+        "equal-shaped steps: {two:?}"
+    );
+    let (one, three) = (counts(1, "one")[0], counts(3, "three")[0]);
+    let per_layer =
+        |a: (u64, u64), b: (u64, u64)| (b.0 as i64 - a.0 as i64, b.1 as i64 - a.1 as i64);
+    let (d12, d23) = (per_layer(one, two[0]), per_layer(two[0], three));
+    assert!(
+        d12.0 > 0 && d12.1 > 0,
+        "a layer adds ops: {one:?} -> {:?}",
+        two[0]
+    );
+    assert_eq!(
+        d12, d23,
+        "every layer adds the same ops: {one:?} {:?} {three:?}",
+        two[0]
+    );
+}

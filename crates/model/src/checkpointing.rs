@@ -56,7 +56,8 @@ impl Checkpointing {
     ) -> Result<Tensor> {
         // The layer's graph lives only inside this expression.
         let y = layer.forward(&x.detach(), rope)?.contiguous()?.detach();
-        let Some(anchor) = first_var(layer).or_else(|| x.track_op().then(|| x.clone())) else {
+        let anchor = first_var(layer).filter(|_| !crate::no_grad::is_on());
+        let Some(anchor) = anchor.or_else(|| x.track_op().then(|| x.clone())) else {
             return Ok(y); // nothing to differentiate: no graph at all
         };
         let (layer, rope, grads) = (layer.clone(), rope.clone(), self.grads.clone());

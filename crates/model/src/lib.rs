@@ -2,7 +2,8 @@
 //!
 //! - `config` + one file per family (`llama`, `qwen2`, `qwen3`): config.json -> [`DecoderConfig`].
 //! - `model`: the decoder, written once; `linear`: the one linear layer (frozen / trainable base,
-//!   optional LoRA); `ops`: differentiable norms, softmax, rotary embedding, masks.
+//!   optional LoRA); `ops`: differentiable norms, softmax, rotary embedding, masks; `no_grad`:
+//!   forward passes that record no graph (evaluation).
 //! - `loss`: chunked cross-entropy fused with the LM head; `weights`: safetensors loading.
 //! - `generate`: inference only: KV cache, cached forward, decoding loop; `sampling`: next-token
 //!   choice (greedy, temperature, top-k, top-p, repetition penalty).
@@ -21,6 +22,7 @@ pub mod linear;
 pub mod llama;
 pub mod loss;
 pub mod model;
+pub mod no_grad;
 pub mod ops;
 pub mod quant;
 pub mod qwen2;
@@ -38,6 +40,7 @@ pub use generate::{generate, GenerateOptions, Generation, GenerationConfig, KvCa
 pub use linear::{Base, Linear, Lora, Param};
 pub use loss::{lm_head_nll, Targets};
 pub use model::{CausalLM, LoadOptions};
+pub use no_grad::no_grad;
 pub use quant::nf4::{Nf4Options, Nf4Weight};
 pub use sampling::{Sampler, SamplingParams};
 pub use weights::Weights;

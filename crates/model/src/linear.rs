@@ -25,6 +25,7 @@ use rand::{Rng, SeedableRng};
 pub use crate::dropout::Dropout;
 use crate::dropout::DropoutOp;
 use crate::error::Result;
+use crate::no_grad;
 pub use crate::quant::nf4::{Nf4Matmul, Nf4Weight};
 
 /// A model weight: frozen (a plain tensor, never differentiated) or trainable (a `Var`).
@@ -161,8 +162,9 @@ impl Lora {
         // The scale is applied to the rank-r intermediate rather than to the (M, out) output
         // (PEFT's order): same value up to rounding, and the graph keeps an (M, r) tensor less
         // instead of an (M, out) one.
-        let xa = (x.matmul(&self.a.t()?)? * self.scale)?; // (M, r)
-        Ok(xa.matmul(&self.b.t()?)?) // (M, out)
+        let (a, b) = (no_grad::enter(&self.a), no_grad::enter(&self.b));
+        let xa = (x.matmul(&a.t()?)? * self.scale)?; // (M, r)
+        Ok(xa.matmul(&b.t()?)?) // (M, out)
     }
 }
 
@@ -203,13 +205,13 @@ impl Linear {
             Base::Dense(Param::Frozen(w)) => {
                 x2.contiguous()?.apply_op1(FrozenMatmul { w: w.clone() })?
             }
-            Base::Dense(Param::Trainable(w)) => {
-                x2.contiguous()?.apply_op2(w.as_tensor(), TrainableMatmul)?
-            }
+            Base::Dense(Param::Trainable(w)) => x2
+                .contiguous()?
+                .apply_op2(&no_grad::enter(w), TrainableMatmul)?,
             Base::Nf4(w) => x2.contiguous()?.apply_op1(Nf4Matmul { w: w.clone() })?,
         }; // (M, out)
         if let Some(b) = &self.bias {
-            y = y.broadcast_add(b.tensor())?;
+            y = y.broadcast_add(&no_grad::enter(b.tensor()))?;
         }
         if let Some(lora) = &self.lora {
             let xl = match lora_x {

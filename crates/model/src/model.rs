@@ -15,6 +15,7 @@ use crate::checkpointing::Checkpointing;
 use crate::config::DecoderConfig;
 use crate::error::{ModelError, Result};
 use crate::linear::{adapter_input, Base, Linear, Param};
+use crate::no_grad::enter;
 use crate::ops;
 use crate::quant::nf4::{Nf4Options, Nf4Weight};
 use crate::weights::Weights;
@@ -89,8 +90,8 @@ impl Attention {
         let v = self.v_proj.forward_with(x, xa)?.reshape((b, t, kv, d))?;
         let (q, k) = match (&self.q_norm, &self.k_norm) {
             (Some(qn), Some(kn)) => (
-                ops::rms_norm(&q, qn.tensor(), self.eps)?,
-                ops::rms_norm(&k, kn.tensor(), self.eps)?,
+                ops::rms_norm(&q, &enter(qn.tensor()), self.eps)?,
+                ops::rms_norm(&k, &enter(kn.tensor()), self.eps)?,
             ),
             _ => (q, k),
         };
@@ -166,9 +167,9 @@ impl DecoderLayer {
         x: &Tensor,
         attn: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
-        let h = ops::rms_norm(x, self.input_layernorm.tensor(), self.eps)?;
+        let h = ops::rms_norm(x, &enter(self.input_layernorm.tensor()), self.eps)?;
         let x = (x + attn(&h)?)?;
-        let h = ops::rms_norm(&x, self.post_attention_layernorm.tensor(), self.eps)?;
+        let h = ops::rms_norm(&x, &enter(self.post_attention_layernorm.tensor()), self.eps)?;
         Ok((&x + self.mlp.forward(&h)?)?)
     }
 
@@ -423,7 +424,7 @@ impl CausalLM {
     /// Embeds token ids. input_ids: (B, T) u32 -> (B, T, C)
     pub fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
         let (b, t) = input_ids.dims2()?;
-        let w = self.embed_tokens.tensor();
+        let w = enter(self.embed_tokens.tensor());
         let flat = input_ids.flatten_all()?; // (B*T)
         Ok(w.index_select(&flat, 0)?
             .reshape((b, t, self.config.hidden_size))?)
@@ -445,7 +446,7 @@ impl CausalLM {
                 _ => layer.forward(&x, &rope)?,
             };
         }
-        ops::rms_norm(&x, self.norm.tensor(), self.config.rms_norm_eps)
+        ops::rms_norm(&x, &enter(self.norm.tensor()), self.config.rms_norm_eps)
     }
 
     /// Full logits, upcast to f32 (f64 for an f64 model). Only for small inputs (tests, debugging):

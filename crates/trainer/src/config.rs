@@ -254,6 +254,10 @@ pub struct TrainSection {
     pub checkpointing: bool,
     /// With `checkpointing`: checkpoint every n-th decoder layer (default 1 = all).
     pub checkpoint_every: usize,
+    /// TF32 tensor cores for f32 matmuls on CUDA (default true): an f32 model's matmuls and
+    /// the f32 LoRA A/B products (10-bit mantissa inputs, f32 accumulation, as PyTorch's
+    /// `allow_tf32`). bf16 / f16 matmuls are unaffected; no effect on the CPU.
+    pub tf32: bool,
 }
 
 impl Default for LoraSection {
@@ -689,6 +693,7 @@ struct RawTrain {
     save_every: usize,
     checkpointing: bool,
     checkpoint_every: usize,
+    tf32: bool,
 }
 
 impl Default for RawTrain {
@@ -715,6 +720,7 @@ impl Default for RawTrain {
             save_every: 0,
             checkpointing: false,
             checkpoint_every: 1,
+            tf32: true,
         }
     }
 }
@@ -765,6 +771,7 @@ impl RawTrain {
             save_every: self.save_every,
             checkpointing: self.checkpointing,
             checkpoint_every: self.checkpoint_every,
+            tf32: self.tf32,
         }
     }
 }
@@ -863,6 +870,7 @@ impl From<&TrainConfig> for RawConfig {
                 save_every: t.save_every,
                 checkpointing: t.checkpointing,
                 checkpoint_every: t.checkpoint_every,
+                tf32: t.tf32,
             },
         }
     }
@@ -967,6 +975,7 @@ const SECTIONS: [(&str, &[(&str, Kind)]); 4] = [
             ("save_every", Kind::Uint),
             ("checkpointing", Kind::Bool),
             ("checkpoint_every", Kind::Uint),
+            ("tf32", Kind::Bool),
         ],
     ),
 ];
@@ -1533,6 +1542,10 @@ mod tests {
         assert_eq!(t.device, "auto");
         assert_eq!(t.output_dir, PathBuf::from("runs/example"));
         assert_eq!((t.log_every, t.eval_every, t.save_every), (1, 0, 0));
+        assert!(
+            t.tf32,
+            "TF32 is on by default (it only acts on CUDA f32 matmuls)"
+        );
         assert_eq!(LoraSection::default(), c.lora);
         assert_eq!(TrainSection::default(), c.train);
         assert_eq!(
@@ -1711,7 +1724,7 @@ mod tests {
             "configs/x.toml: unknown key `train.learning_rate`; did you mean `train.lr`? valid keys \
              in [train]: method, micro_batch_size, grad_accum, max_steps, epochs, optimizer, lr, \
              weight_decay, betas, eps, schedule, warmup_steps, max_grad_norm, seed, device, \
-             output_dir, log_every, eval_every, save_every, checkpointing, checkpoint_every"
+             output_dir, log_every, eval_every, save_every, checkpointing, checkpoint_every, tf32"
         );
         // A typo, by edit distance.
         let e = err(&format!("{MINIMAL}[lora]\nrnak = 8\n"), &[]);

@@ -2,8 +2,15 @@
 //!
 //! loss = (sum of target-token NLL over all rows) / (number of target tokens), i.e. not a mean of
 //! per-row or per-batch means, so the batch size and padding do not change it.
+//!
+//! The forward runs inside [`tallow_model::no_grad`]: trainable weights (LoRA A/B, or every
+//! weight in full fine-tuning) enter it detached, so Candle records no graph and each
+//! intermediate is freed as soon as it is used. Evaluating a batch therefore needs less memory
+//! than a training forward of the same batch, and the trainer evaluates at its training
+//! micro-batch: evaluation cannot be what runs out of memory.
 
 use candle_core::DType;
+use tallow_model::no_grad::{self, no_grad};
 use tallow_model::{lm_head_nll, CausalLM};
 
 use crate::batch::Batch;
@@ -25,8 +32,8 @@ pub struct EvalResult {
     pub input_tokens: usize,
 }
 
-/// Evaluates `examples` in batches of `batch_size` (in file order), padding with `pad_id`.
-/// `progress` is called with the number of rows done after each batch.
+/// Evaluates `examples` in batches of `batch_size` (in file order), padding with `pad_id`,
+/// without an autograd graph. `progress` is called with the number of rows done after each batch.
 pub fn evaluate(
     model: &CausalLM,
     examples: &[Example],
@@ -43,9 +50,13 @@ pub fn evaluate(
     for chunk in examples.chunks(batch_size) {
         let refs: Vec<&Example> = chunk.iter().collect();
         let batch = Batch::new(&refs, pad_id, model.device())?;
-        let hidden = model.forward_hidden(&batch.input_ids, None)?; // (B, T, C)
-        let nll = lm_head_nll(&hidden, model.lm_head_weight(), &batch.targets)?;
-        let nll = nll.detach().to_dtype(DType::F64)?; // no graph kept across batches
+        let nll = no_grad(|| {
+            let hidden = model.forward_hidden(&batch.input_ids, None)?; // (B, T, C)
+            let head = no_grad::enter(model.lm_head_weight()); // (V, C)
+            lm_head_nll(&hidden, &head, &batch.targets) // () summed over targets
+        })?;
+        debug_assert!(!nll.track_op(), "evaluation recorded a graph");
+        let nll = nll.to_dtype(DType::F64)?;
         nll_total = Some(match nll_total {
             Some(acc) => (acc + nll)?,
             None => nll,

@@ -15,6 +15,7 @@ pub mod eval;
 pub mod grads;
 pub mod host;
 pub mod memory;
+pub mod opcount;
 pub mod optim;
 pub mod schedule;
 pub mod tokenizer;

@@ -8,9 +8,19 @@
 //!   tensor; the high-water mark is reset at the start of each phase.
 //!
 //! A [`Probe`] is made for the training device; the trainer calls [`Probe::start_phase`] before
-//! load, each forward, each backward and each optimizer step, and [`Probe::peak`] after it.
+//! load, each forward, each backward and each optimizer step, and [`Probe::peak`] after it, on
+//! the steps that ask: those logged to `metrics.jsonl` (the `bench` command logs every step) and
+//! every step under `--memory-limit`. On CUDA each probe call synchronizes the stream, so the
+//! other steps make none ([`probes`] counts them, per thread).
+//!
+//! On CUDA the probe also sets the pool's release threshold to the maximum: with the default
+//! (0) every stream synchronization (a probe, a host read) hands the pool's free memory back to
+//! the driver, and the next allocations map it again (CUDA programming guide, "Stream Ordered
+//! Memory Allocator", physical page caching behavior). Candle frees and reallocates the same
+//! activation sizes every step, so the pool keeps them.
 
 use std::alloc::{GlobalAlloc, Layout};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use candle_core::Device;
@@ -19,6 +29,20 @@ use serde::Serialize;
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+thread_local! {
+    static PROBES: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Probe calls ([`Probe::start_phase`], [`Probe::peak`], [`Probe::current`]) made by this thread
+/// so far, whatever the device: on CUDA each one is a stream synchronization.
+pub fn probes() -> u64 {
+    PROBES.with(|p| p.get())
+}
+
+fn probed() {
+    PROBES.with(|p| p.set(p.get() + 1));
+}
 
 /// A global allocator that counts live and peak bytes around another one:
 ///
@@ -101,7 +125,8 @@ pub enum Probe {
 }
 
 impl Probe {
-    /// The probe for the training device.
+    /// The probe for the training device (on CUDA: also keeps freed memory in the pool, see the
+    /// module doc).
     pub fn for_device(device: &Device) -> Probe {
         match device {
             #[cfg(feature = "cuda")]
@@ -126,6 +151,7 @@ impl Probe {
 
     /// Resets the high-water mark to the bytes in use now.
     pub fn start_phase(&self) {
+        probed();
         match self {
             Probe::Host => PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed),
             #[cfg(feature = "cuda")]
@@ -136,6 +162,7 @@ impl Probe {
 
     /// Peak bytes in use since the last [`Probe::start_phase`] (waits for the device on CUDA).
     pub fn peak(&self) -> Option<u64> {
+        probed();
         match self {
             Probe::Host => Some(PEAK.load(Ordering::Relaxed) as u64),
             #[cfg(feature = "cuda")]
@@ -155,12 +182,41 @@ impl Probe {
 
     /// Bytes in use now.
     pub fn current(&self) -> Option<u64> {
+        probed();
         match self {
             Probe::Host => Some(LIVE.load(Ordering::Relaxed) as u64),
             #[cfg(feature = "cuda")]
             Probe::Cuda(p) => p.current(),
             Probe::Off => None,
         }
+    }
+}
+
+/// A step's view of the [`Probe`]: the probe itself on the steps that measure, nothing (no
+/// call, no sync) on the others.
+#[derive(Clone, Copy)]
+pub struct StepProbe<'a>(Option<&'a Probe>);
+
+impl StepProbe<'_> {
+    pub fn start_phase(&self) {
+        if let Some(p) = self.0 {
+            p.start_phase()
+        }
+    }
+
+    pub fn peak(&self) -> Option<u64> {
+        self.0.and_then(Probe::peak)
+    }
+
+    pub fn current(&self) -> Option<u64> {
+        self.0.and_then(Probe::current)
+    }
+}
+
+impl Probe {
+    /// This probe for a step that measures (`measure`), or a silent one.
+    pub fn on_step(&self, measure: bool) -> StepProbe<'_> {
+        StepProbe(measure.then_some(self))
     }
 }
 
@@ -267,6 +323,17 @@ pub mod cuda {
             unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
                 .result()
                 .map_err(|e| e.to_string())?;
+            // Keep freed memory in the pool across synchronizations (module doc). A speed
+            // setting: should the driver refuse it, the peaks are still right.
+            let mut keep_all: u64 = u64::MAX;
+            // SAFETY: RELEASE_THRESHOLD is a cuuint64_t; valid pool handle.
+            let _ = unsafe {
+                sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut keep_all as *mut u64 as *mut _,
+                )
+            };
             Ok(Self { pool, stream })
         }
 

@@ -31,6 +31,7 @@ use crate::eval::evaluate;
 use crate::grads::{clip_grad_norm, GradAccumulator};
 use crate::host;
 use crate::memory::{PhasePeaks, Probe};
+use crate::opcount;
 use crate::optim::{self, Optimizer};
 use crate::schedule::lr_at;
 use crate::tokenizer::TextTokenizer;
@@ -57,6 +58,15 @@ pub struct StepLog {
     /// Device-to-host reads this step made ([`crate::host`]): 1, the loss and gradient norm read
     /// together (each read is a stream sync on CUDA).
     pub host_reads: u64,
+    /// Memory probe calls this step made ([`crate::memory::probes`]; each a stream sync on
+    /// CUDA): 0 on steps that are neither logged nor under `--memory-limit`.
+    pub memory_probes: u64,
+    /// Tensors Candle created in this step's forward passes (all micro-batches): one per op,
+    /// kernel or view, see [`crate::opcount`]. The same on every device.
+    pub ops_forward: u64,
+    /// The same for the backward passes: Candle's gradient formulas, layers recomputed by
+    /// activation checkpointing, and summing the gradients into the step's buffers.
+    pub ops_backward: u64,
 }
 
 /// What the run reports as it goes (the CLI turns these into a progress bar and messages).
@@ -282,6 +292,17 @@ pub fn train(
     train_with_limit(cfg, device, resume, None, on_event)
 }
 
+/// `train.tf32`: TF32 tensor cores for f32 matmuls when `device` is CUDA (Candle's switch,
+/// process-wide; off by default in Candle, as in PyTorch). Nothing to do on the CPU.
+fn set_tf32(device: &Device, on: bool) {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        candle_core::cuda::set_gemm_reduced_precision_f32(on);
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (device, on);
+}
+
 /// What the last good checkpoint is, for error messages of a stopped run.
 fn kept_message(last_checkpoint: &Option<PathBuf>) -> String {
     match last_checkpoint {
@@ -357,6 +378,8 @@ pub fn train_with_limit(
     // The resolved config is the first thing written: the run directory says what ran.
     tallow_model::io::write_atomic(&out.join("config.toml"), cfg.to_toml_string().as_bytes())?;
     let metrics = out.join("metrics.jsonl");
+
+    set_tf32(device, t.tf32);
 
     // Phase "load": data, model, adapters, optimizer, resume state.
     let probe = Probe::for_device(device);
@@ -478,8 +501,10 @@ pub fn train_with_limit(
         if eval.is_empty() {
             return Ok(None);
         }
+        // At the training micro-batch and without a graph (`crate::eval`): it needs less memory
+        // than the training forward that already ran at this batch size.
         Ok(Some(
-            evaluate(model, &eval, t.micro_batch_size.max(4), pad, |_| {})?.loss,
+            evaluate(model, &eval, t.micro_batch_size, pad, |_| {})?.loss,
         ))
     };
     let eval_loss_start = if start_step == 0 {
@@ -510,8 +535,15 @@ pub fn train_with_limit(
     let mut eval_loss_end = None;
     let mut last_checkpoint: Option<PathBuf> = resumed_from.clone();
     let mut run_peaks = PhasePeaks::default();
+    // Metrics lines: every `log_every`-th step and the last one.
+    let logged = |done: usize| done.is_multiple_of(t.log_every.max(1)) || done == total_steps;
     for step in start_step..total_steps {
         let t0 = Instant::now();
+        // A step that measures its memory: logged, or checked against --memory-limit. The
+        // others never probe (on CUDA each probe call synchronizes the stream).
+        let probe = probe.on_step(memory_limit.is_some() || logged(step + 1));
+        let probes_before = crate::memory::probes();
+        let (mut ops_forward, mut ops_backward) = (0, 0);
         let step_rows: Vec<&Row> = plan.rows(step).into_iter().map(|i| &rows[i]).collect();
         let step_targets: usize = step_rows.iter().map(|r| r.n_targets()).sum();
         let mut step_tokens = 0;
@@ -531,7 +563,9 @@ pub fn train_with_limit(
                 let loss = (&nll / step_targets as f64)?; // this micro-batch's share of the step mean
                 Ok((hidden, nll, loss))
             };
+            let ops = opcount::mark();
             let (hidden, nll, loss) = check!(forward(), "forward", step + 1, &last_checkpoint)?;
+            ops_forward += opcount::since(ops);
             let forward_peak = probe.peak();
             probe.start_phase();
             let backward = |acc: &mut GradAccumulator| -> Result<(), TrainError> {
@@ -542,7 +576,9 @@ pub fn train_with_limit(
                 }
                 Ok(())
             };
+            let ops = opcount::mark();
             check!(backward(&mut acc), "backward", step + 1, &last_checkpoint)?;
+            ops_backward += opcount::since(ops);
             let nll_value = nll.detach();
             nll_sum = Some(match nll_sum {
                 Some(acc) => (acc + nll_value)?,
@@ -610,8 +646,12 @@ pub fn train_with_limit(
             host_reads: host::reads() - reads_before,
             live_bytes: probe.current(),
             optimizer_state_bytes: opt.state_bytes() as u64,
+            // After `live_bytes` (fields are evaluated in this order): it is a probe call too.
+            memory_probes: crate::memory::probes() - probes_before,
+            ops_forward,
+            ops_backward,
         };
-        if done % t.log_every.max(1) == 0 || done == total_steps {
+        if logged(done) {
             append_metrics(&metrics, &log)?;
         }
         on_event(Event::Step(&log));

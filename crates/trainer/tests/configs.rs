@@ -103,9 +103,15 @@ fn set_applies_on_top_of_a_shipped_config() {
     let sets = [
         "train.lr=1e-3".to_string(),
         "train.max_steps=50".to_string(),
+        "train.tf32=false".to_string(),
     ];
     let config = TrainConfig::load(&path, &sets).unwrap();
     assert_eq!((config.train.lr, config.train.max_steps), (1e-3, 50));
+    assert!(!config.train.tf32);
+    assert!(
+        TrainConfig::load(&path, &[]).unwrap().train.tf32,
+        "on by default"
+    );
 
     let bad = ["train.learning_rate=1e-3".to_string()];
     let err = TrainConfig::load(&path, &bad).unwrap_err().to_string();
