@@ -3,6 +3,7 @@
 //! - `config` + one file per family (`llama`, `qwen2`, `qwen3`): config.json -> [`DecoderConfig`].
 //! - `model`: the decoder, written once; `linear`: the one linear layer (frozen / trainable base,
 //!   optional LoRA); `ops`: differentiable norms, softmax, rotary embedding, masks.
+//! - `consts`: small constant tensors (codebooks, tables) uploaded once per device.
 //! - `loss`: chunked cross-entropy fused with the LM head; `weights`: safetensors loading.
 //! - `generate`: inference only: KV cache, cached forward, decoding loop; `sampling`: next-token
 //!   choice (greedy, temperature, top-k, top-p, repetition penalty).
@@ -10,6 +11,7 @@
 pub mod adapter;
 pub mod checkpointing;
 pub mod config;
+pub mod consts;
 pub mod error;
 pub mod generate;
 pub mod hf_keys;
