@@ -282,6 +282,16 @@ pub fn quantize_blockwise(x: &Tensor, signed: bool, block: usize) -> crate::Resu
     quantize_with(x, signed, block, !x.device().is_cpu())
 }
 
+/// [`quantize_blockwise`] through the device-generic tensor-op path (the one CUDA runs) on any
+/// device, the CPU included: for tests that compare it with the CPU kernel.
+pub fn quantize_blockwise_generic(
+    x: &Tensor,
+    signed: bool,
+    block: usize,
+) -> crate::Result<Blockwise8> {
+    quantize_with(x, signed, block, true)
+}
+
 /// [`quantize_blockwise`], with the device-generic tensor-op path forced when `generic`.
 fn quantize_with(
     x: &Tensor,

@@ -200,6 +200,11 @@ impl StepConstants {
 
 /// One AdamW update of `p` from its gradient `g` and its f32 moments `exp_avg` (m) and
 /// `exp_avg_sq` (v); writes `p` and returns the new (m, v), f32 on p's device.
+///
+/// Device cost for an f32 parameter and gradient: 14 kernel launches over its elements (weight
+/// decay 1, m 3, v 4, denominator 2, step 3, the copy into `p` 1; 13 without weight decay),
+/// +2 casts for a bf16/f16 parameter and +1 for a bf16/f16 gradient; no host-device copies (the
+/// scalars travel as kernel arguments of `affine`).
 pub(crate) fn adamw_update(
     p: &Var,
     g: &Tensor,
@@ -226,8 +231,10 @@ pub(crate) fn adamw_update(
     let m = ((exp_avg * b1)? + (&g32 * (1.0 - b1))?)?;
     // v <- b2 * v + (1 - b2) * g^2               second moment
     let v = ((exp_avg_sq * b2)? + (g32.sqr()? * (1.0 - b2))?)?;
-    // denom = sqrt(v) / sqrt(1 - b2^t) + eps     eps outside the sqrt, after bias correction
-    let denom = ((v.sqrt()? / bias_correction2_sqrt)? + eps)?;
+    // denom = sqrt(v) / sqrt(1 - b2^t) + eps     eps outside the sqrt, after bias correction;
+    // one affine, x * (1 / sqrt(1 - b2^t)) + eps: on the CPU the same two roundings as
+    // `(x / c) + eps` in Candle (whose `/ c` is `* (1 / c)`); CUDA may fuse it into one fma.
+    let denom = v.sqrt()?.affine(1.0 / bias_correction2_sqrt, eps)?;
     // p <- p - (lr / (1 - b1^t)) * m / denom     bias-corrected step
     let p32 = (p32 - ((&m / &denom)? * step_size)?)?;
     // write back, rounded once to the parameter's dtype (bf16/f16/f32)

@@ -9,7 +9,16 @@
 //! Smaller tensors (norms, biases, small LoRA factors) keep f32 moments, as bitsandbytes does.
 //! Each step dequantizes m and v to f32, applies the AdamW update with tensor ops, and
 //! requantizes; everything stays on the parameter's device (quantization runs a CPU kernel on the
-//! CPU and Candle tensor ops elsewhere, see `tallow_model::quant::dynamic`).
+//! CPU and Candle tensor ops elsewhere, see `tallow_model::quant::dynamic`; both give the same
+//! codes, so the CPU and the generic path give the same bits on the CPU, which a test checks).
+//!
+//! Device cost per 8-bit parameter per step (f32 parameter and gradient, n a multiple of 256;
+//! kernel launches, counted in `benchmarks/cuda-ops.md` and by `tests/tests/cuda_ops.rs`):
+//! 42 = dequantize m and v (3 + 3: codes to u32, gather the cached map, multiply by the absmax)
+//! + the AdamW update (14, [`super::adamw`]) + quantize m and v (11 + 11: absmax 4, codes 7 by
+//! the bucket lookup); no host-device copies once the constants are cached, no host reads.
+//! Before (commit df98832): 119 launches and 10 host-to-device copies (the map twice, and per
+//! quantization the midpoints and three scalars), the codes found by an 8-step binary search.
 //!
 //! Checkpoint names (see [`super`]): for an 8-bit parameter `i`, `"{i}.exp_avg.codes"` (u8, (n,)),
 //! `"{i}.exp_avg.absmax"` (f32, (ceil(n/256),)), `"{i}.exp_avg_sq.codes"`,
@@ -20,7 +29,9 @@
 use std::collections::HashMap;
 
 use candle_core::{DType, Tensor, Var};
-use tallow_model::quant::dynamic::{dequantize_blockwise, quantize_blockwise, Blockwise8};
+use tallow_model::quant::dynamic::{
+    dequantize_blockwise, quantize_blockwise, quantize_blockwise_generic, Blockwise8,
+};
 use tallow_model::ModelError;
 
 use super::adamw::{adamw_update, AdamWParams, StepConstants};
@@ -54,6 +65,8 @@ pub struct AdamW8bit {
     t: u32,
     /// One entry per parameter once the first step (or `load_state`) has run.
     moments: Option<Vec<Moments>>,
+    /// Quantize with the device-generic tensor ops even on the CPU (tests only).
+    generic: bool,
 }
 
 /// A model-crate error as a Candle one (the [`Optimizer`] trait speaks Candle errors).
@@ -64,8 +77,13 @@ fn candle_err(e: ModelError) -> candle_core::Error {
     }
 }
 
-fn quantize(x: &Tensor, signed: bool) -> candle_core::Result<Blockwise8> {
-    quantize_blockwise(x, signed, BLOCK).map_err(candle_err)
+/// Blockwise 8-bit with the CPU kernel on the CPU (unless `generic`) and tensor ops elsewhere.
+fn quantize(x: &Tensor, signed: bool, generic: bool) -> candle_core::Result<Blockwise8> {
+    if generic {
+        quantize_blockwise_generic(x, signed, BLOCK).map_err(candle_err)
+    } else {
+        quantize_blockwise(x, signed, BLOCK).map_err(candle_err)
+    }
 }
 
 fn dequantize(q: &Blockwise8) -> candle_core::Result<Tensor> {
@@ -78,7 +96,16 @@ impl AdamW8bit {
             hp,
             t: 0,
             moments: None,
+            generic: false,
         }
+    }
+
+    /// Runs the device-generic path (the one CUDA runs) on the CPU too, for tests that compare
+    /// it with the CPU kernel or count its device ops.
+    #[doc(hidden)]
+    pub fn with_generic_quantizer(mut self) -> Self {
+        self.generic = true;
+        self
     }
 
     /// Number of steps taken so far.
@@ -87,12 +114,12 @@ impl AdamW8bit {
     }
 
     /// Zero moments for `p`: 8-bit when it has at least [`MIN_8BIT_ELEMS`] elements.
-    fn zeros(p: &Var) -> candle_core::Result<Moments> {
+    fn zeros(p: &Var, generic: bool) -> candle_core::Result<Moments> {
         let z = Tensor::zeros(p.shape(), DType::F32, p.device())?;
         Ok(if p.elem_count() >= MIN_8BIT_ELEMS {
             Moments::Quantized {
-                exp_avg: quantize(&z, true)?,
-                exp_avg_sq: quantize(&z, false)?,
+                exp_avg: quantize(&z, true, generic)?,
+                exp_avg_sq: quantize(&z, false, generic)?,
             }
         } else {
             Moments::Full {
@@ -121,7 +148,7 @@ impl Optimizer for AdamW8bit {
             None => self.moments.insert(
                 params
                     .iter()
-                    .map(Self::zeros)
+                    .map(|p| Self::zeros(p, self.generic))
                     .collect::<candle_core::Result<_>>()?,
             ),
         };
@@ -157,12 +184,13 @@ impl Optimizer for AdamW8bit {
                             p.shape()
                         );
                     }
-                    // dequantize (f32, p's shape) -> AdamW update -> requantize
+                    // dequantize (f32, p's shape) -> AdamW update -> requantize: 42 launches
+                    // (module docs), all on p's device
                     let m = dequantize(exp_avg)?;
                     let v = dequantize(exp_avg_sq)?;
                     let (m, v) = adamw_update(p, g, &m, &v, &k)?;
-                    *exp_avg = quantize(&m, true)?;
-                    *exp_avg_sq = quantize(&v, false)?;
+                    *exp_avg = quantize(&m, true, self.generic)?;
+                    *exp_avg_sq = quantize(&v, false, self.generic)?;
                 }
             }
         }
@@ -395,6 +423,69 @@ mod tests {
         for (x, y) in pa.iter().zip(&pb) {
             let d = (x.as_tensor() - y.as_tensor()).unwrap().abs().unwrap();
             assert_eq!(d.max_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+        }
+    }
+
+    /// The device-generic path (what CUDA runs: tensor-op quantizer) run on the CPU gives the
+    /// same bits as the CPU path (kernel quantizer): parameters, codes and absmax after each of
+    /// 3 steps, for a parameter whose length is a multiple of 256, one that is not (padding), a
+    /// bf16 one, and an f32-state one.
+    #[test]
+    fn generic_path_equals_cpu_path_exactly() {
+        let dev = Device::Cpu;
+        let shapes: [(usize, usize); 4] = [(64, 128), (300, 71), (96, 64), (16, 16)];
+        let init: Vec<Tensor> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| {
+                let t = Tensor::randn(0f32, 1.0, s, &dev).unwrap();
+                if i == 2 {
+                    t.to_dtype(DType::BF16).unwrap()
+                } else {
+                    t
+                }
+            })
+            .collect();
+        let pa: Vec<Var> = init.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+        let pb: Vec<Var> = init
+            .iter()
+            .map(|t| Var::from_tensor(&t.copy().unwrap()).unwrap())
+            .collect();
+        let mut a = AdamW8bit::new(HP);
+        let mut b = AdamW8bit::new(HP).with_generic_quantizer();
+        for step in 0..3 {
+            let grads: Vec<Tensor> = init
+                .iter()
+                .map(|t| {
+                    let g = Tensor::randn(0f32, 0.01 * (step + 1) as f32, t.shape(), &dev);
+                    g.unwrap().to_dtype(t.dtype()).unwrap()
+                })
+                .collect();
+            a.step(&pa, &grads, 1e-3).unwrap();
+            b.step(&pb, &grads, 1e-3).unwrap();
+            for (i, (x, y)) in pa.iter().zip(&pb).enumerate() {
+                let bits = |v: &Var| {
+                    let t = v.as_tensor().to_dtype(DType::F32).unwrap();
+                    let t = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    t.iter().map(|f| f.to_bits()).collect::<Vec<_>>()
+                };
+                assert_eq!(bits(x), bits(y), "step {step}: parameter {i} differs");
+            }
+            let sa: HashMap<String, Tensor> = a.state().into_iter().collect();
+            let sb: HashMap<String, Tensor> = b.state().into_iter().collect();
+            assert_eq!(sa.len(), sb.len());
+            assert!(sa.contains_key("1.exp_avg_sq.codes"), "(300, 71) must be 8-bit");
+            for (k, t) in &sa {
+                let (u, w) = (t.flatten_all().unwrap(), sb[k].flatten_all().unwrap());
+                assert_eq!(u.dtype(), w.dtype(), "{k}");
+                let d = u.to_dtype(DType::F64).unwrap();
+                let e = w.to_dtype(DType::F64).unwrap();
+                assert_eq!(
+                    d.to_vec1::<f64>().unwrap(),
+                    e.to_vec1::<f64>().unwrap(),
+                    "step {step}: state {k} differs"
+                );
+            }
         }
     }
 
