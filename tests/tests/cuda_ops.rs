@@ -88,8 +88,8 @@ fn nf4_generic_dequantize_is_three_ops_on_the_weight() {
             let mut q = Nf4Weight::quantize(&w, double_quant).unwrap();
             q.dtype = dtype;
             q.dequantize_generic().unwrap(); // warm the constant cache
-            // full: >= n/2 bytes (a bf16 weight is 2n, the packed bytes n/2); small: the
-            // (n/64,) absmax in f32 or u32 is n/16 bytes
+                                             // full: >= n/2 bytes (a bf16 weight is 2n, the packed bytes n/2); small: the
+                                             // (n/64,) absmax in f32 or u32 is n/16 bytes
             let (out, (full, small)) = count(n / 16, n / 2, || q.dequantize_generic().unwrap());
             assert_eq!(out.dtype(), dtype);
             let want_full = if dtype == DType::F32 { 2 } else { 3 };
@@ -132,7 +132,7 @@ fn adamw8bit_generic_step_op_count() {
     let mut opt = AdamW8bit::new(hp).with_generic_quantizer();
     let params = [p];
     opt.step(&params, std::slice::from_ref(&g), 1e-3).unwrap(); // state and constants
-    // full: >= n bytes (u8 codes are n, f32 values 4n); small: the (n/256,) f32 scales, 4n/256
+                                                                // full: >= n bytes (u8 codes are n, f32 values 4n); small: the (n/256,) f32 scales, 4n/256
     let (_, (full, small)) = count(n / 64, n, || {
         opt.step(&params, std::slice::from_ref(&g), 1e-3).unwrap()
     });
@@ -143,4 +143,34 @@ fn adamw8bit_generic_step_op_count() {
     );
     assert_eq!((full, small), (35, 6));
     assert_eq!(full + in_place_copies + small, 42);
+}
+
+/// Eight (64, 128) parameters form one group: the group's ops run once (the same 35 + 6 as a
+/// lone parameter, over the group's 65536 elements) plus the two concatenations that build its
+/// flat inputs (2 allocations; 8 copy launches each) and 8 in-place copies back. Launches:
+/// 35 + 6 + 2 x 8 + 8 = 65, about 8 per parameter instead of 42.
+#[test]
+fn adamw8bit_group_step_op_count() {
+    let dev = Device::Cpu;
+    let k = 8;
+    let n = 64 * 128;
+    let params: Vec<Var> = (0..k)
+        .map(|_| Var::from_tensor(&Tensor::randn(0f32, 1.0, (64, 128), &dev).unwrap()).unwrap())
+        .collect();
+    let grads: Vec<Tensor> = (0..k)
+        .map(|_| Tensor::randn(0f32, 0.01, (64, 128), &dev).unwrap())
+        .collect();
+    let mut opt = AdamW8bit::new(AdamWParams::default()).with_generic_quantizer();
+    opt.step(&params, &grads, 1e-3).unwrap();
+    assert_eq!(opt.groups(), 1);
+    // full: >= the group's u8 codes (k n bytes); small: its (k n / 256,) f32 scales
+    let (_, (full, small)) = count(k * n / 64, k * n, || {
+        opt.step(&params, &grads, 1e-3).unwrap()
+    });
+    assert_eq!((full, small), (35 + 2, 6));
+    let launches = (full - 2) + small + 2 * k + k;
+    eprintln!(
+        "adamw8bit group of {k}: {launches} launches, {:.1} per parameter",
+        launches as f64 / k as f64
+    );
 }

@@ -145,8 +145,18 @@ mod tests {
         // the same key at two device locations: two entries
         let key = ConstKey::new("consts-test.loc");
         let cpu = cached_at(DeviceLocation::Cpu, &dev, key.clone(), ones(2))?;
-        let gpu = cached_at(DeviceLocation::Cuda { gpu_id: 0 }, &dev, key.clone(), ones(3))?;
-        let gpu1 = cached_at(DeviceLocation::Cuda { gpu_id: 1 }, &dev, key.clone(), ones(6))?;
+        let gpu = cached_at(
+            DeviceLocation::Cuda { gpu_id: 0 },
+            &dev,
+            key.clone(),
+            ones(3),
+        )?;
+        let gpu1 = cached_at(
+            DeviceLocation::Cuda { gpu_id: 1 },
+            &dev,
+            key.clone(),
+            ones(6),
+        )?;
         assert_ne!(cpu.id(), gpu.id());
         assert_ne!(gpu.id(), gpu1.id());
         assert_eq!((cpu.dims1()?, gpu.dims1()?, gpu1.dims1()?), (2, 3, 6));

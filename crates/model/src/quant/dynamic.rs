@@ -194,12 +194,16 @@ impl Buckets {
     /// (S, base (2S+2,) u8, mid (2S+2,) f32) on `dev`, uploaded once per device.
     fn tensors(signed: bool, dev: &Device) -> candle_core::Result<(f32, Tensor, Tensor)> {
         let b = Self::get(signed);
-        let base = cached(dev, ConstKey::with("dynamic.buckets.base", [signed as u64]), |d| {
-            Tensor::from_slice(&b.base, b.base.len(), d)
-        })?;
-        let mid = cached(dev, ConstKey::with("dynamic.buckets.mid", [signed as u64]), |d| {
-            Tensor::from_slice(&b.mid, b.mid.len(), d)
-        })?;
+        let base = cached(
+            dev,
+            ConstKey::with("dynamic.buckets.base", [signed as u64]),
+            |d| Tensor::from_slice(&b.base, b.base.len(), d),
+        )?;
+        let mid = cached(
+            dev,
+            ConstKey::with("dynamic.buckets.mid", [signed as u64]),
+            |d| Tensor::from_slice(&b.mid, b.mid.len(), d),
+        )?;
         Ok((b.scale, base, mid))
     }
 }
@@ -314,8 +318,8 @@ fn quantize_with(
     let nb = n.div_ceil(block);
     let blocks = pad_to(&flat, nb * block)?.reshape((nb, block))?; // (nb, block), zero-padded
     let absmax = blocks.abs()?.max(1)?; // (nb,)
-    // 1 / max(absmax, 1e-38): a block of zeros normalizes to 0, not NaN. The bound is a cached
-    // (1,) tensor: a scalar `maximum` would upload it on every call.
+                                        // 1 / max(absmax, 1e-38): a block of zeros normalizes to 0, not NaN. The bound is a cached
+                                        // (1,) tensor: a scalar `maximum` would upload it on every call.
     let floor = cached(x.device(), ConstKey::new("dynamic.min_absmax"), |d| {
         Tensor::new(&[MIN_ABSMAX], d)
     })?;

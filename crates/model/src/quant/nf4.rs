@@ -408,7 +408,10 @@ fn double_quantize(absmax: &Tensor) -> Result<Absmax> {
 
 /// Bytes XOR 0x88 (bitsandbytes' layout <-> the stored one), on the CPU. (n,) u8 -> (n,) u8
 fn flip(bytes: &Tensor) -> candle_core::Result<Tensor> {
-    let v: Vec<u8> = cpu_slice::<u8>(bytes)?.into_iter().map(|b| b ^ FLIP).collect();
+    let v: Vec<u8> = cpu_slice::<u8>(bytes)?
+        .into_iter()
+        .map(|b| b ^ FLIP)
+        .collect();
     let n = v.len();
     Tensor::from_vec(v, n, &Device::Cpu)
 }
@@ -444,7 +447,6 @@ fn quantize_cpu(w: &Tensor, block: usize) -> candle_core::Result<(Tensor, Tensor
                 // An odd last element pairs with a padded 0 (code 7), as bitsandbytes pads.
                 let byte = (code(p[0]) << 4) | p.get(1).map_or(code_of(0.0), |&v| code(v));
                 *o = byte ^ FLIP; // stored form
-
             }
         });
     Ok((
@@ -468,7 +470,9 @@ fn quantize_generic(w: &Tensor, block: usize) -> candle_core::Result<(Tensor, Te
     let absmax = xb.abs()?.max_keepdim(1)?; // (blocks, 1)
     let k = |name: &'static str, v: &[f32]| {
         let v = v.to_vec();
-        cached(dev, ConstKey::new(name), move |d| Tensor::new(v.as_slice(), d))
+        cached(dev, ConstKey::new(name), move |d| {
+            Tensor::new(v.as_slice(), d)
+        })
     };
     let bounds = k("nf4.quantize.bounds", &[1e-38, -1.0, 1.0])?; // (3,)
     let mids = k("nf4.midpoints", &midpoints())?; // (15,)
@@ -495,8 +499,8 @@ fn quantize_generic(w: &Tensor, block: usize) -> candle_core::Result<(Tensor, Te
     })?)?;
     let codes = (codes.affine(1.0, 8.0)? - high.affine(16.0, 0.0)?)?;
     let pairs = codes.reshape((n2 / 2, 2))?; // (n/2, 2): (first, second) element
-    let packed = (pairs.narrow(1, 0, 1)?.affine(16.0, 0.0)? + pairs.narrow(1, 1, 1)?)?
-        .flatten_all()?; // (n/2,)
+    let packed =
+        (pairs.narrow(1, 0, 1)?.affine(16.0, 0.0)? + pairs.narrow(1, 1, 1)?)?.flatten_all()?; // (n/2,)
     Ok((packed, absmax.flatten_all()?))
 }
 
@@ -731,7 +735,11 @@ mod tests {
             // bitsandbytes' dequantize_4bit returns the input's dtype.
             let q = Nf4Weight::quantize(x, false)?;
             let want_codes = bytes(&fx[&format!("{case}.packed")]);
-            same(&bytes(&q.bnb_packed()?), &want_codes, &format!("{case} codes"));
+            same(
+                &bytes(&q.bnb_packed()?),
+                &want_codes,
+                &format!("{case} codes"),
+            );
             let Absmax::F32(a) = &q.absmax else { panic!() };
             same(
                 &bits(a),
@@ -744,7 +752,11 @@ mod tests {
             }
 
             let q = Nf4Weight::quantize(x, true)?;
-            same(&bytes(&q.bnb_packed()?), &want_codes, &format!("{case} dq codes"));
+            same(
+                &bytes(&q.bnb_packed()?),
+                &want_codes,
+                &format!("{case} dq codes"),
+            );
             let Absmax::Double { nested, offset } = &q.absmax else {
                 panic!()
             };

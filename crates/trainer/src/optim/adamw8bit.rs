@@ -100,7 +100,9 @@ impl Group {
     fn part(&self, q: &Blockwise8, j: usize) -> candle_core::Result<(Tensor, Tensor)> {
         let n = self.shapes[j].elem_count();
         let codes = q.codes.narrow(0, self.offsets[j], n)?;
-        let absmax = q.absmax.narrow(0, self.offsets[j] / BLOCK, n.div_ceil(BLOCK))?;
+        let absmax = q
+            .absmax
+            .narrow(0, self.offsets[j] / BLOCK, n.div_ceil(BLOCK))?;
         Ok((codes, absmax))
     }
 
@@ -336,8 +338,7 @@ impl Optimizer for AdamW8bit {
                     }
                     Slot::Quantized { group, member } => {
                         let g = &groups[*group];
-                        for (what, q) in [("exp_avg", &g.exp_avg), ("exp_avg_sq", &g.exp_avg_sq)]
-                        {
+                        for (what, q) in [("exp_avg", &g.exp_avg), ("exp_avg_sq", &g.exp_avg_sq)] {
                             // narrow of a 1-d contiguous tensor: a view, no copy
                             let (codes, absmax) = g
                                 .part(q, *member)
@@ -381,8 +382,8 @@ impl Optimizer for AdamW8bit {
                 let (mut codes, mut absmax) = (Vec::new(), Vec::new());
                 for (j, &i) in members.iter().enumerate() {
                     let part = load_quantized(state, i, what, signed, &params[i])?;
-                    let pad = shapes[j].elem_count().div_ceil(BLOCK) * BLOCK
-                        - shapes[j].elem_count();
+                    let pad =
+                        shapes[j].elem_count().div_ceil(BLOCK) * BLOCK - shapes[j].elem_count();
                     codes.push(part.codes);
                     if pad > 0 {
                         let fill = ZERO_CODE[signed as usize];
@@ -637,7 +638,10 @@ mod tests {
             let sa: HashMap<String, Tensor> = a.state().into_iter().collect();
             let sb: HashMap<String, Tensor> = b.state().into_iter().collect();
             assert_eq!(sa.len(), sb.len());
-            assert!(sa.contains_key("1.exp_avg_sq.codes"), "(300, 71) must be 8-bit");
+            assert!(
+                sa.contains_key("1.exp_avg_sq.codes"),
+                "(300, 71) must be 8-bit"
+            );
             for (k, t) in &sa {
                 let (u, w) = (t.flatten_all().unwrap(), sb[k].flatten_all().unwrap());
                 assert_eq!(u.dtype(), w.dtype(), "{k}");
@@ -696,22 +700,28 @@ mod tests {
             }
             assert_eq!(a.groups(), 1);
             let sa: HashMap<String, Tensor> = a.state().into_iter().collect();
-            for (i, (x, opt)) in alone.iter().zip(&each).enumerate() {
+            // equal, or a panic naming the first differing element (not whole vectors)
+            let same = |a: &Tensor, b: &Tensor, what: String| {
                 let f = |t: &Tensor| {
                     let t = t.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
                     t.to_vec1::<f64>().unwrap()
                 };
-                assert_eq!(
-                    f(together[i].as_tensor()),
-                    f(x.as_tensor()),
-                    "step {step}: parameter {i}"
-                );
+                let (a, b) = (f(a), f(b));
+                assert_eq!(a.len(), b.len(), "{what}: lengths");
+                if let Some(j) = (0..a.len()).find(|&j| a[j].to_bits() != b[j].to_bits()) {
+                    panic!("{what}: first difference at {j}: {} vs {}", a[j], b[j]);
+                }
+            };
+            for (i, (x, opt)) in alone.iter().zip(&each).enumerate() {
+                let what = format!("step {step}: parameter {i}");
+                same(together[i].as_tensor(), x.as_tensor(), what);
                 for (k, t) in opt.state() {
                     if k == STEP_KEY {
                         continue;
                     }
                     let (_, what) = k.split_once('.').unwrap();
-                    assert_eq!(f(&sa[&format!("{i}.{what}")]), f(&t), "step {step}: {i}.{what}");
+                    let key = format!("{i}.{what}");
+                    same(&sa[&key], &t, format!("step {step}: {key}"));
                 }
             }
         }
@@ -722,7 +732,11 @@ mod tests {
         let grads: Vec<Tensor> = big.iter().map(|p| p.ones_like().unwrap()).collect();
         let mut b = AdamW8bit::new(HP);
         b.step(&big, &grads, 1e-3).unwrap();
-        assert_eq!(b.groups(), 2, "3 x 1.5 Mi elements in groups of at most 4 Mi");
+        assert_eq!(
+            b.groups(),
+            2,
+            "3 x 1.5 Mi elements in groups of at most 4 Mi"
+        );
     }
 
     #[test]
