@@ -164,11 +164,11 @@ impl CustomOp2 for FusedLmHeadNll {
         let h = h.detach();
         let w = head.detach();
         let g = grad.to_dtype(up)?; // scalar
-                                    // (1, V), uploaded once per device and vocabulary size (crate::consts)
-        let vocab =
-            crate::consts::cached(h.device(), ConstKey::with("arange.u32", [v as u64]), |d| {
-                Tensor::arange(0u32, v as u32, d)?.unsqueeze(0)
-            })?;
+        let key = ConstKey::with("arange.u32", [v as u64]);
+        // (1, V), uploaded once per device and vocabulary size (crate::consts)
+        let vocab = crate::consts::cached(h.device(), key, |d| {
+            Tensor::arange(0u32, v as u32, d)?.unsqueeze(0)
+        })?;
         let step = chunk_rows(v);
         let mut dh = Vec::new();
         let mut dw: Option<Tensor> = None;
