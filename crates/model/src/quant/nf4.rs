@@ -514,7 +514,7 @@ fn dequantize_generic(
     shape: (usize, usize),
     dtype: DType,
 ) -> candle_core::Result<Tensor> {
-    if block % 2 != 0 {
+    if !block.is_multiple_of(2) {
         candle_core::bail!("nf4: block size {block} is odd; bitsandbytes' are even");
     }
     let n = shape.0 * shape.1;
