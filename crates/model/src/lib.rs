@@ -3,7 +3,9 @@
 //! - `config` + one file per family (`llama`, `qwen2`, `qwen3`): config.json -> [`DecoderConfig`].
 //! - `model`: the decoder, written once; `linear`: the one linear layer (frozen / trainable base,
 //!   optional LoRA); `ops`: differentiable norms, softmax, rotary embedding, masks; `no_grad`:
-//!   forward passes that record no graph (evaluation).
+//!   forward passes that record no graph (evaluation); `dropout`: LoRA dropout as a hash op.
+//! - `consts`: small constant tensors (codebooks, tables) uploaded once per device; `cuda`
+//!   (feature `cuda`): tallow's own kernels (`kernels/tallow.cu`).
 //! - `loss`: chunked cross-entropy fused with the LM head; `weights`: safetensors loading.
 //! - `generate`: inference only: KV cache, cached forward, decoding loop; `sampling`: next-token
 //!   choice (greedy, temperature, top-k, top-p, repetition penalty).
@@ -11,6 +13,7 @@
 pub mod adapter;
 pub mod checkpointing;
 pub mod config;
+pub mod consts;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dropout;

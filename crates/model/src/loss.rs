@@ -11,6 +11,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, CustomOp2, Layout, Shape, Storage, Tensor};
 
+use crate::consts::ConstKey;
 use crate::error::{ModelError, Result};
 use crate::ops;
 
@@ -163,7 +164,11 @@ impl CustomOp2 for FusedLmHeadNll {
         let h = h.detach();
         let w = head.detach();
         let g = grad.to_dtype(up)?; // scalar
-        let vocab = Tensor::arange(0u32, v as u32, h.device())?.unsqueeze(0)?; // (1, V)
+        let key = ConstKey::with("arange.u32", [v as u64]);
+        // (1, V), uploaded once per device and vocabulary size (crate::consts)
+        let vocab = crate::consts::cached(h.device(), key, |d| {
+            Tensor::arange(0u32, v as u32, d)?.unsqueeze(0)
+        })?;
         let step = chunk_rows(v);
         let mut dh = Vec::new();
         let mut dw: Option<Tensor> = None;

@@ -330,7 +330,13 @@ pub fn rope_tables(positions: &Tensor, inv_freq: &[f32], dtype: DType) -> Result
     let device = positions.device();
     let (b, t) = positions.dims2()?;
     let half = inv_freq.len();
-    let inv = Tensor::from_slice(inv_freq, (1, 1, half), device)?;
+    // (1, 1, D/2), uploaded once per device and set of frequencies (crate::consts): the key
+    // holds their bits, so two models with different rotary settings never share an entry.
+    let key =
+        crate::consts::ConstKey::with("rope.inv_freq", inv_freq.iter().map(|f| f.to_bits() as u64));
+    let inv = crate::consts::cached(device, key, |d| {
+        Tensor::from_slice(inv_freq, (1, 1, half), d)
+    })?;
     let pos = positions.to_dtype(DType::F32)?.reshape((b, t, 1))?;
     let freqs = pos.broadcast_mul(&inv)?; // (B, T, D/2)
     let emb = Tensor::cat(&[&freqs, &freqs], D::Minus1)?; // (B, T, D)

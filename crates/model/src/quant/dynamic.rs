@@ -22,11 +22,23 @@
 //!
 //! Two implementations of the quantizer give identical codes: a CPU kernel (a [`CustomOp2`],
 //! binary search over the 255 midpoints, blocks split across threads) and a device-generic one
-//! built only from Candle tensor ops (an 8-step binary search with `index_select` gathers), used
-//! on CUDA and other devices.
+//! built only from Candle tensor ops, used on CUDA and other devices: a bucket lookup (see
+//! [`Buckets`]) that finds the code in 5 element-wise ops, with no search loop.
+//!
+//! Device cost (kernel launches; "full" = one pass over the n elements, "small" = over the n/256
+//! block scales), constants cached per device ([`crate::consts`]), no host-device copies:
+//! - [`dequantize_blockwise`]: 3 full (codes to u32, gather `map[code]`, multiply by the block
+//!   absmax).
+//! - [`quantize_blockwise`] on a non-CPU device: 2 full for the absmax (`abs`, row `max`), 2 small
+//!   (clamp to 1e-38, reciprocal), 7 full for the codes (normalize, bucket index, cast, 2 gathers,
+//!   compare, add).
+//! - Either: +1 (a concatenation with cached zeros) when n is not a multiple of the block.
 
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use std::sync::OnceLock;
 
+use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor};
+
+use crate::consts::{cached, ConstKey};
 use crate::error::ModelError;
 
 /// Number of codes of an 8-bit map.
@@ -103,6 +115,97 @@ fn midpoints(signed: bool) -> [f32; CODES - 1] {
         *m = (map[j] + map[j + 1]) / 2.0;
     }
     mids
+}
+
+/// The map as a (256,) f32 tensor on `dev`, uploaded once per device.
+pub fn map_tensor(signed: bool, dev: &Device) -> candle_core::Result<Tensor> {
+    cached(dev, ConstKey::with("dynamic.map", [signed as u64]), |d| {
+        Tensor::new(&dynamic_map(signed), d)
+    })
+}
+
+/// Lookup tables that turn a normalized value `v` into its code (the number of midpoints `< v`)
+/// with element-wise ops only, exactly.
+///
+/// The bucket of `v` is `r(v) = u32(S - v * S)` for a power of two `S`, computed in f32 as the
+/// device does (`affine(-S, S)`: `v * -S` is exact, one rounding in the add, so a fused
+/// multiply-add gives the same bits; then a truncating, saturating cast: NaN and anything above
+/// 1 go to bucket 0). `r` never increases as `v` grows, so every midpoint in a bucket above
+/// `r(v)` (a larger index) is `< v`, every one in a bucket below is `> v`, and only midpoints in
+/// `v`'s own bucket need comparing. `S` is the smallest power of two that puts at most one
+/// midpoint in each bucket, so
+///
+/// `code(v) = base[r(v)] + (v > mid[r(v)])`
+///
+/// with `base[r]` the number of midpoints in buckets above `r` and `mid[r]` the bucket's own
+/// midpoint (+inf if none). NaN lands in bucket 0, whose base is 255: code 255, as the kernel
+/// (`torch.bucketize`) gives. Normalized values lie in [-1 - 2^-22, 1 + 2^-22], buckets 0..=2S.
+struct Buckets {
+    /// S
+    scale: f32,
+    /// (2S + 2,) u8
+    base: Vec<u8>,
+    /// (2S + 2,) f32
+    mid: Vec<f32>,
+}
+
+impl Buckets {
+    /// `r(v)`, bit for bit as the device computes it (see the type's docs).
+    fn bucket(v: f32, scale: f32) -> u32 {
+        (v * -scale + scale) as u32
+    }
+
+    fn build(signed: bool) -> Self {
+        let mids = midpoints(signed);
+        for k in 9..=26 {
+            let scale = (1u32 << k) as f32;
+            let r: Vec<u32> = mids.iter().map(|&m| Self::bucket(m, scale)).collect();
+            // at most one midpoint per bucket <=> strictly decreasing; the top one above bucket 0
+            if !r.windows(2).all(|w| w[0] > w[1]) || r[CODES - 2] == 0 {
+                continue;
+            }
+            let len = 2 * (1usize << k) + 2;
+            let mut base = vec![0u8; len];
+            let mut mid = vec![f32::INFINITY; len];
+            for (j, &rj) in r.iter().enumerate() {
+                mid[rj as usize] = mids[j];
+            }
+            // base[b] = #{j : r_j > b} = 255 - #{j : r_j <= b}; walk the buckets upwards with
+            // the bucket indices in ascending order (r reversed).
+            let ascending: Vec<u32> = r.iter().rev().copied().collect();
+            let mut at_or_below = 0;
+            for (b, slot) in base.iter_mut().enumerate() {
+                while at_or_below < ascending.len() && ascending[at_or_below] as usize <= b {
+                    at_or_below += 1;
+                }
+                *slot = (CODES - 1 - at_or_below) as u8;
+            }
+            debug_assert_eq!(base[0] as usize, CODES - 1);
+            return Self { scale, base, mid };
+        }
+        unreachable!("the dynamic map's midpoints are more than 2^-26 apart")
+    }
+
+    fn get(signed: bool) -> &'static Buckets {
+        static TABLES: [OnceLock<Buckets>; 2] = [OnceLock::new(), OnceLock::new()];
+        TABLES[signed as usize].get_or_init(|| Self::build(signed))
+    }
+
+    /// (S, base (2S+2,) u8, mid (2S+2,) f32) on `dev`, uploaded once per device.
+    fn tensors(signed: bool, dev: &Device) -> candle_core::Result<(f32, Tensor, Tensor)> {
+        let b = Self::get(signed);
+        let base = cached(
+            dev,
+            ConstKey::with("dynamic.buckets.base", [signed as u64]),
+            |d| Tensor::from_slice(&b.base, b.base.len(), d),
+        )?;
+        let mid = cached(
+            dev,
+            ConstKey::with("dynamic.buckets.mid", [signed as u64]),
+            |d| Tensor::from_slice(&b.mid, b.mid.len(), d),
+        )?;
+        Ok((b.scale, base, mid))
+    }
 }
 
 /// Blockwise 8-bit quantized tensor (bitsandbytes `quantize_blockwise` with the dynamic map).
@@ -183,6 +286,16 @@ pub fn quantize_blockwise(x: &Tensor, signed: bool, block: usize) -> crate::Resu
     quantize_with(x, signed, block, !x.device().is_cpu())
 }
 
+/// [`quantize_blockwise`] through the device-generic tensor-op path (the one CUDA runs) on any
+/// device, the CPU included: for tests that compare it with the CPU kernel.
+pub fn quantize_blockwise_generic(
+    x: &Tensor,
+    signed: bool,
+    block: usize,
+) -> crate::Result<Blockwise8> {
+    quantize_with(x, signed, block, true)
+}
+
 /// [`quantize_blockwise`], with the device-generic tensor-op path forced when `generic`.
 fn quantize_with(
     x: &Tensor,
@@ -205,8 +318,12 @@ fn quantize_with(
     let nb = n.div_ceil(block);
     let blocks = pad_to(&flat, nb * block)?.reshape((nb, block))?; // (nb, block), zero-padded
     let absmax = blocks.abs()?.max(1)?; // (nb,)
-                                        // 1 / max(absmax, 1e-38): a block of zeros normalizes to 0, not NaN.
-    let recip = absmax.maximum(MIN_ABSMAX as f64)?.recip()?; // (nb,)
+                                        // 1 / max(absmax, 1e-38): a block of zeros normalizes to 0, not NaN. The bound is a cached
+                                        // (1,) tensor: a scalar `maximum` would upload it on every call.
+    let floor = cached(x.device(), ConstKey::new("dynamic.min_absmax"), |d| {
+        Tensor::new(&[MIN_ABSMAX], d)
+    })?;
+    let recip = absmax.broadcast_maximum(&floor)?.recip()?; // (nb,)
     let codes = if generic {
         codes_generic(&blocks, &recip, n, signed)?
     } else {
@@ -228,54 +345,56 @@ fn quantize_with(
 }
 
 /// Dequantizes to f32 of `q.shape`, on `q`'s device: `map[code] * absmax` of the block.
+/// Three element-wise ops (cast the codes to u32, gather, multiply), a fourth (the padding) when
+/// n is not a multiple of the block; the map is cached per device.
+///
+/// The cast is needed: Candle's `index_select` returns zeros for the largest index of its index
+/// type (255 for u8; `max_value` in `cpu_backend/mod.rs` and `indexing.cu`, candle 0.11), and
+/// 255 is a real code here (1.0).
 pub fn dequantize_blockwise(q: &Blockwise8) -> crate::Result<Tensor> {
     q.check()?;
     let n = q.shape.elem_count();
     let nb = n.div_ceil(q.block);
-    let dev = q.codes.device();
-    let map = Tensor::new(&dynamic_map(q.signed), dev)?; // (256,)
-    let values = map.index_select(&q.codes.to_dtype(DType::U32)?, 0)?; // (n,)
-    let values = pad_to(&values, nb * q.block)?.reshape((nb, q.block))?; // (nb, block)
+    let map = map_tensor(q.signed, q.codes.device())?; // (256,)
+    let codes = pad_to(&q.codes.to_dtype(DType::U32)?, nb * q.block)?; // (nb * block,) u32
+    let values = map.index_select(&codes, 0)?.reshape((nb, q.block))?; // (nb, block)
     let x = values.broadcast_mul(&q.absmax.unsqueeze(1)?)?; // (nb, block) * (nb, 1)
     Ok(x.flatten_all()?.narrow(0, 0, n)?.reshape(q.shape.clone())?) // (n,) -> shape
 }
 
-/// `x` (n,) followed by zeros up to `len` elements.
-fn pad_to(x: &Tensor, len: usize) -> candle_core::Result<Tensor> {
+/// `x` (n,) followed by zeros up to `len` elements: one concatenation with a cached zero tensor.
+pub(crate) fn pad_to(x: &Tensor, len: usize) -> candle_core::Result<Tensor> {
     let n = x.elem_count();
     if len == n {
         return Ok(x.clone());
     }
-    let zeros = Tensor::zeros(len - n, x.dtype(), x.device())?;
+    let key = ConstKey::with("zeros", [(len - n) as u64, x.dtype() as u64]);
+    let zeros = cached(x.device(), key, |d| Tensor::zeros(len - n, x.dtype(), d))?;
     Tensor::cat(&[x, &zeros], 0)
 }
 
-/// Device-generic codes: normalize with tensor ops, then the number of midpoints below each value
-/// by an 8-step binary search whose probes are `index_select` gathers from the 255 midpoints.
+/// Device-generic codes by the bucket lookup of [`Buckets`]: 7 element-wise ops over the
+/// padded elements, no loop, the tables cached per device.
 /// `blocks` (nb, block) f32 zero-padded, `recip` (nb,) f32; returns u8 (n,).
+///
+/// No clamp to [-1, 1] (the kernel clamps): above 1 the bucket saturates to 0 and the code is
+/// 255, below -1 the code is 0 (no midpoint is smaller), as for the clamped value.
 fn codes_generic(
     blocks: &Tensor,
     recip: &Tensor,
     n: usize,
     signed: bool,
 ) -> candle_core::Result<Tensor> {
-    let dev = blocks.device();
+    let (scale, base, mid) = Buckets::tensors(signed, blocks.device())?;
     let normed = blocks
         .broadcast_mul(&recip.unsqueeze(1)?)? // (nb, block) * (nb, 1)
-        .clamp(-1f32, 1f32)?
-        .flatten_all()? // (nb * block,)
-        .narrow(0, 0, n)?; // (n,)
-    let mids = Tensor::new(&midpoints(signed), dev)?; // (255,)
-                                                      // Invariant: lo = number of midpoints < v among the first lo (all of them are), and after
-                                                      // the probe of width `step` the answer lies in [lo, lo + step). 255 = 2^8 - 1 midpoints.
-    let mut lo = Tensor::zeros(n, DType::U32, dev)?; // (n,)
-    for step in [128u32, 64, 32, 16, 8, 4, 2, 1] {
-        let cand = lo.affine(1.0, step as f64)?; // lo + step
-        let probe = mids.index_select(&lo.affine(1.0, (step - 1) as f64)?, 0)?; // mids[cand - 1]
-                                                                                // take the step unless mids[cand-1] >= v (so NaN takes every step, as in the kernel)
-        lo = probe.ge(&normed)?.where_cond(&lo, &cand)?;
-    }
-    lo.to_dtype(DType::U8)
+        .flatten_all()?; // (nb * block,)
+    let s = scale as f64;
+    let bucket = normed.affine(-s, s)?.to_dtype(DType::U32)?; // r(v) = u32(S - v S), (nb * block,)
+    let below = base.index_select(&bucket, 0)?; // u8: midpoints in buckets above r(v)
+    let own = mid.index_select(&bucket, 0)?; // f32: the midpoint in v's bucket, or +inf
+    let codes = (below + normed.gt(&own)?)?; // u8 (nb * block,)
+    codes.narrow(0, 0, n) // (n,)
 }
 
 /// CPU kernel: `(x (n,) f32, recip (nb,) f32) -> codes (n,) u8`, blocks split across threads.
@@ -432,6 +551,49 @@ mod tests {
                 let mut seen = [false; 256];
                 kc.iter().for_each(|&c| seen[c as usize] = true);
                 assert!(seen.iter().filter(|&&s| s).count() > 100);
+            }
+        }
+    }
+
+    /// The bucket tables: their size, and the lookup against a direct count of the midpoints
+    /// below, on every f32 near each midpoint (the hard cases) and on a grid over [-1.01, 1.01].
+    #[test]
+    fn bucket_lookup_equals_counting_midpoints() {
+        for signed in [true, false] {
+            let b = Buckets::get(signed);
+            let mids = midpoints(signed);
+            eprintln!(
+                "signed {signed}: S = 2^{}, {} buckets, {} KiB",
+                b.scale.log2(),
+                b.base.len(),
+                b.base.len() * 5 / 1024
+            );
+            let lookup = |v: f32| {
+                let r = Buckets::bucket(v, b.scale) as usize;
+                b.base[r] + u8::from(v > b.mid[r])
+            };
+            let count = |v: f32| {
+                if v.is_nan() {
+                    255
+                } else {
+                    mids.iter().filter(|&&m| m < v).count() as u8
+                }
+            };
+            let mut probes = vec![f32::NAN, 0.0, -0.0, 1.0, -1.0, 1.0000001, -1.0000001];
+            for &m in &mids {
+                let mut x = m;
+                for _ in 0..3 {
+                    x = f32::from_bits(x.to_bits() - 1);
+                }
+                for _ in 0..7 {
+                    probes.push(x);
+                    x = f32::from_bits(x.to_bits() + 1);
+                }
+            }
+            // normalized values lie in [-1 - 2^-22, 1 + 2^-22]; above 1 saturates
+            probes.extend((0..=200_000).map(|i| -1.0 + 2.02 * i as f32 / 200_000.0));
+            for v in probes {
+                assert_eq!(lookup(v), count(v), "signed {signed}: v = {v:e}");
             }
         }
     }

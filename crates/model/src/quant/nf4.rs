@@ -10,19 +10,39 @@
 //! tests compare against fixtures from `scripts/make_nf4_fixtures.py`.
 //!
 //! Storage: n/2 bytes of codes + n/64 absmax (4 bytes, or 1 byte + 4 bytes per 256 blocks with
-//! double quantization): 0.5625 or about 0.516 bytes per parameter.
+//! double quantization): 0.5625 or about 0.516 bytes per parameter (4.5 or 4.127 bits; double
+//! quantization saves 0.373 bits per parameter, about 7% of a 4-bit model).
+//!
+//! In memory each byte is bitsandbytes' byte XOR 0x88 (each nibble's top bit flipped, so code c
+//! is stored as c ^ 8; [`Nf4Weight::bnb_packed`] gives bitsandbytes' bytes back). Why: Candle's
+//! `index_select` returns zeros for the largest index of its index type (255 for u8; candle 0.11
+//! `cpu_backend/mod.rs` and `indexing.cu`). With the flip, stored 0xFF is the pair of codes
+//! (7, 7) = (0.0, 0.0), for which zeros are right, so the packed bytes can index a table directly
+//! without a u8 -> u32 cast (one op and 2 bytes per parameter of temporaries saved per call).
 //!
 //! Two implementations of each direction: a CPU kernel (a byte -> (hi, lo) lookup table, rayon
-//! over blocks) behind a [`CustomOp1`], and a device-generic one made of Candle tensor ops only
-//! (u8 division for the nibbles, `index_select` into the codebook, a broadcast multiply by the
-//! absmax), used on CUDA. A unit test checks that both give identical bits on the CPU.
+//! over blocks) behind a [`CustomOp1`], and a device-generic one made of Candle tensor ops only,
+//! used on CUDA. A unit test checks that both give identical bits on the CPU.
+//!
+//! Device cost of the generic dequantization ([`Nf4Weight::dequantize_generic`], run by
+//! [`Nf4Matmul`] in forward and again in backward), kernel launches per call:
+//! - on the weight-sized data, 3: `index_select` of a cached (256, 2) f32 table by the packed
+//!   bytes (the two values of each byte), `broadcast_mul` by the block absmax, cast to the
+//!   compute dtype (none for f32). Traffic per parameter: 0.5 B read + 4 B written (gather),
+//!   4 + 4 (multiply), 4 + 2 (bf16 cast): 18.5 B, 8 B of f32 temporaries; no host copies.
+//! - on the absmax (1/64 of the elements): none for an f32 absmax; with double quantization 4
+//!   (codes to u32, gather of the dynamic map, multiply by the nested absmax, + offset: the two
+//!   roundings bitsandbytes does, `dequantize_blockwise(...)` then `absmax += offset`).
+//! - +1 (a concatenation with cached zeros) on the packed bytes when n is not a multiple of the
+//!   block, +1 on the absmax codes when the block count is not a multiple of 256.
 
 use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
-use super::dynamic::{dequantize_blockwise, dynamic_map, quantize_blockwise, Blockwise8};
+use super::dynamic::{dequantize_blockwise, dynamic_map, pad_to, quantize_blockwise, Blockwise8};
+use crate::consts::{cached, ConstKey};
 use crate::error::{ModelError, Result};
 use crate::weights::Weights;
 
@@ -69,10 +89,21 @@ fn midpoints() -> [f32; 15] {
     std::array::from_fn(|i| (NF4_CODE[i] + NF4_CODE[i + 1]) / 2.0)
 }
 
-/// byte -> (code[hi nibble], code[lo nibble]).
+/// The flip between bitsandbytes' bytes and the stored ones (see the module docs).
+const FLIP: u8 = 0x88;
+
+/// stored byte -> (code[hi nibble ^ 8], code[lo nibble ^ 8]): the values of its two elements.
 fn lut() -> &'static [[f32; 2]; 256] {
     static LUT: OnceLock<[[f32; 2]; 256]> = OnceLock::new();
-    LUT.get_or_init(|| std::array::from_fn(|b| [NF4_CODE[b >> 4], NF4_CODE[b & 15]]))
+    LUT.get_or_init(|| std::array::from_fn(|b| [NF4_CODE[(b >> 4) ^ 8], NF4_CODE[(b & 15) ^ 8]]))
+}
+
+/// [`lut`] as a (256, 2) f32 tensor on `dev`, uploaded once per device.
+fn lut_tensor(dev: &Device) -> candle_core::Result<Tensor> {
+    cached(dev, ConstKey::new("nf4.lut"), |d| {
+        let flat: Vec<f32> = lut().iter().flatten().copied().collect();
+        Tensor::from_vec(flat, (256, 2), d)
+    })
 }
 
 /// The per-block scales of a weight.
@@ -110,7 +141,8 @@ impl Absmax {
 /// A frozen linear weight (out, in) in NF4.
 #[derive(Clone)]
 pub struct Nf4Weight {
-    /// (ceil(n/2),) u8: two codes per byte, the first element in the high nibble.
+    /// (ceil(n/2),) u8: two codes per byte, the first element in the high nibble, each byte
+    /// XOR 0x88 (code c stored as c ^ 8; see the module docs and [`Nf4Weight::bnb_packed`]).
     pub packed: Tensor,
     pub absmax: Absmax,
     /// Values per absmax block (64 unless a checkpoint says otherwise).
@@ -208,7 +240,7 @@ impl Nf4Weight {
         }
         let n = shape.0 * shape.1;
         let blocks = n.div_ceil(block);
-        let packed = w.load_raw(name, device)?.flatten_all()?; // (n/2, 1) -> (n/2,)
+        let packed = w.load_raw(name, &Device::Cpu)?.flatten_all()?; // (n/2, 1) -> (n/2,)
         if packed.dtype() != DType::U8 || packed.elem_count() != n.div_ceil(2) {
             return Err(bad(format!(
                 "expected {} packed u8 values, found {} {:?}",
@@ -217,6 +249,7 @@ impl Nf4Weight {
                 packed.dtype()
             )));
         }
+        let packed = flip(&packed)?.to_device(device)?; // stored form, on the host before upload
         let quant_map = w
             .load_raw(&format!("{name}.quant_map"), &Device::Cpu)?
             .to_dtype(DType::F32)?
@@ -287,6 +320,12 @@ impl Nf4Weight {
 
     pub fn device(&self) -> &Device {
         self.packed.device()
+    }
+
+    /// The codes in bitsandbytes' layout (`quantize_4bit`'s packed bytes), (ceil(n/2),) u8 on the
+    /// CPU: the stored bytes XOR 0x88.
+    pub fn bnb_packed(&self) -> Result<Tensor> {
+        Ok(flip(&self.packed.to_device(&Device::Cpu)?)?)
     }
 
     pub fn elem_count(&self) -> usize {
@@ -367,6 +406,16 @@ fn double_quantize(absmax: &Tensor) -> Result<Absmax> {
     Ok(Absmax::Double { nested, offset })
 }
 
+/// Bytes XOR 0x88 (bitsandbytes' layout <-> the stored one), on the CPU. (n,) u8 -> (n,) u8
+fn flip(bytes: &Tensor) -> candle_core::Result<Tensor> {
+    let v: Vec<u8> = cpu_slice::<u8>(bytes)?
+        .into_iter()
+        .map(|b| b ^ FLIP)
+        .collect();
+    let n = v.len();
+    Tensor::from_vec(v, n, &Device::Cpu)
+}
+
 /// Byte layout helpers: the contiguous slice of a CPU tensor.
 fn cpu_slice<T: candle_core::WithDType>(t: &Tensor) -> candle_core::Result<Vec<T>> {
     t.flatten_all()?.to_vec1::<T>()
@@ -396,7 +445,8 @@ fn quantize_cpu(w: &Tensor, block: usize) -> candle_core::Result<(Tensor, Tensor
             let code = |v: f32| code_of((v * inv).clamp(-1.0, 1.0));
             for (o, p) in out.iter_mut().zip(chunk.chunks(2)) {
                 // An odd last element pairs with a padded 0 (code 7), as bitsandbytes pads.
-                *o = (code(p[0]) << 4) | p.get(1).map_or(code_of(0.0), |&v| code(v));
+                let byte = (code(p[0]) << 4) | p.get(1).map_or(code_of(0.0), |&v| code(v));
+                *o = byte ^ FLIP; // stored form
             }
         });
     Ok((
@@ -407,6 +457,7 @@ fn quantize_cpu(w: &Tensor, block: usize) -> candle_core::Result<(Tensor, Tensor
 
 /// Device-generic quantization from tensor ops: the nearest code is the number of the 15
 /// midpoints below the scaled value (15 comparisons summed). Same outputs as [`quantize_cpu`].
+/// Runs once per weight at load; the constants are cached per device.
 fn quantize_generic(w: &Tensor, block: usize) -> candle_core::Result<(Tensor, Tensor)> {
     let dev = w.device();
     let x = w.to_dtype(DType::F32)?.flatten_all()?; // (n,)
@@ -417,8 +468,21 @@ fn quantize_generic(w: &Tensor, block: usize) -> candle_core::Result<(Tensor, Te
         .pad_with_zeros(0, 0, blocks * block - n)?
         .reshape((blocks, block))?; // (blocks, block)
     let absmax = xb.abs()?.max_keepdim(1)?; // (blocks, 1)
-    let inv = absmax.clamp(1e-38f64, f64::MAX)?.recip()?;
-    let scaled = xb.broadcast_mul(&inv)?.clamp(-1f64, 1f64)?.flatten_all()?; // (blocks*block,)
+    let k = |name: &'static str, v: &[f32]| {
+        let v = v.to_vec();
+        cached(dev, ConstKey::new(name), move |d| {
+            Tensor::new(v.as_slice(), d)
+        })
+    };
+    let bounds = k("nf4.quantize.bounds", &[1e-38, -1.0, 1.0])?; // (3,)
+    let mids = k("nf4.midpoints", &midpoints())?; // (15,)
+    let one = |t: &Tensor, i: usize| t.narrow(0, i, 1); // (1,) view of a cached tensor
+    let inv = absmax.broadcast_maximum(&one(&bounds, 0)?)?.recip()?;
+    let scaled = xb
+        .broadcast_mul(&inv)?
+        .broadcast_maximum(&one(&bounds, 1)?)?
+        .broadcast_minimum(&one(&bounds, 2)?)?
+        .flatten_all()?; // (blocks*block,)
     let n2 = n.div_ceil(2) * 2;
     let scaled = if n2 <= scaled.elem_count() {
         scaled.narrow(0, 0, n2)?
@@ -426,18 +490,23 @@ fn quantize_generic(w: &Tensor, block: usize) -> candle_core::Result<(Tensor, Te
         scaled.pad_with_zeros(0, 0, n2 - scaled.elem_count())?
     }; // (n2,)
     let mut codes = Tensor::zeros(n2, DType::U8, dev)?;
-    for m in midpoints() {
-        codes = (codes + scaled.gt(m as f64)?)?; // u8 0/1 per comparison
+    for j in 0..15 {
+        codes = (codes + scaled.broadcast_gt(&one(&mids, j)?)?)?; // u8 0/1 per comparison
     }
+    // stored form: c ^ 8 = c + 8 - 16 * (c >= 8), in u8 without overflow
+    let high = codes.broadcast_ge(&cached(dev, ConstKey::new("nf4.eight"), |d| {
+        Tensor::new(&[8u8], d)
+    })?)?;
+    let codes = (codes.affine(1.0, 8.0)? - high.affine(16.0, 0.0)?)?;
     let pairs = codes.reshape((n2 / 2, 2))?; // (n/2, 2): (first, second) element
-    let sixteen = Tensor::new(&[16u8], dev)?;
-    let packed = (pairs.narrow(1, 0, 1)?.broadcast_mul(&sixteen)? + pairs.narrow(1, 1, 1)?)?
-        .flatten_all()?; // (n/2,)
+    let packed =
+        (pairs.narrow(1, 0, 1)?.affine(16.0, 0.0)? + pairs.narrow(1, 1, 1)?)?.flatten_all()?; // (n/2,)
     Ok((packed, absmax.flatten_all()?))
 }
 
-/// Device-generic dequantization from tensor ops.
-/// packed: (ceil(n/2),) u8, absmax: (blocks,) f32 -> (out, in) in `dtype`.
+/// Device-generic dequantization: 3 ops on the weight (see the module docs), same bits as the
+/// CPU kernel (the same f32 product `code * absmax`, rounded once to `dtype`).
+/// packed: (ceil(n/2),) u8 stored form, absmax: (blocks,) f32 -> (out, in) in `dtype`.
 fn dequantize_generic(
     packed: &Tensor,
     absmax: &Tensor,
@@ -445,28 +514,23 @@ fn dequantize_generic(
     shape: (usize, usize),
     dtype: DType,
 ) -> candle_core::Result<Tensor> {
-    let dev = packed.device();
+    if !block.is_multiple_of(2) {
+        candle_core::bail!("nf4: block size {block} is odd; bitsandbytes' are even");
+    }
     let n = shape.0 * shape.1;
     let blocks = n.div_ceil(block);
-    let sixteen = Tensor::new(&[16u8], dev)?;
-    let hi = packed.broadcast_div(&sixteen)?; // (P,) integer division
-    let lo = (packed - hi.broadcast_mul(&sixteen)?)?; // (P,)
-    let idx = Tensor::stack(&[hi, lo], 1)?.flatten_all()?; // (2P,) in element order
-    let code = Tensor::new(&NF4_CODE, dev)?;
-    let vals = code.index_select(&idx, 0)?; // (2P,) f32
-    let len = vals.elem_count();
-    let vals = if len >= blocks * block {
-        vals.narrow(0, 0, blocks * block)?
-    } else {
-        vals.pad_with_zeros(0, 0, blocks * block - len)?
-    };
+    // Bytes of whole blocks; the padding (a partial last block only) is cut off below.
+    let packed = pad_to(packed, blocks * block / 2)?; // (blocks * block / 2,) u8
+    let table = lut_tensor(packed.device())?; // (256, 2) f32
+    let vals = table
+        .index_select(&packed, 0)? // op 1: (blocks * block / 2, 2) f32, element order
+        .reshape((blocks, block))?; // (blocks, block)
     let out = vals
-        .reshape((blocks, block))?
-        .broadcast_mul(&absmax.reshape((blocks, 1))?)? // (blocks, block) f32
+        .broadcast_mul(&absmax.reshape((blocks, 1))?)? // op 2: (blocks, block) f32
         .flatten_all()?
         .narrow(0, 0, n)?
-        .reshape(shape)?; // (out, in)
-    out.to_dtype(dtype)
+        .reshape(shape)?; // (out, in), still contiguous: no copy
+    out.to_dtype(dtype) // op 3 (a no-op for f32)
 }
 
 /// The CPU dequantization kernel as a custom op on the packed codes (no backward: the packed
@@ -671,7 +735,11 @@ mod tests {
             // bitsandbytes' dequantize_4bit returns the input's dtype.
             let q = Nf4Weight::quantize(x, false)?;
             let want_codes = bytes(&fx[&format!("{case}.packed")]);
-            same(&bytes(&q.packed), &want_codes, &format!("{case} codes"));
+            same(
+                &bytes(&q.bnb_packed()?),
+                &want_codes,
+                &format!("{case} codes"),
+            );
             let Absmax::F32(a) = &q.absmax else { panic!() };
             same(
                 &bits(a),
@@ -684,7 +752,11 @@ mod tests {
             }
 
             let q = Nf4Weight::quantize(x, true)?;
-            same(&bytes(&q.packed), &want_codes, &format!("{case} dq codes"));
+            same(
+                &bytes(&q.bnb_packed()?),
+                &want_codes,
+                &format!("{case} dq codes"),
+            );
             let Absmax::Double { nested, offset } = &q.absmax else {
                 panic!()
             };
@@ -732,38 +804,57 @@ mod tests {
     }
 
     /// The tensor-op path (used on CUDA) gives the CPU kernel's bits, for quantization and for
-    /// dequantization in every float dtype, including a partial last block and an odd length.
+    /// dequantization in every float dtype, with an f32 and a double-quantized absmax, including
+    /// a partial last block, an odd length, and the bytes Candle's `index_select` treats
+    /// specially (stored 0xFF, see the module docs) next to bitsandbytes' 0xFF (codes 15, 15).
     #[test]
     fn generic_path_equals_cpu_kernel() -> Result<()> {
         for (shape, block) in [((8, 320), 64), ((3, 70), 64), ((5, 13), 64), ((7, 96), 32)] {
             let mut x = (Tensor::randn(0f32, 1., shape, &Device::Cpu)? * 0.1)?;
             if shape.0 == 8 {
-                // a zero block and an exact-midpoint value
+                // a zero block (stored 0xFF), an exact-midpoint value, two values at code 15 in
+                // one byte (bitsandbytes' 0xFF)
                 let mut v = x.flatten_all()?.to_vec1::<f32>()?;
                 v[..64].iter_mut().for_each(|e| *e = 0.0);
                 v[64] = 1.0;
                 v[65] = midpoints()[9];
+                v[66] = 0.95;
+                v[67] = 0.97;
                 x = Tensor::from_vec(v, shape, &Device::Cpu)?;
             }
             let (pk, ak) = quantize_cpu(&x, block)?;
             let (pg, ag) = quantize_generic(&x, block)?;
             same(&bytes(&pk), &bytes(&pg), &format!("{shape:?} codes"));
             same(&bits(&ak), &bits(&ag), &format!("{shape:?} absmax"));
-            for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
-                let w = Nf4Weight {
-                    packed: pk.clone(),
-                    absmax: Absmax::F32(ak.clone()),
-                    block,
-                    shape,
-                    dtype,
-                };
-                let k = w.dequantize()?;
-                let g = w.dequantize_generic()?;
-                assert_eq!(k.dtype(), dtype);
-                assert_eq!(k.dims(), &[shape.0, shape.1]);
-                let kv = k.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-                let gv = g.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-                same(&kv, &gv, &format!("{shape:?} {dtype:?} dequant"));
+            if shape.0 == 8 {
+                let b = bytes(&pk);
+                assert_eq!(b[0], 0xFF, "zero pair not stored as 0xFF");
+                assert_eq!(b[33] ^ FLIP, 0xFF, "codes (15, 15) missing");
+            }
+            let double = double_quantize(&ak)?;
+            for absmax in [Absmax::F32(ak.clone()), double] {
+                for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+                    let w = Nf4Weight {
+                        packed: pk.clone(),
+                        absmax: absmax.clone(),
+                        block,
+                        shape,
+                        dtype,
+                    };
+                    let k = w.dequantize()?;
+                    let g = w.dequantize_generic()?;
+                    assert_eq!(k.dtype(), dtype);
+                    assert_eq!(g.dtype(), dtype);
+                    assert_eq!(k.dims(), &[shape.0, shape.1]);
+                    let kv = k.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+                    let gv = g.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+                    let dq = matches!(absmax, Absmax::Double { .. });
+                    same(&kv, &gv, &format!("{shape:?} {dtype:?} dq={dq} dequant"));
+                    if shape.0 == 8 {
+                        assert!(kv[..64].iter().all(|&v| v == 0.0));
+                        assert!(kv[66] > 0.0 && kv[66] == kv[67], "{} {}", kv[66], kv[67]);
+                    }
+                }
             }
         }
         Ok(())

@@ -1,0 +1,176 @@
+//! Device ops of the CUDA paths, counted on the CPU (`benchmarks/cuda-ops.md`).
+//!
+//! The device-generic code (plain Candle tensor ops) is what runs on CUDA; run on the CPU it does
+//! the same ops. Every Candle op except an in-place copy allocates exactly one output buffer of
+//! its result's size, so a counting allocator (per thread, so parallel tests do not mix) that
+//! sorts allocations by size counts the ops: "full" ones (the size of the weight or parameter)
+//! and "small" ones (the size of the per-block scales). Shapes, layouts and other metadata
+//! allocate far less than the smallest threshold used here. An in-place copy (`Var::set`) is
+//! counted by reading the code, and added by hand below.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use tallow_model::quant::nf4::Nf4Matmul;
+use tallow_model::Nf4Weight;
+use tallow_trainer::optim::{AdamW8bit, AdamWParams, Optimizer};
+
+struct Counting;
+
+thread_local! {
+    /// Sizes of the allocations made on this thread while `ON` is set.
+    static ON: Cell<bool> = const { Cell::new(false) };
+    static FULL: Cell<usize> = const { Cell::new(0) };
+    static SMALL: Cell<usize> = const { Cell::new(0) };
+    static BOUNDS: Cell<(usize, usize)> = const { Cell::new((usize::MAX, usize::MAX)) };
+}
+
+fn note(size: usize) {
+    // try_with: the thread-locals may be gone while a thread shuts down
+    let _ = ON.try_with(|on| {
+        if on.get() {
+            let (small, full) = BOUNDS.with(Cell::get);
+            if size >= full {
+                FULL.with(|c| c.set(c.get() + 1));
+            } else if size >= small {
+                SMALL.with(|c| c.set(c.get() + 1));
+            }
+        }
+    });
+}
+
+// SAFETY: forwards every call to the system allocator; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        note(layout.size());
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        note(layout.size());
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        note(new_size);
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// (full, small): allocations on this thread during `f` of at least `full` bytes, and of
+/// `small` up to `full` bytes.
+fn count<R>(small: usize, full: usize, f: impl FnOnce() -> R) -> (R, (usize, usize)) {
+    BOUNDS.with(|b| b.set((small, full)));
+    FULL.with(|c| c.set(0));
+    SMALL.with(|c| c.set(0));
+    ON.with(|on| on.set(true));
+    let r = f();
+    ON.with(|on| on.set(false));
+    (r, (FULL.with(Cell::get), SMALL.with(Cell::get)))
+}
+
+/// NF4 generic dequantization of a (1024, 1024) weight: 3 full ops (gather, multiply, cast;
+/// 2 for f32, whose cast is a no-op), and 4 small ones with double quantization (codes to u32,
+/// gather, multiply, + offset), none with an f32 absmax.
+#[test]
+fn nf4_generic_dequantize_is_three_ops_on_the_weight() {
+    let dev = Device::Cpu;
+    let n = 1024 * 1024;
+    let w = Tensor::randn(0f32, 1.0, (1024, 1024), &dev).unwrap();
+    for double_quant in [false, true] {
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            let mut q = Nf4Weight::quantize(&w, double_quant).unwrap();
+            q.dtype = dtype;
+            q.dequantize_generic().unwrap(); // warm the constant cache
+                                             // full: >= n/2 bytes (a bf16 weight is 2n, the packed bytes n/2); small: the
+                                             // (n/64,) absmax in f32 or u32 is n/16 bytes
+            let (out, (full, small)) = count(n / 16, n / 2, || q.dequantize_generic().unwrap());
+            assert_eq!(out.dtype(), dtype);
+            let want_full = if dtype == DType::F32 { 2 } else { 3 };
+            let want_small = if double_quant { 4 } else { 0 };
+            assert_eq!(
+                (full, small),
+                (want_full, want_small),
+                "{dtype:?} double_quant={double_quant}: (full, small) ops"
+            );
+        }
+    }
+}
+
+/// The matmul op's forward on the CPU runs the CPU kernel (one full buffer: the dequantized
+/// weight) plus the matmul output; shown for contrast, and to pin that the forward does not
+/// keep a dequantized copy in the graph.
+#[test]
+fn nf4_matmul_forward_allocates_one_weight() {
+    let dev = Device::Cpu;
+    let w = Tensor::randn(0f32, 1.0, (1024, 1024), &dev).unwrap();
+    let q = Arc::new(Nf4Weight::quantize(&w, true).unwrap());
+    let x = Tensor::randn(0f32, 1.0, (4, 1024), &dev).unwrap();
+    x.apply_op1(Nf4Matmul { w: q.clone() }).unwrap();
+    let (_, (full, _)) = count(1 << 14, 1 << 20, || {
+        x.apply_op1(Nf4Matmul { w: q.clone() }).unwrap()
+    });
+    assert_eq!(full, 1, "dequantized weight buffers");
+}
+
+/// One AdamW8bit step of a (1024, 1024) f32 parameter on the generic path: 35 full-size
+/// allocating ops + 1 in-place copy (the new value into the parameter) = 36, and 6 on the
+/// 4096 block scales (per quantization: max, clamp to 1e-38, reciprocal): 42 in all.
+#[test]
+fn adamw8bit_generic_step_op_count() {
+    let dev = Device::Cpu;
+    let n = 1024 * 1024;
+    let hp = AdamWParams::default();
+    let p = Var::from_tensor(&Tensor::randn(0f32, 1.0, (1024, 1024), &dev).unwrap()).unwrap();
+    let g = Tensor::randn(0f32, 0.01, (1024, 1024), &dev).unwrap();
+    let mut opt = AdamW8bit::new(hp).with_generic_quantizer();
+    let params = [p];
+    opt.step(&params, std::slice::from_ref(&g), 1e-3).unwrap(); // state and constants
+                                                                // full: >= n bytes (u8 codes are n, f32 values 4n); small: the (n/256,) f32 scales, 4n/256
+    let (_, (full, small)) = count(n / 64, n, || {
+        opt.step(&params, std::slice::from_ref(&g), 1e-3).unwrap()
+    });
+    let in_place_copies = 1; // Var::set
+    eprintln!(
+        "adamw8bit generic step: {full} full allocations + {in_place_copies} in-place copy, \
+         {small} small"
+    );
+    assert_eq!((full, small), (35, 6));
+    assert_eq!(full + in_place_copies + small, 42);
+}
+
+/// Eight (64, 128) parameters form one group: the group's ops run once (the same 35 + 6 as a
+/// lone parameter, over the group's 65536 elements) plus the two concatenations that build its
+/// flat inputs (2 allocations; 8 copy launches each) and 8 in-place copies back. Launches:
+/// 35 + 6 + 2 x 8 + 8 = 65, about 8 per parameter instead of 42.
+#[test]
+fn adamw8bit_group_step_op_count() {
+    let dev = Device::Cpu;
+    let k = 8;
+    let n = 64 * 128;
+    let params: Vec<Var> = (0..k)
+        .map(|_| Var::from_tensor(&Tensor::randn(0f32, 1.0, (64, 128), &dev).unwrap()).unwrap())
+        .collect();
+    let grads: Vec<Tensor> = (0..k)
+        .map(|_| Tensor::randn(0f32, 0.01, (64, 128), &dev).unwrap())
+        .collect();
+    let mut opt = AdamW8bit::new(AdamWParams::default()).with_generic_quantizer();
+    opt.step(&params, &grads, 1e-3).unwrap();
+    assert_eq!(opt.groups(), 1);
+    // full: >= the group's u8 codes (k n bytes); small: its (k n / 256,) f32 scales
+    let (_, (full, small)) = count(k * n / 64, k * n, || {
+        opt.step(&params, &grads, 1e-3).unwrap()
+    });
+    assert_eq!((full, small), (35 + 2, 6));
+    let launches = (full - 2) + small + 2 * k + k;
+    eprintln!(
+        "adamw8bit group of {k}: {launches} launches, {:.1} per parameter",
+        launches as f64 / k as f64
+    );
+}
