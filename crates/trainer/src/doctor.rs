@@ -221,11 +221,13 @@ const CASES: &[Case] = &[
     },
     Case {
         name: "adamw8bit 3 steps",
-        on_cpu: "f32 AdamW against AdamW8bit",
-        f32_tol: 1e-6,
+        on_cpu: "tensor-op quantizer (CUDA's) against the CPU kernel",
+        // On a GPU a fused multiply-add may move a value across a code boundary: one code step
+        // moves a parameter by far less than 1e-4 (lr 1e-2 times a moment change of ~1%).
+        f32_tol: 1e-4,
         generic_on_cpu: true,
         reference_f64: false,
-        cpu_tol: Some(2e-3),
+        cpu_tol: Some(0.0),
         run: adamw8bit,
     },
     Case {
@@ -605,10 +607,11 @@ fn adamw(dev: &Device, _dt: DType, generic: bool) -> R<Vec<Tensor>> {
     optimizer_run(dev, &mut AdamW::new(hp()))
 }
 
-/// `generic` (the CPU comparison): f32 AdamW, which 8-bit moments must follow closely.
+/// `generic` (the CPU comparison): the tensor-op quantizer CUDA runs, which must give the CPU
+/// kernel's codes bit for bit.
 fn adamw8bit(dev: &Device, _dt: DType, generic: bool) -> R<Vec<Tensor>> {
     if generic {
-        return optimizer_run(dev, &mut AdamW::new(hp()));
+        return optimizer_run(dev, &mut AdamW8bit::new(hp()).with_generic_quantizer());
     }
     optimizer_run(dev, &mut AdamW8bit::new(hp()))
 }

@@ -583,6 +583,11 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     if device == "cuda" {
         overhead += CUDA_CONTEXT_BYTES;
         what += "; CUDA context + cuBLAS workspace (outside the memory pool)";
+        if cfg.train.optimizer == OptimizerKind::AdamW8bit {
+            // The tensor-op quantizer's bucket tables, uploaded once (CPU runs its kernel).
+            overhead += tallow_model::quant::dynamic::generic_table_bytes() as u64;
+            what += "; 8-bit quantizer tables";
+        }
     }
     Parts {
         trainable_params: tp,

@@ -124,6 +124,21 @@ pub fn map_tensor(signed: bool, dev: &Device) -> candle_core::Result<Tensor> {
     })
 }
 
+/// Bytes of the device-generic quantizer's lookup tables (both maps), which the generic path
+/// (CUDA) uploads once per device on the first 8-bit optimizer step: for memory estimates.
+pub fn generic_table_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        [true, false]
+            .into_iter()
+            .map(|signed| {
+                let b = Buckets::build(signed);
+                b.base.len() + 4 * b.mid.len()
+            })
+            .sum()
+    })
+}
+
 /// Lookup tables that turn a normalized value `v` into its code (the number of midpoints `< v`)
 /// with element-wise ops only, exactly.
 ///
