@@ -38,7 +38,7 @@
 # disk for 8B) because the GPU machine has Python but no Rust toolchain; MAKE= uses the Rust tool.
 #
 # --smoke: DEVICE=cpu, the same five architectures at toy sizes (hidden 64, 2 layers, vocab 384),
-# rows of 32 and 64 tokens, 3 steps (1 warm-up), written to $WORK/smoke.md; the PEFT QLoRA cells
+# rows of 32 tokens, 3 steps (1 warm-up), written to $WORK/smoke.md; the PEFT QLoRA cells
 # are skipped with the reason (bitsandbytes 4-bit needs CUDA). Needs the PyTorch venv:
 #   PY=/work/pyref/bin/python scripts/bench_cuda.sh --smoke
 set -euo pipefail
@@ -69,7 +69,7 @@ while [ $# -gt 0 ]; do
 done
 [ "$MODELS" = all ] && MODELS=$ALL_MODELS
 if [ "$SMOKE" = 1 ]; then
-  DEVICE=cpu SEQS=${SEQS:-32,64} STEPS=${STEPS:-3} WARMUP=${WARMUP:-1}
+  DEVICE=cpu SEQS=${SEQS:-32} STEPS=${STEPS:-3} WARMUP=${WARMUP:-1}
   WORK=${WORK:-target/bench-cuda-smoke}
   OUT=${OUT:-$WORK/smoke.md}
 else
@@ -153,8 +153,8 @@ fi
   echo "  double quantization (qlora); micro-batch 1, grad_accum 1, AdamW lr 1e-4 constant, clip 1.0;"
   echo "  every row cut to exactly seq tokens; $STEPS optimizer steps, the first $WARMUP warm-up."
   echo
-  echo "| model | method | ckpt | seq | tallow tok/s | PEFT tok/s | tallow / PEFT | tallow peak | estimate | est. error | torch max alloc. | torch max reserved | nvidia-smi tallow / PEFT | notes |"
-  echo "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+  echo "| model | method | ckpt | seq | tallow tok/s | PEFT tok/s | tallow / PEFT | tallow peak | estimate | est. error | torch max alloc. | torch max reserved | nvidia-smi tallow / PEFT | step-1 loss tallow / PEFT | notes |"
+  echo "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
 } >> "$OUT"
 
 # One process, bounded in time, with nvidia-smi sampling the device's used memory meanwhile.
@@ -235,7 +235,7 @@ for m in ${MODELS//,/ }; do
     rm -rf "$cell"
     mkdir -p "$cell"
     if [ "$made" = 0 ]; then
-      echo "| $m | $q | $c | $s | | | | | | | | | | not run: the model could not be made (deadline, or see the output above) |" >> "$OUT"
+      echo "| $m | $q | $c | $s | | | | | | | | | | | not run: the model could not be made (deadline, or see the output above) |" >> "$OUT"
       continue
     fi
     quant=none ck=false
@@ -280,7 +280,7 @@ def tail(p):
     err = [l for l in lines if l.startswith("error") or "Error" in l]
     return ((err or lines or ["no output"])[-1]).strip()[:160].replace("|", "/")
 mib = lambda b: "-" if b is None else f"{b / MiB:.0f}"
-notes, t_tps, p_tps = [], None, None
+notes, t_tps, p_tps, losses = [], None, None, [None, None]
 cols = {k: "-" for k in ("t_peak", "est", "err", "alloc", "resv")}
 smi = [read(f"{cell}/{side}.smi") for side in ("tallow", "peft")]
 
@@ -313,6 +313,8 @@ else:
             v = json.loads(line)
             if "loss" in v and "tokens" in v and "elapsed_s" in v:
                 steps.append(v)
+        if steps:
+            losses[0] = steps[0]["loss"]
         if len(steps) > warm and not r.get("oom") and not r.get("error"):
             w = steps[warm - 1]["elapsed_s"] if warm > 0 else steps[0]["elapsed_s"] - steps[0]["tokens"] / steps[0]["tokens_per_s"]
             t_tps = sum(s["tokens"] for s in steps[warm:]) / (steps[-1]["elapsed_s"] - w)
@@ -341,6 +343,7 @@ else:
             notes.append(f"PEFT out of memory after {v['steps_done']} steps")
         else:
             p_tps = v["tokens_per_s"]
+            losses[1] = v["loss_first"]
             if any(t != int(seq) for t in v["tokens"]):
                 notes.append(f"PEFT rows of {v['tokens'][0]} tokens, not {seq}")
             if "max_allocated_bytes" not in pk:
@@ -348,8 +351,13 @@ else:
 fmt = lambda t: "-" if t is None else (f"{t:.0f}" if t >= 100 else f"{t:.1f}")
 ratio = f"{t_tps / p_tps:.2f}" if t_tps and p_tps else "-"
 smi_col = " / ".join(s if s is not None else "-" for s in smi)
+# Same model, rows and adapters' init scheme: the first step's loss (before any update) should
+# agree to bf16 / NF4 rounding; a gap means the two sides did not train the same thing.
+loss_col = " / ".join("-" if l is None else f"{l:.4f}" for l in losses)
+if None not in losses and abs(losses[0] - losses[1]) > 0.01 * abs(losses[1]):
+    notes.append(f"step-1 losses differ by {100 * abs(losses[0] / losses[1] - 1):.1f}%")
 print(f"| {model} | {method} | {ckpt} | {seq} | {fmt(t_tps)} | {fmt(p_tps)} | {ratio} | {cols['t_peak']} | "
-      f"{cols['est']} | {cols['err']} | {cols['alloc']} | {cols['resv']} | {smi_col} | {'; '.join(notes)} |")
+      f"{cols['est']} | {cols['err']} | {cols['alloc']} | {cols['resv']} | {smi_col} | {loss_col} | {'; '.join(notes)} |")
 PY
     tail -1 "$OUT" >&2
   done; done; done

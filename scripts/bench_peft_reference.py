@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -56,7 +55,7 @@ def bench_rows(n_rows, row_words):
 
 def make_model_from_config(a):
     """Random weights with the shapes of a config.json (see the module doc)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = json.load(open(a.config))
     if a.shrink:
@@ -89,6 +88,8 @@ def make_model_from_config(a):
 def make_model(a):
     if a.config:
         return make_model_from_config(a)
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
     torch.manual_seed(0)
     tok_dir = REPO / "tests/fixtures/tokenizers/chatml"
     tok = AutoTokenizer.from_pretrained(tok_dir)
@@ -160,6 +161,7 @@ def _train(a, step_s):
         print(json.dumps({"skipped": reason, **info}))
         return
     from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
