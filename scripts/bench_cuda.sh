@@ -29,6 +29,7 @@
 #   WORK=dir      models and cell outputs (default target/bench-cuda; smoke: target/bench-cuda-smoke)
 #   MAKE=path     make the models with a carried `make-random-model` binary instead of Python
 #   COMMIT=sha    recorded in the header when the copy has no .git
+#   DEVICE=cpu    the real shapes on CPU (a check of the model files and both sides; slow)
 #
 # Models: random weights (N(0, 0.02), norms 1) with the shapes of benchmarks/models/<name>-instruct.json,
 # the fixture tokenizer tests/fixtures/tokenizers/bos and rows of 1000 words (~2800 tokens, so every
@@ -72,8 +73,10 @@ if [ "$SMOKE" = 1 ]; then
   DEVICE=cpu SEQS=${SEQS:-32} STEPS=${STEPS:-3} WARMUP=${WARMUP:-1}
   WORK=${WORK:-target/bench-cuda-smoke}
   OUT=${OUT:-$WORK/smoke.md}
+  TOY=-toy KIND=" smoke (toy shapes, not GPU numbers)"
 else
-  DEVICE=cuda SEQS=${SEQS:-512,2048} STEPS=${STEPS:-10} WARMUP=${WARMUP:-3}
+  TOY= KIND=
+  DEVICE=${DEVICE:-cuda} SEQS=${SEQS:-512,2048} STEPS=${STEPS:-10} WARMUP=${WARMUP:-3}
   WORK=${WORK:-target/bench-cuda}
   OUT=${OUT:-benchmarks/cuda.md}
 fi
@@ -144,7 +147,7 @@ fi
 
 {
   echo
-  echo "## $(date -u '+%Y-%m-%d %H:%M UTC') · $DEVICE$([ "$SMOKE" = 1 ] && echo ' smoke (toy shapes, not GPU numbers)') · $COMMIT"
+  echo "## $(date -u '+%Y-%m-%d %H:%M UTC') · $DEVICE$KIND · $COMMIT"
   echo
   echo "- command: \`$COMMAND\` (STEPS=$STEPS, WARMUP=$WARMUP, TIMEOUT=$TIMEOUT, DEADLINE=$DEADLINE)"
   echo "- machine: $MACHINE; host $(uname -n)"
@@ -172,7 +175,9 @@ measured() {
   fi
   local rc=0
   timeout -k 10 "$t" "$@" > "$base.out" 2> "$base.err" || rc=$?
-  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then rc="timeout after ${t}s"; fi
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    if [ "$t" -lt "$TIMEOUT" ]; then rc="stopped at --deadline after ${t}s"; else rc="timeout after ${t}s"; fi
+  fi
   echo "$rc" > "$base.rc"
   if [ -n "$pid" ]; then
     kill "$pid" 2>/dev/null || true
@@ -227,7 +232,7 @@ TOML
 
 THREADS=${THREADS:-$(nproc)}
 for m in ${MODELS//,/ }; do
-  dir=$WORK/models/$m$([ "$SMOKE" = 1 ] && echo -toy)
+  dir=$WORK/models/$m$TOY
   made=1
   make_model "$m" "$dir" || made=0
   for s in ${SEQS//,/ }; do for q in ${METHODS//,/ }; do for c in ${CKPTS//,/ }; do
@@ -305,7 +310,7 @@ else:
         if r.get("oom"):
             notes.append(f"tallow out of memory ({r.get('oom_phase')})")
         elif r.get("error"):
-            notes.append(f"tallow failed: {r['error'][:160].replace('|', '/')}")
+            notes.append(f"tallow failed: {r['error'][:300].replace('|', '/')}")
         # tokens/s: tokens of the steps after the warm-up over their wall time (elapsed_s).
         steps = []
         p = f"{cell}/tallow-work/cell-0/run/metrics.jsonl"
