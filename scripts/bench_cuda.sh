@@ -22,8 +22,8 @@
 #   TALLOW=path   the tallow binary (default target/release/tallow): a CUDA build, or the CPU
 #                 binary with `tallow-cuda` beside it (it hands `--device cuda` over). No Rust
 #                 toolchain is needed on the GPU machine: only the built binary.
-#   PY=python     a Python with torch, transformers, peft (QLoRA: bitsandbytes); the versions of
-#                 scripts/requirements-fixtures.txt, with a CUDA torch on the GPU machine. Its
+#   PY=python     a Python with torch, transformers, peft (QLoRA: bitsandbytes, accelerate); as
+#                 in scripts/requirements-fixtures.txt, with a CUDA torch on the GPU machine. Its
 #                 `nvidia/cu13/lib`, when present, is put on tallow's LD_LIBRARY_PATH (the CUDA 13
 #                 libraries scripts/build_cuda.sh links against).
 #   WORK=dir      models and cell outputs (default target/bench-cuda; smoke: target/bench-cuda-smoke)
@@ -121,7 +121,7 @@ TALLOW_VERSION=$(tallow --version 2>&1 | head -1) || {
 VERSIONS=$($PY - <<'PY' 2>&1
 import importlib
 out = []
-for m in ("torch", "transformers", "peft", "bitsandbytes"):
+for m in ("torch", "transformers", "peft", "bitsandbytes", "accelerate"):
     try:
         out.append(f"{m} {importlib.import_module(m).__version__}")
     except Exception as e:

@@ -124,10 +124,12 @@ def skip_reason(a):
     if a.quantize == "nf4":
         if a.device != "cuda" or not torch.cuda.is_available():
             return "PEFT QLoRA needs CUDA (bitsandbytes 4-bit on GPU); none here"
-        try:
-            import bitsandbytes  # noqa: F401
-        except Exception as e:  # ImportError, or a bitsandbytes that fails to load its library
-            return f"PEFT QLoRA needs bitsandbytes: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        for need in ("bitsandbytes", "accelerate"):  # transformers' 4-bit loading needs both
+            try:
+                __import__(need)
+            except Exception as e:  # ImportError, or a bitsandbytes that fails to load its library
+                msg = (str(e).splitlines() or [""])[0][:120]
+                return f"PEFT QLoRA needs {need}: {type(e).__name__}: {msg}"
     elif a.device == "cuda" and not torch.cuda.is_available():
         return "no CUDA device visible to PyTorch"
     return None
@@ -177,10 +179,11 @@ def _train(a, step_s):
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8)
         info["bitsandbytes"] = bitsandbytes.__version__
-    if a.device == "cuda":
-        kw["device_map"] = {"": 0}
+        kw["device_map"] = {"": 0}  # quantized on the way to the GPU
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model, **kw)
+    if a.quantize == "none":
+        model.to(a.device)  # (no device_map: that would need accelerate)
     model.config.use_cache = False
     if a.checkpointing:
         # Each decoder layer recomputed in the backward, as tallow's train.checkpointing. No
