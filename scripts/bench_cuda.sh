@@ -30,6 +30,8 @@
 #   MAKE=path     make the models with a carried `make-random-model` binary instead of Python
 #   COMMIT=sha    recorded in the header when the copy has no .git
 #   DEVICE=cpu    the real shapes on CPU (a check of the model files and both sides; slow)
+#   PEFT_QLORA_CPU=1  on CPU, run the PEFT QLoRA cells on bitsandbytes' CPU 4-bit layers
+#                 (where that bitsandbytes has them) instead of skipping them
 #
 # Models: random weights (N(0, 0.02), norms 1) with the shapes of benchmarks/models/<name>-instruct.json,
 # the fixture tokenizer tests/fixtures/tokenizers/bos and rows of 1000 words (~2800 tokens, so every
@@ -40,8 +42,10 @@
 #
 # --smoke: DEVICE=cpu, the same five architectures at toy sizes (hidden 64, 2 layers, vocab 384),
 # rows of 32 tokens, 3 steps (1 warm-up), written to $WORK/smoke.md; the PEFT QLoRA cells
-# are skipped with the reason (bitsandbytes 4-bit needs CUDA). Needs the PyTorch venv:
+# are skipped with the reason (bitsandbytes 4-bit needs CUDA) unless PEFT_QLORA_CPU=1. Needs
+# the PyTorch venv:
 #   PY=/work/pyref/bin/python scripts/bench_cuda.sh --smoke
+#   PEFT_QLORA_CPU=1 PY=/work/pyref/bin/python scripts/bench_cuda.sh --smoke
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ALL_MODELS=qwen2.5-0.5b,qwen2.5-1.5b,llama-3.2-1b,llama-3.2-3b,llama-3.1-8b
@@ -149,7 +153,7 @@ fi
   echo
   echo "## $(date -u '+%Y-%m-%d %H:%M UTC') · $DEVICE$KIND · $COMMIT"
   echo
-  echo "- command: \`$COMMAND\` (STEPS=$STEPS, WARMUP=$WARMUP, TIMEOUT=$TIMEOUT, DEADLINE=$DEADLINE)"
+  echo "- command: \`$COMMAND\` (STEPS=$STEPS, WARMUP=$WARMUP, TIMEOUT=$TIMEOUT, DEADLINE=$DEADLINE${PEFT_QLORA_CPU:+, PEFT_QLORA_CPU=$PEFT_QLORA_CPU})"
   echo "- machine: $MACHINE; host $(uname -n)"
   echo "- tallow: \`$TALLOW\` ($TALLOW_VERSION); Python: $VERSIONS"
   echo "- job: LoRA r16 alpha 32 all-linear, dropout 0, adapters f32; base bf16 (lora) or NF4 with"
@@ -257,6 +261,7 @@ for m in ${MODELS//,/ }; do
     if has "$SIDES" peft; then
       ckf=()
       [ "$c" = on ] && ckf=(--checkpointing)
+      if [ "${PEFT_QLORA_CPU:-0}" = 1 ] && [ "$DEVICE" = cpu ]; then ckf+=(--cpu-4bit); fi
       measured "$cell/peft" $PY scripts/bench_peft_reference.py train --model "$dir" \
         --data "$dir/bench.jsonl" --steps "$STEPS" --warmup "$WARMUP" --micro-batch 1 --seq "$s" \
         --threads "$THREADS" --device "$DEVICE" --dtype bf16 --quantize "$quant" "${ckf[@]}"

@@ -122,7 +122,7 @@ def make_model(a):
 def skip_reason(a):
     """Why this job cannot run here, or None."""
     if a.quantize == "nf4":
-        if a.device != "cuda" or not torch.cuda.is_available():
+        if (a.device != "cuda" or not torch.cuda.is_available()) and not a.cpu_4bit:
             return "PEFT QLoRA needs CUDA (bitsandbytes 4-bit on GPU); none here"
         for need in ("bitsandbytes", "accelerate"):  # transformers' 4-bit loading needs both
             try:
@@ -179,7 +179,7 @@ def _train(a, step_s):
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8)
         info["bitsandbytes"] = bitsandbytes.__version__
-        kw["device_map"] = {"": 0}  # quantized on the way to the GPU
+        kw["device_map"] = {"": 0 if a.device == "cuda" else "cpu"}  # quantized on the way
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model, **kw)
     if a.quantize == "none":
@@ -259,6 +259,8 @@ def main():
     t.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
     t.add_argument("--quantize", default="none", choices=["none", "nf4"])
     t.add_argument("--checkpointing", action="store_true")
+    t.add_argument("--cpu-4bit", action="store_true",
+                   help="with --quantize nf4 on CPU: bitsandbytes' CPU 4-bit layers (a check of the pipeline, not a speed)")
     a = ap.parse_args()
     {"make-model": make_model, "train": train}[a.cmd](a)
 
