@@ -164,6 +164,15 @@ fi
   echo "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
 } >> "$OUT"
 
+CHILD= SAMPLER=
+stop() { # INT / TERM: end the running cell (timeout passes the signal to its group) and stop
+  [ -n "$CHILD" ] && kill "$CHILD" 2>/dev/null
+  [ -n "$SAMPLER" ] && kill "$SAMPLER" 2>/dev/null
+  echo "interrupted; rows so far are in $OUT" >&2
+  exit 130
+}
+trap stop INT TERM
+
 # One process, bounded in time, with nvidia-smi sampling the device's used memory meanwhile.
 # Writes $1.rc and (CUDA) $1.smi = peak used minus used before, MiB.
 measured() {
@@ -178,7 +187,13 @@ measured() {
     pid=$!
   fi
   local rc=0
-  timeout -k 10 "$t" "$@" > "$base.out" 2> "$base.err" || rc=$?
+  # In the background so that an interrupt of this script reaches it (timeout runs the command
+  # in a process group of its own, which the terminal's Ctrl-C does not reach): see the trap.
+  timeout -k 10 "$t" "$@" > "$base.out" 2> "$base.err" &
+  CHILD=$!
+  SAMPLER=$pid
+  wait "$CHILD" || rc=$?
+  CHILD=
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
     if [ "$t" -lt "$TIMEOUT" ]; then rc="stopped at --deadline after ${t}s"; else rc="timeout after ${t}s"; fi
   fi
@@ -186,6 +201,7 @@ measured() {
   if [ -n "$pid" ]; then
     kill "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
+    SAMPLER=
     sort -n "$base.smi-log" | tail -1 | awk -v b="$before" '{print $1 - b}' > "$base.smi"
   fi
 }
