@@ -29,6 +29,7 @@
 #   WORK=dir      models and cell outputs (default target/bench-cuda; smoke: target/bench-cuda-smoke)
 #   MAKE=path     make the models with a carried `make-random-model` binary instead of Python
 #   COMMIT=sha    recorded in the header when the copy has no .git
+#   GPU=index     the GPU nvidia-smi samples (default 0: the one both sides use)
 #   DEVICE=cpu    the real shapes on CPU (a check of the model files and both sides; slow)
 #   PEFT_QLORA_CPU=1  on CPU, run the PEFT QLoRA cells on bitsandbytes' CPU 4-bit layers
 #                 (where that bitsandbytes has them) instead of skipping them
