@@ -7,8 +7,8 @@
 # measured peak and `tallow estimate`'s error against it, PyTorch's max allocated / reserved, and
 # the device memory nvidia-smi saw each process use.
 #
-#   scripts/bench_cuda.sh                                   # every cell (~hour on an H100)
-#   scripts/bench_cuda.sh --models qwen2.5-0.5b --seq 512   # a subset (fits one 10-minute command)
+#   scripts/bench_cuda.sh                                   # every cell (more than 10 minutes)
+#   scripts/bench_cuda.sh --models qwen2.5-0.5b --seq 512   # a subset, for 10-minute commands
 #   scripts/bench_cuda.sh --models llama-3.1-8b --seq 2048 --methods qlora --deadline 540
 #   scripts/bench_cuda.sh --list [...]                      # the cells that would run, nothing else
 #   scripts/bench_cuda.sh --smoke                           # the whole pipeline on CPU, toy shapes
@@ -38,7 +38,7 @@
 # the fixture tokenizer tests/fixtures/tokenizers/bos and rows of 1000 words (~2800 tokens, so every
 # row is cut to exactly --seq tokens on both sides). Made once per WORK by
 # `scripts/bench_peft_reference.py make-model --config` (the Python twin of
-# tests/src/bin/make-random-model.rs, same layout and rows; built on the GPU: seconds, 16 GB on
+# tests/src/bin/make-random-model.rs, same layout and rows; initialized on the GPU; 16 GB on
 # disk for 8B) because the GPU machine has Python but no Rust toolchain; MAKE= uses the Rust tool.
 #
 # --smoke: DEVICE=cpu, the same five architectures at toy sizes (hidden 64, 2 layers, vocab 384),
