@@ -286,12 +286,22 @@ fn run_cell(
     .max();
     let stderr = String::from_utf8_lossy(&out.stderr);
     let oom = oom_phase.is_some() || (!out.status.success() && stderr.contains("out of memory"));
+    // The `error:` line with its indented `caused by:` lines: the cause says why (e.g. "error:
+    // train.device" alone hides "this tallow was built without CUDA support").
     let error = (!out.status.success() && !oom).then(|| {
-        stderr
-            .lines()
-            .find(|l| l.starts_with("error:"))
-            .unwrap_or_else(|| stderr.lines().last().unwrap_or("failed"))
-            .to_string()
+        let lines: Vec<&str> = stderr.lines().collect();
+        match lines.iter().position(|l| l.starts_with("error:")) {
+            Some(i) => std::iter::once(lines[i])
+                .chain(
+                    lines[i + 1..]
+                        .iter()
+                        .take_while(|l| l.starts_with(' '))
+                        .map(|l| l.trim()),
+                )
+                .collect::<Vec<_>>()
+                .join(" "),
+            None => lines.last().copied().unwrap_or("failed").to_string(),
+        }
     });
     // tokens/s: the steps after the first (which also allocates the optimizer state).
     let tokens_per_s = match rates.len() {
