@@ -200,9 +200,12 @@ fn shape_mismatch_between_config_and_weights_is_reported() {
     );
 }
 
+/// The CPU build hands `--device cuda` to `tallow-cuda` after checking the driver, device and
+/// libraries; on a machine without them it names the first thing missing (tests/tests/gpu_cli.rs
+/// goes through each case with a fake driver).
 #[cfg(not(feature = "cuda"))]
 #[test]
-fn cuda_without_the_feature_names_the_flag() {
+fn cuda_in_the_cpu_build_names_what_is_missing() {
     let r = tallow([
         "eval",
         "--model",
@@ -212,8 +215,24 @@ fn cuda_without_the_feature_names_the_flag() {
         "--device",
         "cuda",
     ]);
-    assert_ne!(r.code, 0);
-    assert!(r.stderr.contains("--features cuda"), "{}", r.stderr);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(
+        r.stderr.starts_with("error: --device cuda: "),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        [
+            "no NVIDIA driver",
+            "sees no GPU",
+            "failed to initialize",
+            "tallow-cuda"
+        ]
+        .iter()
+        .any(|w| r.stderr.contains(w)),
+        "{}",
+        r.stderr
+    );
 }
 
 /// A parquet copy of each data fixture (`scripts/make_parquet_fixtures.py`: snappy, rows spread

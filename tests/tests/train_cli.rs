@@ -717,11 +717,15 @@ fn op_counts_are_reproducible_and_grow_by_the_same_amount_per_layer() {
     let two = counts(2, "two-a");
     assert_eq!(two.len(), 3);
     assert_eq!(counts(2, "two-b"), two, "two identical runs");
+    // Step 1 also makes the per-device constants (loss arange, rope frequencies) that every
+    // later step reuses: it counts those few ops more; after it, equal-shaped steps are equal.
+    assert!(two[2] == two[1], "equal-shaped steps: {two:?}");
     assert!(
-        two.iter().all(|c| *c == two[0]),
-        "equal-shaped steps: {two:?}"
+        two[0].0 >= two[1].0 && two[0].1 >= two[1].1 && two[0].1 - two[1].1 <= 4,
+        "step 1 = a later step + the constants made once: {two:?}"
     );
-    let (one, three) = (counts(1, "one")[0], counts(3, "three")[0]);
+    let (one, three) = (counts(1, "one")[1], counts(3, "three")[1]);
+    let two = &two[1..];
     let per_layer =
         |a: (u64, u64), b: (u64, u64)| (b.0 as i64 - a.0 as i64, b.1 as i64 - a.1 as i64);
     let (d12, d23) = (per_layer(one, two[0]), per_layer(two[0], three));

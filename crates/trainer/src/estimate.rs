@@ -569,7 +569,17 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
         OptimizerKind::AdamW8bit => 8,
         _ => 6,
     };
-    let workspace_optimizer = temporaries * 4 * largest;
+    // adamw8bit updates its 8-bit parameters in groups (flat buffers of up to 4Mi elements):
+    // its temporaries are the size of the largest group, not of the largest tensor.
+    let update_elems = match cfg.train.optimizer {
+        OptimizerKind::AdamW8bit => crate::optim::adamw8bit::group_lengths(tensors.iter().copied())
+            .into_iter()
+            .max()
+            .unwrap_or(0)
+            .max(largest as usize) as u64,
+        _ => largest,
+    };
+    let workspace_optimizer = temporaries * 4 * update_elems;
     // Load: bf16/f32 tensors are converted one at a time; NF4 quantizes from an f32 copy.
     let load_transient = if nf4 {
         4 * largest_linear as u64

@@ -147,7 +147,7 @@ fn plan(
         }
         let padded = n.div_ceil(BLOCK) * BLOCK;
         let joins = groups.last().is_some_and(|(members, _, _, len)| {
-            len + padded <= GROUP_ELEMS && params[members[0]].device().same_device(p.device())
+            fits(*len, padded) && params[members[0]].device().same_device(p.device())
         });
         if !joins {
             groups.push((Vec::new(), Vec::new(), Vec::new(), 0));
@@ -161,6 +161,26 @@ fn plan(
         *len += padded;
     }
     (slots, groups)
+}
+
+/// Whether a parameter of `padded` elements joins a group of `len`.
+fn fits(len: usize, padded: usize) -> bool {
+    len + padded <= GROUP_ELEMS
+}
+
+/// The padded lengths of the groups [`plan`] makes for parameters of `counts` elements (in the
+/// trainable order, one device). The update's f32 temporaries are group-sized, so the memory
+/// estimate sizes them by the largest of these.
+pub fn group_lengths(counts: impl IntoIterator<Item = usize>) -> Vec<usize> {
+    let mut out: Vec<usize> = Vec::new();
+    for n in counts.into_iter().filter(|&n| n >= MIN_8BIT_ELEMS) {
+        let padded = n.div_ceil(BLOCK) * BLOCK;
+        match out.last_mut() {
+            Some(len) if fits(*len, padded) => *len += padded,
+            _ => out.push(padded),
+        }
+    }
+    out
 }
 
 /// AdamW with 8-bit moments. See the module docs.
@@ -660,6 +680,29 @@ mod tests {
     /// parameters and every state tensor, over 3 steps and a save/load in between, with a
     /// padded member (300 x 71 is not a multiple of 256), a bf16 one, and an f32-state one
     /// between them. The group cap splits a long list into several groups.
+    #[test]
+    fn group_lengths_are_the_groups_plan_makes() {
+        let dev = Device::Cpu;
+        // small (kept f32), padded, a run that overflows the cap, one larger than the cap
+        let sizes = [
+            100,
+            5000,
+            1 << 21,
+            (1 << 21) + 7,
+            4096,
+            300,
+            GROUP_ELEMS + 1,
+            70_000,
+        ];
+        let params: Vec<Var> = sizes
+            .iter()
+            .map(|&n| Var::zeros(n, DType::F32, &dev).unwrap())
+            .collect();
+        let planned: Vec<usize> = plan(&params).1.iter().map(|g| g.3).collect();
+        assert_eq!(group_lengths(sizes), planned);
+        assert_eq!(planned.len(), 4, "{planned:?}");
+    }
+
     #[test]
     fn groups_equal_per_parameter_updates_exactly() {
         let dev = Device::Cpu;
