@@ -88,11 +88,14 @@ fi
 
 export CUDA_ROOT=$ROOT CUDA_PATH=$ROOT PATH=$ROOT/bin:$PATH
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-80}
+# candle-kernels compiles its .cu files through cudaforge, which uses half the cores by default
+# (one on a 2-core CI machine) while nothing else can build: use them all.
+export CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-$(nproc)}
 export LIBRARY_PATH=$ROOT/lib64:$STUBS${LIBRARY_PATH:+:$LIBRARY_PATH}
 FEATURES=tallow/cuda
 if [ "${SETUP_ONLY:-0}" = 1 ]; then
   # For `eval`: the variables a `cargo build --features cuda` needs.
-  for v in CUDA_ROOT CUDA_PATH PATH CUDA_COMPUTE_CAP LIBRARY_PATH; do
+  for v in CUDA_ROOT CUDA_PATH PATH CUDA_COMPUTE_CAP LIBRARY_PATH CUDAFORGE_THREADS; do
     printf 'export %s=%q\n' "$v" "${!v}"
   done
 elif [ "${CI_COMPILE:-0}" = 1 ]; then
