@@ -55,17 +55,9 @@ fn evaluation_records_no_graph_and_needs_less_memory_than_a_training_forward() {
                 rank: 8,
                 alpha: 16.0,
                 dropout: 0.0,
-                targets: [
-                    "q_proj",
-                    "k_proj",
-                    "v_proj",
-                    "o_proj",
-                    "gate_proj",
-                    "up_proj",
-                    "down_proj",
-                ]
-                .map(String::from)
-                .to_vec(),
+                targets: tallow_model::adapter::LINEAR_MODULES
+                    .map(String::from)
+                    .to_vec(),
                 rslora: false,
             };
             attach_lora(&mut model, &spec, 1).unwrap();

@@ -200,21 +200,14 @@ pub fn needed_libraries(bytes: &[u8]) -> Option<Vec<String>> {
         .collect()
 }
 
-/// The libraries `binary` needs that cannot be loaded here.
-pub fn missing_libraries(binary: &Path) -> Result<Vec<String>, String> {
-    let bytes =
-        std::fs::read(binary).map_err(|e| format!("cannot read {}: {e}", binary.display()))?;
-    let needed = needed_libraries(&bytes).ok_or_else(|| {
-        format!(
-            "{} is not a Linux x86-64/aarch64 executable",
-            binary.display()
-        )
-    })?;
-    Ok(needed
-        .into_iter()
+/// The libraries of `needed` that cannot be loaded here.
+pub fn missing_libraries(needed: &[String]) -> Vec<String> {
+    needed
+        .iter()
         // SAFETY: loads (and drops) a shared library, as the dynamic loader would at start-up.
-        .filter(|lib| unsafe { libloading::Library::new(lib) }.is_err())
-        .collect())
+        .filter(|lib| unsafe { libloading::Library::new(lib.as_str()) }.is_err())
+        .cloned()
+        .collect()
 }
 
 /// The CUDA major version a list of needed libraries implies (libcublas.so.13 -> 13).
@@ -274,10 +267,11 @@ pub fn check_cuda(ordinal: usize) -> Result<(PathBuf, DriverInfo), String> {
     }
     let bytes =
         std::fs::read(&binary).map_err(|e| format!("cannot read {}: {e}", binary.display()))?;
-    let needed = needed_libraries(&bytes).unwrap_or_default();
+    let needed = needed_libraries(&bytes);
     // PTX from toolkit X.Y is JIT-compiled only by a driver for CUDA >= X.Y; without the marker
     // (a build by other means), the major version of its cuBLAS.
-    let required = toolkit_of(&bytes).or_else(|| cuda_major_of(&needed).map(|m| m * 1000));
+    let required = toolkit_of(&bytes)
+        .or_else(|| cuda_major_of(needed.as_deref().unwrap_or_default()).map(|m| m * 1000));
     if let Some(required) = required {
         if driver.cuda_version < required {
             let driver_major = driver.cuda_version / 1000;
@@ -292,7 +286,13 @@ pub fn check_cuda(ordinal: usize) -> Result<(PathBuf, DriverInfo), String> {
             ));
         }
     }
-    let missing = missing_libraries(&binary)?;
+    let needed = needed.ok_or_else(|| {
+        format!(
+            "{} is not a Linux x86-64/aarch64 executable",
+            binary.display()
+        )
+    })?;
+    let missing = missing_libraries(&needed);
     if !missing.is_empty() {
         return Err(format!(
             "{} needs CUDA libraries that cannot be loaded: {}; add the folder that holds them to \
@@ -330,9 +330,7 @@ mod tests {
             libs.iter().any(|l| l.starts_with("libc.so")),
             "libc.so.6 among {libs:?}"
         );
-        assert!(missing_libraries(&std::env::current_exe().unwrap())
-            .unwrap()
-            .is_empty());
+        assert!(missing_libraries(&libs).is_empty());
     }
 
     #[test]

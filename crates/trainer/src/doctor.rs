@@ -407,18 +407,16 @@ fn nf4_weight(dev: &Device, dt: DType, double_quant: bool) -> R<Nf4Weight> {
 }
 
 fn nf4_dequant(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
-    let q = nf4_weight(dev, dt, false)?;
-    let w = if generic {
-        q.dequantize_generic()
-    } else {
-        q.dequantize()
-    }
-    .map_err(to_candle)?;
-    Ok(vec![w])
+    nf4_dequant_of(dev, dt, generic, false)
 }
 
 fn nf4_dequant_double(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
-    let q = nf4_weight(dev, dt, true)?;
+    nf4_dequant_of(dev, dt, generic, true)
+}
+
+/// The weight of [`nf4_weight`] dequantized by the tensor-op path (`generic`) or the kernel.
+fn nf4_dequant_of(dev: &Device, dt: DType, generic: bool, double_quant: bool) -> R<Vec<Tensor>> {
+    let q = nf4_weight(dev, dt, double_quant)?;
     let w = if generic {
         q.dequantize_generic()
     } else {

@@ -610,6 +610,22 @@ mod tests {
         }
     }
 
+    /// N(0, 1) tensors of `shapes`, the one at `bf16` in bf16, the rest f32.
+    fn random_params(shapes: &[(usize, usize)], bf16: usize, dev: &Device) -> Vec<Tensor> {
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| {
+                let t = Tensor::randn(0f32, 1.0, s, dev).unwrap();
+                if i == bf16 {
+                    t.to_dtype(DType::BF16).unwrap()
+                } else {
+                    t
+                }
+            })
+            .collect()
+    }
+
     /// The device-generic path (what CUDA runs: tensor-op quantizer) run on the CPU gives the
     /// same bits as the CPU path (kernel quantizer): parameters, codes and absmax after each of
     /// 3 steps, for a parameter whose length is a multiple of 256, one that is not (padding), a
@@ -618,18 +634,7 @@ mod tests {
     fn generic_path_equals_cpu_path_exactly() {
         let dev = Device::Cpu;
         let shapes: [(usize, usize); 4] = [(64, 128), (300, 71), (96, 64), (16, 16)];
-        let init: Vec<Tensor> = shapes
-            .iter()
-            .enumerate()
-            .map(|(i, &s)| {
-                let t = Tensor::randn(0f32, 1.0, s, &dev).unwrap();
-                if i == 2 {
-                    t.to_dtype(DType::BF16).unwrap()
-                } else {
-                    t
-                }
-            })
-            .collect();
+        let init = random_params(&shapes, 2, &dev);
         let pa: Vec<Var> = init.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
         let pb: Vec<Var> = init
             .iter()
@@ -707,18 +712,7 @@ mod tests {
     fn groups_equal_per_parameter_updates_exactly() {
         let dev = Device::Cpu;
         let shapes: [(usize, usize); 4] = [(64, 128), (16, 16), (300, 71), (96, 64)];
-        let init: Vec<Tensor> = shapes
-            .iter()
-            .enumerate()
-            .map(|(i, &s)| {
-                let t = Tensor::randn(0f32, 1.0, s, &dev).unwrap();
-                if i == 3 {
-                    t.to_dtype(DType::BF16).unwrap()
-                } else {
-                    t
-                }
-            })
-            .collect();
+        let init = random_params(&shapes, 3, &dev);
         let together: Vec<Var> = init.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
         let alone: Vec<Var> = copy(&together);
         let mut a = AdamW8bit::new(HP);
