@@ -4,7 +4,8 @@
 # hands `--device cuda` to a `tallow-cuda` installed beside it (docs/cuda.md says why).
 #
 #   scripts/build_cuda.sh                        # CUDA 13, PTX for compute 8.0 -> target/release/tallow-cuda
-#   CUDA_ROOT=/usr/local/cuda-12.4 scripts/build_cuda.sh   # an installed toolkit (CUDA 12: drivers < 580)
+#   CUDA_MAJOR=12 scripts/build_cuda.sh          # CUDA 12.4 (drivers 550-579; see below)
+#   CUDA_ROOT=/usr/local/cuda-12.6 scripts/build_cuda.sh   # an installed toolkit
 #   CUDA_COMPUTE_CAP=90 scripts/build_cuda.sh    # PTX for one capability (80 = A100 / RTX 30 and up)
 #   CI_COMPILE=1 scripts/build_cuda.sh           # CI: `cargo build --features cuda --all-targets`
 #                                                #     (dev profile, tests included), nothing installed
@@ -17,11 +18,15 @@
 #
 # Driver: the PTX is JIT-compiled by the driver, which must support the toolkit's CUDA version:
 # CUDA 13.0 needs driver >= 580, 12.4 >= 550, 12.0 >= 525. `tallow doctor` prints the driver's.
-# CUDA 12: NVIDIA's CUDA 12 PyPI wheels ship no `nvcc` (nvidia-cuda-nvcc-cu12 holds only
-# ptxas), so a CUDA 12 build takes an installed toolkit (NVIDIA's apt/dnf repo `cuda-toolkit-12-4`,
-# the runfile, or conda's `cuda-nvcc=12.4 cuda-libraries-dev=12.4`) through CUDA_ROOT.
+# CUDA 12 (drivers 550-579): `CUDA_MAJOR=12 scripts/build_cuda.sh` builds against CUDA 12.4. Its
+# PyPI wheels give the headers, libraries, ptxas and libdevice but no compiler driver
+# (nvidia-cuda-nvcc-cu12 holds no nvcc or cicc), so nvcc, cicc, cudafe++, fatbinary, nvlink and
+# bin2c of the same build (12.4.131) come from Debian's `nvidia-cuda-toolkit` package, downloaded
+# and unpacked (no root, nothing installed), checked against its pinned SHA-256. Or point
+# CUDA_ROOT at an installed CUDA 12 toolkit (NVIDIA's `cuda-toolkit-12-x`, the runfile, conda).
 #
-# Needs: python3 with pip (to download wheels only) and gcc/g++ <= 14. No driver: the link step
+# Needs: python3 with pip (to download wheels only), curl and ar (CUDA 12 only), and gcc/g++
+# <= 14 (<= 13 for CUDA 12.4). No driver: the link step
 # uses a stub libcuda.so generated here from the driver functions cudarc binds (the real
 # libcuda.so.1 is found at run time, from the driver).
 set -euo pipefail
@@ -35,28 +40,68 @@ if [ -n "${CUDA_ROOT:-}" ]; then
   fi
 else
   CUDA_MAJOR=${CUDA_MAJOR:-13}
-  if [ "$CUDA_MAJOR" != 13 ]; then
-    echo "error: the PyPI wheels give a full toolkit for CUDA 13 only (NVIDIA's CUDA $CUDA_MAJOR nvcc" \
-      "wheel holds ptxas, not nvcc); install a CUDA $CUDA_MAJOR toolkit and run" \
-      "CUDA_ROOT=/usr/local/cuda-$CUDA_MAJOR.x scripts/build_cuda.sh (docs/cuda.md)" >&2
-    exit 1
-  fi
-  CUDA_DIR=${CUDA_DIR:-$PWD/target/cuda13}
+  case "$CUDA_MAJOR" in
+    13)
+      WHEELS=('nvidia-cuda-nvcc==13.0.*' 'nvidia-nvvm==13.0.*' 'nvidia-cuda-runtime==13.0.*'
+        'nvidia-cuda-crt==13.0.*' 'nvidia-cuda-cccl==13.0.*' 'nvidia-cublas==13.0.*'
+        'nvidia-cuda-nvrtc==13.0.*' 'nvidia-curand==10.4.0.*') ;;
+    12)
+      # 12.4: the newest CUDA 12 whose compiler driver Debian packages (trixie's non-free).
+      WHEELS=('nvidia-cuda-nvcc-cu12==12.4.131' 'nvidia-cuda-runtime-cu12==12.4.127'
+        'nvidia-cuda-cccl-cu12==12.4.127.post1' 'nvidia-cublas-cu12==12.4.5.8'
+        'nvidia-cuda-nvrtc-cu12==12.4.127' 'nvidia-curand-cu12==10.3.5.147')
+      DEB=nvidia-cuda-toolkit_12.4.131~12.4.1-2_amd64.deb
+      DEB_URL=${CUDA12_DEB_MIRROR:-http://deb.debian.org/debian}/pool/non-free/n/nvidia-cuda-toolkit/$DEB
+      DEB_SHA256=cd5fe85aee38d108b315f408a688641478f2402622a10c677478eb7a6c4e5319 ;;
+    *)
+      echo "error: CUDA_MAJOR=$CUDA_MAJOR: this script fetches CUDA 13 or 12 (12.4); for another" \
+        "version install its toolkit and run CUDA_ROOT=/usr/local/cuda-X.Y scripts/build_cuda.sh" >&2
+      exit 1 ;;
+  esac
+  CUDA_DIR=${CUDA_DIR:-$PWD/target/cuda$CUDA_MAJOR}
   ROOT=$CUDA_DIR/root
-  WHEELS=('nvidia-cuda-nvcc==13.0.*' 'nvidia-nvvm==13.0.*' 'nvidia-cuda-runtime==13.0.*'
-    'nvidia-cuda-crt==13.0.*' 'nvidia-cuda-cccl==13.0.*' 'nvidia-cublas==13.0.*'
-    'nvidia-cuda-nvrtc==13.0.*' 'nvidia-curand==10.4.0.*')
   if [ ! -x "$ROOT/bin/nvcc" ]; then
     mkdir -p "$CUDA_DIR/wheels" "$CUDA_DIR/unpacked" "$ROOT"
     python3 -m pip download --no-deps --quiet -d "$CUDA_DIR/wheels" "${WHEELS[@]}"
     for w in "$CUDA_DIR"/wheels/*.whl; do
       python3 -m zipfile -e "$w" "$CUDA_DIR/unpacked"
     done
-    # The wheels unpack into nvidia/cu13/{bin,include,lib,nvvm}: one toolkit-shaped root of
-    # symlinks (merging any other nvidia/<component>/ folders too).
+    # The wheels unpack into nvidia/cu13/{bin,include,lib,nvvm} (CUDA 13) or one
+    # nvidia/<component>/ folder each (CUDA 12): one toolkit-shaped root of symlinks.
     for component in "$CUDA_DIR"/unpacked/nvidia/*/; do
       cp -rsf "$component". "$ROOT/"
     done
+    if [ -n "${DEB:-}" ]; then
+      # CUDA 12: the compiler driver and its helpers from Debian's package of the same build.
+      if [ ! -e "$CUDA_DIR/$DEB" ]; then
+        if ! curl -fsS -o "$CUDA_DIR/$DEB.part" "$DEB_URL"; then
+          echo "error: could not download $DEB_URL (a Debian mirror with trixie's non-free" \
+            "nvidia-cuda-toolkit 12.4.131: set CUDA12_DEB_MIRROR, or use CUDA_ROOT)" >&2
+          exit 1
+        fi
+        mv "$CUDA_DIR/$DEB.part" "$CUDA_DIR/$DEB"
+      fi
+      if ! echo "$DEB_SHA256  $CUDA_DIR/$DEB" | sha256sum -c --quiet; then
+        echo "error: $CUDA_DIR/$DEB does not match its pinned SHA-256; delete it and retry" >&2
+        exit 1
+      fi
+      mkdir -p "$CUDA_DIR/deb" "$ROOT/nvvm/bin"
+      (cd "$CUDA_DIR/deb" && ar p "$CUDA_DIR/$DEB" data.tar.xz | tar -xJ)
+      tk=$CUDA_DIR/deb/usr/lib/nvidia-cuda-toolkit
+      cp "$tk/bin/nvcc" "$ROOT/bin/"
+      cp -r "$tk/bin/crt" "$ROOT/bin/"
+      cp "$tk/bin/cicc" "$ROOT/nvvm/bin/"
+      for b in cudafe++ fatbinary nvlink bin2c; do cp "$CUDA_DIR/deb/usr/bin/$b" "$ROOT/bin/"; done
+      # Debian's nvcc.profile names /usr paths; this one is the toolkit's own, relative to bin/.
+      cat > "$ROOT/bin/nvcc.profile" <<'PROFILE'
+TOP              = $(_HERE_)/..
+NVVMIR_LIBRARY_DIR = $(TOP)/nvvm/libdevice
+LD_LIBRARY_PATH += $(TOP)/lib:
+PATH            += $(TOP)/nvvm/bin:$(_HERE_):
+INCLUDES        +=  "-I$(TOP)/include" $(_SPACE_)
+LIBRARIES        =+ $(_SPACE_) "-L$(TOP)/lib/stubs" "-L$(TOP)/lib"
+PROFILE
+    fi
     chmod +x "$ROOT"/bin/* "$ROOT"/nvvm/bin/* 2>/dev/null || true
   fi
 fi

@@ -103,6 +103,27 @@ fn nf4_generic_dequantize_is_three_ops_on_the_weight() {
     }
 }
 
+/// The dequantization kernel (`Nf4Weight::dequantize`: the CPU loop here, one launch of
+/// `tallow_nf4_dequant*` on CUDA, same structure) allocates its output and nothing else, with a
+/// double-quantized absmax too: the 8-bit absmax is decoded in place, not into an (n/64,) f32
+/// temporary by the 4 tensor ops of the generic path (it allocated 4 small buffers before).
+#[test]
+fn nf4_dequantize_kernel_allocates_only_its_output() {
+    let dev = Device::Cpu;
+    let n = 1024 * 1024;
+    let w = Tensor::randn(0f32, 1.0, (1024, 1024), &dev).unwrap();
+    for double_quant in [false, true] {
+        for dtype in [DType::BF16, DType::F32] {
+            let mut q = Nf4Weight::quantize(&w, double_quant).unwrap();
+            q.dtype = dtype;
+            q.dequantize().unwrap(); // warm any cache
+            let (out, ops) = count(n / 256, n / 2, || q.dequantize().unwrap());
+            assert_eq!(out.dtype(), dtype);
+            assert_eq!(ops, (1, 0), "{dtype:?} double_quant={double_quant}: (full, small)");
+        }
+    }
+}
+
 /// The matmul op's forward on the CPU runs the CPU kernel (one full buffer: the dequantized
 /// weight) plus the matmul output; shown for contrast, and to pin that the forward does not
 /// keep a dequantized copy in the graph.

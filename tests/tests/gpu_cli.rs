@@ -230,8 +230,15 @@ fn each_missing_piece_is_named() {
     assert!(
         r.stderr
             .contains("built with CUDA 12.8, which needs driver >= 570")
-            && r.stderr
-                .contains("CUDA_ROOT=/usr/local/cuda-12.x scripts/build_cuda.sh"),
+            && r.stderr.contains("`CUDA_MAJOR=12 scripts/build_cuda.sh`"),
+        "{}",
+        r.stderr
+    );
+    // A 12.2 driver is older than the CUDA 12.4 that build_cuda.sh fetches: an installed toolkit.
+    let (r, _) = both(&f, true, &f.binary, &[("FAKE_CUDA_VERSION", "12020")]);
+    assert!(
+        r.stderr
+            .contains("CUDA_ROOT=/usr/local/cuda-12.x scripts/build_cuda.sh` with a toolkit"),
         "{}",
         r.stderr
     );

@@ -275,10 +275,19 @@ pub fn check_cuda(ordinal: usize) -> Result<(PathBuf, DriverInfo), String> {
     if let Some(required) = required {
         if driver.cuda_version < required {
             let driver_major = driver.cuda_version / 1000;
+            // scripts/build_cuda.sh fetches CUDA 12.4 itself; older drivers need a toolkit.
+            let recipe = if driver.cuda_version >= 12040 && driver_major == 12 {
+                "`CUDA_MAJOR=12 scripts/build_cuda.sh`".to_string()
+            } else {
+                format!(
+                    "`CUDA_ROOT=/usr/local/cuda-{driver_major}.x scripts/build_cuda.sh` with a \
+                     toolkit no newer than the driver"
+                )
+            };
             return Err(format!(
                 "the NVIDIA driver supports CUDA {} but {} was built with CUDA {}, which needs \
                  driver >= {}; update the driver, or build with a CUDA {driver_major} toolkit: \
-                 `CUDA_ROOT=/usr/local/cuda-{driver_major}.x scripts/build_cuda.sh` (docs/cuda.md)",
+                 {recipe} (docs/cuda.md)",
                 cuda_version_text(driver.cuda_version),
                 binary.display(),
                 cuda_version_text(required),

@@ -281,7 +281,7 @@ pub fn load_peft(model: &mut CausalLM, dir: &Path) -> Result<LoraSpec> {
     let spec = read_peft_config(dir)?;
     attach_lora(model, &spec, 0)?;
     let file = dir.join("adapter_model.safetensors");
-    let weights = Weights::from_files(dir, &[file.clone()])?;
+    let weights = Weights::from_files(dir, std::slice::from_ref(&file))?;
     let device = model.device().clone();
     let vars = lora_vars(model);
     for (name, var) in &vars {

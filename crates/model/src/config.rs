@@ -602,7 +602,7 @@ pub(crate) mod raw {
         if heads == 0 || kv == 0 || hidden == 0 {
             return Err(err("num_attention_heads", "sizes must be positive".into()));
         }
-        if heads % kv != 0 {
+        if !heads.is_multiple_of(kv) {
             return Err(err(
                 "num_key_value_heads",
                 format!("{kv} does not divide num_attention_heads {heads}"),

@@ -3,8 +3,9 @@
 //!
 //! - On a GPU: the op on the device (its CUDA kernel or Candle tensor ops) against the same op on
 //!   the CPU (tallow's CPU kernels), in each dtype tested.
-//! - On the CPU: the device-generic tensor path (what CUDA runs for NF4 dequantization and the
-//!   plain-matmul form of the frozen / trainable linears) against the CPU kernels, and, for
+//! - On the CPU: the device-generic tensor path (the tensor-op twin of the NF4 dequantization
+//!   kernel, which CUDA runs as one kernel of `kernels/tallow.cu`, and the plain-matmul form of
+//!   the frozen / trainable linears) against the CPU kernels, and, for
 //!   ops that have one path only, f32 against the same op in f64 (or a scalar loop). So CI runs
 //!   the self-test itself.
 //!

@@ -20,12 +20,18 @@
 //! (7, 7) = (0.0, 0.0), for which zeros are right, so the packed bytes can index a table directly
 //! without a u8 -> u32 cast (one op and 2 bytes per parameter of temporaries saved per call).
 //!
-//! Two implementations of each direction: a CPU kernel (a byte -> (hi, lo) lookup table, rayon
-//! over blocks) behind a [`CustomOp1`], and a device-generic one made of Candle tensor ops only,
-//! used on CUDA. A unit test checks that both give identical bits on the CPU.
+//! Two implementations of each direction: a kernel (a byte -> (hi, lo) lookup table) behind a
+//! [`CustomOp1`], and a device-generic one made of Candle tensor ops only. Quantization (once per
+//! weight, at load) uses the kernel on the CPU and the tensor ops elsewhere. Dequantization (run
+//! by [`Nf4Matmul`] in forward, backward and a checkpointed recompute) uses the kernel on the CPU
+//! (rayon over blocks) and on CUDA (`tallow_nf4_dequant*` in `kernels/tallow.cu`): **one launch
+//! per call**, double quantization included (the 8-bit absmax is decoded in place, per block,
+//! with bitsandbytes' two roundings), 0.5 B read and 2 B written per parameter for bf16, no
+//! temporaries. A unit test checks that the CPU kernel and the tensor ops give identical bits;
+//! `tallow doctor` checks the CUDA kernel against the CPU kernel (tolerance 0).
 //!
-//! Device cost of the generic dequantization ([`Nf4Weight::dequantize_generic`], run by
-//! [`Nf4Matmul`] in forward and again in backward), kernel launches per call:
+//! The tensor-op path ([`Nf4Weight::dequantize_generic`]; other devices, f64 on CUDA), launches
+//! per call:
 //! - on the weight-sized data, 3: `index_select` of a cached (256, 2) f32 table by the packed
 //!   bytes (the two values of each byte), `broadcast_mul` by the block absmax, cast to the
 //!   compute dtype (none for f32). Traffic per parameter: 0.5 B read + 4 B written (gather),
@@ -362,17 +368,18 @@ impl Nf4Weight {
         Ok(self.dequantize_candle()?)
     }
 
-    /// [`Self::dequantize`] with Candle's error type, for use inside custom ops.
+    /// [`Self::dequantize`] with Candle's error type, for use inside custom ops: one kernel on
+    /// the CPU and on CUDA ([`Dequant`]); the tensor-op path on other devices and for f64 on CUDA.
     pub(crate) fn dequantize_candle(&self) -> candle_core::Result<Tensor> {
-        let absmax = self.absmax.to_f32()?;
-        if self.packed.device().is_cpu() {
-            self.packed.apply_op1_no_bwd(&DequantCpu {
-                absmax,
-                block: self.block,
-                shape: self.shape,
-                dtype: self.dtype,
-            })
+        let kernel = match self.packed.device() {
+            Device::Cpu => true,
+            Device::Cuda(_) => matches!(self.dtype, DType::F32 | DType::BF16 | DType::F16),
+            _ => false,
+        };
+        if kernel {
+            self.packed.apply_op1_no_bwd(&Dequant::of(self))
         } else {
+            let absmax = self.absmax.to_f32()?;
             dequantize_generic(&self.packed, &absmax, self.block, self.shape, self.dtype)
         }
     }
@@ -533,22 +540,81 @@ fn dequantize_generic(
     out.to_dtype(dtype) // op 3 (a no-op for f32)
 }
 
-/// The CPU dequantization kernel as a custom op on the packed codes (no backward: the packed
-/// weight is never differentiated).
-struct DequantCpu {
-    /// (blocks,) f32, contiguous.
-    absmax: Tensor,
+/// The dequantization kernel as a custom op on the packed codes (no backward: the packed weight is
+/// never differentiated): a rayon loop on the CPU, one launch of `tallow_nf4_dequant*`
+/// (`kernels/tallow.cu`) on CUDA. Both decode a double-quantized absmax in place (no (blocks,)
+/// f32 temporary) and do the same IEEE operations, so their outputs are equal bit for bit, and
+/// equal to [`dequantize_generic`]'s (tested below; `tallow doctor` checks the CUDA kernel).
+struct Dequant {
+    absmax: Absmax,
     block: usize,
     shape: (usize, usize),
     dtype: DType,
 }
 
-impl DequantCpu {
+/// The absmax of block b, read or decoded: bitsandbytes' `dequantize_blockwise(...)`, then
+/// `absmax += offset`, each rounded in f32 (as [`Absmax::to_f32`]).
+enum Scales<'a> {
+    F32(&'a [f32]),
+    Double {
+        codes: &'a [u8],
+        nested: &'a [f32],
+        map: Box<[f32; 256]>,
+        nested_block: usize,
+        offset: f32,
+    },
+}
+
+impl Scales<'_> {
+    #[inline]
+    fn get(&self, b: usize) -> f32 {
+        match self {
+            Scales::F32(a) => a[b],
+            Scales::Double {
+                codes,
+                nested,
+                map,
+                nested_block,
+                offset,
+            } => map[codes[b] as usize] * nested[b / nested_block] + offset,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Scales::F32(a) => a.len(),
+            Scales::Double { codes, .. } => codes.len(),
+        }
+    }
+}
+
+/// The contiguous elements of a CPU tensor, or an error naming `what`.
+fn cpu_data<'a, T: candle_core::WithDType>(
+    st: &'a Storage,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<&'a [T]> {
+    match (st, l.contiguous_offsets()) {
+        (Storage::Cpu(c), Some((a, b))) => Ok(&c.as_slice::<T>()?[a..b]),
+        _ => candle_core::bail!("nf4: {what} must be a contiguous CPU tensor"),
+    }
+}
+
+impl Dequant {
+    fn of(w: &Nf4Weight) -> Self {
+        Self {
+            absmax: w.absmax.clone(),
+            block: w.block,
+            shape: w.shape,
+            dtype: w.dtype,
+        }
+    }
+
     /// out[i] = conv(code[nibble i] * absmax[i / block]), in f32 then converted (as bitsandbytes).
     fn run<T: Copy + Send + Sync + Default>(
         &self,
         packed: &[u8],
-        absmax: &[f32],
+        scales: &Scales,
         conv: impl Fn(f32) -> T + Sync,
     ) -> Vec<T> {
         let n = self.shape.0 * self.shape.1;
@@ -562,7 +628,7 @@ impl DequantCpu {
             .for_each(|(t, chunk)| {
                 for (j, blk) in chunk.chunks_mut(block).enumerate() {
                     let b = t * 64 + j;
-                    let a = absmax[b];
+                    let a = scales.get(b);
                     let bytes = &packed[b * block / 2..];
                     for (pair, byte) in blk.chunks_mut(2).zip(bytes) {
                         let [h, l] = lut[*byte as usize];
@@ -575,9 +641,105 @@ impl DequantCpu {
             });
         out
     }
+
+    fn check_len(&self, packed: usize, scales: usize) -> candle_core::Result<()> {
+        let n = self.shape.0 * self.shape.1;
+        if packed != n.div_ceil(2) || scales != n.div_ceil(self.block) {
+            candle_core::bail!(
+                "nf4: {packed} packed bytes / {scales} scales do not fit a {:?} weight in blocks of {}",
+                self.shape,
+                self.block
+            );
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_run<T>(
+        &self,
+        packed: &candle_core::cuda_backend::cudarc::driver::CudaView<u8>,
+        dev: &candle_core::cuda_backend::CudaDevice,
+        kernel: &str,
+    ) -> candle_core::Result<candle_core::CudaStorage>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+    {
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::WrapErr;
+        use candle_core::cuda_backend::cudarc::driver::CudaView;
+        /// The contiguous elements of a CUDA tensor.
+        fn view<'a, U: candle_core::cuda_backend::CudaDType>(
+            st: &'a Storage,
+            l: &Layout,
+            what: &str,
+        ) -> candle_core::Result<CudaView<'a, U>> {
+            match (st, l.contiguous_offsets()) {
+                (Storage::Cuda(c), Some((a, b))) => Ok(c.as_cuda_slice::<U>()?.slice(a..b)),
+                _ => candle_core::bail!("nf4: {what} must be a contiguous tensor on the CUDA device"),
+            }
+        }
+        let device = Device::Cuda(dev.clone());
+        let n = self.shape.0 * self.shape.1;
+        let lut_t = lut_tensor(&device)?;
+        let (lut_st, lut_l) = lut_t.storage_and_layout();
+        let lut_v = view::<f32>(&lut_st, &lut_l, "the NF4 table")?;
+        // SAFETY: every element is written by the kernel.
+        let out = unsafe { dev.alloc::<T>(n)? };
+        let cfg = LaunchConfig::for_num_elems(n.div_ceil(2) as u32);
+        let (n, block) = (n, self.block);
+        match &self.absmax {
+            Absmax::F32(a) => {
+                let (st, l) = a.storage_and_layout();
+                let a = view::<f32>(&st, &l, "absmax")?;
+                self.check_len(packed.len(), a.len())?;
+                let func =
+                    dev.get_or_load_custom_func(&format!("tallow_nf4_dequant_{kernel}"), "tallow", crate::cuda::PTX)?;
+                let mut b = func.builder();
+                b.arg(packed);
+                b.arg(&lut_v);
+                b.arg(&a);
+                b.arg(&block);
+                b.arg(&n);
+                b.arg(&out);
+                // SAFETY: argument types and order match `tallow_nf4_dequant_*` in kernels/tallow.cu.
+                unsafe { b.launch(cfg) }.w()?;
+            }
+            Absmax::Double { nested, offset } => {
+                let map_t = super::dynamic::map_tensor(nested.signed, &device)?;
+                let (map_st, map_l) = map_t.storage_and_layout();
+                let map_v = view::<f32>(&map_st, &map_l, "the dynamic map")?;
+                let (c_st, c_l) = nested.codes.storage_and_layout();
+                let codes = view::<u8>(&c_st, &c_l, "absmax codes")?;
+                let (a_st, a_l) = nested.absmax.storage_and_layout();
+                let nested_absmax = view::<f32>(&a_st, &a_l, "nested absmax")?;
+                self.check_len(packed.len(), codes.len())?;
+                let func = dev.get_or_load_custom_func(
+                    &format!("tallow_nf4_dequant_dq_{kernel}"),
+                    "tallow",
+                    crate::cuda::PTX,
+                )?;
+                let nested_block = nested.block;
+                let mut b = func.builder();
+                b.arg(packed);
+                b.arg(&lut_v);
+                b.arg(&codes);
+                b.arg(&nested_absmax);
+                b.arg(&map_v);
+                b.arg(offset);
+                b.arg(&nested_block);
+                b.arg(&block);
+                b.arg(&n);
+                b.arg(&out);
+                // SAFETY: argument types and order match `tallow_nf4_dequant_dq_*`.
+                unsafe { b.launch(cfg) }.w()?;
+            }
+        }
+        Ok(candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
 }
 
-impl CustomOp1 for DequantCpu {
+impl CustomOp1 for Dequant {
     fn name(&self) -> &'static str {
         "nf4-dequantize"
     }
@@ -588,27 +750,56 @@ impl CustomOp1 for DequantCpu {
             (CpuStorage::U8(v), Some((a, b))) => &v[a..b],
             _ => candle_core::bail!("nf4: packed weight must be contiguous u8"),
         };
-        let (st, al) = self.absmax.storage_and_layout();
-        let absmax = match (&*st, al.contiguous_offsets()) {
-            (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => &v[a..b],
-            _ => candle_core::bail!("nf4: absmax must be contiguous f32 on the CPU"),
+        // The storage guards live until the kernel has run.
+        let (absmax_t, codes_t, nested_t) = match &self.absmax {
+            Absmax::F32(a) => (Some(a.storage_and_layout()), None, None),
+            Absmax::Double { nested, .. } => (
+                None,
+                Some(nested.codes.storage_and_layout()),
+                Some(nested.absmax.storage_and_layout()),
+            ),
         };
-        let n = self.shape.0 * self.shape.1;
-        if packed.len() != n.div_ceil(2) || absmax.len() != n.div_ceil(self.block) {
-            candle_core::bail!(
-                "nf4: {} packed bytes / {} scales do not fit a {:?} weight in blocks of {}",
-                packed.len(),
-                absmax.len(),
-                self.shape,
-                self.block
-            );
-        }
+        let scales = match (&self.absmax, &absmax_t, &codes_t, &nested_t) {
+            (Absmax::F32(_), Some((st, l)), _, _) => Scales::F32(cpu_data(st, l, "absmax")?),
+            (Absmax::Double { nested, offset }, _, Some((cs, cl)), Some((ns, nl))) => {
+                Scales::Double {
+                    codes: cpu_data(cs, cl, "absmax codes")?,
+                    nested: cpu_data(ns, nl, "nested absmax")?,
+                    map: Box::new(super::dynamic::dynamic_map(nested.signed)),
+                    nested_block: nested.block,
+                    offset: *offset,
+                }
+            }
+            _ => unreachable!("guards taken for the absmax's own variant"),
+        };
+        self.check_len(packed.len(), scales.len())?;
         let out = match self.dtype {
-            DType::F32 => CpuStorage::F32(self.run(packed, absmax, |v| v)),
-            DType::F64 => CpuStorage::F64(self.run(packed, absmax, |v| v as f64)),
-            DType::BF16 => CpuStorage::BF16(self.run(packed, absmax, half::bf16::from_f32)),
-            DType::F16 => CpuStorage::F16(self.run(packed, absmax, half::f16::from_f32)),
+            DType::F32 => CpuStorage::F32(self.run(packed, &scales, |v| v)),
+            DType::F64 => CpuStorage::F64(self.run(packed, &scales, |v| v as f64)),
+            DType::BF16 => CpuStorage::BF16(self.run(packed, &scales, half::bf16::from_f32)),
+            DType::F16 => CpuStorage::F16(self.run(packed, &scales, half::f16::from_f32)),
             d => candle_core::bail!("nf4: compute dtype {d:?} is not a float type"),
+        };
+        Ok((out, Shape::from(self.shape)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let Some((a, b)) = l.contiguous_offsets() else {
+            candle_core::bail!("nf4: packed weight must be contiguous u8");
+        };
+        let packed = s.as_cuda_slice::<u8>()?.slice(a..b);
+        let dev = s.device();
+        let out = match self.dtype {
+            DType::F32 => self.cuda_run::<f32>(&packed, dev, "f32")?,
+            DType::BF16 => self.cuda_run::<half::bf16>(&packed, dev, "bf16")?,
+            DType::F16 => self.cuda_run::<half::f16>(&packed, dev, "f16")?,
+            d => candle_core::bail!("nf4: the CUDA kernel computes in f32, bf16 or f16, not {d:?}"),
         };
         Ok((out, Shape::from(self.shape)))
     }
@@ -803,13 +994,16 @@ mod tests {
         Ok(())
     }
 
-    /// The tensor-op path (used on CUDA) gives the CPU kernel's bits, for quantization and for
-    /// dequantization in every float dtype, with an f32 and a double-quantized absmax, including
-    /// a partial last block, an odd length, and the bytes Candle's `index_select` treats
+    /// The tensor-op path gives the dequantization kernel's bits (whose CUDA twin `tallow doctor`
+    /// checks against it), for quantization and for dequantization in every float dtype, with an
+    /// f32 and a double-quantized absmax (decoded in place by the kernel), including a partial
+    /// last block, more than one nested block, an odd length, and the bytes Candle's `index_select` treats
     /// specially (stored 0xFF, see the module docs) next to bitsandbytes' 0xFF (codes 15, 15).
     #[test]
     fn generic_path_equals_cpu_kernel() -> Result<()> {
-        for (shape, block) in [((8, 320), 64), ((3, 70), 64), ((5, 13), 64), ((7, 96), 32)] {
+        // (67, 250): 262 blocks, two nested blocks of the absmax (the second partial).
+        let shapes = [((8, 320), 64), ((3, 70), 64), ((5, 13), 64), ((7, 96), 32), ((67, 250), 64)];
+        for (shape, block) in shapes {
             let mut x = (Tensor::randn(0f32, 1., shape, &Device::Cpu)? * 0.1)?;
             if shape.0 == 8 {
                 // a zero block (stored 0xFF), an exact-midpoint value, two values at code 15 in
