@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# Side-by-side CPU benchmark: the same LoRA job (r16, all linear, AdamW, f32, micro-batch 4,
-# rows of 256 tokens) in tallow and in PyTorch + PEFT, on a random Qwen2-shaped model, run
-# alternately in one go so both see the same machine state. Reports tokens/s (steps after the
-# first 2) and peak RSS (GNU time). Appends a dated table to benchmarks/cpu.md.
+# Side-by-side CPU benchmark: the same LoRA job (r16, all linear, AdamW, f32, no dropout) in
+# tallow and in PyTorch + PEFT, on random Qwen2-shaped models, run alternately in one go so both
+# see the same machine state, on three shapes:
+#   base:       hidden 512, 8 layers, 8/2 heads, intermediate 1408, micro-batch 4 x 256 tokens
+#   wide:       hidden 1024, 12 layers, 16/4 heads (GQA), intermediate 2816, micro-batch 2 x 512
+#   quickstart: configs/quickstart.toml (1000 steps of the embedded tiny model), wall time,
+#               against its PyTorch stand-in (scripts/make_quickstart.py --simulate)
+# Reports tokens/s (steps after the first 2) and peak RSS (GNU time), and a profile summary of
+# tallow on the base shape (top symbols, `perf`, when perf is installed). Appends a dated
+# section to benchmarks/cpu.md.
 #
 #   scripts/bench_cpu.sh                 # needs: cargo, python3 with scripts/requirements-fixtures.txt, /usr/bin/time
 #   PY=/work/pyref/bin/python scripts/bench_cpu.sh
+#   SHAPES="base wide" STEPS=6 scripts/bench_cpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -13,13 +20,30 @@ STEPS=${STEPS:-8}
 WORK=${WORK:-target/bench-cpu}
 THREADS=${THREADS:-$(nproc)}
 mkdir -p "$WORK"
+SHAPES=${SHAPES:-base wide quickstart}
 cargo build --release -q -p tallow
-if [ ! -f "$WORK/model/config.json" ]; then
-  $PY scripts/bench_peft_reference.py make-model "$WORK/model" >/dev/null
-fi
-cat > "$WORK/tallow.toml" <<TOML
+REV=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- crates || echo "+dirty")
+
+# shape name -> make-model arguments, micro-batch, row length
+shape_args() {
+  case "$1" in
+    base) echo "--hidden 512 --intermediate 1408 --layers 8 --heads 8 --kv-heads 2|4|256" ;;
+    wide) echo "--hidden 1024 --intermediate 2816 --layers 12 --heads 16 --kv-heads 4 --row-words 400|2|512" ;;
+  esac
+}
+row() { # name tokens_per_s peak_kb
+  printf '| %s | %.0f | %.0f |\n' "$1" "$2" "$(echo "$3/1024" | bc -l)"
+}
+prepare() { # shape
+  local dir="$WORK/$1" args mb seq
+  IFS='|' read -r args mb seq <<< "$(shape_args "$1")"
+  if [ ! -f "$dir/model/config.json" ]; then
+    # shellcheck disable=SC2086
+    $PY scripts/bench_peft_reference.py make-model "$dir/model" $args >/dev/null
+  fi
+  cat > "$dir/tallow.toml" <<TOML
 [model]
-path = "$WORK/model"
+path = "$dir/model"
 dtype = "f32"
 [lora]
 rank = 16
@@ -27,43 +51,80 @@ alpha = 32
 dropout = 0.0
 targets = "all-linear"
 [data]
-train = "$WORK/model/bench.jsonl"
-max_seq_len = 256
+train = "$dir/model/bench.jsonl"
+max_seq_len = $seq
 shuffle = false
 [train]
-micro_batch_size = 4
+micro_batch_size = $mb
 grad_accum = 1
 max_steps = $STEPS
 lr = 1e-4
 schedule = "constant"
-output_dir = "$WORK/run"
+output_dir = "$dir/run"
 TOML
-row() { # name tokens_per_s peak_kb
-  printf '| %s | %.0f | %.0f |\n' "$1" "$2" "$(echo "$3/1024" | bc -l)"
 }
-tallow_run() {
-  /usr/bin/time -f "%M" -o "$WORK/time" target/release/tallow train --config "$WORK/tallow.toml" --quiet >/dev/null 2>&1
+tallow_run() { # shape
+  local dir="$WORK/$1"
+  rm -rf "$dir/run"
+  /usr/bin/time -f "%M" -o "$WORK/time" target/release/tallow train --config "$dir/tallow.toml" --quiet >/dev/null 2>&1
   local tps
   tps=$($PY -c "
 import json
-rows=[json.loads(l) for l in open('$WORK/run/metrics.jsonl') if '\"loss\"' in l][2:]
+rows=[json.loads(l) for l in open('$dir/run/metrics.jsonl') if '\"loss\"' in l][2:]
 print(sum(r['tokens'] for r in rows)/sum(r['tokens']/r['tokens_per_s'] for r in rows))")
-  row "tallow $(git rev-parse --short HEAD)" "$tps" "$(cat "$WORK/time")"
+  row "$1 | tallow $REV" "$tps" "$(cat "$WORK/time")"
 }
-peft_run() {
-  /usr/bin/time -f "%M" -o "$WORK/time" $PY scripts/bench_peft_reference.py train --model "$WORK/model" \
-    --data "$WORK/model/bench.jsonl" --steps "$STEPS" --threads "$THREADS" > "$WORK/peft.json" 2>/dev/null
+peft_run() { # shape
+  local dir="$WORK/$1" args mb seq
+  IFS='|' read -r args mb seq <<< "$(shape_args "$1")"
+  /usr/bin/time -f "%M" -o "$WORK/time" $PY scripts/bench_peft_reference.py train --model "$dir/model" \
+    --data "$dir/model/bench.jsonl" --steps "$STEPS" --threads "$THREADS" --micro-batch "$mb" --seq "$seq" \
+    > "$WORK/peft.json" 2>/dev/null
   local tps
   tps=$($PY -c "import json;print(json.load(open('$WORK/peft.json'))['tokens_per_s'])")
-  row "PyTorch $($PY -c 'import torch;print(torch.__version__)') + PEFT (sdpa, $THREADS threads)" "$tps" "$(cat "$WORK/time")"
+  row "$1 | PyTorch $($PY -c 'import torch;print(torch.__version__)') + PEFT (sdpa, $THREADS threads)" "$tps" "$(cat "$WORK/time")"
 }
+quickstart_run() { # tallow | pytorch: wall seconds of the whole 1000-step job, peak RSS
+  local t0 t1
+  rm -rf runs/quickstart
+  t0=$(date +%s.%N)
+  if [ "$1" = tallow ]; then
+    /usr/bin/time -f "%M" -o "$WORK/time" target/release/tallow train --config configs/quickstart.toml --quiet >/dev/null 2>&1
+  else
+    /usr/bin/time -f "%M" -o "$WORK/time" $PY scripts/make_quickstart.py --simulate --threads "$THREADS" >/dev/null 2>&1
+  fi
+  t1=$(date +%s.%N)
+  local name="quickstart | tallow $REV"
+  [ "$1" = tallow ] || name="quickstart | PyTorch stand-in (make_quickstart.py --simulate, $THREADS threads)"
+  printf '| %s | %.1f s | %.0f |\n' "$name" "$(echo "$t1 - $t0" | bc -l)" "$(echo "$(cat "$WORK/time")/1024" | bc -l)"
+}
+for s in $SHAPES; do
+  case "$s" in base|wide) mkdir -p "$WORK/$s"; prepare "$s" ;; esac
+done
 {
   echo
   echo "### $(date -u +%Y-%m-%d) on $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
   echo
-  echo "\`scripts/bench_cpu.sh\` (STEPS=$STEPS): random Qwen2 (hidden 512, 8 layers, 8/2 heads, vocab 323, $($PY -c "import json;c=json.load(open('$WORK/model/config.json'));print(c['intermediate_size'])") intermediate), LoRA r16 all-linear, f32, micro-batch 4 x 256 tokens."
+  echo "\`SHAPES=\"$SHAPES\" STEPS=$STEPS scripts/bench_cpu.sh\`: LoRA r16 all-linear, f32, random Qwen2 models (base: hidden 512, 8 layers, 8/2 heads, 4 x 256 tokens; wide: hidden 1024, 12 layers, 16/4 heads, 2 x 512 tokens); the quickstart as wall time of its 1000 steps."
   echo
-  echo "| run | tokens/s | peak RSS (MiB) |"
-  echo "| --- | ---: | ---: |"
-  tallow_run; peft_run; tallow_run; peft_run
+  echo "| shape | run | tokens/s | peak RSS (MiB) |"
+  echo "| --- | --- | ---: | ---: |"
+  for s in $SHAPES; do
+    case "$s" in
+      base|wide) tallow_run "$s"; peft_run "$s"; tallow_run "$s"; peft_run "$s" ;;
+      quickstart) quickstart_run tallow; quickstart_run pytorch; quickstart_run tallow; quickstart_run pytorch ;;
+    esac
+  done
+  if command -v perf >/dev/null && [[ " $SHAPES " == *" base "* ]]; then
+    # Where tallow's time goes on the base shape: the top symbols by self time.
+    rm -rf "$WORK/base/run"
+    perf record -q -F 499 -o "$WORK/perf.data" target/release/tallow train --config "$WORK/base/tallow.toml" --quiet >/dev/null 2>&1 || true
+    echo
+    echo "tallow, base shape, top symbols (\`perf record\`; self time, all threads):"
+    echo
+    echo '```text'
+    perf report -i "$WORK/perf.data" --no-children --sort symbol --stdio 2>/dev/null |
+      grep -E '^ +[0-9]' | head -12 | cut -c1-110
+    echo '```'
+  fi
 } | tee -a benchmarks/cpu.md

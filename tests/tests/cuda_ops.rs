@@ -119,7 +119,11 @@ fn nf4_dequantize_kernel_allocates_only_its_output() {
             q.dequantize().unwrap(); // warm any cache
             let (out, ops) = count(n / 256, n / 2, || q.dequantize().unwrap());
             assert_eq!(out.dtype(), dtype);
-            assert_eq!(ops, (1, 0), "{dtype:?} double_quant={double_quant}: (full, small)");
+            assert_eq!(
+                ops,
+                (1, 0),
+                "{dtype:?} double_quant={double_quant}: (full, small)"
+            );
         }
     }
 }

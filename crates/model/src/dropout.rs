@@ -60,7 +60,7 @@ impl DropoutOp {
         Ok(x.contiguous()?.apply_op1(*self)?)
     }
 
-    fn run<T: Copy + Send + Sync + num_like::Scale>(&self, x: &[T]) -> Vec<T> {
+    pub(crate) fn run<T: Copy + Send + Sync + num_like::Scale>(&self, x: &[T]) -> Vec<T> {
         let (seed, threshold, scale) = (self.seed, self.threshold(), self.scale());
         let mut out = vec![T::zero(); x.len()];
         out.par_chunks_mut(1 << 14)
@@ -78,7 +78,7 @@ impl DropoutOp {
     }
 }
 
-mod num_like {
+pub(crate) mod num_like {
     /// `x * s` in the element type, as the CUDA kernel computes it (f32 multiply for f32).
     pub trait Scale: Sized {
         fn zero() -> Self;

@@ -18,6 +18,7 @@ pub mod consts;
 pub mod cuda;
 pub mod dropout;
 pub mod error;
+pub mod fused;
 pub mod generate;
 pub mod hf_keys;
 pub mod io;

@@ -95,13 +95,12 @@ impl Attention {
             ),
             _ => (q, k),
         };
-        let q = q.transpose(1, 2)?.contiguous()?; // (B, H, T, D)
-        let k = k.transpose(1, 2)?.contiguous()?; // (B, KV, T, D)
-        let v = v.transpose(1, 2)?.contiguous()?;
-        // The attention scale 1/sqrt(D) is folded into q's rotary embedding (one op, no extra
-        // tensor), so the graph keeps no unscaled (B, H, T, T) scores.
-        let q = ops::apply_rope_scaled(&q, cos, sin, 1.0 / (d as f64).sqrt())?;
-        let k = ops::apply_rope(&k, cos, sin)?;
+        // Heads moved in front of time by the rotary op itself (one pass on the CPU). The
+        // attention scale 1/sqrt(D) is folded into q's rotary embedding (no extra tensor), so
+        // the graph keeps no unscaled (B, H, T, T) scores.
+        let q = ops::rope_heads(&q, cos, sin, 1.0 / (d as f64).sqrt())?; // (B, H, T, D)
+        let k = ops::rope_heads(&k, cos, sin, 1.0)?; // (B, KV, T, D)
+        let v = v.transpose(1, 2)?.contiguous()?; // (B, KV, T, D)
         Ok((q, k, v))
     }
 
@@ -109,14 +108,20 @@ impl Attention {
         let (b, t, _) = x.dims3()?;
         let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let (q, k, v) = self.qkv(x, cos, sin)?;
-        let k = ops::repeat_kv(&k, h / kv)?; // (B, H, T, D)
-        let v = ops::repeat_kv(&v, h / kv)?;
+        // Grouped-query attention without copying k and v per query head (HF's repeat_kv):
+        // the n_rep = H / KV query heads that share a kv head are adjacent, so q viewed as
+        // (B, KV, n_rep * T, D) multiplies each kv head once, in a larger matmul.
+        let n_rep = h / kv;
+        let q = q.reshape((b, kv, n_rep * t, d))?; // (B, H, T, D) -> (B, KV, n_rep*T, D), a view
 
         // Eager attention, as HF's: scores in the compute dtype (q carries the 1/sqrt(D) scale,
         // see `qkv`), softmax in f32, cast back.
-        let scores = q.matmul(&k.t()?)?; // (B, H, T, T)
+        // Kept grouped: a reshape to (B, H, T, T) would be a graph node whose backward zeroes
+        // and adds a score-sized buffer.
+        let scores = q.matmul(&k.t()?)?; // (B, KV, n_rep*T, T)
         let probs = ops::masked_softmax(&scores, mask)?.to_dtype(v.dtype())?; // f32, cast back
-        let y = probs.matmul(&v)?; // (B, H, T, D)
+        let y = probs.matmul(&v)?; // (B, KV, n_rep*T, D)
+        let y = y.reshape((b, h, t, d))?; // (B, H, T, D)
         let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, h * d))?; // (B, T, H*D)
         self.o_proj.forward(&y)
     }
@@ -134,9 +139,9 @@ impl Mlp {
     /// x: (B, T, C) -> (B, T, C), through (B, T, I)
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let xa = adapter_input(&[&self.gate_proj, &self.up_proj], x)?; // one f32 copy of x
-        let g = self.gate_proj.forward_with(x, xa.as_ref())?.silu()?; // Candle's silu has a backward
+        let g = self.gate_proj.forward_with(x, xa.as_ref())?;
         let u = self.up_proj.forward_with(x, xa.as_ref())?;
-        self.down_proj.forward(&(g * u)?)
+        self.down_proj.forward(&ops::swiglu(&g, &u)?)
     }
 }
 

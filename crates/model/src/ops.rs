@@ -26,6 +26,14 @@ pub fn upcast(dtype: DType) -> DType {
 /// result cast back to the input dtype before the weight multiply.
 /// x: (..., C), w: (C) -> (..., C)
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    if crate::fused::supports(x) && w.dtype() == x.dtype() {
+        return Ok(crate::fused::rms_norm(x, w, eps)?); // one pass forward, one backward
+    }
+    rms_norm_generic(x, w, eps)
+}
+
+/// [`rms_norm`] from Candle tensor ops, on any device (the CUDA path).
+pub fn rms_norm_generic(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let value = rms_norm_value(&x.detach(), &w.detach(), eps)?;
     // y = cast(xn) * w, xn = xf * r, r = 1 / sqrt(mean(xf^2) + eps):
     //   dw = sum over rows of dy * cast(xn);  g = cast_up(dy * w);  dx = r * (g - xn * mean(g * xn))
@@ -75,7 +83,23 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 /// primitive version kept five score-sized f32 intermediates per layer (upcast, masked, shifted,
 /// exp, normalized).
 /// scores: (B, H, T, T), mask: (B, 1, T, T) additive (0 / -inf) -> (B, H, T, T) in the upcast dtype
+/// Grouped query heads may come as (B, KV, n_rep * T, T): row y takes mask row y mod T.
 pub fn masked_softmax(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    if crate::fused::supports(scores) && mask.dtype() == scores.dtype() {
+        return Ok(crate::fused::masked_softmax(scores, mask)?);
+    }
+    let (b, x, y, s) = scores.dims4()?;
+    let t = mask.dim(2)?;
+    if y == t {
+        return masked_softmax_generic(scores, mask);
+    }
+    // (B, KV, n_rep*T, S) -> (B, KV*n_rep, T, S) and back: views of the same buffer.
+    let p = masked_softmax_generic(&scores.reshape((b, x * y / t, t, s))?, mask)?;
+    Ok(p.reshape((b, x, y, s))?)
+}
+
+/// [`masked_softmax`] from Candle tensor ops, on any device (the CUDA path).
+pub fn masked_softmax_generic(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
     let up = upcast(scores.dtype());
     let masked = scores
         .detach()
@@ -375,6 +399,27 @@ pub fn apply_rope_scaled(x: &Tensor, cos: &Tensor, sin: &Tensor, scale: f64) -> 
         let rt = Tensor::cat(&[&z2, &z1.neg()?], D::Minus1)?;
         Ok(Some((dy.broadcast_mul(&cos)? + rt)?))
     })
+}
+
+/// Rotary embedding (times `scale`) of per-head vectors laid out (B, T, H, D) as the
+/// projections give them, returned as (B, H, T, D): on the CPU one fused pass for the transpose,
+/// the rotation and the scale (and one back); elsewhere a transposed copy then
+/// [`apply_rope_scaled`].
+/// x: (B, T, H, D), cos/sin: (B, 1, T, D) -> (B, H, T, D)
+pub fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor, scale: f64) -> Result<Tensor> {
+    if crate::fused::supports(x) && cos.dtype() == x.dtype() {
+        return Ok(crate::fused::rope_heads(x, cos, sin, scale)?);
+    }
+    apply_rope_scaled(&x.transpose(1, 2)?.contiguous()?, cos, sin, scale)
+}
+
+/// SwiGLU's gate: silu(g) * u, one fused pass on the CPU (and one back), Candle ops elsewhere.
+/// g, u: (..., I) -> (..., I)
+pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    if crate::fused::supports(g) && u.dtype() == g.dtype() {
+        return Ok(crate::fused::swiglu(g, u)?);
+    }
+    Ok((g.silu()? * u)?) // Candle's silu has a backward
 }
 
 /// The value of [`apply_rope`].

@@ -164,7 +164,15 @@ fn state_bytes(kind: OptimizerKind, n: usize) -> u64 {
 
 /// Bytes one decoder layer keeps alive for the backward, per micro-batch of `b` rows of `t`
 /// tokens, op by op as `tallow_model::model` runs them (s = model dtype bytes; LoRA runs in f32).
-pub fn layer_activation_bytes(m: &DecoderConfig, cfg: &TrainConfig, b: usize, t: usize) -> u64 {
+/// `fused`: the CPU path in f32 (`tallow_model::fused` and the one-op LoRA linear), which keeps
+/// one output per linear, norm, rotary and SwiGLU and no adapter intermediates.
+pub fn layer_activation_bytes(
+    m: &DecoderConfig,
+    cfg: &TrainConfig,
+    b: usize,
+    t: usize,
+    fused: bool,
+) -> u64 {
     let s = dtype_bytes(cfg.model.dtype);
     let cast = |n: usize| if s == 4 { 0 } else { n }; // to_dtype is free when it is a no-op
     let (c, d) = (m.hidden_size, m.head_dim);
@@ -179,6 +187,9 @@ pub fn layer_activation_bytes(m: &DecoderConfig, cfg: &TrainConfig, b: usize, t:
     // dropout op keeps no mask), x·Aᵀ and its scaled copy (r), B·(..) in f32, cast back, sum.
     let adapted = |l: &Lin| lora && targets.contains(&l.name);
     let linear = |l: &Lin, shared: bool| -> usize {
+        if fused && (adapted(l) || !l.bias) {
+            return s * l.out; // one op; its input is the previous output, A and B are params
+        }
         let mut n = s * l.out + if l.bias { s * l.out } else { 0 };
         if adapted(l) {
             n += if shared { 0 } else { cast(4 * l.inp) } + if dropout { 4 * l.inp } else { 0 };
@@ -199,17 +210,18 @@ pub fn layer_activation_bytes(m: &DecoderConfig, cfg: &TrainConfig, b: usize, t:
     if m.qk_norm {
         per_token += s * (q + kvd); // q_norm, k_norm outputs
     }
-    per_token += s * (q + 2 * kvd); // transpose(1, 2).contiguous() of q, k, v
-    per_token += s * (q + kvd); // rotary embedding of q (scaled by 1/sqrt(D)), k
-    if kv != h {
-        per_token += 2 * s * q; // repeat_kv copies of k and v to H heads
+    per_token += s * (q + 2 * kvd); // transposed q, k, v (fused: the rotary op's outputs, v)
+    if !fused {
+        per_token += s * (q + kvd); // rotary embedding of q (scaled by 1/sqrt(D)), k
     }
+    // (grouped-query heads share their kv head in the matmuls: no repeat_kv copies)
     per_token += s * q; // probs · v
     per_token += s * q; // transpose back, contiguous
     per_token += linear(&lo, false);
     per_token += s * c; // residual add
     per_token += s * c; // post_attention_layernorm output
-    per_token += group(&[&lg, &lu]) + 2 * s * m.intermediate_size; // gate, up; silu, silu(gate) * up
+                        // gate, up; silu and silu(gate) * up (fused: one SwiGLU output)
+    per_token += group(&[&lg, &lu]) + if fused { 1 } else { 2 } * s * m.intermediate_size;
     per_token += linear(&ld, false);
     per_token += s * c; // residual add
                         // Attention scores (B, H, T, T): q·kᵀ (q carries the 1/sqrt(D) scale), softmax
@@ -483,7 +495,8 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let acc_before = if cfg.train.grad_accum > 1 { acc } else { 0 };
 
     // Activations for the backward.
-    let per_layer = layer_activation_bytes(m, cfg, b, t);
+    let fused = device == "cpu" && s == 4;
+    let per_layer = layer_activation_bytes(m, cfg, b, t, fused);
     let tokens = (b * t) as u64;
     let every = cfg.train.checkpoint_every.max(1);
     let checkpointed = if cfg.train.checkpointing {
@@ -842,12 +855,22 @@ mod tests {
                 p.load.max(p.forward).max(p.backward).max(p.optimizer)
             );
         }
-        // In f32 (no CPU-only half-precision operand copies) CUDA adds exactly the context;
-        // in bf16 the CPU's f32 operand copies make the CPU's peak higher than the pool's.
+        // In f32 (no CPU-only half-precision operand copies) CUDA adds the context and the
+        // activations its unfused ops keep beyond the CPU's fused kernels (every layer kept:
+        // no checkpointing); in bf16 the CPU's f32 operand copies make the CPU's peak higher
+        // than the pool's.
         let f32 = cfg(&["model.dtype=f32"]);
         let cuda = estimate(&model(), &f32, "cuda");
         let cpu = estimate(&model(), &f32, "cpu");
-        assert_eq!(cuda.total_bytes - cpu.total_bytes, CUDA_CONTEXT_BYTES);
+        let (b, t) = (f32.train.micro_batch_size, f32.data.max_seq_len);
+        let unfused = layer_activation_bytes(&model(), &f32, b, t, false);
+        let fused = layer_activation_bytes(&model(), &f32, b, t, true);
+        assert!(fused < unfused, "the fused CPU path keeps less: {fused} vs {unfused}");
+        let layers = model().num_hidden_layers as u64;
+        assert_eq!(
+            cuda.total_bytes - cpu.total_bytes,
+            CUDA_CONTEXT_BYTES + layers * (unfused - fused)
+        );
         assert_eq!(cuda.outside_pool_bytes, CUDA_CONTEXT_BYTES);
         assert_eq!(cpu.outside_pool_bytes, 0);
         let cuda = estimate(&model(), &cfg(&[]), "cuda");

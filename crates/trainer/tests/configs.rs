@@ -135,6 +135,7 @@ fn readme_memory_column_matches_the_estimate() {
     let root = repo_root();
     let readme = std::fs::read_to_string(root.join("configs/README.md")).unwrap();
     let mut checked = 0;
+    let mut wrong = Vec::new();
     for line in readme.lines() {
         let cells: Vec<&str> = line.split('|').map(str::trim).collect();
         if cells.len() < 4 || !cells[1].starts_with("`configs/") || !cells[3].ends_with("GiB") {
@@ -150,12 +151,12 @@ fn readme_memory_column_matches_the_estimate() {
         let model = tallow_model::DecoderConfig::from_json_str(&text, &json).unwrap();
         let est = tallow_trainer::estimate::estimate(&model, &cfg, "cuda");
         let gib = format!("{:.1} GiB", est.total_bytes as f64 / (1u64 << 30) as f64);
-        assert_eq!(
-            cells[3], gib,
-            "{file}: README says {}, estimate {gib}",
-            cells[3]
-        );
+        if cells[3] != gib {
+            wrong.push(format!("{file}: README says {}, estimate {gib}", cells[3]));
+        }
         checked += 1;
     }
+    // All rows at once, so one run says everything to update in configs/README.md.
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
     assert!(checked >= 9, "only {checked} rows with a memory figure");
 }

@@ -665,9 +665,9 @@ impl Dequant {
         T: candle_core::cuda_backend::CudaDType
             + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
     {
+        use candle_core::cuda_backend::cudarc::driver::CudaView;
         use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
         use candle_core::cuda_backend::WrapErr;
-        use candle_core::cuda_backend::cudarc::driver::CudaView;
         /// The contiguous elements of a CUDA tensor.
         fn view<'a, U: candle_core::cuda_backend::CudaDType>(
             st: &'a Storage,
@@ -676,7 +676,9 @@ impl Dequant {
         ) -> candle_core::Result<CudaView<'a, U>> {
             match (st, l.contiguous_offsets()) {
                 (Storage::Cuda(c), Some((a, b))) => Ok(c.as_cuda_slice::<U>()?.slice(a..b)),
-                _ => candle_core::bail!("nf4: {what} must be a contiguous tensor on the CUDA device"),
+                _ => {
+                    candle_core::bail!("nf4: {what} must be a contiguous tensor on the CUDA device")
+                }
             }
         }
         let device = Device::Cuda(dev.clone());
@@ -693,8 +695,11 @@ impl Dequant {
                 let (st, l) = a.storage_and_layout();
                 let a = view::<f32>(&st, &l, "absmax")?;
                 self.check_len(packed.len(), a.len())?;
-                let func =
-                    dev.get_or_load_custom_func(&format!("tallow_nf4_dequant_{kernel}"), "tallow", crate::cuda::PTX)?;
+                let func = dev.get_or_load_custom_func(
+                    &format!("tallow_nf4_dequant_{kernel}"),
+                    "tallow",
+                    crate::cuda::PTX,
+                )?;
                 let mut b = func.builder();
                 b.arg(packed);
                 b.arg(&lut_v);
@@ -1002,7 +1007,13 @@ mod tests {
     #[test]
     fn generic_path_equals_cpu_kernel() -> Result<()> {
         // (67, 250): 262 blocks, two nested blocks of the absmax (the second partial).
-        let shapes = [((8, 320), 64), ((3, 70), 64), ((5, 13), 64), ((7, 96), 32), ((67, 250), 64)];
+        let shapes = [
+            ((8, 320), 64),
+            ((3, 70), 64),
+            ((5, 13), 64),
+            ((7, 96), 32),
+            ((67, 250), 64),
+        ];
         for (shape, block) in shapes {
             let mut x = (Tensor::randn(0f32, 1., shape, &Device::Cpu)? * 0.1)?;
             if shape.0 == 8 {

@@ -1,0 +1,838 @@
+//! Fused CPU kernels for the element-wise chains of a training step, each a forward / backward
+//! pair (llm.c style) behind a Candle custom op: one pass over memory forward, one backward,
+//! rayon over rows (the way the matmuls are threaded), no intermediate tensors and no copy of the
+//! value into the graph.
+//!
+//! | op | forward | backward | replaces (Candle ops, passes) |
+//! | --- | --- | --- | --- |
+//! | [`masked_softmax`] | softmax(scores + mask) per row | dS = P (dP - sum(dP P)) | mask add, softmax, copy; 3 in backward |
+//! | [`rms_norm`] | w * x / sqrt(mean(x^2) + eps) | dx = r (g - xn mean(g xn)), g = dy w | 5 + copy; 8 in backward |
+//! | [`rope_heads`] | (B, T, H, D) -> (B, H, T, D), rotary, scale | the transpose of each | transpose copy, 5 + copy; 6 |
+//! | [`swiglu`] | silu(g) * u | dg, du in one pass | 2; ~7 |
+//!
+//! They run for f32 and f64 CPU tensors; [`crate::ops`] dispatches to them there and keeps the
+//! device-generic tensor-op path for CUDA (and bf16 / f16 on the CPU) until a kernel exists. Each
+//! does the same IEEE operations in the same order as that path where it can (so f32 results
+//! agree to the last bit or within an ulp); `tests` compare the two, values and gradients, and
+//! `crate::ops`' finite-difference tests run through these kernels in f64.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+use rayon::prelude::*;
+
+type R<T> = candle_core::Result<T>;
+
+/// The float types the fused kernels compute in (f32, f64).
+pub trait Real:
+    candle_core::WithDType
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+    + std::ops::Neg<Output = Self>
+    + PartialOrd
+{
+    fn exp(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn recip(self) -> Self;
+    const NEG_INF: Self;
+}
+
+macro_rules! real {
+    ($t:ty) => {
+        impl Real for $t {
+            #[inline]
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            #[inline]
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            #[inline]
+            fn recip(self) -> Self {
+                1.0 / self
+            }
+            const NEG_INF: Self = <$t>::NEG_INFINITY;
+        }
+    };
+}
+real!(f32);
+real!(f64);
+
+/// Whether the fused kernels take a tensor of this device and dtype.
+pub fn supports(t: &Tensor) -> bool {
+    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+}
+
+/// The contiguous elements of a CPU storage.
+fn data<'a, T: Real>(s: &'a CpuStorage, l: &Layout, op: &str) -> R<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&T::cpu_storage_as_slice(s)?[a..b]),
+        None => candle_core::bail!("{op}: input must be contiguous"),
+    }
+}
+
+/// Runs `f::<f32>` or `f::<f64>` on the storage's dtype.
+macro_rules! by_dtype {
+    ($s:expr, $op:expr, $f:ident ( $($arg:expr),* )) => {
+        match $s.dtype() {
+            DType::F32 => CpuStorage::F32($f::<f32>($($arg),*)?),
+            DType::F64 => CpuStorage::F64($f::<f64>($($arg),*)?),
+            d => candle_core::bail!("{}: dtype {d:?} (f32 / f64 only)", $op),
+        }
+    };
+}
+
+/// An output buffer of `n` elements that the kernel then writes in full: not zeroed first (a
+/// zeroed allocation costs a memset, or the kernel's zeroing of fresh pages, per call).
+fn uninit<T: Real>(n: usize) -> Vec<T> {
+    let mut v = Vec::with_capacity(n);
+    // SAFETY: f32 / f64 have no invalid bit patterns, and every caller writes all n elements
+    // before the buffer is read (each kernel's loops cover its whole output).
+    #[allow(clippy::uninit_vec)]
+    unsafe {
+        v.set_len(n)
+    };
+    v
+}
+
+/// Rows per rayon task: about 16 KiB of elements, at least one row.
+fn rows_per_task(row: usize) -> usize {
+    (4096 / row.max(1)).max(1)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax over the last dim of scores + an additive mask (0 / -inf), broadcast over heads.
+
+/// softmax(scores + mask) over the last dim: scores (B, X, Y, S), mask (B, 1, T, S) with Y a
+/// multiple of T (row y of the scores takes mask row y mod T: (B, H, T, S) scores, or grouped
+/// query heads as (B, KV, n_rep * T, S)) -> the scores' shape. Same dtype (f32 / f64).
+pub fn masked_softmax(scores: &Tensor, mask: &Tensor) -> R<Tensor> {
+    scores
+        .contiguous()?
+        .apply_op2(&mask.contiguous()?, MaskedSoftmax)
+}
+
+struct MaskedSoftmax;
+
+fn softmax_fwd<T: Real>(
+    s: &[T],
+    m: &[T],
+    dims: (usize, usize, usize, usize),
+    t_mask: usize,
+) -> R<Vec<T>> {
+    let (_b, h, t, n) = dims;
+    let mut out = uninit::<T>(s.len());
+    let per = rows_per_task(n);
+    out.par_chunks_mut(per * n)
+        .zip(s.par_chunks(per * n))
+        .enumerate()
+        .for_each(|(task, (o, x))| {
+            for (k, (orow, xrow)) in o.chunks_mut(n).zip(x.chunks(n)).enumerate() {
+                let r = task * per + k; // row of (B, H, T)
+                let (bi, ti) = (r / (h * t), r % t_mask);
+                let mrow = &m[(bi * t_mask + ti) * n..][..n];
+                let mut max = T::NEG_INF;
+                for (&a, &b) in xrow.iter().zip(mrow) {
+                    let v = a + b;
+                    if v > max {
+                        max = v;
+                    }
+                }
+                let mut sum = T::zero();
+                for ((o, &a), &b) in orow.iter_mut().zip(xrow).zip(mrow) {
+                    let e = (a + b - max).exp();
+                    *o = e;
+                    sum += e;
+                }
+                for o in orow.iter_mut() {
+                    *o /= sum;
+                }
+            }
+        });
+    Ok(out)
+}
+
+impl CustomOp2 for MaskedSoftmax {
+    fn name(&self) -> &'static str {
+        "fused-masked-softmax"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &CpuStorage,
+        sl: &Layout,
+        m: &CpuStorage,
+        ml: &Layout,
+    ) -> R<(CpuStorage, Shape)> {
+        let dims = sl.shape().dims4()?;
+        let (b, _, y, n) = dims;
+        let (mb, one, t, mn) = ml.shape().dims4()?;
+        if (mb, one, mn) != (b, 1, n) || t == 0 || y % t != 0 || s.dtype() != m.dtype() {
+            candle_core::bail!(
+                "fused-masked-softmax: mask {:?} {:?} for scores {:?} {:?}",
+                ml.shape(),
+                m.dtype(),
+                sl.shape(),
+                s.dtype()
+            );
+        }
+        let out = by_dtype!(
+            s,
+            "fused-masked-softmax",
+            softmax_fwd(data(s, sl, "softmax")?, data(m, ml, "softmax")?, dims, t)
+        );
+        Ok((out, sl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        scores: &Tensor,
+        _mask: &Tensor,
+        p: &Tensor,
+        dp: &Tensor,
+    ) -> R<(Option<Tensor>, Option<Tensor>)> {
+        let ds = p.apply_op2_no_bwd(&dp.contiguous()?, &SoftmaxBwd)?;
+        Ok((Some(ds.to_dtype(scores.dtype())?), None))
+    }
+}
+
+/// dS = P * (dP - sum(dP * P)) per row.
+struct SoftmaxBwd;
+
+fn softmax_bwd<T: Real>(p: &[T], dp: &[T], n: usize) -> R<Vec<T>> {
+    let mut out = uninit::<T>(p.len());
+    let per = rows_per_task(n);
+    out.par_chunks_mut(per * n)
+        .zip(p.par_chunks(per * n).zip(dp.par_chunks(per * n)))
+        .for_each(|(o, (p, dp))| {
+            for ((orow, prow), drow) in o.chunks_mut(n).zip(p.chunks(n)).zip(dp.chunks(n)) {
+                let mut dot = T::zero();
+                for (&a, &b) in drow.iter().zip(prow) {
+                    dot += a * b;
+                }
+                for ((o, &pv), &dv) in orow.iter_mut().zip(prow).zip(drow) {
+                    *o = pv * (dv - dot);
+                }
+            }
+        });
+    Ok(out)
+}
+
+impl CustomOp2 for SoftmaxBwd {
+    fn name(&self) -> &'static str {
+        "fused-masked-softmax-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        p: &CpuStorage,
+        pl: &Layout,
+        dp: &CpuStorage,
+        dl: &Layout,
+    ) -> R<(CpuStorage, Shape)> {
+        let n = pl.shape().dims().last().copied().unwrap_or(1);
+        if pl.shape() != dl.shape() || p.dtype() != dp.dtype() {
+            candle_core::bail!(
+                "fused-masked-softmax-bwd: dP {:?} for P {:?}",
+                dl.shape(),
+                pl.shape()
+            );
+        }
+        let out = by_dtype!(
+            p,
+            "fused-masked-softmax-bwd",
+            softmax_bwd(data(p, pl, "softmax-bwd")?, data(dp, dl, "softmax-bwd")?, n)
+        );
+        Ok((out, pl.shape().clone()))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm: y = w * (x / sqrt(mean(x^2) + eps)) over the last dim.
+
+/// x: (..., C), w: (C) -> (..., C), same dtype (f32 / f64). The gradient of w, when w is
+/// trained, comes from the tensor-op formula (LoRA leaves the norms frozen).
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> R<Tensor> {
+    x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps })
+}
+
+struct RmsNorm {
+    eps: f64,
+}
+
+fn rms_fwd<T: Real>(x: &[T], w: &[T], eps: f64) -> R<Vec<T>> {
+    let c = w.len();
+    let mut out = uninit::<T>(x.len());
+    let per = rows_per_task(c);
+    // Candle's mean: the sum times 1 / C.
+    let (eps, inv_n) = (T::from_f64(eps), T::from_f64(1.0 / c as f64));
+    out.par_chunks_mut(per * c)
+        .zip(x.par_chunks(per * c))
+        .for_each(|(o, x)| {
+            for (orow, xrow) in o.chunks_mut(c).zip(x.chunks(c)) {
+                let mut ss = T::zero();
+                for &v in xrow {
+                    ss += v * v;
+                }
+                let s = (ss * inv_n + eps).sqrt();
+                for ((o, &v), &wv) in orow.iter_mut().zip(xrow).zip(w) {
+                    *o = v / s * wv;
+                }
+            }
+        });
+    Ok(out)
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "fused-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+    ) -> R<(CpuStorage, Shape)> {
+        let c = xl.shape().dims().last().copied().unwrap_or(0);
+        if wl.shape().dims() != [c] || x.dtype() != w.dtype() {
+            candle_core::bail!(
+                "fused-rms-norm: weight {:?} {:?} for input {:?} {:?}",
+                wl.shape(),
+                w.dtype(),
+                xl.shape(),
+                x.dtype()
+            );
+        }
+        let out = by_dtype!(
+            x,
+            "fused-rms-norm",
+            rms_fwd(data(x, xl, "rms-norm")?, data(w, wl, "rms-norm")?, self.eps)
+        );
+        Ok((out, xl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> R<(Option<Tensor>, Option<Tensor>)> {
+        let dx = x.apply_op3_no_bwd(w, &dy.contiguous()?, &RmsNormBwd { eps: self.eps })?;
+        let dw = if w.track_op() {
+            // sum over rows of dy * xn
+            let c = w.elem_count();
+            let r =
+                ((x.sqr()?.mean_keepdim(candle_core::D::Minus1)? + self.eps)?.sqrt()?).recip()?;
+            let xn = x.broadcast_mul(&r)?;
+            Some((dy * xn)?.reshape(((), c))?.sum(0)?.detach())
+        } else {
+            None
+        };
+        Ok((Some(dx), dw))
+    }
+}
+
+/// dx = r * (g - xn * mean(g * xn)), g = dy * w, xn = x * r, r = 1 / sqrt(mean(x^2) + eps).
+struct RmsNormBwd {
+    eps: f64,
+}
+
+fn rms_bwd<T: Real>(x: &[T], w: &[T], dy: &[T], eps: f64) -> R<Vec<T>> {
+    let c = w.len();
+    let mut out = uninit::<T>(x.len());
+    let per = rows_per_task(c);
+    let (eps, inv_n) = (T::from_f64(eps), T::from_f64(1.0 / c as f64));
+    out.par_chunks_mut(per * c)
+        .zip(x.par_chunks(per * c).zip(dy.par_chunks(per * c)))
+        .for_each(|(o, (x, dy))| {
+            for ((orow, xrow), drow) in o.chunks_mut(c).zip(x.chunks(c)).zip(dy.chunks(c)) {
+                let mut ss = T::zero();
+                for &v in xrow {
+                    ss += v * v;
+                }
+                let r = (ss * inv_n + eps).sqrt().recip();
+                let mut dot = T::zero();
+                for ((&v, &d), &wv) in xrow.iter().zip(drow).zip(w) {
+                    dot += d * wv * (v * r);
+                }
+                let mean = dot * inv_n;
+                for (((o, &v), &d), &wv) in orow.iter_mut().zip(xrow).zip(drow).zip(w) {
+                    *o = (d * wv - v * r * mean) * r;
+                }
+            }
+        });
+    Ok(out)
+}
+
+impl CustomOp3 for RmsNormBwd {
+    fn name(&self) -> &'static str {
+        "fused-rms-norm-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+        dy: &CpuStorage,
+        dl: &Layout,
+    ) -> R<(CpuStorage, Shape)> {
+        if xl.shape() != dl.shape() || x.dtype() != dy.dtype() {
+            candle_core::bail!(
+                "fused-rms-norm-bwd: dy {:?} for x {:?}",
+                dl.shape(),
+                xl.shape()
+            );
+        }
+        let out = by_dtype!(
+            x,
+            "fused-rms-norm-bwd",
+            rms_bwd(
+                data(x, xl, "rms-norm-bwd")?,
+                data(w, wl, "rms-norm-bwd")?,
+                data(dy, dl, "rms-norm-bwd")?,
+                self.eps
+            )
+        );
+        Ok((out, xl.shape().clone()))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rotary embedding with the head transpose: (B, T, H, D) -> (B, H, T, D).
+
+/// `scale * (x * cos + rotate_half(x) * sin)` with the heads moved in front of time, in one pass:
+/// x (B, T, H, D) contiguous, cos / sin (B, 1, T, D) -> (B, H, T, D). Same dtype (f32 / f64).
+pub fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor, scale: f64) -> R<Tensor> {
+    let tables = Tensor::stack(&[cos.contiguous()?, sin.contiguous()?], 0)?.detach(); // (2, B, 1, T, D)
+    x.contiguous()?.apply_op2(
+        &tables,
+        Rope {
+            scale,
+            backward: false,
+        },
+    )
+}
+
+/// Forward: x (B, T, H, D) -> (B, H, T, D). Backward (`backward`): dy (B, H, T, D) -> dx
+/// (B, T, H, D), dx = scale * (dy * cos + R^T(dy * sin)), R^T([z1, z2]) = [z2, -z1].
+struct Rope {
+    scale: f64,
+    backward: bool,
+}
+
+fn rope_run<T: Real>(
+    x: &[T],
+    cs: &[T],
+    dims: (usize, usize, usize, usize),
+    scale: f64,
+    backward: bool,
+) -> R<Vec<T>> {
+    // Forward: x is (B, T, H, D), out (B, H, T, D); backward: x is (B, H, T, D), out (B, T, H, D).
+    let (b, t, h, d) = dims;
+    let half = d / 2;
+    let (cos, sin) = cs.split_at(b * t * d);
+    let scale = T::from_f64(scale);
+    let one = scale == T::one();
+    let mut out = uninit::<T>(x.len());
+    // One task per output (b, outer) row block of D-vectors.
+    out.par_chunks_mut(d).enumerate().for_each(|(row, o)| {
+        // Output row index -> (bi, hi, ti) and the input row.
+        let (bi, ti, src) = if backward {
+            // out (B, T, H, D): row = (bi * t + ti) * h + hi; input (B, H, T, D)
+            let (bt, hi) = (row / h, row % h);
+            let (bi, ti) = (bt / t, bt % t);
+            (bi, ti, ((bi * h + hi) * t + ti) * d)
+        } else {
+            // out (B, H, T, D): row = (bi * h + hi) * t + ti; input (B, T, H, D)
+            let (bh, ti) = (row / t, row % t);
+            let (bi, hi) = (bh / h, bh % h);
+            (bi, ti, ((bi * t + ti) * h + hi) * d)
+        };
+        let xr = &x[src..src + d];
+        let c = &cos[(bi * t + ti) * d..][..d];
+        let s = &sin[(bi * t + ti) * d..][..d];
+        if !backward {
+            for k in 0..d {
+                let rot = if k < half {
+                    -xr[k + half]
+                } else {
+                    xr[k - half]
+                };
+                let v = xr[k] * c[k] + rot * s[k];
+                o[k] = if one { v } else { v * scale };
+            }
+        } else {
+            for k in 0..d {
+                let g = |j: usize| if one { xr[j] } else { xr[j] * scale };
+                let rt = if k < half {
+                    g(k + half) * s[k + half]
+                } else {
+                    -(g(k - half) * s[k - half])
+                };
+                o[k] = g(k) * c[k] + rt;
+            }
+        }
+    });
+    Ok(out)
+}
+
+impl CustomOp2 for Rope {
+    fn name(&self) -> &'static str {
+        "fused-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        cs: &CpuStorage,
+        cl: &Layout,
+    ) -> R<(CpuStorage, Shape)> {
+        let (b, t, h, d) = if self.backward {
+            let (b, h, t, d) = xl.shape().dims4()?;
+            (b, t, h, d)
+        } else {
+            xl.shape().dims4()?
+        };
+        if cl.shape().dims() != [2, b, 1, t, d] || x.dtype() != cs.dtype() || d % 2 != 0 {
+            candle_core::bail!(
+                "fused-rope: tables {:?} {:?} for x {:?} {:?}",
+                cl.shape(),
+                cs.dtype(),
+                xl.shape(),
+                x.dtype()
+            );
+        }
+        let out = by_dtype!(
+            x,
+            "fused-rope",
+            rope_run(
+                data(x, xl, "rope")?,
+                data(cs, cl, "rope")?,
+                (b, t, h, d),
+                self.scale,
+                self.backward
+            )
+        );
+        let shape = if self.backward {
+            Shape::from((b, t, h, d))
+        } else {
+            Shape::from((b, h, t, d))
+        };
+        Ok((out, shape))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        tables: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> R<(Option<Tensor>, Option<Tensor>)> {
+        let dx = dy.contiguous()?.apply_op2_no_bwd(
+            tables,
+            &Rope {
+                scale: self.scale,
+                backward: true,
+            },
+        )?;
+        Ok((Some(dx), None))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU: silu(g) * u.
+
+/// silu(g) * u, g and u the same shape and dtype (f32 / f64).
+pub fn swiglu(g: &Tensor, u: &Tensor) -> R<Tensor> {
+    g.contiguous()?.apply_op2(&u.contiguous()?, SwiGlu)
+}
+
+struct SwiGlu;
+
+/// Candle's silu: v / (1 + exp(-v)).
+#[inline]
+fn silu<T: Real>(v: T) -> T {
+    v / (T::one() + (-v).exp())
+}
+
+const CHUNK: usize = 8192;
+
+fn swiglu_fwd<T: Real>(g: &[T], u: &[T]) -> R<Vec<T>> {
+    let mut out = uninit::<T>(g.len());
+    out.par_chunks_mut(CHUNK)
+        .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
+        .for_each(|(o, (g, u))| {
+            for ((o, &gv), &uv) in o.iter_mut().zip(g).zip(u) {
+                *o = silu(gv) * uv;
+            }
+        });
+    Ok(out)
+}
+
+impl CustomOp2 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "fused-swiglu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        g: &CpuStorage,
+        gl: &Layout,
+        u: &CpuStorage,
+        ul: &Layout,
+    ) -> R<(CpuStorage, Shape)> {
+        if gl.shape() != ul.shape() || g.dtype() != u.dtype() {
+            candle_core::bail!(
+                "fused-swiglu: up {:?} for gate {:?}",
+                ul.shape(),
+                gl.shape()
+            );
+        }
+        let out = by_dtype!(
+            g,
+            "fused-swiglu",
+            swiglu_fwd(data(g, gl, "swiglu")?, data(u, ul, "swiglu")?)
+        );
+        Ok((out, gl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        g: &Tensor,
+        u: &Tensor,
+        _h: &Tensor,
+        dh: &Tensor,
+    ) -> R<(Option<Tensor>, Option<Tensor>)> {
+        let both = g.apply_op3_no_bwd(u, &dh.contiguous()?, &SwiGluBwd)?; // (2, ...): dg, du
+        Ok((Some(both.get(0)?), Some(both.get(1)?)))
+    }
+}
+
+/// dg = dh * u * (s * (1 - silu(g)) + silu(g)) (Candle's silu derivative), du = dh * silu(g),
+/// s = sigmoid(g); written as one (2, ...) tensor.
+struct SwiGluBwd;
+
+fn swiglu_bwd<T: Real>(g: &[T], u: &[T], dh: &[T]) -> R<Vec<T>> {
+    let n = g.len();
+    let mut out = uninit::<T>(2 * n);
+    let (dg, du) = out.split_at_mut(n);
+    dg.par_chunks_mut(CHUNK)
+        .zip(du.par_chunks_mut(CHUNK))
+        .zip(
+            g.par_chunks(CHUNK)
+                .zip(u.par_chunks(CHUNK))
+                .zip(dh.par_chunks(CHUNK)),
+        )
+        .for_each(|((dg, du), ((g, u), dh))| {
+            for i in 0..g.len() {
+                let s = (T::one() + (-g[i]).exp()).recip();
+                let y = silu(g[i]);
+                du[i] = dh[i] * y;
+                dg[i] = dh[i] * u[i] * (s * (T::one() - y) + y);
+            }
+        });
+    Ok(out)
+}
+
+impl CustomOp3 for SwiGluBwd {
+    fn name(&self) -> &'static str {
+        "fused-swiglu-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        g: &CpuStorage,
+        gl: &Layout,
+        u: &CpuStorage,
+        ul: &Layout,
+        dh: &CpuStorage,
+        dl: &Layout,
+    ) -> R<(CpuStorage, Shape)> {
+        if gl.shape() != ul.shape() || gl.shape() != dl.shape() {
+            candle_core::bail!(
+                "fused-swiglu-bwd: shapes {:?} {:?} {:?}",
+                gl.shape(),
+                ul.shape(),
+                dl.shape()
+            );
+        }
+        let out = by_dtype!(
+            g,
+            "fused-swiglu-bwd",
+            swiglu_bwd(
+                data(g, gl, "swiglu-bwd")?,
+                data(u, ul, "swiglu-bwd")?,
+                data(dh, dl, "swiglu-bwd")?
+            )
+        );
+        let mut dims = vec![2];
+        dims.extend_from_slice(gl.shape().dims());
+        Ok((out, Shape::from(dims)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops;
+    use candle_core::{Device, Var};
+
+    /// Values and gradients (of every tracked input) of `f` on the inputs, for a fixed
+    /// random upstream gradient.
+    fn value_and_grads(
+        f: &dyn Fn(&[Tensor]) -> crate::Result<Tensor>,
+        inputs: &[Var],
+    ) -> Vec<Tensor> {
+        let ts: Vec<Tensor> = inputs.iter().map(|v| v.as_tensor().clone()).collect();
+        let y = f(&ts).unwrap();
+        let probe = var(y.dims(), y.dtype(), 99).as_tensor().clone(); // the same for both paths
+        let g = (&y * &probe)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let mut out = vec![y];
+        for v in inputs {
+            out.push(g.get(v).expect("gradient").clone());
+        }
+        out
+    }
+
+    /// Largest |a - b| / (1 + |b|) over pairs of tensors.
+    fn rel_err(a: &[Tensor], b: &[Tensor]) -> f64 {
+        a.iter()
+            .zip(b)
+            .map(|(a, b)| {
+                assert_eq!(a.dims(), b.dims());
+                let a = a
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f64>()
+                    .unwrap();
+                let b = b
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f64>()
+                    .unwrap();
+                a.iter()
+                    .zip(&b)
+                    .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+                    .fold(0.0, f64::max)
+            })
+            .fold(0.0, f64::max)
+    }
+
+    fn var(shape: &[usize], dtype: DType, seed: u64) -> Var {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let n: usize = shape.iter().product();
+        let v: Vec<f64> = (0..n).map(|_| rng.random::<f64>() * 2.0 - 1.0).collect();
+        let t = Tensor::from_vec(v, shape, &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        Var::from_tensor(&t).unwrap()
+    }
+
+    /// Each fused kernel against the tensor-op path it replaces, value and gradients, in f32
+    /// (tolerance 1e-5 relative: a few ulps of reordered sums; a wrong term, index or sign is
+    /// O(1e-1)) and f64 (1e-12).
+    #[test]
+    fn fused_kernels_match_the_tensor_op_paths() {
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
+            // RMSNorm: x (2, 5, 48), w (48)
+            let (x, w) = (var(&[2, 5, 48], dtype, 1), var(&[48], dtype, 2));
+            let fused = value_and_grads(
+                &|t| ops::rms_norm(&t[0], &t[1], 1e-6),
+                &[x.clone(), w.clone()],
+            );
+            let generic = value_and_grads(&|t| ops::rms_norm_generic(&t[0], &t[1], 1e-6), &[x, w]);
+            for i in 0..3 {
+                let e = rel_err(&fused[i..i + 1], &generic[i..i + 1]);
+                assert!(e < tol, "{dtype:?} rms_norm output {i}: {e}");
+            }
+
+            // Masked softmax: scores (2, 3, 6, 6), a packed-rows causal mask
+            let s = var(&[2, 3, 6, 6], dtype, 3);
+            let segments = vec![vec![0, 0, 0, 1, 1, 1], vec![0; 6]];
+            let mask = ops::attention_mask(&segments, Some(4), dtype, &Device::Cpu).unwrap();
+            let fused = value_and_grads(
+                &|t| ops::masked_softmax(&t[0], &mask),
+                std::slice::from_ref(&s),
+            );
+            let generic = value_and_grads(&|t| ops::masked_softmax_generic(&t[0], &mask), &[s]);
+            let e = rel_err(&fused, &generic);
+            assert!(e < tol, "{dtype:?} masked_softmax: {e}");
+            // Grouped query heads: (2, 3, 2 * 6, 6) scores, row y takes mask row y mod 6.
+            let s = var(&[2, 3, 12, 6], dtype, 7);
+            let fused = value_and_grads(
+                &|t| ops::masked_softmax(&t[0], &mask),
+                std::slice::from_ref(&s),
+            );
+            let generic = value_and_grads(
+                &|t| {
+                    Ok(
+                        ops::masked_softmax_generic(&t[0].reshape((2, 6, 6, 6))?, &mask)?
+                            .reshape((2, 3, 12, 6))?,
+                    )
+                },
+                &[s],
+            );
+            let e = rel_err(&fused, &generic);
+            assert!(e < tol, "{dtype:?} grouped masked_softmax: {e}");
+
+            // Rotary with the head transpose: x (2, 5, 3, 8) -> (2, 3, 5, 8), scaled and not
+            let x = var(&[2, 5, 3, 8], dtype, 4);
+            let pos = Tensor::new(&[[0u32, 1, 2, 0, 1], [0, 1, 2, 3, 4]], &Device::Cpu).unwrap();
+            let inv = ops::rope_inv_freq(8, 10000.0, None);
+            let (cos, sin) = ops::rope_tables(&pos, &inv, dtype).unwrap();
+            for scale in [1.0, 0.35] {
+                let fused = value_and_grads(
+                    &|t| ops::rope_heads(&t[0], &cos, &sin, scale),
+                    std::slice::from_ref(&x),
+                );
+                let generic = value_and_grads(
+                    &|t| {
+                        ops::apply_rope_scaled(
+                            &t[0].transpose(1, 2)?.contiguous()?,
+                            &cos,
+                            &sin,
+                            scale,
+                        )
+                    },
+                    std::slice::from_ref(&x),
+                );
+                let e = rel_err(&fused, &generic);
+                assert!(e < tol, "{dtype:?} rope scale {scale}: {e}");
+            }
+
+            // SwiGLU: g, u (3, 7, 40)
+            let (g, u) = (var(&[3, 7, 40], dtype, 5), var(&[3, 7, 40], dtype, 6));
+            let fused = value_and_grads(&|t| ops::swiglu(&t[0], &t[1]), &[g.clone(), u.clone()]);
+            let generic = value_and_grads(&|t| Ok((t[0].silu()? * &t[1])?), &[g, u]);
+            let e = rel_err(&fused, &generic);
+            assert!(e < tol, "{dtype:?} swiglu: {e}");
+        }
+    }
+
+    #[test]
+    fn the_fused_ops_take_f32_and_f64_on_the_cpu_only() {
+        let x = Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap();
+        assert!(supports(&x));
+        assert!(supports(&x.to_dtype(DType::F64).unwrap()));
+        assert!(!supports(&x.to_dtype(DType::BF16).unwrap()));
+    }
+}
