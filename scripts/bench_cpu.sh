@@ -117,14 +117,16 @@ done
   done
   if command -v perf >/dev/null && [[ " $SHAPES " == *" base "* ]]; then
     # Where tallow's time goes on the base shape: the top symbols by self time.
+    # (the profiling profile: release with symbols)
+    cargo build --profile profiling -q -p tallow
     rm -rf "$WORK/base/run"
-    perf record -q -F 499 -o "$WORK/perf.data" target/release/tallow train --config "$WORK/base/tallow.toml" --quiet >/dev/null 2>&1 || true
+    perf record -q -F 499 -o "$WORK/perf.data" target/profiling/tallow train --config "$WORK/base/tallow.toml" --quiet >/dev/null 2>&1 || true
     echo
     echo "tallow, base shape, top symbols (\`perf record\`; self time, all threads):"
     echo
     echo '```text'
     perf report -i "$WORK/perf.data" --no-children --sort symbol --stdio 2>/dev/null |
-      grep -E '^ +[0-9]' | head -12 | cut -c1-110
+      grep -E '^ +[0-9]' | head -12 | cut -c1-110 | sed 's/ *$//' 
     echo '```'
   fi
 } | tee -a benchmarks/cpu.md

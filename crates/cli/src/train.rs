@@ -13,6 +13,8 @@ use crate::device::parse_device;
 
 pub fn run(a: TrainArgs) -> Result<()> {
     let cfg = TrainConfig::load(&a.config, &a.sets)?;
+    // Before the first tensor op: every CPU pool takes train.threads (default physical cores).
+    tallow_trainer::threads::apply(cfg.train.threads);
     let device = parse_device(&cfg.train.device).context("train.device")?;
     let limit = match &a.memory_limit {
         Some(l) => Some(parse_bytes(l).map_err(|e| anyhow::anyhow!("--memory-limit {e}"))?),

@@ -258,6 +258,10 @@ pub struct TrainSection {
     /// the f32 LoRA A/B products (10-bit mantissa inputs, f32 accumulation, as PyTorch's
     /// `allow_tf32`). bf16 / f16 matmuls are unaffected; no effect on the CPU.
     pub tf32: bool,
+    /// CPU threads for the matmuls (gemm on rayon), tallow's fused kernels (rayon) and Candle's
+    /// element-wise pool alike; 0 (default) = the number of physical cores, as PyTorch's
+    /// `torch.get_num_threads()`. `RAYON_NUM_THREADS` / `CANDLE_NUM_THREADS`, when set, win.
+    pub threads: usize,
 }
 
 impl Default for LoraSection {
@@ -694,6 +698,7 @@ struct RawTrain {
     checkpointing: bool,
     checkpoint_every: usize,
     tf32: bool,
+    threads: usize,
 }
 
 impl Default for RawTrain {
@@ -721,6 +726,7 @@ impl Default for RawTrain {
             checkpointing: false,
             checkpoint_every: 1,
             tf32: true,
+            threads: 0,
         }
     }
 }
@@ -772,6 +778,7 @@ impl RawTrain {
             checkpointing: self.checkpointing,
             checkpoint_every: self.checkpoint_every,
             tf32: self.tf32,
+            threads: self.threads,
         }
     }
 }
@@ -871,6 +878,7 @@ impl From<&TrainConfig> for RawConfig {
                 checkpointing: t.checkpointing,
                 checkpoint_every: t.checkpoint_every,
                 tf32: t.tf32,
+                threads: t.threads,
             },
         }
     }
@@ -976,6 +984,7 @@ const SECTIONS: [(&str, &[(&str, Kind)]); 4] = [
             ("checkpointing", Kind::Bool),
             ("checkpoint_every", Kind::Uint),
             ("tf32", Kind::Bool),
+            ("threads", Kind::Uint),
         ],
     ),
 ];
@@ -1724,7 +1733,8 @@ mod tests {
             "configs/x.toml: unknown key `train.learning_rate`; did you mean `train.lr`? valid keys \
              in [train]: method, micro_batch_size, grad_accum, max_steps, epochs, optimizer, lr, \
              weight_decay, betas, eps, schedule, warmup_steps, max_grad_norm, seed, device, \
-             output_dir, log_every, eval_every, save_every, checkpointing, checkpoint_every, tf32"
+             output_dir, log_every, eval_every, save_every, checkpointing, checkpoint_every, tf32, \
+             threads"
         );
         // A typo, by edit distance.
         let e = err(&format!("{MINIMAL}[lora]\nrnak = 8\n"), &[]);

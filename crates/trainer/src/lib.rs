@@ -18,6 +18,7 @@ pub mod memory;
 pub mod opcount;
 pub mod optim;
 pub mod schedule;
+pub mod threads;
 pub mod tokenizer;
 pub mod train;
 

@@ -1,0 +1,52 @@
+//! `train.threads`: one thread count for every CPU pool a step uses: the matmuls (the `gemm`
+//! crate on rayon's global pool, sized by Candle from `RAYON_NUM_THREADS`), tallow's fused
+//! kernels (rayon) and Candle's element-wise barrier pool (`CANDLE_NUM_THREADS`). Applied once,
+//! before the first tensor op of a command.
+
+/// The thread count: `RAYON_NUM_THREADS` when set (> 0), else `configured` when > 0, else the
+/// number of physical cores (Candle's default, and PyTorch's `torch.get_num_threads()`).
+pub fn resolve(configured: usize, rayon_env: Option<&str>, physical: usize) -> usize {
+    rayon_env
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .or((configured > 0).then_some(configured))
+        .unwrap_or(physical)
+        .max(1)
+}
+
+/// Sizes the pools for `configured` threads (0 = physical cores) and returns the count used.
+/// Must run before any tensor op: Candle reads the variables when its pools start.
+pub fn apply(configured: usize) -> usize {
+    let rayon_env = std::env::var("RAYON_NUM_THREADS").ok();
+    // Without RAYON_NUM_THREADS, Candle's count is the physical cores.
+    let physical = if rayon_env.is_some() {
+        1
+    } else {
+        candle_core::utils::get_num_threads()
+    };
+    let n = resolve(configured, rayon_env.as_deref(), physical);
+    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
+    }
+    // Fails only when the global pool already runs (then its size stands).
+    let _ = rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global();
+    n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_environment_wins_then_the_config_then_physical_cores() {
+        assert_eq!(resolve(0, None, 8), 8, "default: physical cores");
+        assert_eq!(resolve(3, None, 8), 3, "train.threads");
+        assert_eq!(resolve(3, Some("5"), 8), 5, "RAYON_NUM_THREADS wins");
+        assert_eq!(resolve(3, Some("0"), 8), 3, "RAYON_NUM_THREADS=0 means unset");
+        assert_eq!(resolve(0, Some("x"), 8), 8, "unparsable: ignored");
+        assert_eq!(resolve(0, None, 0), 1, "at least one");
+    }
+}
