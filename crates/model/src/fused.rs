@@ -86,7 +86,7 @@ macro_rules! by_dtype {
 
 /// An output buffer of `n` elements that the kernel then writes in full: not zeroed first (a
 /// zeroed allocation costs a memset, or the kernel's zeroing of fresh pages, per call).
-fn uninit<T: Real>(n: usize) -> Vec<T> {
+pub(crate) fn uninit<T: Real>(n: usize) -> Vec<T> {
     let mut v = Vec::with_capacity(n);
     // SAFETY: f32 / f64 have no invalid bit patterns, and every caller writes all n elements
     // before the buffer is read (each kernel's loops cover its whole output).

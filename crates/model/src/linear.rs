@@ -303,112 +303,120 @@ fn cpu_weight(base: &Base) -> candle_core::Result<Tensor> {
     }
 }
 
-/// `a` (M, K) contiguous at `offset` times `b` (N, K, layout `bl`) transposed -> (M, N), as an
-/// owned buffer.
-fn mm_t(
-    a: &CpuStorage,
-    offset: usize,
-    (m, k): (usize, usize),
-    b: &CpuStorage,
-    bl: &Layout,
-) -> candle_core::Result<CpuStorage> {
-    let (n, _) = bl.shape().dims2()?;
-    let al = Layout::contiguous_with_offset((m, k), offset);
-    a.matmul(b, (1, m, n, k), &al, &bl.transpose(0, 1)?)
-}
-
-/// `a` (M, K) contiguous at `offset` times `b` (K, N, layout `bl`) -> (M, N).
-fn mm(
-    a: &CpuStorage,
-    offset: usize,
-    (m, k): (usize, usize),
-    b: &CpuStorage,
-    bl: &Layout,
-) -> candle_core::Result<CpuStorage> {
-    let (_, n) = bl.shape().dims2()?;
-    let al = Layout::contiguous_with_offset((m, k), offset);
-    a.matmul(b, (1, m, n, k), &al, bl)
-}
-
-/// The CPU storage of a tensor, with its layout, for the matmuls above.
-macro_rules! cpu_storage {
-    ($t:expr, $guard:ident, $s:ident, $l:ident) => {
-        let $guard = $t.storage_and_layout();
-        let Storage::Cpu($s) = &*$guard.0 else {
-            candle_core::bail!("lora linear: a weight is not on the CPU");
-        };
-        let $l = $guard.1.clone();
+/// `dst (M, N) := [dst +] beta * lhs (M, K) * rhs`, row-major buffers, with `rhs` given as a
+/// row-major (N, K) matrix used transposed (`rhs_t`) or a row-major (K, N) one. `read_dst`
+/// false: dst's old contents are ignored (it may be uninitialized). Candle's own CPU matmul
+/// kernel (`gemm`), on as many threads as Candle gives it.
+#[allow(clippy::too_many_arguments)]
+fn gemm_into<T: crate::fused::Real>(
+    dst: &mut [T],
+    read_dst: bool,
+    lhs: &[T],
+    rhs: &[T],
+    rhs_t: bool,
+    (m, n, k): (usize, usize, usize),
+    beta: T,
+) {
+    assert!(dst.len() >= m * n && lhs.len() >= m * k && rhs.len() >= n * k);
+    let (rhs_cs, rhs_rs) = if rhs_t {
+        (k as isize, 1)
+    } else {
+        (1, n as isize)
     };
-}
-
-/// y[i, j] += extra[i, j] (* scale) (+ bias[j]), in place, rows in parallel.
-fn add_rows<T: crate::fused::Real>(y: &mut [T], extra: &[T], bias: Option<&[T]>, n: usize) {
-    use rayon::prelude::*;
-    y.par_chunks_mut(n)
-        .zip(extra.par_chunks(n))
-        .for_each(|(yr, er)| match bias {
-            Some(b) => yr
-                .iter_mut()
-                .zip(er)
-                .zip(b)
-                .for_each(|((y, &e), &b)| *y = *y + e + b),
-            None => yr.iter_mut().zip(er).for_each(|(y, &e)| *y += e),
-        });
-}
-
-/// `y += extra (+ bias)` on two CPU storages of the same float dtype.
-fn add_into(
-    y: &mut CpuStorage,
-    extra: &CpuStorage,
-    bias: Option<&Tensor>,
-    n: usize,
-) -> candle_core::Result<()> {
-    let bias_guard = bias.map(|b| b.storage_and_layout());
-    macro_rules! go {
-        ($t:ty, $v:ident) => {{
-            let e = <$t as candle_core::WithDType>::cpu_storage_as_slice(extra)?;
-            let b = match &bias_guard {
-                Some((st, _)) => match &**st {
-                    Storage::Cpu(c) => {
-                        Some(<$t as candle_core::WithDType>::cpu_storage_as_slice(c)?)
-                    }
-                    _ => candle_core::bail!("lora linear: bias is not on the CPU"),
-                },
-                None => None,
-            };
-            add_rows::<$t>($v, e, b, n);
-        }};
+    let threads = candle_core::utils::get_num_threads();
+    let par = if threads > 1 && m * n * k >= 64 * 64 * 64 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the lengths are checked above and the strides describe row-major (M, K), (M, N)
+    // and (N, K) / (K, N) buffers inside them; T is f32 or f64 (gemm panics on other types).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            read_dst,
+            lhs.as_ptr(),
+            1,
+            k as isize,
+            rhs.as_ptr(),
+            rhs_cs,
+            rhs_rs,
+            T::one(),
+            beta,
+            false,
+            false,
+            false,
+            par,
+        )
     }
-    match y {
-        CpuStorage::F32(v) => go!(f32, v),
-        CpuStorage::F64(v) => go!(f64, v),
-        _ => candle_core::bail!("lora linear: f32 / f64 only"),
-    }
-    Ok(())
 }
 
-/// s · x in place.
-fn scale_in_place(x: &mut CpuStorage, s: f64) -> candle_core::Result<()> {
-    match x {
-        CpuStorage::F32(v) => v.iter_mut().for_each(|e| *e *= s as f32),
-        CpuStorage::F64(v) => v.iter_mut().for_each(|e| *e *= s),
-        _ => candle_core::bail!("lora linear: f32 / f64 only"),
-    }
-    Ok(())
+/// The contiguous elements of a tensor on the CPU, for `f` (the storage guard lives meanwhile).
+fn with_cpu_slice<T: crate::fused::Real, R>(
+    t: &Tensor,
+    f: impl FnOnce(&[T]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let (st, l) = t.storage_and_layout();
+    let Storage::Cpu(c) = &*st else {
+        candle_core::bail!("lora linear: a weight is not on the CPU");
+    };
+    let Some((a, b)) = l.contiguous_offsets() else {
+        candle_core::bail!("lora linear: a weight is not contiguous");
+    };
+    f(&T::cpu_storage_as_slice(c)?[a..b])
 }
 
-/// The dropout mask applied to a contiguous (M, K) slice of a storage, as a new storage.
-fn dropped(
-    op: &DropoutOp,
-    x: &CpuStorage,
-    offset: usize,
-    len: usize,
-) -> candle_core::Result<CpuStorage> {
-    Ok(match x {
-        CpuStorage::F32(v) => CpuStorage::F32(op.run(&v[offset..offset + len])),
-        CpuStorage::F64(v) => CpuStorage::F64(op.run(&v[offset..offset + len])),
-        _ => candle_core::bail!("lora linear: f32 / f64 only"),
-    })
+impl LoraLinearOp {
+    /// y = x Wᵀ (+ bias) + s · dropout(x) Aᵀ Bᵀ, the adapter product accumulated by the gemm.
+    fn run<T: crate::fused::Real + crate::dropout::num_like::Scale>(
+        &self,
+        x: &[T],
+        a: &[T],
+        b: &[T],
+    ) -> candle_core::Result<Vec<T>> {
+        let (m, k, n) = self.mkn;
+        let r = a.len() / k;
+        let mut y = crate::fused::uninit::<T>(m * n);
+        // Start from the bias (then the base gemm accumulates onto it), or from nothing.
+        let read = match &self.bias {
+            Some(bias) => with_cpu_slice::<T, _>(bias, |bv| {
+                y.chunks_mut(n).for_each(|row| row.copy_from_slice(bv));
+                Ok(true)
+            })?,
+            None => false,
+        };
+        let w = cpu_weight(&self.base)?;
+        with_cpu_slice::<T, _>(&w, |wv| {
+            gemm_into(&mut y, read, x, wv, true, (m, n, k), T::one());
+            Ok(())
+        })?;
+        drop(w);
+        let dropped;
+        let xd: &[T] = match &self.dropout {
+            Some(op) => {
+                dropped = op.run(x);
+                &dropped
+            }
+            None => x,
+        };
+        let mut xa = crate::fused::uninit::<T>(m * r);
+        gemm_into(
+            &mut xa,
+            false,
+            xd,
+            a,
+            true,
+            (m, r, k),
+            T::from_f64(self.scale),
+        ); // s xd Aᵀ
+        gemm_into(&mut y, true, &xa, b, true, (m, n, r), T::one()); // += (s xd Aᵀ) Bᵀ
+        Ok(y)
+    }
 }
 
 impl candle_core::CustomOp3 for LoraLinearOp {
@@ -427,23 +435,28 @@ impl candle_core::CustomOp3 for LoraLinearOp {
         bl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (m, k, n) = self.mkn;
-        let Some((off, _)) = xl.contiguous_offsets() else {
-            candle_core::bail!("lora linear: input must be contiguous");
+        let (Some((x0, x1)), Some((a0, a1)), Some((b0, b1))) = (
+            xl.contiguous_offsets(),
+            al.contiguous_offsets(),
+            bl.contiguous_offsets(),
+        ) else {
+            candle_core::bail!("lora linear: inputs must be contiguous");
         };
-        let w = cpu_weight(&self.base)?;
-        let mut y = {
-            cpu_storage!(w, g, ws, wl);
-            mm_t(x, off, (m, k), ws, &wl)? // (M, N)
+        if x1 - x0 != m * k {
+            candle_core::bail!(
+                "lora linear: input has {} elements, expected {m} x {k}",
+                x1 - x0
+            );
+        }
+        let y = match (x, a, b) {
+            (CpuStorage::F32(x), CpuStorage::F32(a), CpuStorage::F32(b)) => {
+                CpuStorage::F32(self.run(&x[x0..x1], &a[a0..a1], &b[b0..b1])?)
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(a), CpuStorage::F64(b)) => {
+                CpuStorage::F64(self.run(&x[x0..x1], &a[a0..a1], &b[b0..b1])?)
+            }
+            _ => candle_core::bail!("lora linear: x, A and B must all be f32 or all f64"),
         };
-        drop(w);
-        let r = al.shape().dims2()?.0;
-        let mut xa = match &self.dropout {
-            Some(op) => mm_t(&dropped(op, x, off, m * k)?, 0, (m, k), a, al)?,
-            None => mm_t(x, off, (m, k), a, al)?,
-        }; // (M, r)
-        scale_in_place(&mut xa, self.scale)?;
-        let lo = mm_t(&xa, 0, (m, r), b, bl)?; // (M, N)
-        add_into(&mut y, &lo, self.bias.as_ref(), n)?;
         let mut dims = xl.shape().dims().to_vec();
         *dims.last_mut().expect("rank >= 1") = n;
         Ok((y, Shape::from(dims)))
@@ -495,6 +508,38 @@ struct LoraLinearDx {
     mkn: (usize, usize, usize),
 }
 
+impl LoraLinearDx {
+    fn run<T: crate::fused::Real + crate::dropout::num_like::Scale>(
+        &self,
+        dy: &[T],
+        dyb: &[T],
+    ) -> candle_core::Result<Vec<T>> {
+        let (m, k, n) = self.mkn;
+        let mut dx = crate::fused::uninit::<T>(m * k);
+        let w = cpu_weight(&self.base)?;
+        with_cpu_slice::<T, _>(&w, |wv| {
+            gemm_into(&mut dx, false, dy, wv, false, (m, k, n), T::one()); // dY W
+            Ok(())
+        })?;
+        drop(w);
+        with_cpu_slice::<T, _>(&self.a, |av| {
+            let r = av.len() / k;
+            match &self.dropout {
+                None => gemm_into(&mut dx, true, dyb, av, false, (m, k, r), T::one()),
+                Some(op) => {
+                    // The mask applies to the adapter's share only: its own buffer, masked, added.
+                    let mut lora = crate::fused::uninit::<T>(m * k);
+                    gemm_into(&mut lora, false, dyb, av, false, (m, k, r), T::one());
+                    let lora = op.run(&lora);
+                    dx.iter_mut().zip(&lora).for_each(|(d, &l)| *d += l);
+                }
+            }
+            Ok(())
+        })?;
+        Ok(dx)
+    }
+}
+
 impl CustomOp2 for LoraLinearDx {
     fn name(&self) -> &'static str {
         "lora-linear-dx"
@@ -507,28 +552,21 @@ impl CustomOp2 for LoraLinearDx {
         dyb: &CpuStorage,
         dybl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (m, k, n) = self.mkn;
-        let (Some((dy_off, _)), Some((dyb_off, _))) =
+        let (m, k, _) = self.mkn;
+        let (Some((d0, d1)), Some((e0, e1))) =
             (dyl.contiguous_offsets(), dybl.contiguous_offsets())
         else {
             candle_core::bail!("lora linear dx: inputs must be contiguous");
         };
-        let w = cpu_weight(&self.base)?;
-        let mut dx = {
-            cpu_storage!(w, g, ws, wl);
-            mm(dy, dy_off, (m, n), ws, &wl)? // dY W: (M, K)
+        let dx = match (dy, dyb) {
+            (CpuStorage::F32(dy), CpuStorage::F32(dyb)) => {
+                CpuStorage::F32(self.run(&dy[d0..d1], &dyb[e0..e1])?)
+            }
+            (CpuStorage::F64(dy), CpuStorage::F64(dyb)) => {
+                CpuStorage::F64(self.run(&dy[d0..d1], &dyb[e0..e1])?)
+            }
+            _ => candle_core::bail!("lora linear dx: f32 / f64 only"),
         };
-        drop(w);
-        let r = self.a.dim(0)?;
-        let lora = {
-            cpu_storage!(self.a, g, a_s, a_l);
-            mm(dyb, dyb_off, (m, r), a_s, &a_l)? // (M, K)
-        };
-        let lora = match &self.dropout {
-            Some(op) => dropped(op, &lora, 0, m * k)?, // the mask on the gradient
-            None => lora,
-        };
-        add_into(&mut dx, &lora, None, k)?;
         Ok((dx, Shape::from((m, k))))
     }
 }

@@ -865,7 +865,10 @@ mod tests {
         let (b, t) = (f32.train.micro_batch_size, f32.data.max_seq_len);
         let unfused = layer_activation_bytes(&model(), &f32, b, t, false);
         let fused = layer_activation_bytes(&model(), &f32, b, t, true);
-        assert!(fused < unfused, "the fused CPU path keeps less: {fused} vs {unfused}");
+        assert!(
+            fused < unfused,
+            "the fused CPU path keeps less: {fused} vs {unfused}"
+        );
         let layers = model().num_hidden_layers as u64;
         assert_eq!(
             cuda.total_bytes - cpu.total_bytes,

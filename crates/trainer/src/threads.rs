@@ -14,6 +14,21 @@ pub fn resolve(configured: usize, rayon_env: Option<&str>, physical: usize) -> u
         .max(1)
 }
 
+/// Threads of Candle's element-wise pool for `n` threads in all. Up to 4: one (the calling
+/// thread alone). What is left in Candle's pool after tallow's fused kernels (residual adds,
+/// the backward's gradient sums) is memory-bound, and the pool's worker spins after each op
+/// (up to 25000 `pause`s) on a core the next matmul's rayon threads need. Measured on 2 cores
+/// (`scripts/bench_cpu.sh` shapes, 2026-11-24): base 1038-1060 tokens/s with one thread
+/// against 950-1018 with two, wide 203-205 against 195-200. Above 4 threads, n, Candle's own
+/// default (not measured here).
+pub fn candle_pool(n: usize) -> usize {
+    if n <= 4 {
+        1
+    } else {
+        n
+    }
+}
+
 /// Sizes the pools for `configured` threads (0 = physical cores) and returns the count used.
 /// Must run before any tensor op: Candle reads the variables when its pools start.
 pub fn apply(configured: usize) -> usize {
@@ -27,7 +42,7 @@ pub fn apply(configured: usize) -> usize {
     let n = resolve(configured, rayon_env.as_deref(), physical);
     std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
-        std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
+        std::env::set_var("CANDLE_NUM_THREADS", candle_pool(n).to_string());
     }
     // Fails only when the global pool already runs (then its size stands).
     let _ = rayon::ThreadPoolBuilder::new()
@@ -45,8 +60,16 @@ mod tests {
         assert_eq!(resolve(0, None, 8), 8, "default: physical cores");
         assert_eq!(resolve(3, None, 8), 3, "train.threads");
         assert_eq!(resolve(3, Some("5"), 8), 5, "RAYON_NUM_THREADS wins");
-        assert_eq!(resolve(3, Some("0"), 8), 3, "RAYON_NUM_THREADS=0 means unset");
+        assert_eq!(
+            resolve(3, Some("0"), 8),
+            3,
+            "RAYON_NUM_THREADS=0 means unset"
+        );
         assert_eq!(resolve(0, Some("x"), 8), 8, "unparsable: ignored");
         assert_eq!(resolve(0, None, 0), 1, "at least one");
+        assert_eq!(
+            (candle_pool(2), candle_pool(4), candle_pool(16)),
+            (1, 1, 16)
+        );
     }
 }
