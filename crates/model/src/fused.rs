@@ -9,6 +9,7 @@
 //! | [`rms_norm`] | w * x / sqrt(mean(x^2) + eps) | dx = r (g - xn mean(g xn)), g = dy w | 5 + copy; 8 in backward |
 //! | [`rope_heads`] | (B, T, H, D) -> (B, H, T, D), rotary, scale | the transpose of each | transpose copy, 5 + copy; 6 |
 //! | [`swiglu`] | silu(g) * u | dg, du in one pass | 2; ~7 |
+//! | [`causal_attention`] | softmax(q kᵀ + mask) v, keys up to each 64-row block only | dQ, dK, dV per block | 2 matmuls, softmax, their backward |
 //!
 //! They run for f32 and f64 CPU tensors; [`crate::ops`] dispatches to them there and keeps the
 //! device-generic tensor-op path for CUDA (and bf16 / f16 on the CPU) until a kernel exists. Each
@@ -548,6 +549,381 @@ impl CustomOp2 for Rope {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Causal attention core: softmax(q kᵀ + mask) v, skipping the keys after each row block.
+
+/// Rows per block of the causal attention: the keys after a block's last row are never read.
+const ATT_BLOCK: usize = 64;
+
+/// y = softmax(q kᵀ + mask) v for a causal `mask` (every key after its query masked: what
+/// `ops::attention_mask` builds, packed rows and sliding windows included), computed per block
+/// of 64 query rows over the keys up to the block's last row only (about half the matmul work
+/// of the full (T, T) scores at long T). q: (B, KV, n_rep * T, D) (carrying the 1/sqrt(D)
+/// scale), k, v: (B, KV, T, D), mask: (B, 1, T, T) -> (B, KV, n_rep * T, D). The probabilities
+/// are kept in the op for the backward, as the eager path keeps them in the graph.
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> R<Tensor> {
+    let op = CausalAttention {
+        mask: mask.contiguous()?.detach(),
+        probs: std::sync::Mutex::new(None),
+    };
+    q.contiguous()?
+        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+}
+
+struct CausalAttention {
+    mask: Tensor,
+    /// (B, KV, n_rep * T, T) probabilities of the forward, zero after each block's last key.
+    probs: std::sync::Mutex<Option<Tensor>>,
+}
+
+/// Keys a block of query rows [i0, i1) reads: up to its last query position when the block
+/// lies within one repeat of the T positions (query row i is position i mod T), else all T.
+fn block_keys(i0: usize, i1: usize, t: usize) -> usize {
+    if i0 / t == (i1 - 1) / t {
+        (i1 - 1) % t + 1
+    } else {
+        t
+    }
+}
+
+/// `dst (m, n) [+]= lhs (m, k) * rhs` (rhs (n, k) used transposed when `rhs_t`, else (k, n)), row
+/// strides given, single-threaded (the caller parallelizes over heads).
+#[allow(clippy::too_many_arguments)]
+fn small_gemm<T: Real>(
+    dst: &mut [T],
+    dst_rs: usize,
+    read_dst: bool,
+    lhs: &[T],
+    lhs_rs: usize,
+    rhs: &[T],
+    rhs_rs: usize,
+    rhs_t: bool,
+    (m, n, k): (usize, usize, usize),
+) {
+    let (rhs_cs, rhs_rs) = if rhs_t {
+        (rhs_rs as isize, 1)
+    } else {
+        (1, rhs_rs as isize)
+    };
+    assert!(m == 0 || (dst.len() >= (m - 1) * dst_rs + n && lhs.len() >= (m - 1) * lhs_rs + k));
+    // SAFETY: the bounds above hold for dst and lhs; rhs holds n rows (rhs_t) or k rows of
+    // rhs_rs elements by the callers' construction (slices of whole (T, D) head matrices).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            read_dst,
+            lhs.as_ptr(),
+            1,
+            lhs_rs as isize,
+            rhs.as_ptr(),
+            rhs_cs,
+            rhs_rs,
+            T::one(),
+            T::one(),
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+/// Forward of one (b, kv) head group: q (R, D), k, v (T, D), mask (T, T) -> y (R, D), p (R, T).
+fn attention_group<T: Real>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    mask: &[T],
+    y: &mut [T],
+    p: &mut [T],
+    t: usize,
+    d: usize,
+) {
+    let r = q.len() / d;
+    for i0 in (0..r).step_by(ATT_BLOCK) {
+        let i1 = (i0 + ATT_BLOCK).min(r);
+        let m = i1 - i0;
+        let keys = block_keys(i0, i1, t);
+        let prow = &mut p[i0 * t..i1 * t];
+        small_gemm(prow, t, false, &q[i0 * d..], d, k, d, true, (m, keys, d)); // scores
+        for (ri, row) in prow.chunks_mut(t).enumerate() {
+            let ti = (i0 + ri) % t;
+            let mrow = &mask[ti * t..][..t];
+            let mut max = T::NEG_INF;
+            for j in 0..keys {
+                let s = row[j] + mrow[j];
+                row[j] = s;
+                if s > max {
+                    max = s;
+                }
+            }
+            let mut sum = T::zero();
+            for e in row[..keys].iter_mut() {
+                *e = (*e - max).exp();
+                sum += *e;
+            }
+            for e in row[..keys].iter_mut() {
+                *e /= sum;
+            }
+            row[keys..].iter_mut().for_each(|e| *e = T::zero());
+        }
+        small_gemm(
+            &mut y[i0 * d..],
+            d,
+            false,
+            prow,
+            t,
+            v,
+            d,
+            false,
+            (m, d, keys),
+        ); // p v
+    }
+}
+
+/// Backward of one head group: dq (R, D); dk, dv (T, D) accumulated (zeroed by the caller).
+#[allow(clippy::too_many_arguments)]
+fn attention_group_bwd<T: Real>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    p: &[T],
+    dy: &[T],
+    dq: &mut [T],
+    dk: &mut [T],
+    dv: &mut [T],
+    t: usize,
+    d: usize,
+) {
+    let r = q.len() / d;
+    let mut ds = vec![T::zero(); ATT_BLOCK * t];
+    for i0 in (0..r).step_by(ATT_BLOCK) {
+        let i1 = (i0 + ATT_BLOCK).min(r);
+        let m = i1 - i0;
+        let keys = block_keys(i0, i1, t);
+        let prow = &p[i0 * t..i1 * t];
+        let ds = &mut ds[..m * t];
+        small_gemm(ds, t, false, &dy[i0 * d..], d, v, d, true, (m, keys, d)); // dP = dY vᵀ
+        for (row, prow) in ds.chunks_mut(t).zip(prow.chunks(t)) {
+            let mut dot = T::zero();
+            for j in 0..keys {
+                dot += row[j] * prow[j];
+            }
+            for j in 0..keys {
+                row[j] = prow[j] * (row[j] - dot);
+            }
+        }
+        small_gemm(
+            &mut dq[i0 * d..],
+            d,
+            false,
+            ds,
+            t,
+            k,
+            d,
+            false,
+            (m, d, keys),
+        ); // dS k
+           // dk += dSᵀ q, dv += Pᵀ dY: (keys, D) = (keys, m) (m, D) with the (m, keys) operand
+           // read transposed through its strides.
+        let dst = |x: &mut [T], a: &[T], b: &[T]| {
+            // SAFETY: x holds `keys` rows of d; a is (m, t) row-major read as (keys, m); b (m, d).
+            unsafe {
+                gemm::gemm(
+                    keys,
+                    d,
+                    m,
+                    x.as_mut_ptr(),
+                    1,
+                    d as isize,
+                    true,
+                    a.as_ptr(),
+                    t as isize,
+                    1,
+                    b.as_ptr(),
+                    1,
+                    d as isize,
+                    T::one(),
+                    T::one(),
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                )
+            }
+        };
+        dst(dk, ds, &q[i0 * d..i1 * d]);
+        dst(dv, prow, &dy[i0 * d..i1 * d]);
+    }
+}
+
+fn attention_fwd<T: Real>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    mask: &[T],
+    (b, kv, r, t, d): (usize, usize, usize, usize, usize),
+) -> (Vec<T>, Vec<T>) {
+    let mut y = uninit::<T>(b * kv * r * d);
+    let mut p = uninit::<T>(b * kv * r * t);
+    y.par_chunks_mut(r * d)
+        .zip(p.par_chunks_mut(r * t))
+        .enumerate()
+        .for_each(|(g, (y, p))| {
+            let bi = g / kv;
+            attention_group(
+                &q[g * r * d..(g + 1) * r * d],
+                &k[g * t * d..(g + 1) * t * d],
+                &v[g * t * d..(g + 1) * t * d],
+                &mask[bi * t * t..(bi + 1) * t * t],
+                y,
+                p,
+                t,
+                d,
+            )
+        });
+    (y, p)
+}
+
+impl CustomOp3 for CausalAttention {
+    fn name(&self) -> &'static str {
+        "fused-causal-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        ql: &Layout,
+        k: &CpuStorage,
+        kl: &Layout,
+        v: &CpuStorage,
+        vl: &Layout,
+    ) -> R<(CpuStorage, Shape)> {
+        let (b, kv, r, d) = ql.shape().dims4()?;
+        let (kb, kkv, t, kd) = kl.shape().dims4()?;
+        if (kb, kkv, kd) != (b, kv, d) || vl.shape() != kl.shape() || t == 0 || r % t != 0 {
+            candle_core::bail!(
+                "fused-causal-attention: q {:?}, k {:?}, v {:?}",
+                ql.shape(),
+                kl.shape(),
+                vl.shape()
+            );
+        }
+        let (ms, ml) = self.mask.storage_and_layout();
+        let candle_core::Storage::Cpu(ms) = &*ms else {
+            candle_core::bail!("fused-causal-attention: mask is not on the CPU");
+        };
+        if ml.shape().dims4()? != (b, 1, t, t) {
+            candle_core::bail!("fused-causal-attention: mask {:?} for {t} keys", ml.shape());
+        }
+        let dims = (b, kv, r, t, d);
+        macro_rules! go {
+            ($ty:ty, $var:ident) => {{
+                let (y, p) = attention_fwd::<$ty>(
+                    data(q, ql, "attention")?,
+                    data(k, kl, "attention")?,
+                    data(v, vl, "attention")?,
+                    data(ms, &ml, "attention")?,
+                    dims,
+                );
+                let p = Tensor::from_vec(p, (b, kv, r, t), &candle_core::Device::Cpu)?;
+                *self.probs.lock().expect("probs lock") = Some(p);
+                CpuStorage::$var(y)
+            }};
+        }
+        let y = match q.dtype() {
+            DType::F32 => go!(f32, F32),
+            DType::F64 => go!(f64, F64),
+            d => candle_core::bail!("fused-causal-attention: dtype {d:?} (f32 / f64 only)"),
+        };
+        Ok((y, ql.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> R<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let p = self
+            .probs
+            .lock()
+            .expect("probs lock")
+            .take()
+            .ok_or_else(|| {
+                candle_core::Error::Msg("fused-causal-attention: backward run twice".into())
+            })?;
+        let (b, kv, r, d) = q.dims4()?;
+        let t = k.dim(2)?;
+        let dy = dy.contiguous()?;
+        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+        let guards = [
+            q.storage_and_layout(),
+            k.storage_and_layout(),
+            v.storage_and_layout(),
+            p.storage_and_layout(),
+            dy.storage_and_layout(),
+        ];
+        macro_rules! go {
+            ($ty:ty) => {{
+                let mut sl: Vec<&[$ty]> = Vec::with_capacity(5);
+                for (st, l) in &guards {
+                    let candle_core::Storage::Cpu(c) = &**st else {
+                        candle_core::bail!("fused-causal-attention: not on the CPU");
+                    };
+                    sl.push(data::<$ty>(c, l, "attention-bwd")?);
+                }
+                let (q, k, v, p, dy) = (sl[0], sl[1], sl[2], sl[3], sl[4]);
+                let mut dq = uninit::<$ty>(q.len());
+                let mut dk = vec![0 as $ty; k.len()];
+                let mut dv = vec![0 as $ty; v.len()];
+                dq.par_chunks_mut(r * d)
+                    .zip(dk.par_chunks_mut(t * d).zip(dv.par_chunks_mut(t * d)))
+                    .enumerate()
+                    .for_each(|(g, (dq, (dk, dv)))| {
+                        let (qs, ts, ps) = (
+                            g * r * d..(g + 1) * r * d,
+                            g * t * d..(g + 1) * t * d,
+                            g * r * t..(g + 1) * r * t,
+                        );
+                        attention_group_bwd(
+                            &q[qs.clone()],
+                            &k[ts.clone()],
+                            &v[ts],
+                            &p[ps],
+                            &dy[qs],
+                            dq,
+                            dk,
+                            dv,
+                            t,
+                            d,
+                        )
+                    });
+                let dev = candle_core::Device::Cpu;
+                (
+                    Tensor::from_vec(dq, (b, kv, r, d), &dev)?,
+                    Tensor::from_vec(dk, (b, kv, t, d), &dev)?,
+                    Tensor::from_vec(dv, (b, kv, t, d), &dev)?,
+                )
+            }};
+        }
+        let (dq, dk, dv) = match q.dtype() {
+            DType::F32 => go!(f32),
+            DType::F64 => go!(f64),
+            d => candle_core::bail!("fused-causal-attention: dtype {d:?}"),
+        };
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // SwiGLU: silu(g) * u.
 
 /// silu(g) * u, g and u the same shape and dtype (f32 / f64).
@@ -817,6 +1193,39 @@ mod tests {
                 );
                 let e = rel_err(&fused, &generic);
                 assert!(e < tol, "{dtype:?} rope scale {scale}: {e}");
+            }
+
+            // Causal attention, grouped heads (B 2, KV 2, n_rep 2), packed rows and a sliding
+            // window; T 70: a 64-row block spans two repeats, the last block is partial; T 45:
+            // a block holds more than one whole repeat.
+            for (tt, window) in [(70, None), (70, Some(20)), (45, None)] {
+                let dd = 8;
+                let q = var(&[2, 2, 2 * tt, dd], dtype, 11);
+                let k = var(&[2, 2, tt, dd], dtype, 12);
+                let v = var(&[2, 2, tt, dd], dtype, 13);
+                let segments = vec![
+                    (0..tt as u32).map(|i| i / 30).collect::<Vec<_>>(),
+                    vec![0; tt],
+                ];
+                let mask = ops::attention_mask(&segments, window, dtype, &Device::Cpu).unwrap();
+                let inputs = [q, k, v];
+                let fused = value_and_grads(
+                    &|t| ops::causal_attention(&t[0], &t[1], &t[2], &mask),
+                    &inputs,
+                );
+                let eager = value_and_grads(
+                    &|t| {
+                        let s = t[0].matmul(&t[1].t()?)?;
+                        let p = ops::masked_softmax_generic(&s.reshape((2, 4, tt, tt))?, &mask)?;
+                        Ok(p.reshape((2, 2, 2 * tt, tt))?.matmul(&t[2])?)
+                    },
+                    &inputs,
+                );
+                let e = rel_err(&fused, &eager);
+                assert!(
+                    e < tol,
+                    "{dtype:?} causal attention T {tt} window {window:?}: {e}"
+                );
             }
 
             // SwiGLU: g, u (3, 7, 40)

@@ -117,10 +117,8 @@ impl Attention {
         // Eager attention, as HF's: scores in the compute dtype (q carries the 1/sqrt(D) scale,
         // see `qkv`), softmax in f32, cast back.
         // Kept grouped: a reshape to (B, H, T, T) would be a graph node whose backward zeroes
-        // and adds a score-sized buffer.
-        let scores = q.matmul(&k.t()?)?; // (B, KV, n_rep*T, T)
-        let probs = ops::masked_softmax(&scores, mask)?.to_dtype(v.dtype())?; // f32, cast back
-        let y = probs.matmul(&v)?; // (B, KV, n_rep*T, D)
+        // and adds a score-sized buffer. The mask is causal (ops::attention_mask).
+        let y = ops::causal_attention(&q, &k, &v, mask)?; // (B, KV, n_rep*T, D)
         let y = y.reshape((b, h, t, d))?; // (B, H, T, D)
         let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, h * d))?; // (B, T, H*D)
         self.o_proj.forward(&y)

@@ -413,6 +413,20 @@ pub fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor, scale: f64) -> Result<
     apply_rope_scaled(&x.transpose(1, 2)?.contiguous()?, cos, sin, scale)
 }
 
+/// Causal attention softmax(q kᵀ + mask) v over grouped heads: q (B, KV, n_rep * T, D) (scaled),
+/// k, v (B, KV, T, D), a causal additive mask (B, 1, T, T) -> (B, KV, n_rep * T, D). On the CPU
+/// in f32 / f64 one fused op that skips the keys after each block of queries
+/// ([`crate::fused::causal_attention`]); elsewhere the eager matmul / softmax / matmul, the
+/// softmax in f32, as HF's eager attention.
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    if crate::fused::supports(q) && k.dtype() == q.dtype() && mask.dtype() == q.dtype() {
+        return Ok(crate::fused::causal_attention(q, k, v, mask)?);
+    }
+    let scores = q.matmul(&k.t()?)?; // (B, KV, n_rep*T, T)
+    let probs = masked_softmax(&scores, mask)?.to_dtype(v.dtype())?; // f32, cast back
+    Ok(probs.matmul(v)?) // (B, KV, n_rep*T, D)
+}
+
 /// SwiGLU's gate: silu(g) * u, one fused pass on the CPU (and one back), Candle ops elsewhere.
 /// g, u: (..., I) -> (..., I)
 pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {

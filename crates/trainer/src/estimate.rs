@@ -226,7 +226,8 @@ pub fn layer_activation_bytes(
     per_token += s * c; // residual add
                         // Attention scores (B, H, T, T): q·kᵀ (q carries the 1/sqrt(D) scale), softmax
                         // probabilities in f32, cast back.
-    let per_score = s + 4 + cast(s);
+                        // (fused: the causal attention op keeps only the f32 probabilities)
+    let per_score = if fused { 4 } else { s + 4 + cast(s) };
     (b * t * per_token + b * h * t * t * per_score) as u64
 }
 
