@@ -67,10 +67,58 @@ pub fn supports(t: &Tensor) -> bool {
 }
 
 /// The contiguous elements of a CPU storage.
-fn data<'a, T: Real>(s: &'a CpuStorage, l: &Layout, op: &str) -> R<&'a [T]> {
+pub(crate) fn data<'a, T: candle_core::WithDType>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    op: &str,
+) -> R<&'a [T]> {
     match l.contiguous_offsets() {
         Some((a, b)) => Ok(&T::cpu_storage_as_slice(s)?[a..b]),
         None => candle_core::bail!("{op}: input must be contiguous"),
+    }
+}
+
+/// [`data`] of a tensor's storage (`storage_and_layout`), which must be on the CPU.
+pub(crate) fn storage_data<'a, T: candle_core::WithDType>(
+    s: &'a candle_core::Storage,
+    l: &Layout,
+    op: &str,
+) -> R<&'a [T]> {
+    match s {
+        candle_core::Storage::Cpu(c) => data(c, l, op),
+        _ => candle_core::bail!("{op}: a tensor is not on the CPU"),
+    }
+}
+
+/// softmax(row + mask) in place over the first `keys` entries (the scores are in `row`), the
+/// rest zeroed: the value of the masked softmax and of the attention op, row by row.
+fn masked_softmax_row<T: Real>(row: &mut [T], mask: &[T], keys: usize) {
+    let mut max = T::NEG_INF;
+    for (v, &m) in row[..keys].iter_mut().zip(mask) {
+        *v += m;
+        if *v > max {
+            max = *v;
+        }
+    }
+    let mut sum = T::zero();
+    for e in row[..keys].iter_mut() {
+        *e = (*e - max).exp();
+        sum += *e;
+    }
+    for e in row[..keys].iter_mut() {
+        *e /= sum;
+    }
+    row[keys..].iter_mut().for_each(|e| *e = T::zero());
+}
+
+/// dS = P * (dP - sum(dP * P)) in place over the first `keys` entries (`row` holds dP).
+fn softmax_bwd_row<T: Real>(row: &mut [T], p: &[T], keys: usize) {
+    let mut dot = T::zero();
+    for (&d, &pv) in row[..keys].iter().zip(p) {
+        dot += d * pv;
+    }
+    for (d, &pv) in row[..keys].iter_mut().zip(p) {
+        *d = pv * (*d - dot);
     }
 }
 
@@ -133,23 +181,8 @@ fn softmax_fwd<T: Real>(
             for (k, (orow, xrow)) in o.chunks_mut(n).zip(x.chunks(n)).enumerate() {
                 let r = task * per + k; // row of (B, H, T)
                 let (bi, ti) = (r / (h * t), r % t_mask);
-                let mrow = &m[(bi * t_mask + ti) * n..][..n];
-                let mut max = T::NEG_INF;
-                for (&a, &b) in xrow.iter().zip(mrow) {
-                    let v = a + b;
-                    if v > max {
-                        max = v;
-                    }
-                }
-                let mut sum = T::zero();
-                for ((o, &a), &b) in orow.iter_mut().zip(xrow).zip(mrow) {
-                    let e = (a + b - max).exp();
-                    *o = e;
-                    sum += e;
-                }
-                for o in orow.iter_mut() {
-                    *o /= sum;
-                }
+                orow.copy_from_slice(xrow);
+                masked_softmax_row(orow, &m[(bi * t_mask + ti) * n..][..n], n);
             }
         });
     Ok(out)
@@ -209,13 +242,8 @@ fn softmax_bwd<T: Real>(p: &[T], dp: &[T], n: usize) -> R<Vec<T>> {
         .zip(p.par_chunks(per * n).zip(dp.par_chunks(per * n)))
         .for_each(|(o, (p, dp))| {
             for ((orow, prow), drow) in o.chunks_mut(n).zip(p.chunks(n)).zip(dp.chunks(n)) {
-                let mut dot = T::zero();
-                for (&a, &b) in drow.iter().zip(prow) {
-                    dot += a * b;
-                }
-                for ((o, &pv), &dv) in orow.iter_mut().zip(prow).zip(drow) {
-                    *o = pv * (dv - dot);
-                }
+                orow.copy_from_slice(drow);
+                softmax_bwd_row(orow, prow, n);
             }
         });
     Ok(out)
@@ -653,24 +681,7 @@ fn attention_group<T: Real>(
         small_gemm(prow, t, false, &q[i0 * d..], d, k, d, true, (m, keys, d)); // scores
         for (ri, row) in prow.chunks_mut(t).enumerate() {
             let ti = (i0 + ri) % t;
-            let mrow = &mask[ti * t..][..t];
-            let mut max = T::NEG_INF;
-            for j in 0..keys {
-                let s = row[j] + mrow[j];
-                row[j] = s;
-                if s > max {
-                    max = s;
-                }
-            }
-            let mut sum = T::zero();
-            for e in row[..keys].iter_mut() {
-                *e = (*e - max).exp();
-                sum += *e;
-            }
-            for e in row[..keys].iter_mut() {
-                *e /= sum;
-            }
-            row[keys..].iter_mut().for_each(|e| *e = T::zero());
+            masked_softmax_row(row, &mask[ti * t..][..t], keys);
         }
         small_gemm(
             &mut y[i0 * d..],
@@ -710,13 +721,7 @@ fn attention_group_bwd<T: Real>(
         let ds = &mut ds[..m * t];
         small_gemm(ds, t, false, &dy[i0 * d..], d, v, d, true, (m, keys, d)); // dP = dY vᵀ
         for (row, prow) in ds.chunks_mut(t).zip(prow.chunks(t)) {
-            let mut dot = T::zero();
-            for j in 0..keys {
-                dot += row[j] * prow[j];
-            }
-            for j in 0..keys {
-                row[j] = prow[j] * (row[j] - dot);
-            }
+            softmax_bwd_row(row, prow, keys);
         }
         small_gemm(
             &mut dq[i0 * d..],
@@ -815,9 +820,6 @@ impl CustomOp3 for CausalAttention {
             );
         }
         let (ms, ml) = self.mask.storage_and_layout();
-        let candle_core::Storage::Cpu(ms) = &*ms else {
-            candle_core::bail!("fused-causal-attention: mask is not on the CPU");
-        };
         if ml.shape().dims4()? != (b, 1, t, t) {
             candle_core::bail!("fused-causal-attention: mask {:?} for {t} keys", ml.shape());
         }
@@ -828,7 +830,7 @@ impl CustomOp3 for CausalAttention {
                     data(q, ql, "attention")?,
                     data(k, kl, "attention")?,
                     data(v, vl, "attention")?,
-                    data(ms, &ml, "attention")?,
+                    storage_data(&ms, &ml, "fused-causal-attention mask")?,
                     dims,
                 );
                 let p = Tensor::from_vec(p, (b, kv, r, t), &candle_core::Device::Cpu)?;
@@ -875,10 +877,7 @@ impl CustomOp3 for CausalAttention {
             ($ty:ty) => {{
                 let mut sl: Vec<&[$ty]> = Vec::with_capacity(5);
                 for (st, l) in &guards {
-                    let candle_core::Storage::Cpu(c) = &**st else {
-                        candle_core::bail!("fused-causal-attention: not on the CPU");
-                    };
-                    sl.push(data::<$ty>(c, l, "attention-bwd")?);
+                    sl.push(storage_data::<$ty>(st, l, "fused-causal-attention")?);
                 }
                 let (q, k, v, p, dy) = (sl[0], sl[1], sl[2], sl[3], sl[4]);
                 let mut dq = uninit::<$ty>(q.len());

@@ -137,6 +137,14 @@ impl Lora {
         }
     }
 
+    /// The dropout op of the current micro-batch while training with p > 0; None otherwise.
+    fn active_dropout(&self) -> Option<DropoutOp> {
+        self.dropout
+            .as_ref()
+            .and_then(|d| d.seed())
+            .and_then(|s| self.dropout_op(s))
+    }
+
     fn dropout_op(&self, micro_seed: u64) -> Option<DropoutOp> {
         match &self.dropout {
             Some(d) if d.p > 0.0 => Some(DropoutOp {
@@ -150,12 +158,7 @@ impl Lora {
     /// s · B A x for x: (M, in) in any float dtype -> (M, out) in f32.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut x = x.to_dtype(self.a.dtype())?;
-        if let Some(op) = self
-            .dropout
-            .as_ref()
-            .and_then(|d| d.seed())
-            .and_then(|s| self.dropout_op(s))
-        {
+        if let Some(op) = self.active_dropout() {
             // One element-wise op whose backward is itself on dy: no mask is stored.
             x = op.apply(&x)?;
         }
@@ -232,11 +235,7 @@ impl Linear {
             .into());
         }
         let m = x.elem_count() / k;
-        let dropout = lora
-            .dropout
-            .as_ref()
-            .and_then(|d| d.seed())
-            .and_then(|s| lora.dropout_op(s));
+        let dropout = lora.active_dropout();
         let op = LoraLinearOp {
             base: self.weight.clone(),
             bias,
@@ -362,13 +361,7 @@ fn with_cpu_slice<T: crate::fused::Real, R>(
     f: impl FnOnce(&[T]) -> candle_core::Result<R>,
 ) -> candle_core::Result<R> {
     let (st, l) = t.storage_and_layout();
-    let Storage::Cpu(c) = &*st else {
-        candle_core::bail!("lora linear: a weight is not on the CPU");
-    };
-    let Some((a, b)) = l.contiguous_offsets() else {
-        candle_core::bail!("lora linear: a weight is not contiguous");
-    };
-    f(&T::cpu_storage_as_slice(c)?[a..b])
+    f(crate::fused::storage_data(&st, l, "lora linear weight")?)
 }
 
 impl LoraLinearOp {

@@ -33,13 +33,12 @@ pub fn candle_pool(n: usize) -> usize {
 /// Must run before any tensor op: Candle reads the variables when its pools start.
 pub fn apply(configured: usize) -> usize {
     let rayon_env = std::env::var("RAYON_NUM_THREADS").ok();
-    // Without RAYON_NUM_THREADS, Candle's count is the physical cores.
-    let physical = if rayon_env.is_some() {
-        1
-    } else {
-        candle_core::utils::get_num_threads()
-    };
-    let n = resolve(configured, rayon_env.as_deref(), physical);
+    // Candle's count: the physical cores (or RAYON_NUM_THREADS, which `resolve` takes first).
+    let n = resolve(
+        configured,
+        rayon_env.as_deref(),
+        candle_core::utils::get_num_threads(),
+    );
     std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         std::env::set_var("CANDLE_NUM_THREADS", candle_pool(n).to_string());

@@ -588,18 +588,6 @@ impl Scales<'_> {
     }
 }
 
-/// The contiguous elements of a CPU tensor, or an error naming `what`.
-fn cpu_data<'a, T: candle_core::WithDType>(
-    st: &'a Storage,
-    l: &Layout,
-    what: &str,
-) -> candle_core::Result<&'a [T]> {
-    match (st, l.contiguous_offsets()) {
-        (Storage::Cpu(c), Some((a, b))) => Ok(&c.as_slice::<T>()?[a..b]),
-        _ => candle_core::bail!("nf4: {what} must be a contiguous CPU tensor"),
-    }
-}
-
 impl Dequant {
     fn of(w: &Nf4Weight) -> Self {
         Self {
@@ -765,11 +753,13 @@ impl CustomOp1 for Dequant {
             ),
         };
         let scales = match (&self.absmax, &absmax_t, &codes_t, &nested_t) {
-            (Absmax::F32(_), Some((st, l)), _, _) => Scales::F32(cpu_data(st, l, "absmax")?),
+            (Absmax::F32(_), Some((st, l)), _, _) => {
+                Scales::F32(crate::fused::storage_data(st, l, "nf4 absmax")?)
+            }
             (Absmax::Double { nested, offset }, _, Some((cs, cl)), Some((ns, nl))) => {
                 Scales::Double {
-                    codes: cpu_data(cs, cl, "absmax codes")?,
-                    nested: cpu_data(ns, nl, "nested absmax")?,
+                    codes: crate::fused::storage_data(cs, cl, "nf4 absmax codes")?,
+                    nested: crate::fused::storage_data(ns, nl, "nf4 nested absmax")?,
                     map: Box::new(super::dynamic::dynamic_map(nested.signed)),
                     nested_block: nested.block,
                     offset: *offset,
