@@ -71,6 +71,7 @@ fn lora_gradients_with_checkpointing_equal_plain_gradients() {
                 .map(|s| s.to_string())
                 .collect(),
             rslora: false,
+            dora: false,
         };
         attach_lora(&mut model, &spec, 1).unwrap();
         let vars = lora_vars(&model);

@@ -38,6 +38,8 @@ pub struct LoraSpec {
     /// Module names (`q_proj`, ...).
     pub targets: Vec<String>,
     pub rslora: bool,
+    /// DoRA (PEFT's `use_dora`): a magnitude vector per output feature (DoRA, Liu et al. 2024).
+    pub dora: bool,
 }
 
 impl LoraSpec {
@@ -98,6 +100,9 @@ pub fn peft_prefix(i: usize, path: &str) -> String {
 /// Attaches fresh adapters (A Kaiming-uniform from `seed`, B zeros, f32) to the targeted linear
 /// layers of every decoder layer.
 pub fn attach_lora(model: &mut CausalLM, spec: &LoraSpec, seed: u64) -> Result<()> {
+    if spec.dora {
+        return Err(ModelError::Invalid("lora.dora: DoRA is not implemented yet".into()));
+    }
     for t in &spec.targets {
         if !LINEAR_MODULES.contains(&t.as_str()) {
             return Err(ModelError::Invalid(format!(
@@ -194,7 +199,7 @@ pub fn save_peft(model: &CausalLM, spec: &LoraSpec, dir: &Path, base_model: &str
         lora_dropout: spec.dropout,
         target_modules: serde_json::json!(targets),
         use_rslora: spec.rslora,
-        use_dora: false,
+        use_dora: spec.dora,
         bias: Some("none".into()),
         base_model_name_or_path: Some(base_model.to_string()),
         fan_in_fan_out: false,
@@ -272,6 +277,7 @@ pub fn read_peft_config(dir: &Path) -> Result<LoraSpec> {
         dropout: cfg.lora_dropout,
         targets,
         rslora: cfg.use_rslora,
+        dora: cfg.use_dora,
     })
 }
 

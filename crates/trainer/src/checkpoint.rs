@@ -45,6 +45,9 @@ pub struct LoraState {
     pub alpha: f64,
     pub targets: Vec<String>,
     pub rslora: bool,
+    /// Absent in checkpoints written before DoRA existed: false.
+    #[serde(default)]
+    pub dora: bool,
 }
 
 fn no_quantize() -> String {

@@ -184,6 +184,9 @@ pub struct LoraSection {
     pub targets: LoraTargets,
     /// Rank-stabilized LoRA scaling alpha / sqrt(rank) (Kalajdzievski 2023, arXiv:2312.03732).
     pub rslora: bool,
+    /// DoRA (Liu et al. 2024, arXiv:2402.09353), as PEFT's `use_dora`: a trainable magnitude per
+    /// output feature times the direction (W + s B A) / ||W + s B A|| (default false).
+    pub dora: bool,
     /// A PEFT adapter dir to start from; rank, alpha and targets then come from it.
     pub init: Option<PathBuf>,
 }
@@ -631,6 +634,7 @@ struct RawLora {
     dropout: f64,
     targets: LoraTargets,
     rslora: bool,
+    dora: bool,
     init: String,
 }
 
@@ -642,6 +646,7 @@ impl Default for RawLora {
             dropout: 0.05,
             targets: LoraTargets::default(),
             rslora: false,
+            dora: false,
             init: String::new(),
         }
     }
@@ -748,6 +753,7 @@ impl RawLora {
             dropout: self.dropout,
             targets: self.targets,
             rslora: self.rslora,
+            dora: self.dora,
             init: optional_path(self.init),
         }
     }
@@ -844,6 +850,7 @@ impl From<&TrainConfig> for RawConfig {
                 dropout: c.lora.dropout,
                 targets: c.lora.targets.clone(),
                 rslora: c.lora.rslora,
+                dora: c.lora.dora,
                 init: opt(&c.lora.init),
             },
             data: RawData {
@@ -941,6 +948,7 @@ const SECTIONS: [(&str, &[(&str, Kind)]); 4] = [
             ("dropout", Kind::Float),
             ("targets", Kind::Targets),
             ("rslora", Kind::Bool),
+            ("dora", Kind::Bool),
             ("init", Kind::Str),
         ],
     ),
@@ -1000,6 +1008,8 @@ const ALIASES: &[(&str, &str)] = &[
     ("lora_target_modules", "lora.targets"),
     ("lora_targets", "lora.targets"),
     ("use_rslora", "lora.rslora"),
+    ("use_dora", "lora.dora"),
+    ("peft_use_dora", "lora.dora"),
     ("lora_model_dir", "lora.init"),
     ("adapter", "lora.init"),
     ("base_model", "model.path"),

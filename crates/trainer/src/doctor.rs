@@ -633,6 +633,7 @@ fn checkpointed(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
             .map(|s| s.to_string())
             .collect(),
         rslora: false,
+        dora: false,
     };
     tallow_model::attach_lora(&mut model, &spec, 1).map_err(to_candle)?;
     // B = 0 at init would make A's gradient zero: give B values.

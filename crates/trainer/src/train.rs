@@ -201,6 +201,7 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Run, TrainError> {
                 dropout: cfg.lora.dropout,
                 targets: cfg.lora.targets().iter().map(|s| s.to_string()).collect(),
                 rslora: cfg.lora.rslora,
+                dora: cfg.lora.dora,
             };
             attach_lora(&mut model, &spec, cfg.train.seed)?;
             spec
@@ -437,6 +438,7 @@ pub fn train_with_limit(
             alpha: s.alpha,
             targets: s.targets.clone(),
             rslora: s.rslora,
+            dora: s.dora,
         }),
         trainable: params
             .iter()
