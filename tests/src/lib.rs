@@ -297,7 +297,7 @@ pub fn dropout_keep_masks(
     rows: usize,
     t: usize,
 ) -> HashMap<String, Tensor> {
-    use tallow_model::{adapter::peft_prefix, load_peft, set_dropout_rate, CausalLM, LoadOptions};
+    use tallow_model::{peft::peft_prefix, load_peft, set_dropout_rate, CausalLM, LoadOptions};
     let dev = Device::Cpu;
     let mut m = CausalLM::load(model, &LoadOptions::frozen(candle_core::DType::F32, &dev)).unwrap();
     load_peft(&mut m, adapter).unwrap();
@@ -306,7 +306,7 @@ pub fn dropout_keep_masks(
     let mut out = HashMap::new();
     for (i, layer) in m.layers.iter().enumerate() {
         for (path, lin) in layer.linears() {
-            let Some(lora) = &lin.lora else { continue };
+            let Some(lora) = lin.lora() else { continue };
             let k = lin.in_features();
             let mask = lora
                 .dropout_mask(micro_seed, &[rows * t, k], &dev)

@@ -66,7 +66,7 @@ fn lora_gradients_with_checkpointing_equal_plain_gradients() {
             rank: 4,
             alpha: 8.0,
             dropout: 0.1,
-            targets: tallow_model::adapter::LINEAR_MODULES
+            targets: tallow_model::peft::LINEAR_MODULES
                 .iter()
                 .map(|s| s.to_string())
                 .collect(),

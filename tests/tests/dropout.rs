@@ -147,7 +147,7 @@ fn tallow_masks_have_the_keep_rate_scale_and_independence_of_dropout() {
         .flat_map(|l| {
             l.linears()
                 .into_iter()
-                .filter_map(|(_, lin)| lin.lora.clone())
+                .filter_map(|(_, lin)| lin.lora().cloned())
         })
         .collect();
     assert_eq!(adapters.len(), 14);

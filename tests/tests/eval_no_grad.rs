@@ -55,7 +55,7 @@ fn evaluation_records_no_graph_and_needs_less_memory_than_a_training_forward() {
                 rank: 8,
                 alpha: 16.0,
                 dropout: 0.0,
-                targets: tallow_model::adapter::LINEAR_MODULES
+                targets: tallow_model::peft::LINEAR_MODULES
                     .map(String::from)
                     .to_vec(),
                 rslora: false,

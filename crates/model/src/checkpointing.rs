@@ -129,9 +129,8 @@ fn layer_vars(layer: &DecoderLayer) -> Vec<Tensor> {
                 .iter()
                 .filter_map(|b| b.var().map(|v| v.as_tensor().clone())),
         );
-        if let Some(lora) = &l.lora {
-            out.push(lora.a.as_tensor().clone());
-            out.push(lora.b.as_tensor().clone());
+        if let Some(a) = &l.adapter {
+            out.extend(a.vars().into_iter().map(|(_, v)| v.as_tensor().clone()));
         }
     }
     out

@@ -2,7 +2,7 @@
 //!
 //! - `config` + one file per family (`llama`, `qwen2`, `qwen3`): config.json -> [`DecoderConfig`].
 //! - `model`: the decoder, written once; `linear`: the one linear layer (frozen / trainable base,
-//!   optional LoRA); `ops`: differentiable norms, softmax, rotary embedding, masks; `no_grad`:
+//!   optional adapter); `peft`: the adapters (LoRA, DoRA) and PEFT's file format; `ops`: differentiable norms, softmax, rotary embedding, masks; `no_grad`:
 //!   forward passes that record no graph (evaluation); `dropout`: LoRA dropout as a hash op.
 //! - `consts`: small constant tensors (codebooks, tables) uploaded once per device; `cuda`
 //!   (feature `cuda`): tallow's own kernels (`kernels/tallow.cu`).
@@ -10,7 +10,6 @@
 //! - `generate`: inference only: KV cache, cached forward, decoding loop; `sampling`: next-token
 //!   choice (greedy, temperature, top-k, top-p, repetition penalty).
 
-pub mod adapter;
 pub mod checkpointing;
 pub mod config;
 pub mod consts;
@@ -28,20 +27,22 @@ pub mod loss;
 pub mod model;
 pub mod no_grad;
 pub mod ops;
+pub mod peft;
 pub mod quant;
 pub mod qwen2;
 pub mod qwen3;
 pub mod sampling;
 pub mod weights;
 
-pub use adapter::{
+pub use peft::{
     attach_lora, load_peft, lora_vars, merge_lora, save_hf_model, save_peft, set_dropout,
-    set_dropout_rate, LoraSpec,
+    set_dropout_rate, Adapter, Dora, LoraSpec,
 };
 pub use config::{Arch, DecoderConfig, RopeScaling};
 pub use error::{ModelError, Result};
 pub use generate::{generate, GenerateOptions, Generation, GenerationConfig, KvCache};
-pub use linear::{Base, Linear, Lora, Param};
+pub use linear::{Base, Linear, Param};
+pub use peft::Lora;
 pub use loss::{lm_head_nll, Targets};
 pub use model::{CausalLM, LoadOptions};
 pub use no_grad::no_grad;

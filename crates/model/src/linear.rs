@@ -1,11 +1,5 @@
 //! The one linear layer of the model: a base weight (dense, frozen or trainable, or NF4), an
-//! optional bias, and an optional LoRA adapter.
-//!
-//! ```text
-//!   x ──► W (frozen) ────────────────┐
-//!   │                                 (+) ──► y = W x + b + s · B A x
-//!   └──► A (r × in) ──► B (out × r) ─┘      s = alpha / r   (rsLoRA: alpha / sqrt(r))
-//! ```
+//! optional bias, and an optional adapter ([`crate::peft`]: LoRA or DoRA).
 //!
 //! A frozen base goes through [`FrozenMatmul`], a custom op whose backward returns dX only:
 //! Candle's own matmul backward computes (and stores) a full-size dW for both operands even when
@@ -17,15 +11,13 @@ use candle_core::backend::BackendStorage;
 use std::sync::Arc;
 
 use candle_core::{
-    CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape, Storage, Tensor,
-    Var,
+    CpuStorage, CudaStorage, CustomOp1, CustomOp2, Layout, Shape, Storage, Tensor, Var,
 };
-use rand::{Rng, SeedableRng};
 
-pub use crate::dropout::Dropout;
 use crate::dropout::DropoutOp;
 use crate::error::Result;
 use crate::no_grad;
+pub use crate::peft::{lora_a_init, mix_seed, Adapter, Dora, Dropout, Lora};
 pub use crate::quant::nf4::{Nf4Matmul, Nf4Weight};
 
 /// A model weight: frozen (a plain tensor, never differentiated) or trainable (a `Var`).
@@ -93,95 +85,23 @@ impl Base {
     }
 }
 
-/// A LoRA adapter on one linear layer. A and B are f32 whatever the base dtype (as PEFT keeps
-/// them), so small updates are not lost to bf16 rounding.
-#[derive(Clone)]
-pub struct Lora {
-    /// (r, in), Kaiming-uniform at init.
-    pub a: Var,
-    /// (out, r), zeros at init, so a fresh adapter leaves the model unchanged.
-    pub b: Var,
-    pub scale: f64,
-    /// Dropout on the adapter's input (PEFT's `lora_dropout`), shared by all adapters of a model.
-    pub dropout: Option<Arc<Dropout>>,
-    /// Index of this adapter in the model, mixed into the dropout seed.
-    pub id: u64,
-}
-
-/// SplitMix64 finalizer: mixes an adapter id into a seed.
-pub fn mix_seed(seed: u64, id: u64) -> u64 {
-    let mut z = seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-impl Lora {
-    pub fn rank(&self) -> usize {
-        self.a.dim(0).unwrap_or(0)
-    }
-
-    /// The dropout mask this adapter multiplies its input by in the micro-batch whose seed is
-    /// `micro_seed` (what the trainer passes to `set_dropout`), for an input of `dims` ((M, in)):
-    /// 0 with probability p, else 1/(1-p); None without dropout. A pure function of
-    /// (micro_seed, adapter id, element index): [`DropoutOp`] applied to ones.
-    pub fn dropout_mask(
-        &self,
-        micro_seed: u64,
-        dims: &[usize],
-        device: &Device,
-    ) -> Result<Option<Tensor>> {
-        match self.dropout_op(micro_seed) {
-            Some(op) => Ok(Some(op.apply(&Tensor::ones(dims, DType::F32, device)?)?)),
-            None => Ok(None),
-        }
-    }
-
-    /// The dropout op of the current micro-batch while training with p > 0; None otherwise.
-    fn active_dropout(&self) -> Option<DropoutOp> {
-        self.dropout
-            .as_ref()
-            .and_then(|d| d.seed())
-            .and_then(|s| self.dropout_op(s))
-    }
-
-    fn dropout_op(&self, micro_seed: u64) -> Option<DropoutOp> {
-        match &self.dropout {
-            Some(d) if d.p > 0.0 => Some(DropoutOp {
-                seed: mix_seed(micro_seed, self.id),
-                p: d.p,
-            }),
-            _ => None,
-        }
-    }
-
-    /// s · B A x for x: (M, in) in any float dtype -> (M, out) in f32.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mut x = x.to_dtype(self.a.dtype())?;
-        if let Some(op) = self.active_dropout() {
-            // One element-wise op whose backward is itself on dy: no mask is stored.
-            x = op.apply(&x)?;
-        }
-        // The scale is applied to the rank-r intermediate rather than to the (M, out) output
-        // (PEFT's order): same value up to rounding, and the graph keeps an (M, r) tensor less
-        // instead of an (M, out) one.
-        let (a, b) = (no_grad::enter(&self.a), no_grad::enter(&self.b));
-        let xa = (x.matmul(&a.t()?)? * self.scale)?; // (M, r)
-        Ok(xa.matmul(&b.t()?)?) // (M, out)
-    }
-}
-
-/// y = x W^T (+ b) (+ LoRA).
+/// y = x W^T (+ b), changed by the adapter when there is one.
 #[derive(Clone)]
 pub struct Linear {
     /// (out, in), as stored in safetensors.
     pub weight: Base,
     /// (out)
     pub bias: Option<Param>,
-    pub lora: Option<Lora>,
+    /// LoRA or DoRA; None for a plain linear.
+    pub adapter: Option<Adapter>,
 }
 
 impl Linear {
+    /// The adapter's LoRA matrices (DoRA has them too); None without an adapter.
+    pub fn lora(&self) -> Option<&Lora> {
+        self.adapter.as_ref().map(Adapter::lora)
+    }
+
     pub fn in_features(&self) -> usize {
         self.weight.dims().1
     }
@@ -209,7 +129,8 @@ impl Linear {
     /// The LoRA linear as one op ([`LoraLinearOp`]) where it applies: the CPU, f32 / f64
     /// throughout, a frozen dense or NF4 base, a frozen or no bias. None elsewhere.
     fn forward_fused(&self, x: &Tensor) -> Result<Option<Tensor>> {
-        let Some(lora) = &self.lora else {
+        // DoRA rescales the output by a norm of the whole weight: tensor ops (forward_unfused).
+        let Some(Adapter::Lora(lora)) = &self.adapter else {
             return Ok(None);
         };
         let dt = x.dtype();
@@ -253,29 +174,45 @@ impl Linear {
         let k = *dims.last().expect("linear input has at least one dim");
         let m: usize = dims[..dims.len() - 1].iter().product();
         let x2 = x.reshape((m, k))?; // (M, in)
-        let mut y = match &self.weight {
-            Base::Dense(Param::Frozen(w)) => {
-                x2.contiguous()?.apply_op1(FrozenMatmul { w: w.clone() })?
+        let base = self.base_matmul(&x2)?; // (M, out)
+        let bias = self.bias.as_ref().map(|b| no_grad::enter(b.tensor()));
+        let xl = || match lora_x {
+            Some(xl) => xl.reshape((m, k)), // (M, in), already f32
+            None => Ok(x2.clone()),
+        };
+        let y = match &self.adapter {
+            None => add_bias(base, bias.as_ref())?,
+            Some(Adapter::Lora(lora)) => {
+                let y = add_bias(base, bias.as_ref())?;
+                (y.clone() + lora.forward(&xl()?)?.to_dtype(y.dtype())?)?
             }
-            Base::Dense(Param::Trainable(w)) => x2
-                .contiguous()?
-                .apply_op2(&no_grad::enter(w), TrainableMatmul)?,
-            Base::Nf4(w) => x2.contiguous()?.apply_op1(Nf4Matmul { w: w.clone() })?,
-        }; // (M, out)
-        if let Some(b) = &self.bias {
-            y = y.broadcast_add(&no_grad::enter(b.tensor()))?;
-        }
-        if let Some(lora) = &self.lora {
-            let xl = match lora_x {
-                Some(xl) => xl.reshape((m, k))?, // (M, in), already f32
-                None => x2,
-            };
-            y = (y.clone() + lora.forward(&xl)?.to_dtype(y.dtype())?)?;
-        }
+            Some(Adapter::Dora(dora)) => dora.forward(self, base, bias.as_ref(), &xl()?)?,
+        };
         let mut out_dims = dims;
         *out_dims.last_mut().unwrap() = self.out_features();
         Ok(y.reshape(out_dims)?)
     }
+
+    /// x W^T without bias or adapter, through the op that fits the base (frozen, trainable,
+    /// NF4). x: (M, in) -> (M, out)
+    pub(crate) fn base_matmul(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        Ok(match &self.weight {
+            Base::Dense(Param::Frozen(w)) => x.apply_op1(FrozenMatmul { w: w.clone() })?,
+            Base::Dense(Param::Trainable(w)) => {
+                x.apply_op2(&no_grad::enter(w), TrainableMatmul)?
+            }
+            Base::Nf4(w) => x.apply_op1(Nf4Matmul { w: w.clone() })?,
+        })
+    }
+}
+
+/// y (M, out) + bias (out), when there is one.
+fn add_bias(y: Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    Ok(match bias {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    })
 }
 
 /// A LoRA linear on the CPU as one graph op (x, A, B) -> W x + b + s · B A dropout(x), for f32 /
@@ -568,7 +505,7 @@ impl CustomOp2 for LoraLinearDx {
 /// of them carry an adapter and x is not f32 already; None otherwise (each casts its own, or
 /// the cast is a no-op).
 pub fn adapter_input(linears: &[&Linear], x: &Tensor) -> Result<Option<Tensor>> {
-    let with_lora: Vec<&Lora> = linears.iter().filter_map(|l| l.lora.as_ref()).collect();
+    let with_lora: Vec<&Lora> = linears.iter().filter_map(|l| l.lora()).collect();
     match with_lora.first() {
         Some(l) if with_lora.len() >= 2 && x.dtype() != l.a.dtype() => {
             Ok(Some(x.to_dtype(l.a.dtype())?))
@@ -689,21 +626,10 @@ impl CustomOp2 for TrainableMatmul {
     }
 }
 
-/// Kaiming-uniform init of a LoRA A matrix as PEFT does it (`nn.init.kaiming_uniform_(a=sqrt(5))`
-/// on a (r, in) weight): U(-1/sqrt(in), 1/sqrt(in)). Seeded (one-time host work at setup).
-pub fn lora_a_init(rank: usize, in_features: usize, seed: u64, device: &Device) -> Result<Tensor> {
-    let bound = 1.0 / (in_features as f32).sqrt();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let v: Vec<f32> = (0..rank * in_features)
-        .map(|_| rng.random_range(-bound..bound))
-        .collect();
-    Ok(Tensor::from_vec(v, (rank, in_features), device)?)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
+    use candle_core::{DType, Device};
 
     #[test]
     fn frozen_matmul_value_and_input_gradient_match_plain_matmul() -> Result<()> {
@@ -713,7 +639,7 @@ mod tests {
         let frozen = Linear {
             weight: Base::Dense(Param::Frozen(w.clone())),
             bias: None,
-            lora: None,
+            adapter: None,
         };
         let y = frozen.forward(x.as_tensor())?;
         let y_ref = x.matmul(&w.t()?)?;
@@ -745,10 +671,10 @@ mod tests {
         let plain = Linear {
             weight: Base::Dense(Param::Frozen(w.clone())),
             bias: None,
-            lora: None,
+            adapter: None,
         };
         let adapted = Linear {
-            lora: Some(lora.clone()),
+            adapter: Some(Adapter::Lora(lora.clone())),
             ..plain.clone()
         };
         let y0 = plain.forward(&x)?;
@@ -795,7 +721,7 @@ mod tests {
                 let lin = Linear {
                     weight: base,
                     bias: with_bias.then(|| Param::Frozen(bias.clone())),
-                    lora: Some(lora.clone()),
+                    adapter: Some(Adapter::Lora(lora.clone())),
                 };
                 let x =
                     Var::from_tensor(&Tensor::randn(0f32, 1., (2, 5, 8), &dev)?.to_dtype(dtype)?)?;

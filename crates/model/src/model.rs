@@ -293,7 +293,7 @@ impl CausalLM {
                 } else {
                     None
                 },
-                lora: None,
+                adapter: None,
             })
         };
         let (hs, d) = (c.hidden_size, c.head_dim);

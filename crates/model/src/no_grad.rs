@@ -50,7 +50,7 @@ pub fn enter(w: &Tensor) -> Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::linear::{lora_a_init, Base, Linear, Lora, Param};
+    use crate::linear::{lora_a_init, Adapter, Base, Linear, Lora, Param};
     use candle_core::{DType, Device, Var};
 
     /// A linear layer with every kind of trainable weight: base, bias, LoRA A and B.
@@ -58,13 +58,13 @@ mod tests {
         Ok(Linear {
             weight: Base::Dense(Param::new(Tensor::randn(0f32, 1., (6, 4), dev)?, true)?),
             bias: Some(Param::new(Tensor::randn(0f32, 1., 6, dev)?, true)?),
-            lora: Some(Lora {
+            adapter: Some(Adapter::Lora(Lora {
                 a: Var::from_tensor(&lora_a_init(2, 4, 7, dev)?)?,
                 b: Var::from_tensor(&Tensor::randn(0f32, 1., (6, 2), dev)?)?,
                 scale: 2.0,
                 dropout: None,
                 id: 0,
-            }),
+            })),
         })
     }
 

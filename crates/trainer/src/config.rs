@@ -27,7 +27,7 @@ use toml::{Table, Value};
 /// The linear layers of a Llama / Qwen decoder layer that LoRA can wrap, in the order of the
 /// layer; `lora.targets = "all-linear"` means all of them. The model crate's list, so config
 /// validation and adapter attachment cannot disagree.
-pub use tallow_model::adapter::LINEAR_MODULES as LORA_TARGETS;
+pub use tallow_model::peft::LINEAR_MODULES as LORA_TARGETS;
 
 // ---------------------------------------------------------------------------------------------
 // Enums of the config.

@@ -25,7 +25,7 @@ use tallow_model::dropout::DropoutOp;
 use tallow_model::linear::{FrozenMatmul, TrainableMatmul};
 use tallow_model::loss::{lm_head_nll, Targets};
 use tallow_model::quant::nf4::Nf4Matmul;
-use tallow_model::{ops, Base, CausalLM, Linear, LoadOptions, Lora, Nf4Weight, Param};
+use tallow_model::{ops, Adapter, Base, CausalLM, Linear, LoadOptions, Lora, Nf4Weight, Param};
 
 use crate::optim::{AdamW, AdamW8bit, AdamWParams, Optimizer};
 
@@ -530,13 +530,13 @@ fn lora_linear(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
         let lin = Linear {
             weight: Base::Dense(Param::Frozen(w)),
             bias: None,
-            lora: Some(Lora {
+            adapter: Some(Adapter::Lora(Lora {
                 a: a.clone(),
                 b: b.clone(),
                 scale,
                 dropout: None,
                 id: 0,
-            }),
+            })),
         };
         lin.forward(&x).map_err(to_candle)?
     };
@@ -628,7 +628,7 @@ fn checkpointed(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
         rank: 4,
         alpha: 8.0,
         dropout: 0.0,
-        targets: tallow_model::adapter::LINEAR_MODULES
+        targets: tallow_model::peft::LINEAR_MODULES
             .iter()
             .map(|s| s.to_string())
             .collect(),

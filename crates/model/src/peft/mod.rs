@@ -1,9 +1,11 @@
-//! LoRA adapters in PEFT's format: attach fresh ones, save and load `adapter_model.safetensors` +
-//! `adapter_config.json` exactly as PEFT writes them, merge them into the base weights, and save
-//! a model in HF layout.
+//! Adapters on the linear layers, side by side: [`lora`] (LoRA) and [`dora`] (DoRA, LoRA plus a
+//! magnitude vector). This module attaches fresh ones, saves and loads
+//! `adapter_model.safetensors` + `adapter_config.json` exactly as PEFT writes them, merges them
+//! into the base weights, and saves a model in HF layout.
 //!
 //! PEFT key of a module's adapter: `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`
-//! (A: (r, in)) and `...lora_B.weight` (B: (out, r)).
+//! (A: (r, in)), `...lora_B.weight` (B: (out, r)) and, for DoRA, `...lora_magnitude_vector`
+//! (m: (out)).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -14,9 +16,50 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{ModelError, Result};
 use crate::io::{replace_dir, save_safetensors, staging_dir, write_atomic};
-use crate::linear::{lora_a_init, mix_seed, Base, Dropout, Lora, Param};
+use crate::linear::{Base, Param};
 use crate::model::CausalLM;
 use crate::weights::Weights;
+
+pub mod dora;
+pub mod lora;
+
+pub use dora::Dora;
+pub use lora::{lora_a_init, mix_seed, Dropout, Lora};
+
+/// The adapter a linear layer may carry.
+#[derive(Clone)]
+pub enum Adapter {
+    Lora(Lora),
+    Dora(Dora),
+}
+
+impl Adapter {
+    /// The LoRA matrices (A, B, scale, dropout), which DoRA has too.
+    pub fn lora(&self) -> &Lora {
+        match self {
+            Adapter::Lora(l) => l,
+            Adapter::Dora(d) => &d.lora,
+        }
+    }
+
+    pub fn lora_mut(&mut self) -> &mut Lora {
+        match self {
+            Adapter::Lora(l) => l,
+            Adapter::Dora(d) => &mut d.lora,
+        }
+    }
+
+    /// Every trainable tensor with its key suffix after the module's PEFT prefix, in PEFT's
+    /// order: `lora_A.weight`, `lora_B.weight` (, `lora_magnitude_vector`).
+    pub fn vars(&self) -> Vec<(&'static str, &Var)> {
+        let l = self.lora();
+        let mut v = vec![("lora_A.weight", &l.a), ("lora_B.weight", &l.b)];
+        if let Adapter::Dora(d) = self {
+            v.push(("lora_magnitude_vector", &d.magnitude));
+        }
+        v
+    }
+}
 
 /// The modules LoRA can target, by their HF names.
 pub const LINEAR_MODULES: [&str; 7] = [
@@ -99,10 +142,8 @@ pub fn peft_prefix(i: usize, path: &str) -> String {
 
 /// Attaches fresh adapters (A Kaiming-uniform from `seed`, B zeros, f32) to the targeted linear
 /// layers of every decoder layer.
+/// With `spec.dora`, each is a DoRA adapter whose magnitude starts as the row norms of W.
 pub fn attach_lora(model: &mut CausalLM, spec: &LoraSpec, seed: u64) -> Result<()> {
-    if spec.dora {
-        return Err(ModelError::Invalid("lora.dora: DoRA is not implemented yet".into()));
-    }
     for t in &spec.targets {
         if !LINEAR_MODULES.contains(&t.as_str()) {
             return Err(ModelError::Invalid(format!(
@@ -117,16 +158,21 @@ pub fn attach_lora(model: &mut CausalLM, spec: &LoraSpec, seed: u64) -> Result<(
     for layer in model.layers.iter_mut() {
         for (path, lin) in layer.linears_mut() {
             if !spec.targets.iter().any(|t| t == module_name(path)) {
-                lin.lora = None;
+                lin.adapter = None;
                 continue;
             }
             let (out, inp) = (lin.out_features(), lin.in_features());
-            lin.lora = Some(Lora {
+            let lora = Lora {
                 a: Var::from_tensor(&lora_a_init(spec.rank, inp, mix_seed(seed, id), &device)?)?,
                 b: Var::zeros((out, spec.rank), DType::F32, &device)?,
                 scale: spec.scale(),
                 dropout: None,
                 id,
+            };
+            lin.adapter = Some(if spec.dora {
+                Adapter::Dora(Dora::new(lin, lora)?)
+            } else {
+                Adapter::Lora(lora)
             });
             id += 1;
         }
@@ -141,8 +187,8 @@ pub fn set_dropout_rate(model: &mut CausalLM, p: f64) {
     let dropout = (p > 0.0).then(|| Arc::new(Dropout::new(p as f32)));
     for layer in model.layers.iter_mut() {
         for (_, lin) in layer.linears_mut() {
-            if let Some(l) = lin.lora.as_mut() {
-                l.dropout = dropout.clone();
+            if let Some(a) = lin.adapter.as_mut() {
+                a.lora_mut().dropout = dropout.clone();
             }
         }
     }
@@ -152,7 +198,7 @@ pub fn set_dropout_rate(model: &mut CausalLM, p: f64) {
 pub fn set_dropout(model: &CausalLM, seed: Option<u64>) {
     for layer in &model.layers {
         for (_, lin) in layer.linears() {
-            if let Some(d) = lin.lora.as_ref().and_then(|l| l.dropout.as_ref()) {
+            if let Some(d) = lin.lora().and_then(|l| l.dropout.as_ref()) {
                 d.set(seed);
                 return; // one Dropout is shared by every adapter of the model
             }
@@ -160,15 +206,16 @@ pub fn set_dropout(model: &CausalLM, seed: Option<u64>) {
     }
 }
 
-/// Every adapter variable with its PEFT key, layer by layer, A before B.
+/// Every adapter variable with its PEFT key, layer by layer, A before B (then DoRA's magnitude).
 pub fn lora_vars(model: &CausalLM) -> Vec<(String, Var)> {
     let mut out = Vec::new();
     for (i, layer) in model.layers.iter().enumerate() {
         for (path, lin) in layer.linears() {
-            if let Some(l) = &lin.lora {
+            if let Some(a) = &lin.adapter {
                 let p = peft_prefix(i, path);
-                out.push((format!("{p}.lora_A.weight"), l.a.clone()));
-                out.push((format!("{p}.lora_B.weight"), l.b.clone()));
+                for (suffix, v) in a.vars() {
+                    out.push((format!("{p}.{suffix}"), v.clone()));
+                }
             }
         }
     }
@@ -233,9 +280,6 @@ pub fn read_peft_config(dir: &Path) -> Result<LoraSpec> {
     };
     if cfg.peft_type != "LORA" {
         return Err(bad("peft_type", "only LORA adapters are supported"));
-    }
-    if cfg.use_dora {
-        return Err(bad("use_dora", "DoRA adapters are not supported"));
     }
     if !cfg.rank_pattern.is_empty() || !cfg.alpha_pattern.is_empty() {
         return Err(bad(
@@ -320,19 +364,26 @@ pub fn load_peft(model: &mut CausalLM, dir: &Path) -> Result<LoraSpec> {
     Ok(spec)
 }
 
-/// Folds every adapter into its base weight: W <- W + s B A (in f32, stored back in the weight's
-/// dtype), and removes the adapters. An NF4 base is dequantized first and stays dense.
+/// Folds every adapter into its base weight: W <- W + s B A for LoRA, W <- m ⊙ (W + s B A) /
+/// ||W + s B A|| for DoRA (in f32, stored back in the weight's dtype), and removes the adapters.
+/// An NF4 base is dequantized first and stays dense.
 pub fn merge_lora(model: &mut CausalLM) -> Result<()> {
     for layer in model.layers.iter_mut() {
         for (_, lin) in layer.linears_mut() {
-            let Some(lora) = lin.lora.take() else {
+            let Some(adapter) = lin.adapter.clone() else {
                 continue;
             };
             // An NF4 base is merged into its dequantized weight (as PEFT's `merge_and_unload`
             // does for bitsandbytes 4-bit layers) and becomes dense: W + s B A is not NF4.
-            let w = lin.weight.dense()?; // (out, in)
-            let delta = (lora.b.matmul(lora.a.as_tensor())? * lora.scale)?; // (out, in)
-            let merged = (w.to_dtype(DType::F32)? + delta)?.to_dtype(w.dtype())?;
+            let merged = match &adapter {
+                Adapter::Lora(lora) => {
+                    let w = lin.weight.dense()?; // (out, in)
+                    let delta = (lora.b.matmul(lora.a.as_tensor())? * lora.scale)?; // (out, in)
+                    (w.to_dtype(DType::F32)? + delta)?.to_dtype(w.dtype())?
+                }
+                Adapter::Dora(dora) => dora.merged_weight(lin)?,
+            };
+            lin.adapter = None;
             lin.weight = Base::Dense(match &lin.weight {
                 Base::Dense(Param::Trainable(_)) => Param::Trainable(Var::from_tensor(&merged)?),
                 _ => Param::Frozen(merged),
@@ -359,7 +410,7 @@ pub fn save_hf_model(model: &CausalLM, src_dir: &Path, out: &Path, dtype: DType)
     if model
         .layers
         .iter()
-        .any(|l| l.linears().iter().any(|(_, lin)| lin.lora.is_some()))
+        .any(|l| l.linears().iter().any(|(_, lin)| lin.adapter.is_some()))
     {
         return Err(ModelError::Invalid(
             "save_hf_model: merge the adapters first".into(),

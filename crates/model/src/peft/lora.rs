@@ -1,0 +1,117 @@
+//! LoRA (Hu et al. 2021, arXiv:2106.09685) as PEFT's `LoraLayer`: a rank-r update added to a
+//! linear layer's output.
+//!
+//! ```text
+//!   x ──► W (frozen) ────────────────┐
+//!   │                                 (+) ──► y = W x + b + s · B A x
+//!   └──► A (r × in) ──► B (out × r) ─┘      s = alpha / r   (rsLoRA: alpha / sqrt(r))
+//! ```
+//!
+//! On the CPU in f32 / f64 the whole LoRA linear runs as one op ([`crate::linear`]'s
+//! `LoraLinearOp`); elsewhere [`Lora::forward`] adds the adapter's output from tensor ops.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use rand::{Rng, SeedableRng};
+
+pub use crate::dropout::Dropout;
+use crate::dropout::DropoutOp;
+use crate::error::Result;
+use crate::no_grad;
+
+/// A LoRA adapter on one linear layer. A and B are f32 whatever the base dtype (as PEFT keeps
+/// them), so small updates are not lost to bf16 rounding.
+#[derive(Clone)]
+pub struct Lora {
+    /// (r, in), Kaiming-uniform at init.
+    pub a: Var,
+    /// (out, r), zeros at init, so a fresh adapter leaves the model unchanged.
+    pub b: Var,
+    pub scale: f64,
+    /// Dropout on the adapter's input (PEFT's `lora_dropout`), shared by all adapters of a model.
+    pub dropout: Option<Arc<Dropout>>,
+    /// Index of this adapter in the model, mixed into the dropout seed.
+    pub id: u64,
+}
+
+/// SplitMix64 finalizer: mixes an adapter id into a seed.
+pub fn mix_seed(seed: u64, id: u64) -> u64 {
+    let mut z = seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl Lora {
+    pub fn rank(&self) -> usize {
+        self.a.dim(0).unwrap_or(0)
+    }
+
+    /// The dropout mask this adapter multiplies its input by in the micro-batch whose seed is
+    /// `micro_seed` (what the trainer passes to `set_dropout`), for an input of `dims` ((M, in)):
+    /// 0 with probability p, else 1/(1-p); None without dropout. A pure function of
+    /// (micro_seed, adapter id, element index): [`DropoutOp`] applied to ones.
+    pub fn dropout_mask(
+        &self,
+        micro_seed: u64,
+        dims: &[usize],
+        device: &Device,
+    ) -> Result<Option<Tensor>> {
+        match self.dropout_op(micro_seed) {
+            Some(op) => Ok(Some(op.apply(&Tensor::ones(dims, DType::F32, device)?)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The dropout op of the current micro-batch while training with p > 0; None otherwise.
+    pub(crate) fn active_dropout(&self) -> Option<DropoutOp> {
+        self.dropout
+            .as_ref()
+            .and_then(|d| d.seed())
+            .and_then(|s| self.dropout_op(s))
+    }
+
+    fn dropout_op(&self, micro_seed: u64) -> Option<DropoutOp> {
+        match &self.dropout {
+            Some(d) if d.p > 0.0 => Some(DropoutOp {
+                seed: mix_seed(micro_seed, self.id),
+                p: d.p,
+            }),
+            _ => None,
+        }
+    }
+
+    /// s · B A dropout(x) for x: (M, in) in any float dtype -> (M, out) in f32.
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut x = x.to_dtype(self.a.dtype())?;
+        if let Some(op) = self.active_dropout() {
+            // One element-wise op whose backward is itself on dy: no mask is stored.
+            x = op.apply(&x)?;
+        }
+        self.forward_dropped(&x)
+    }
+
+    /// s · B A x for an input already dropped out (or without dropout): (M, in) -> (M, out) f32.
+    pub(crate) fn forward_dropped(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.to_dtype(self.a.dtype())?;
+        // The scale is applied to the rank-r intermediate rather than to the (M, out) output
+        // (PEFT's order): same value up to rounding, and the graph keeps an (M, r) tensor less
+        // instead of an (M, out) one.
+        let (a, b) = (no_grad::enter(&self.a), no_grad::enter(&self.b));
+        let xa = (x.matmul(&a.t()?)? * self.scale)?; // (M, r)
+        Ok(xa.matmul(&b.t()?)?) // (M, out)
+    }
+}
+
+/// Kaiming-uniform init of a LoRA A matrix as PEFT does it (`nn.init.kaiming_uniform_(a=sqrt(5))`
+/// on a (r, in) weight): U(-1/sqrt(in), 1/sqrt(in)). Seeded (one-time host work at setup).
+pub fn lora_a_init(rank: usize, in_features: usize, seed: u64, device: &Device) -> Result<Tensor> {
+    let bound = 1.0 / (in_features as f32).sqrt();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let v: Vec<f32> = (0..rank * in_features)
+        .map(|_| rng.random_range(-bound..bound))
+        .collect();
+    Ok(Tensor::from_vec(v, (rank, in_features), device)?)
+}
+

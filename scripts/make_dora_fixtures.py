@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""Generate tallow's DoRA reference fixtures from HF peft (dev-only).
+
+Run (from the repository root, after scripts/make_fixtures.py and make_peft_fixtures.py):
+
+    /work/pyref/bin/python scripts/make_dora_fixtures.py
+
+Pinned reference stack (scripts/requirements-fixtures.txt):
+
+    torch==2.8.0  transformers==4.57.1  tokenizers==0.22.2  peft==0.17.1  safetensors==0.8.0
+
+Deterministic (fixed seeds, single-threaded CPU torch, deterministic algorithms). Writes only:
+
+    tests/fixtures/adapters/<M>-peft-dora/           LoRA r=4, alpha=8, use_dora=True on all
+        seven linears, as PeftModel.save_pretrained writes it (its README.md model card deleted);
+        lora_A / lora_B overwritten with 0.2 * randn, and the magnitude vector (PEFT's
+        `lora_magnitude_vector`, initialized to ||W|| per row) multiplied by (1 + 0.1 * randn),
+        so that B A, and m against ||W + s B A||, are far from their initial values.
+    tests/fixtures/reference/peft-dora-<M>.json      per-format loss (unmerged, reloaded, merged)
+    tests/fixtures/reference/peft-dora-<M>-sgd.safetensors   one plain-SGD step (lr 0.5) from the
+        adapter over the "text" rows: "after.<key>" and "grad.<key>" for every adapter tensor,
+        magnitude included.
+
+for M in tiny-llama, tiny-qwen2, tiny-qwen3. Losses are computed as make_peft_fixtures.py does
+(rows separately, f32 model, eager attention, NLL sums in f64).
+
+Check mode (a DoRA adapter tallow wrote, loaded by PEFT):
+
+    /work/pyref/bin/python scripts/make_dora_fixtures.py --check-adapter DIR --model MODEL_DIR --out FILE.json
+
+loads DIR with PeftModel.from_pretrained, checks that every tensor of the file landed in an
+adapter parameter as-is and that every adapter parameter came from the file, and writes the
+per-format loss and merged_loss.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+if __name__ == "__main__" and os.environ.get("PYTHONHASHSEED") != "0":
+    os.execve(
+        sys.executable,
+        [sys.executable, str(Path(__file__).resolve())] + sys.argv[1:],
+        dict(os.environ, PYTHONHASHSEED="0"),
+    )
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import warnings  # noqa: E402
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from peft.utils import get_peft_model_state_dict  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_fixtures as mf  # noqa: E402
+import make_peft_fixtures as mp  # noqa: E402
+
+REPO = mf.REPO
+FIX = mf.FIX
+MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
+SEED = 20240607 + 9000
+INIT_STD = 0.2
+MAG_STD = 0.1
+SGD_LR = 0.5
+SPEC = dict(r=4, lora_alpha=8, target_modules=mp.ALL_TARGETS)
+MERGE_TOL = 1e-4
+
+
+def dora_config():
+    return LoraConfig(
+        r=SPEC["r"],
+        lora_alpha=SPEC["lora_alpha"],
+        lora_dropout=0.0,
+        target_modules=list(SPEC["target_modules"]),
+        task_type="CAUSAL_LM",
+        use_dora=True,
+        bias="none",
+    )
+
+
+def file_key_to_param(key: str, adapter_name: str = "default") -> str:
+    """adapter_model.safetensors key -> PeftModel parameter name (A, B or DoRA magnitude)."""
+    if key.endswith(".lora_magnitude_vector"):
+        return f"{key}.{adapter_name}.weight"
+    return mp.file_key_to_param(key, adapter_name)
+
+
+def check_loaded(model, adapter_dir: Path):
+    sd = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    params = mp.lora_params(model)
+    seen = set()
+    for k, t in sd.items():
+        pn = file_key_to_param(k)
+        if pn not in params:
+            raise AssertionError(f"{adapter_dir}: tensor {k} matches no adapter parameter ({pn})")
+        p = params[pn]
+        if tuple(p.shape) != tuple(t.shape) or not torch.equal(p.detach().cpu(), t.to(p.dtype)):
+            raise AssertionError(f"{adapter_dir}: tensor {k} {tuple(t.shape)} not loaded as-is into {pn}")
+        seen.add(pn)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise AssertionError(f"{adapter_dir}: adapter parameters not in the file: {missing}")
+    return sorted(sd)
+
+
+def build_adapter(name, model_dir: Path, ref, seed):
+    out = FIX / "adapters" / f"{name}-peft-dora"
+    shutil.rmtree(out, ignore_errors=True)
+    base = mf.load_model(model_dir)
+    model = get_peft_model(base, dora_config())
+    gen = torch.Generator().manual_seed(seed)
+    counts = {"ab": 0, "m": 0}
+    with torch.no_grad():
+        for pn, p in model.named_parameters():
+            if ".lora_A." in pn or ".lora_B." in pn:
+                p.copy_(INIT_STD * torch.randn(p.shape, generator=gen, dtype=torch.float32))
+                counts["ab"] += 1
+            elif ".lora_magnitude_vector." in pn:
+                p.mul_(1 + MAG_STD * torch.randn(p.shape, generator=gen, dtype=torch.float32))
+                counts["m"] += 1
+            else:
+                assert ".lora_" not in pn, pn
+    n_mod = 2 * len(SPEC["target_modules"])  # 2 layers x targets
+    assert counts == {"ab": 2 * n_mod, "m": n_mod}, counts
+    model.eval()
+    mem = mp.eval_losses(model, ref)
+
+    model.peft_config["default"].base_model_name_or_path = name
+    model.save_pretrained(str(out), safe_serialization=True)
+    (out / "README.md").unlink(missing_ok=True)
+    cfg = json.loads((out / "adapter_config.json").read_text(encoding="utf-8"))
+    assert cfg["use_dora"] is True, cfg
+
+    re = mp.load_peft(model_dir, out)
+    keys = check_loaded(re, out)
+    assert any(k.endswith(".lora_magnitude_vector") for k in keys), keys
+    rel = mp.eval_losses(re, ref)
+    for fmt in mem:
+        assert rel[fmt]["nll_sum"] == mem[fmt]["nll_sum"], (name, fmt)
+    mrg = mp.merged_losses(re, ref)
+    res = {
+        "adapter_dir": str(out.relative_to(REPO)),
+        "seed": seed,
+        "init_std": INIT_STD,
+        "magnitude_std": MAG_STD,
+        "r": SPEC["r"],
+        "lora_alpha": SPEC["lora_alpha"],
+        "use_dora": True,
+        "scaling": SPEC["lora_alpha"] / SPEC["r"],
+        "keys": keys,
+        "formats": {},
+    }
+    for fmt in mem:
+        d = abs(mrg[fmt]["loss"] - mem[fmt]["loss"])
+        assert d < MERGE_TOL, (name, fmt, mem[fmt]["loss"], mrg[fmt]["loss"])
+        res["formats"][fmt] = {
+            "loss": mem[fmt]["loss"],
+            "reload_loss": rel[fmt]["loss"],
+            "merged_loss": mrg[fmt]["loss"],
+            "nll_sum": mem[fmt]["nll_sum"],
+            "n_targets": mem[fmt]["n_targets"],
+        }
+    return out, res
+
+
+def sgd_step(name, model_dir: Path, adapter_dir: Path, ref):
+    model = mp.load_peft(model_dir, adapter_dir, trainable=True)
+    model.eval()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    sd = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    key_of = {file_key_to_param(k): k for k in sd}
+    assert set(key_of) == set(trainable), set(key_of) ^ set(trainable)
+    opt = torch.optim.SGD(list(trainable.values()), lr=SGD_LR)
+    opt.zero_grad(set_to_none=True)
+    loss = mp.text_loss(model, ref)
+    loss.backward()
+    before = loss.item()
+    tensors = {}
+    for pn, p in trainable.items():
+        assert p.grad is not None, pn
+        tensors[f"grad.{key_of[pn]}"] = p.grad.detach().float().clone().contiguous()
+    opt.step()
+    for pn, p in trainable.items():
+        tensors[f"after.{key_of[pn]}"] = p.detach().float().clone().contiguous()
+    saved = get_peft_model_state_dict(model)
+    assert set(saved) == set(sd), set(saved) ^ set(sd)
+    with torch.no_grad():
+        after = mp.text_loss(model, ref).item()
+    assert after < before, (before, after)
+    path = FIX / "reference" / f"peft-dora-{name}-sgd.safetensors"
+    save_file(dict(sorted(tensors.items())), str(path), metadata={"format": "pt"})
+    return {
+        "lr": SGD_LR,
+        "sgd_loss_before": before,
+        "sgd_loss_after": after,
+        "tensors": str(path.relative_to(REPO)),
+    }
+
+
+def generate():
+    for mi, name in enumerate(MODELS):
+        model_dir = FIX / "models" / name
+        ref = json.loads((FIX / "reference" / f"{name}.json").read_text(encoding="utf-8"))
+        adir, res = build_adapter(name, model_dir, ref, SEED + 100 * mi)
+        sgd = sgd_step(name, model_dir, adir, ref)
+        out = {
+            "versions": mf.VERSIONS,
+            "model": name,
+            "reference": f"tests/fixtures/reference/{name}.json",
+            "adapter": res,
+            "sgd": sgd,
+        }
+        mf.write_json(FIX / "reference" / f"peft-dora-{name}.json", out)
+        print(name)
+        for fmt, f in res["formats"].items():
+            print(f"  {fmt:18s} loss={f['loss']:.9f} merged={f['merged_loss']:.9f}")
+        print(f"  sgd {sgd['sgd_loss_before']:.9f} -> {sgd['sgd_loss_after']:.9f}")
+
+
+def check_adapter(adapter_dir: Path, model_dir: Path, out_path: Path):
+    ref = json.loads((FIX / "reference" / f"{model_dir.resolve().name}.json").read_text(encoding="utf-8"))
+    cfg = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
+    assert cfg.get("use_dora") is True, cfg
+    m = mp.load_peft(model_dir, adapter_dir)
+    keys = check_loaded(m, adapter_dir)
+    res = mp.eval_losses(m, ref)
+    mrg = mp.merged_losses(m, ref)
+    out = {
+        "versions": mf.VERSIONS,
+        "model": model_dir.resolve().name,
+        "adapter_dir": str(adapter_dir),
+        "adapter_config": cfg,
+        "keys": keys,
+        "formats": {
+            fmt: {"loss": res[fmt]["loss"], "merged_loss": mrg[fmt]["loss"]} for fmt in res
+        },
+    }
+    mf.write_json(out_path, out)
+    for fmt, f in out["formats"].items():
+        print(f"{fmt:18s} loss={f['loss']:.9f} merged={f['merged_loss']:.9f}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check-adapter", type=Path)
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    for k, v in mf.PINNED.items():
+        if not mf.VERSIONS[k].startswith(v):
+            print(f"WARNING: {k} {mf.VERSIONS[k]} != pinned {v}", file=sys.stderr)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message=r"Unable to fetch remote file")
+    warnings.filterwarnings("ignore", message=r"Could not find a config file")
+    if args.check_adapter is not None:
+        check_adapter(args.check_adapter, args.model, args.out)
+    else:
+        generate()
+
+
+if __name__ == "__main__":
+    main()
