@@ -21,7 +21,7 @@ fn load(path: &std::path::Path) -> HashMap<String, Tensor> {
 /// micro-batch: tallow's masks are still the ones the fixture was made with (exact), the step's
 /// loss equals PEFT's with those masks within 1e-5 (dropout moves it by 0.017 .. 0.22 here), and
 /// every adapter tensor's update is within 1e-3 relative of PEFT's (a mask left out of the
-/// backward, or not applied, moves the update by far more: see the README's test table).
+/// backward, or not applied, moves the update by far more: see the test table in docs/testing.md).
 #[test]
 fn one_sgd_step_with_dropout_matches_peft_given_the_same_masks() {
     for model in MODELS {
