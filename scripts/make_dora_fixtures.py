@@ -24,6 +24,15 @@ Deterministic (fixed seeds, single-threaded CPU torch, deterministic algorithms)
 for M in tiny-llama, tiny-qwen2, tiny-qwen3. Losses are computed as make_peft_fixtures.py does
 (rows separately, f32 model, eager attention, NLL sums in f64).
 
+transformers 5 (the same adapters on the models in the 5.x config layout, tiny-qwen3 there with
+linear rope scaling), after scripts/make_v5_fixtures.py:
+
+    /work/pyref5/bin/python scripts/make_dora_fixtures.py --v5
+
+writes tests/fixtures/v5/reference/peft-dora-<M>.json (loss and merged_loss per format, the
+SGD step's losses) and peft-dora-<M>-sgd.safetensors, from PEFT 0.21 + transformers 5
+(scripts/requirements-fixtures-v5.txt). The adapters are read, never rewritten.
+
 Check mode (a DoRA adapter tallow wrote, loaded by PEFT):
 
     /work/pyref/bin/python scripts/make_dora_fixtures.py --check-adapter DIR --model MODEL_DIR --out FILE.json
@@ -168,7 +177,7 @@ def build_adapter(name, model_dir: Path, ref, seed):
     return out, res
 
 
-def sgd_step(name, model_dir: Path, adapter_dir: Path, ref):
+def sgd_step(name, model_dir: Path, adapter_dir: Path, ref, out_root=FIX):
     model = mp.load_peft(model_dir, adapter_dir, trainable=True)
     model.eval()
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -192,7 +201,7 @@ def sgd_step(name, model_dir: Path, adapter_dir: Path, ref):
     with torch.no_grad():
         after = mp.text_loss(model, ref).item()
     assert after < before, (before, after)
-    path = FIX / "reference" / f"peft-dora-{name}-sgd.safetensors"
+    path = out_root / "reference" / f"peft-dora-{name}-sgd.safetensors"
     save_file(dict(sorted(tensors.items())), str(path), metadata={"format": "pt"})
     return {
         "lr": SGD_LR,
@@ -220,6 +229,38 @@ def generate():
         for fmt, f in res["formats"].items():
             print(f"  {fmt:18s} loss={f['loss']:.9f} merged={f['merged_loss']:.9f}")
         print(f"  sgd {sgd['sgd_loss_before']:.9f} -> {sgd['sgd_loss_after']:.9f}")
+
+
+def generate_v5():
+    root = FIX / "v5"
+    import peft
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "peft": peft.__version__}
+    assert transformers.__version__.startswith("5."), transformers.__version__
+    for name in MODELS:
+        model_dir = root / "models" / name
+        ref = json.loads((root / "reference" / f"{name}.json").read_text(encoding="utf-8"))
+        adir = FIX / "adapters" / f"{name}-peft-dora"
+        m = mp.load_peft(model_dir, adir)
+        check_loaded(m, adir)
+        mem = mp.eval_losses(m, ref)
+        mrg = mp.merged_losses(mp.load_peft(model_dir, adir), ref)
+        sgd = sgd_step(name, model_dir, adir, ref, out_root=root)
+        out = {
+            "versions": versions,
+            "model": name,
+            "reference": f"tests/fixtures/v5/reference/{name}.json",
+            "adapter": {
+                "adapter_dir": str(adir.relative_to(REPO)),
+                "formats": {
+                    fmt: {"loss": mem[fmt]["loss"], "merged_loss": mrg[fmt]["loss"]} for fmt in mem
+                },
+            },
+            "sgd": sgd,
+        }
+        mf.write_json(root / "reference" / f"peft-dora-{name}.json", out)
+        print(name, {f: round(v["loss"], 9) for f, v in out["adapter"]["formats"].items()})
 
 
 def check_adapter(adapter_dir: Path, model_dir: Path, out_path: Path):
@@ -250,9 +291,10 @@ def main():
     ap.add_argument("--check-adapter", type=Path)
     ap.add_argument("--model", type=Path)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--v5", action="store_true")
     args = ap.parse_args()
     for k, v in mf.PINNED.items():
-        if not mf.VERSIONS[k].startswith(v):
+        if not args.v5 and not mf.VERSIONS[k].startswith(v):
             print(f"WARNING: {k} {mf.VERSIONS[k]} != pinned {v}", file=sys.stderr)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -261,6 +303,8 @@ def main():
     warnings.filterwarnings("ignore", message=r"Could not find a config file")
     if args.check_adapter is not None:
         check_adapter(args.check_adapter, args.model, args.out)
+    elif args.v5:
+        generate_v5()
     else:
         generate()
 

@@ -1,5 +1,5 @@
 //! `tallow estimate` against `tallow bench`'s measured peaks, on CPU, for a grid of configs of a
-//! random ~105M-parameter Llama (benchmarks/models/llama-105m.json): every cell's estimated
+//! random ~105M-parameter Llama (benchmarks/models/llama-105m.json), DoRA included: every cell's estimated
 //! peak must be within 10% of the peak the counting allocator measured (the bound).
 //!
 //! Its own test binary: the cells are separate `tallow train` processes that take the two cores,
@@ -40,7 +40,7 @@ fn bench(config: &Path, args: &[&str]) -> Vec<serde_json::Value> {
 }
 
 #[test]
-fn estimate_is_within_10_percent_of_the_measured_peak_on_a_grid_of_16_configs() {
+fn estimate_is_within_10_percent_of_the_measured_peak_on_a_grid_of_20_configs() {
     let dir = scratch("bench-grid");
     let model = dir.join("llama-105m");
     make_random_model(
@@ -91,7 +91,22 @@ fn estimate_is_within_10_percent_of_the_measured_peak_on_a_grid_of_16_configs() 
             "lora.rank=64",
         ],
     ));
-    assert_eq!(rows.len(), 16);
+    // ... and DoRA (its unfused linear, the magnitude, the weight norm's f32 transient), with
+    // dropout (PEFT's second base matmul), dense and NF4 (QDoRA), checkpointing off and on: 4.
+    rows.extend(bench(
+        &config,
+        &[
+            "--set",
+            "lora.dora=true",
+            "--set",
+            "lora.dropout=0.05",
+            "--grid",
+            "model.quantize=none,nf4",
+            "--grid",
+            "train.checkpointing=false,true",
+        ],
+    ));
+    assert_eq!(rows.len(), 20);
     let mut report = String::new();
     let mut worst: f64 = 0.0;
     for r in &rows {

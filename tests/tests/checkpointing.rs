@@ -1,4 +1,4 @@
-//! Activation checkpointing gives the gradients of the plain forward: LoRA (with dropout on, so
+//! Activation checkpointing gives the gradients of the plain forward: LoRA and DoRA (with dropout on, so
 //! the recomputation must redraw the same masks) and full fine-tuning, every layer or every
 //! second layer checkpointed. f32; tolerance 1e-5 relative to the largest gradient entry
 //! (the recomputed forward is the same sequence of ops, so differences are float-order only).
@@ -55,48 +55,61 @@ fn compare(what: &str, vars: &[(String, Var)], a: &[Tensor], b: &[Tensor]) {
     }
 }
 
+/// LoRA and DoRA (whose magnitude gradient and weight norm are recomputed with the layer).
 #[test]
 fn lora_gradients_with_checkpointing_equal_plain_gradients() {
-    for model_name in MODELS {
-        let reference = reference_json(model_name);
-        let rows = reference_rows(&reference, "text");
-        let opts = LoadOptions::frozen(DType::F32, &Device::Cpu);
-        let mut model = CausalLM::load(&model_dir(model_name), &opts).unwrap();
-        let spec = LoraSpec {
-            rank: 4,
-            alpha: 8.0,
-            dropout: 0.1,
-            targets: tallow_model::peft::LINEAR_MODULES
-                .iter()
-                .map(|s| s.to_string())
-                .collect(),
-            rslora: false,
-            dora: false,
-        };
-        attach_lora(&mut model, &spec, 1).unwrap();
-        let vars = lora_vars(&model);
-        // B starts at zero; give it values so every path carries gradient.
-        for (n, v) in &vars {
-            if n.contains("lora_B") {
-                v.set(&Tensor::randn(0f32, 0.05, v.shape(), &Device::Cpu).unwrap())
-                    .unwrap();
-            }
+    for dora in [false, true] {
+        for model_name in MODELS {
+            adapter_gradients_with_checkpointing(model_name, dora);
         }
-        set_dropout(&model, Some(1234));
-        let plain = grads(&model, &vars, &rows);
-        for every in [1, 2] {
-            model.set_checkpointing(Some(every));
-            let ck = grads(&model, &vars, &rows);
-            compare(
-                &format!("{model_name} lora every={every}"),
-                &vars,
-                &plain,
-                &ck,
-            );
-        }
-        model.set_checkpointing(None);
-        assert!(model.take_checkpoint_grads().is_empty());
     }
+}
+
+fn adapter_gradients_with_checkpointing(model_name: &str, dora: bool) {
+    let kind = if dora { "dora" } else { "lora" };
+    let reference = reference_json(model_name);
+    let rows = reference_rows(&reference, "text");
+    let opts = LoadOptions::frozen(DType::F32, &Device::Cpu);
+    let mut model = CausalLM::load(&model_dir(model_name), &opts).unwrap();
+    let spec = LoraSpec {
+        rank: 4,
+        alpha: 8.0,
+        dropout: 0.1,
+        targets: tallow_model::peft::LINEAR_MODULES
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+        rslora: false,
+        dora,
+    };
+    attach_lora(&mut model, &spec, 1).unwrap();
+    let vars = lora_vars(&model);
+    if dora {
+        assert!(vars
+            .iter()
+            .any(|(n, _)| n.ends_with("lora_magnitude_vector")));
+    }
+    // B starts at zero; give it values so every path carries gradient.
+    for (n, v) in &vars {
+        if n.contains("lora_B") {
+            v.set(&Tensor::randn(0f32, 0.05, v.shape(), &Device::Cpu).unwrap())
+                .unwrap();
+        }
+    }
+    set_dropout(&model, Some(1234));
+    let plain = grads(&model, &vars, &rows);
+    for every in [1, 2] {
+        model.set_checkpointing(Some(every));
+        let ck = grads(&model, &vars, &rows);
+        compare(
+            &format!("{model_name} {kind} every={every}"),
+            &vars,
+            &plain,
+            &ck,
+        );
+    }
+    model.set_checkpointing(None);
+    assert!(model.take_checkpoint_grads().is_empty());
 }
 
 #[test]

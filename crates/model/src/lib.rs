@@ -34,18 +34,18 @@ pub mod qwen3;
 pub mod sampling;
 pub mod weights;
 
-pub use peft::{
-    attach_lora, load_peft, lora_vars, merge_lora, save_hf_model, save_peft, set_dropout,
-    set_dropout_rate, Adapter, Dora, LoraSpec,
-};
 pub use config::{Arch, DecoderConfig, RopeScaling};
 pub use error::{ModelError, Result};
 pub use generate::{generate, GenerateOptions, Generation, GenerationConfig, KvCache};
 pub use linear::{Base, Linear, Param};
-pub use peft::Lora;
 pub use loss::{lm_head_nll, Targets};
 pub use model::{CausalLM, LoadOptions};
 pub use no_grad::no_grad;
+pub use peft::Lora;
+pub use peft::{
+    attach_lora, load_peft, lora_vars, merge_lora, save_hf_model, save_peft, set_dropout,
+    set_dropout_rate, Adapter, Dora, LoraSpec,
+};
 pub use quant::nf4::{Nf4Options, Nf4Weight};
 pub use sampling::{Sampler, SamplingParams};
 pub use weights::Weights;

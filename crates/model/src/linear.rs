@@ -199,9 +199,7 @@ impl Linear {
         let x = x.contiguous()?;
         Ok(match &self.weight {
             Base::Dense(Param::Frozen(w)) => x.apply_op1(FrozenMatmul { w: w.clone() })?,
-            Base::Dense(Param::Trainable(w)) => {
-                x.apply_op2(&no_grad::enter(w), TrainableMatmul)?
-            }
+            Base::Dense(Param::Trainable(w)) => x.apply_op2(&no_grad::enter(w), TrainableMatmul)?,
             Base::Nf4(w) => x.apply_op1(Nf4Matmul { w: w.clone() })?,
         })
     }

@@ -186,7 +186,11 @@ pub fn layer_activation_bytes(
     // `shared`: one cast for the group, counted by `group_cast`), the dropped-out x (the
     // dropout op keeps no mask), x·Aᵀ and its scaled copy (r), B·(..) in f32, cast back, sum.
     let adapted = |l: &Lin| lora && targets.contains(&l.name);
+    let dora = lora && cfg.lora.dora;
     let linear = |l: &Lin, shared: bool| -> usize {
+        if dora && adapted(l) {
+            return dora_linear(l, s, r, dropout, shared);
+        }
         if fused && (adapted(l) || !l.bias) {
             return s * l.out; // one op; its input is the previous output, A and B are params
         }
@@ -229,6 +233,27 @@ pub fn layer_activation_bytes(
                         // (fused: the causal attention op keeps only the f32 probabilities)
     let per_score = if fused { 4 } else { s + 4 + cast(s) };
     (b * t * per_token + b * h * t * t * per_score) as u64
+}
+
+/// What a DoRA linear keeps per token (`tallow_model::peft::dora`, tensor ops on every device):
+/// the base output, its f32 copy (bf16 / f16), the adapter input cast and dropped out, x·Aᵀ and
+/// its scaled copy, the adapter output, (W x + s B A x), the rescaled sum, the cast back and the
+/// bias add; with dropout also the dropped input in the model dtype, the second base matmul on it
+/// and its f32 copy, and PEFT's two extra (M, out) sums.
+fn dora_linear(l: &Lin, s: usize, r: usize, dropout: bool, shared: bool) -> usize {
+    let cast = |n: usize| if s == 4 { 0 } else { n };
+    let mut n = s * l.out + cast(4 * l.out); // base output, in f32
+    n += if shared { 0 } else { cast(4 * l.inp) }; // adapter input in f32
+    n += 8 * r + 4 * l.out; // x·Aᵀ, scaled, ·Bᵀ
+    n += 4 * l.out + 4 * l.out + cast(s * l.out); // sum, rescaled, cast back
+    if l.bias {
+        n += s * l.out;
+    }
+    if dropout {
+        n += 4 * l.inp + cast(s * l.inp); // dropped input, in the model dtype
+        n += s * l.out + cast(4 * l.out) + 2 * 4 * l.out; // W xd, in f32, two more sums
+    }
+    n
 }
 
 fn mib(b: u64) -> String {
@@ -363,7 +388,7 @@ pub fn trainable_params(m: &DecoderConfig, cfg: &TrainConfig) -> u64 {
             let per_layer: usize = layer_linears(m)
                 .iter()
                 .filter(|l| targets.contains(&l.name))
-                .map(|l| cfg.lora.rank * (l.inp + l.out))
+                .map(|l| cfg.lora.rank * (l.inp + l.out) + if cfg.lora.dora { l.out } else { 0 })
                 .sum();
             (per_layer * m.num_hidden_layers) as u64
         }
@@ -386,6 +411,9 @@ fn param_tensors(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize> {
                 Method::Lora if targets.contains(&l.name) => {
                     v.push(cfg.lora.rank * l.inp);
                     v.push(cfg.lora.rank * l.out);
+                    if cfg.lora.dora {
+                        v.push(l.out); // the magnitude
+                    }
                 }
                 Method::Lora => {}
             }
@@ -433,11 +461,25 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
         + layers * (2 * c + biases + if m.qk_norm { 2 * m.head_dim } else { 0 })
         + c;
     let dt = cfg.model.dtype.name();
-    let base_bytes = if nf4 {
-        linear_nf4 + s * other as u64
+    let dora = !full && cfg.lora.dora;
+    // DoRA keeps ||W_i||² per output row of each adapted linear (f32, computed once).
+    let dora_norms = if dora {
+        let targets = cfg.lora.targets();
+        let outs: usize = layer_linears(m)
+            .iter()
+            .filter(|l| targets.contains(&l.name))
+            .map(|l| l.out)
+            .sum();
+        4 * (outs * layers) as u64
     } else {
-        s * (linear_elems + other) as u64
+        0
     };
+    let base_bytes = dora_norms
+        + if nf4 {
+            linear_nf4 + s * other as u64
+        } else {
+            s * (linear_elems + other) as u64
+        };
     let tp = trainable_params(m, cfg);
     let (frozen, trainable) = if full {
         (
@@ -466,7 +508,8 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
             (
                 4 * tp,
                 format!(
-                    "LoRA r{} on {}, {tp} parameters in f32",
+                    "{} r{} on {}, {tp} parameters in f32",
+                    if dora { "DoRA" } else { "LoRA" },
                     cfg.lora.rank,
                     cfg.lora.targets().join(",")
                 ),
@@ -553,6 +596,14 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     } else {
         0
     } + f32_copy(largest_linear);
+    // DoRA's weight norm reads a bf16 / f16 (or NF4-dequantized) weight in f32, one linear at a
+    // time (`tallow_model::peft::dora`): a transient the size of the largest weight.
+    let dora_norm = if dora && s != 4 {
+        (4 + if nf4 { s } else { 0 }) * largest_linear as u64
+    } else {
+        0
+    };
+    let dequantized = dequantized.max(dora_norm);
     // Two high points: the end of the backward (every gradient in Candle's store, or in the
     // checkpointed layers' side stores, plus what is in flight), and adding them to the f32
     // accumulator (without checkpointing the whole store is alive next to the sums; with it,

@@ -191,6 +191,14 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Run, TrainError> {
         let spec = if let Some(init) = &cfg.lora.init {
             // rank / alpha / targets come from the adapter; dropout from this config.
             let mut spec = load_peft(&mut model, init)?;
+            if cfg.lora.dora && !spec.dora {
+                return Err(TrainError::Invalid(format!(
+                    "lora.dora = true, but the adapter in lora.init ({}) is plain LoRA \
+                     (use_dora false in its adapter_config.json): remove lora.dora, or start \
+                     from a DoRA adapter",
+                    init.display()
+                )));
+            }
             spec.dropout = cfg.lora.dropout;
             set_dropout_rate(&mut model, spec.dropout);
             spec

@@ -112,11 +112,7 @@ impl Dora {
         let delta = (self.lora.b.matmul(self.lora.a.as_tensor())? * self.lora.scale)?;
         let full = (w.to_dtype(DType::F32)? + delta)?; // (out, in)
         let n = full.sqr()?.sum_keepdim(1)?.sqrt()?; // (out, 1)
-        let factor = self
-            .magnitude
-            .as_tensor()
-            .unsqueeze(1)?
-            .broadcast_div(&n)?; // (out, 1)
+        let factor = self.magnitude.as_tensor().unsqueeze(1)?.broadcast_div(&n)?; // (out, 1)
         Ok(full.broadcast_mul(&factor)?.to_dtype(w.dtype())?)
     }
 }
@@ -138,7 +134,135 @@ fn base_times(lin: &Linear, a: &Tensor) -> Result<Tensor> {
 
 /// ||W_i||² per output row (out), f32.
 fn base_norm_sq(base: &Base) -> Result<Tensor> {
-    Ok(base
-        .dense()?
-        .detach().to_dtype(DType::F32)?.sqr()?.sum(1)?)
+    Ok(base.dense()?.detach().to_dtype(DType::F32)?.sqr()?.sum(1)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use candle_core::Device;
+
+    use super::*;
+    use crate::linear::Param;
+    use crate::peft::{lora_a_init, Adapter, Dropout};
+    use crate::Nf4Weight;
+
+    fn max_rel(a: &Tensor, b: &Tensor) -> f64 {
+        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+        let s = b.abs().unwrap().max_all().unwrap();
+        (d.to_scalar::<f32>().unwrap() / s.to_scalar::<f32>().unwrap()) as f64
+    }
+
+    /// A DoRA linear (out 6, in 8, r 3) with B and m away from their initial values.
+    fn dora_linear(base: Base, dropout: Option<Arc<Dropout>>) -> (Linear, Dora) {
+        let dev = Device::Cpu;
+        let mut lin = Linear {
+            weight: base,
+            bias: Some(Param::Frozen(Tensor::randn(0f32, 1., 6, &dev).unwrap())),
+            adapter: None,
+        };
+        let lora = Lora {
+            a: Var::from_tensor(&lora_a_init(3, 8, 5, &dev).unwrap()).unwrap(),
+            b: Var::from_tensor(&Tensor::randn(0f32, 0.5, (6, 3), &dev).unwrap()).unwrap(),
+            scale: 2.0,
+            dropout,
+            id: 3,
+        };
+        let dora = Dora::new(&lin, lora).unwrap();
+        let m = (dora.magnitude.as_tensor() * 1.3).unwrap();
+        dora.magnitude.set(&m).unwrap();
+        lin.adapter = Some(Adapter::Dora(dora.clone()));
+        (lin, dora)
+    }
+
+    /// The reference: the norm of the summed weight itself, y from the formulas of PEFT's
+    /// `DoraLinearLayer.forward` (no dropout: (m / n) (W x + s B A x) + b; with dropout xd:
+    /// W x + b + (m / n - 1) W xd + (m / n) s B A xd).
+    fn reference(lin: &Linear, d: &Dora, x: &Tensor, xd: &Tensor) -> Tensor {
+        let w = lin.weight.dense().unwrap();
+        let ba = (d.lora.b.matmul(d.lora.a.as_tensor()).unwrap() * d.lora.scale).unwrap();
+        let full = (&w + &ba).unwrap();
+        let n = full.sqr().unwrap().sum(1).unwrap().sqrt().unwrap();
+        let ms = d.magnitude.as_tensor().div(&n).unwrap();
+        let b = lin.bias.as_ref().unwrap().tensor();
+        let base = x.matmul(&w.t().unwrap()).unwrap();
+        let base_d = xd.matmul(&w.t().unwrap()).unwrap();
+        let lora_d = xd.matmul(&ba.t().unwrap()).unwrap();
+        let rescaled = (base_d.broadcast_mul(&(&ms - 1.0).unwrap()).unwrap()
+            + lora_d.broadcast_mul(&ms).unwrap())
+        .unwrap();
+        ((base + rescaled).unwrap().broadcast_add(b)).unwrap()
+    }
+
+    /// Forward against PEFT's formulas with the directly computed norm (tallow expands it):
+    /// 1e-5 relative in f32; gradients of m and B against the formula with the norm constant.
+    /// Breaking the norm's expansion (the cross term's factor 2 dropped) fails it.
+    #[test]
+    fn dora_forward_and_gradients_follow_peft() -> Result<()> {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1., (6, 8), &dev)?;
+        let x = Tensor::randn(0f32, 1., (5, 8), &dev)?;
+        let (lin, d) = dora_linear(Base::Dense(Param::Frozen(w.clone())), None);
+        let y = lin.forward(&x)?;
+        let want = reference(&lin, &d, &x, &x);
+        assert!(max_rel(&y, &want) < 1e-5, "{}", max_rel(&y, &want));
+        // Gradients: dm_i = sum_rows dy_i (W x + s B A x)_i / n_i; the norm is a constant.
+        let probe = Tensor::randn(0f32, 1., (5, 6), &dev)?;
+        let g = (&y * &probe)?.sum_all()?.backward()?;
+        let n = d.weight_norm(&lin)?;
+        let ba = (d.lora.b.matmul(d.lora.a.as_tensor())? * 2.0)?;
+        let z = x.matmul(&(&w + &ba)?.t()?)?; // (5, 6)
+        let dm = (z * &probe)?.sum(0)?.div(&n)?;
+        let got = g.get(d.magnitude.as_tensor()).expect("magnitude gradient");
+        assert!(max_rel(got, &dm) < 1e-5, "dm {}", max_rel(got, &dm));
+        // dB = s (dy ⊙ m / n)ᵀ (x Aᵀ)
+        let ms = d.magnitude.as_tensor().div(&n)?;
+        let dy = probe.broadcast_mul(&ms)?;
+        let db = (dy.t()?.matmul(&x.matmul(&d.lora.a.as_tensor().t()?)?)? * 2.0)?;
+        let got = g.get(d.lora.b.as_tensor()).expect("B gradient");
+        assert!(max_rel(got, &db) < 1e-5, "dB {}", max_rel(got, &db));
+
+        // With dropout: PEFT's form on the dropped input (mask from the adapter's own op).
+        let drop = Arc::new(Dropout::new(0.3));
+        let (lin, d) = dora_linear(Base::Dense(Param::Frozen(w)), Some(drop.clone()));
+        drop.set(Some(11));
+        let y = lin.forward(&x)?;
+        let mask = d.lora.dropout_mask(11, &[5, 8], &dev)?.expect("dropout on");
+        let want = reference(&lin, &d, &x, &(&x * mask)?);
+        assert!(max_rel(&y, &want) < 1e-5, "dropout {}", max_rel(&y, &want));
+        Ok(())
+    }
+
+    /// QDoRA: on an NF4 base the output equals DoRA on the dequantized weight as a dense f32
+    /// base (1e-5 relative: the same weights, a different matmul path).
+    #[test]
+    fn dora_on_nf4_equals_dora_on_the_dequantized_weight() -> Result<()> {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1., (6, 64), &dev)?;
+        let q = Arc::new(Nf4Weight::quantize(&w, true)?);
+        let dense = q.dequantize()?;
+        let x = Tensor::randn(0f32, 1., (5, 64), &dev)?;
+        let mk = |base: Base| {
+            let mut lin = Linear {
+                weight: base,
+                bias: None,
+                adapter: None,
+            };
+            let b = (Tensor::ones((6, 2), DType::F32, &dev).unwrap() * 0.3).unwrap();
+            let lora = Lora {
+                a: Var::from_tensor(&lora_a_init(2, 64, 5, &dev).unwrap()).unwrap(),
+                b: Var::from_tensor(&b).unwrap(),
+                scale: 2.0,
+                dropout: None,
+                id: 0,
+            };
+            lin.adapter = Some(Adapter::Dora(Dora::new(&lin, lora).unwrap()));
+            lin
+        };
+        let y4 = mk(Base::Nf4(q)).forward(&x)?;
+        let yd = mk(Base::Dense(Param::Frozen(dense))).forward(&x)?;
+        assert!(max_rel(&y4, &yd) < 1e-5, "{}", max_rel(&y4, &yd));
+        Ok(())
+    }
 }

@@ -114,4 +114,3 @@ pub fn lora_a_init(rank: usize, in_features: usize, seed: u64, device: &Device) 
         .collect();
     Ok(Tensor::from_vec(v, (rank, in_features), device)?)
 }
-
