@@ -7,8 +7,9 @@
 use std::path::Path;
 
 use serde_json::{json, Value};
+use tallow_model::families::key_policy;
 use tallow_model::hf_keys::{key_use, KeyUse};
-use tallow_model::{llama::LlamaConfig, qwen2::Qwen2Config, qwen3::Qwen3Config, DecoderConfig};
+use tallow_model::{Arch, DecoderConfig};
 use tallow_tests::*;
 
 fn key_sets() -> Value {
@@ -17,12 +18,8 @@ fn key_sets() -> Value {
 }
 
 fn use_of(class: &str, key: &str) -> KeyUse {
-    match class {
-        "LlamaForCausalLM" | "MistralForCausalLM" => key_use::<LlamaConfig>(key),
-        "Qwen2ForCausalLM" => key_use::<Qwen2Config>(key),
-        "Qwen3ForCausalLM" => key_use::<Qwen3Config>(key),
-        other => panic!("no family for {other}"),
-    }
+    let arch = Arch::from_hf(Some(class), None).unwrap_or_else(|| panic!("no family for {class}"));
+    key_use(&key_policy(arch), key)
 }
 
 #[test]

@@ -1,9 +1,10 @@
 //! Which `config.json` keys tallow reads, which it ignores because they cannot change the
 //! model's output, and the refusal of every other key.
 //!
-//! A family reads the keys that are fields of its serde struct (`llama.rs`, `qwen2.rs`,
-//! `qwen3.rs`; the field names are taken from the struct itself, so the list cannot drift) and
-//! ignores the keys of [`GENERIC_IGNORED`] and its own `IGNORED` list. A key in
+//! A family reads the keys that are fields of the shared serde struct
+//! (`families::common::CommonKeys`) and of its own (`families/llama.rs`, ...; the field names
+//! are taken from the structs themselves, so the list cannot drift) and ignores the keys of
+//! [`GENERIC_IGNORED`] and its own `IGNORED` list. A key in
 //! [`GENERIC_FIXED`] is accepted only with the value that leaves a decoder-only model as it is.
 //! Anything else (a key of another family such as `attn_logit_softcapping`, a newer
 //! transformers feature) is refused by name: tallow would otherwise compute something other
@@ -110,13 +111,16 @@ pub const GENERIC_FIXED: &[(&str, &str)] = &[
     ("pruned_heads", "{}"),
 ];
 
-/// A family's `config.json` struct: its serde fields are the keys it reads.
-pub trait HfConfig: DeserializeOwned {
+/// What one family does with `config.json` keys (`families::key_policy`).
+#[derive(Debug, Clone)]
+pub struct KeyPolicy {
     /// The family's name in messages ("Llama").
-    const FAMILY: &'static str;
+    pub family: &'static str,
+    /// The keys it reads: the serde fields of the shared and the family's structs.
+    pub read: Vec<&'static str>,
     /// Keys of the family's transformers config class that tallow ignores, each because it
-    /// cannot change the output (say why next to it).
-    const IGNORED: &'static [&'static str];
+    /// cannot change the output.
+    pub ignored: &'static [&'static str],
 }
 
 /// How tallow treats one `config.json` key of family `T`.
@@ -132,11 +136,11 @@ pub enum KeyUse {
     Unknown,
 }
 
-/// How family `T` treats `key`.
-pub fn key_use<T: HfConfig>(key: &str) -> KeyUse {
-    if field_names::<T>().contains(&key) {
+/// How the family of `policy` treats `key`.
+pub fn key_use(policy: &KeyPolicy, key: &str) -> KeyUse {
+    if policy.read.contains(&key) {
         KeyUse::Read
-    } else if T::IGNORED.contains(&key) || GENERIC_IGNORED.contains(&key) {
+    } else if policy.ignored.contains(&key) || GENERIC_IGNORED.contains(&key) {
         KeyUse::Ignored
     } else if let Some((_, v)) = GENERIC_FIXED.iter().find(|(k, _)| *k == key) {
         KeyUse::Fixed(v)
@@ -145,9 +149,9 @@ pub fn key_use<T: HfConfig>(key: &str) -> KeyUse {
     }
 }
 
-/// Refuses every key of `raw` that family `T` neither reads nor knows to be harmless, and every
-/// fixed key with another value; `path` names the file in the message.
-pub fn check_keys<T: HfConfig>(raw: &Value, path: &Path) -> Result<()> {
+/// Refuses every key of `raw` that the family of `policy` neither reads nor knows to be
+/// harmless, and every fixed key with another value; `path` names the file in the message.
+pub fn check_keys(policy: &KeyPolicy, raw: &Value, path: &Path) -> Result<()> {
     let Some(obj) = raw.as_object() else {
         return Err(ModelError::Config {
             path: path.to_path_buf(),
@@ -156,7 +160,7 @@ pub fn check_keys<T: HfConfig>(raw: &Value, path: &Path) -> Result<()> {
         });
     };
     for (key, value) in obj {
-        match key_use::<T>(key) {
+        match key_use(policy, key) {
             KeyUse::Read | KeyUse::Ignored => {}
             KeyUse::Fixed(want) => {
                 let want_value: Value = serde_json::from_str(want).expect("fixed values are JSON");
@@ -182,9 +186,9 @@ pub fn check_keys<T: HfConfig>(raw: &Value, path: &Path) -> Result<()> {
                          config: {read}, and ignores the ones that cannot change the output \
                          (use_cache, initializer_range, ...). If this key really has no effect \
                          on this model, remove it from config.json",
-                        family = T::FAMILY,
+                        family = policy.family,
                         value = short(value),
-                        read = field_names::<T>().join(", "),
+                        read = policy.read.join(", "),
                     ),
                 });
             }
@@ -247,19 +251,22 @@ mod tests {
         #[serde(default)]
         b: Option<String>,
     }
-    impl HfConfig for Two {
-        const FAMILY: &'static str = "Two";
-        const IGNORED: &'static [&'static str] = &["c"];
+    fn two() -> KeyPolicy {
+        KeyPolicy {
+            family: "Two",
+            read: field_names::<Two>().to_vec(),
+            ignored: &["c"],
+        }
     }
 
     #[test]
     fn field_names_come_from_the_struct() {
         assert_eq!(field_names::<Two>(), &["a", "b"]);
-        assert_eq!(key_use::<Two>("a"), KeyUse::Read);
-        assert_eq!(key_use::<Two>("c"), KeyUse::Ignored);
-        assert_eq!(key_use::<Two>("use_cache"), KeyUse::Ignored);
-        assert_eq!(key_use::<Two>("pruned_heads"), KeyUse::Fixed("{}"));
-        assert_eq!(key_use::<Two>("attn_logit_softcapping"), KeyUse::Unknown);
+        assert_eq!(key_use(&two(), "a"), KeyUse::Read);
+        assert_eq!(key_use(&two(), "c"), KeyUse::Ignored);
+        assert_eq!(key_use(&two(), "use_cache"), KeyUse::Ignored);
+        assert_eq!(key_use(&two(), "pruned_heads"), KeyUse::Fixed("{}"));
+        assert_eq!(key_use(&two(), "attn_logit_softcapping"), KeyUse::Unknown);
     }
 
     #[test]
@@ -267,8 +274,9 @@ mod tests {
         let p = Path::new("m/config.json");
         let ok = serde_json::json!({"a": 1, "c": 2, "use_cache": true, "pruned_heads": {},
             "cross_attention_hidden_size": null});
-        check_keys::<Two>(&ok, p).unwrap();
-        let e = check_keys::<Two>(
+        check_keys(&two(), &ok, p).unwrap();
+        let e = check_keys(
+            &two(),
             &serde_json::json!({"a": 1, "final_logit_softcapping": 30.0}),
             p,
         )
@@ -282,7 +290,7 @@ mod tests {
             e.contains("30.0") && e.contains("reads these keys") && e.contains("a, b"),
             "{e}"
         );
-        let e = check_keys::<Two>(&serde_json::json!({"is_encoder_decoder": true}), p)
+        let e = check_keys(&two(), &serde_json::json!({"is_encoder_decoder": true}), p)
             .unwrap_err()
             .to_string();
         assert!(

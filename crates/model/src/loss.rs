@@ -16,7 +16,7 @@ use crate::error::{ModelError, Result};
 use crate::ops;
 
 /// Elements of f32 logits per chunk (16 Mi elements = 64 MiB): bounds the transient memory.
-const CHUNK_ELEMS: usize = 16 << 20;
+pub const CHUNK_ELEMS: usize = 16 << 20;
 
 /// Positions per chunk for a vocabulary of `v`.
 fn chunk_rows(v: usize) -> usize {

@@ -14,6 +14,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::checkpointing::Checkpointing;
 use crate::config::DecoderConfig;
 use crate::error::{ModelError, Result};
+use crate::layout::{LinearSpec, LINEAR_PATHS};
 use crate::linear::{adapter_input, Base, Linear, Param};
 use crate::no_grad::enter;
 use crate::ops;
@@ -176,31 +177,35 @@ impl DecoderLayer {
         Ok((&x + self.mlp.forward(&h)?)?)
     }
 
-    /// Every linear layer of this block with its HF module path relative to the layer.
+    /// Every linear layer of this block with its path relative to the layer
+    /// ([`LINEAR_PATHS`], HF's names: `self_attn.q_proj`, ...).
     pub fn linears(&self) -> Vec<(&'static str, &Linear)> {
-        vec![
-            ("self_attn.q_proj", &self.self_attn.q_proj),
-            ("self_attn.k_proj", &self.self_attn.k_proj),
-            ("self_attn.v_proj", &self.self_attn.v_proj),
-            ("self_attn.o_proj", &self.self_attn.o_proj),
-            ("mlp.gate_proj", &self.mlp.gate_proj),
-            ("mlp.up_proj", &self.mlp.up_proj),
-            ("mlp.down_proj", &self.mlp.down_proj),
-        ]
+        let (a, m) = (&self.self_attn, &self.mlp);
+        let l = [
+            &a.q_proj,
+            &a.k_proj,
+            &a.v_proj,
+            &a.o_proj,
+            &m.gate_proj,
+            &m.up_proj,
+            &m.down_proj,
+        ];
+        LINEAR_PATHS.into_iter().zip(l).collect()
     }
 
-    /// Every linear layer of this block with its HF module name relative to the layer
-    /// (`self_attn.q_proj`, ...), for attaching adapters.
+    /// [`DecoderLayer::linears`], mutable (for attaching adapters).
     pub fn linears_mut(&mut self) -> Vec<(&'static str, &mut Linear)> {
-        vec![
-            ("self_attn.q_proj", &mut self.self_attn.q_proj),
-            ("self_attn.k_proj", &mut self.self_attn.k_proj),
-            ("self_attn.v_proj", &mut self.self_attn.v_proj),
-            ("self_attn.o_proj", &mut self.self_attn.o_proj),
-            ("mlp.gate_proj", &mut self.mlp.gate_proj),
-            ("mlp.up_proj", &mut self.mlp.up_proj),
-            ("mlp.down_proj", &mut self.mlp.down_proj),
-        ]
+        let (a, m) = (&mut self.self_attn, &mut self.mlp);
+        let l = [
+            &mut a.q_proj,
+            &mut a.k_proj,
+            &mut a.v_proj,
+            &mut a.o_proj,
+            &mut m.gate_proj,
+            &mut m.up_proj,
+            &mut m.down_proj,
+        ];
+        LINEAR_PATHS.into_iter().zip(l).collect()
     }
 }
 
@@ -285,11 +290,11 @@ impl CausalLM {
                 }
             }
         };
-        let linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
+        let linear = |name: &str, s: &LinearSpec| -> Result<Linear> {
             Ok(Linear {
-                weight: base(&format!("{name}.weight"), out, inp)?,
-                bias: if bias {
-                    Some(param(&format!("{name}.bias"), &[out])?)
+                weight: base(&format!("{name}.weight"), s.out, s.inp)?,
+                bias: if s.bias {
+                    Some(param(&format!("{name}.bias"), &[s.out])?)
                 } else {
                     None
                 },
@@ -297,46 +302,40 @@ impl CausalLM {
             })
         };
         let (hs, d) = (c.hidden_size, c.head_dim);
-        let (q_out, kv_out) = (c.num_attention_heads * d, c.num_key_value_heads * d);
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let a = format!("{p}.self_attn");
+            // The seven linears in LINEAR_PATHS order (crate::layout).
+            let mut lins = c
+                .layer_linears()
+                .iter()
+                .map(|s| linear(&format!("{p}.{}", s.path), s))
+                .collect::<Result<Vec<_>>>()?
+                .into_iter();
+            let mut next = || lins.next().expect("seven linears");
+            let norm = |n: &str| param(&format!("{p}.{n}"), &[d]);
             let self_attn = Attention {
-                q_proj: linear(&format!("{a}.q_proj"), q_out, hs, c.qkv_bias)?,
-                k_proj: linear(&format!("{a}.k_proj"), kv_out, hs, c.qkv_bias)?,
-                v_proj: linear(&format!("{a}.v_proj"), kv_out, hs, c.qkv_bias)?,
-                o_proj: linear(&format!("{a}.o_proj"), hs, q_out, c.o_bias)?,
-                q_norm: if c.qk_norm {
-                    Some(param(&format!("{a}.q_norm.weight"), &[d])?)
-                } else {
-                    None
-                },
-                k_norm: if c.qk_norm {
-                    Some(param(&format!("{a}.k_norm.weight"), &[d])?)
-                } else {
-                    None
-                },
+                q_proj: next(),
+                k_proj: next(),
+                v_proj: next(),
+                o_proj: next(),
+                q_norm: c
+                    .qk_norm
+                    .then(|| norm("self_attn.q_norm.weight"))
+                    .transpose()?,
+                k_norm: c
+                    .qk_norm
+                    .then(|| norm("self_attn.k_norm.weight"))
+                    .transpose()?,
                 num_heads: c.num_attention_heads,
                 num_kv_heads: c.num_key_value_heads,
                 head_dim: d,
                 eps: c.rms_norm_eps,
             };
-            let m = format!("{p}.mlp");
             let mlp = Mlp {
-                gate_proj: linear(
-                    &format!("{m}.gate_proj"),
-                    c.intermediate_size,
-                    hs,
-                    c.mlp_bias,
-                )?,
-                up_proj: linear(&format!("{m}.up_proj"), c.intermediate_size, hs, c.mlp_bias)?,
-                down_proj: linear(
-                    &format!("{m}.down_proj"),
-                    hs,
-                    c.intermediate_size,
-                    c.mlp_bias,
-                )?,
+                gate_proj: next(),
+                up_proj: next(),
+                down_proj: next(),
             };
             layers.push(DecoderLayer {
                 self_attn,

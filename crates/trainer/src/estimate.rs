@@ -32,12 +32,10 @@ use tallow_model::DecoderConfig;
 use crate::config::{Method, ModelDtype, Quantize, TrainConfig};
 use crate::optim::OptimizerKind;
 
-/// Elements of one logits chunk of the LM head (`tallow_model::loss`).
-const LOSS_CHUNK_ELEMS: usize = 16 << 20;
-/// NF4 block size (bitsandbytes' default for 4-bit weights).
-const NF4_BLOCK: usize = 64;
-/// Double quantization: 8-bit block scales in groups of 256 with one f32 each.
-const NF4_NESTED_BLOCK: usize = 256;
+/// Elements of one logits chunk of the LM head.
+use tallow_model::loss::CHUNK_ELEMS as LOSS_CHUNK_ELEMS;
+/// NF4 block size, and double quantization's groups of 8-bit block scales with one f32 each.
+use tallow_model::quant::nf4::{BLOCK as NF4_BLOCK, NESTED_BLOCK as NF4_NESTED_BLOCK};
 /// adamw8bit: block size and smallest 8-bit tensor (see `optim::adamw8bit`).
 const ADAM8_BLOCK: usize = crate::optim::adamw8bit::BLOCK;
 const ADAM8_MIN: usize = crate::optim::adamw8bit::MIN_8BIT_ELEMS;
@@ -112,32 +110,11 @@ fn dtype_bytes(d: ModelDtype) -> usize {
     }
 }
 
-/// A decoder linear layer's shape and what wraps it.
-struct Lin {
-    name: &'static str,
-    inp: usize,
-    out: usize,
-    bias: bool,
-}
+/// A decoder linear layer's shape (from the model crate's one description of the layers).
+type Lin = tallow_model::LinearSpec;
 
 fn layer_linears(m: &DecoderConfig) -> [Lin; 7] {
-    let (c, i, d) = (m.hidden_size, m.intermediate_size, m.head_dim);
-    let (q, kv) = (m.num_attention_heads * d, m.num_key_value_heads * d);
-    let l = |name, inp, out, bias| Lin {
-        name,
-        inp,
-        out,
-        bias,
-    };
-    [
-        l("q_proj", c, q, m.qkv_bias),
-        l("k_proj", c, kv, m.qkv_bias),
-        l("v_proj", c, kv, m.qkv_bias),
-        l("o_proj", q, c, m.o_bias),
-        l("gate_proj", c, i, m.mlp_bias),
-        l("up_proj", c, i, m.mlp_bias),
-        l("down_proj", i, c, m.mlp_bias),
-    ]
+    m.layer_linears()
 }
 
 /// NF4 bytes of an (out, in) weight: 4-bit codes, plus per block of 64 an f32 absmax, or with
@@ -185,7 +162,7 @@ pub fn layer_activation_bytes(
     // One linear: its output (base matmul, + bias), and with LoRA: x cast to f32 (unless
     // `shared`: one cast for the group, counted by `group_cast`), the dropped-out x (the
     // dropout op keeps no mask), x·Aᵀ and its scaled copy (r), B·(..) in f32, cast back, sum.
-    let adapted = |l: &Lin| lora && targets.contains(&l.name);
+    let adapted = |l: &Lin| lora && targets.contains(&l.module());
     let dora = lora && cfg.lora.dora;
     let linear = |l: &Lin, shared: bool| -> usize {
         if dora && adapted(l) {
@@ -387,7 +364,7 @@ pub fn trainable_params(m: &DecoderConfig, cfg: &TrainConfig) -> u64 {
             let targets = cfg.lora.targets();
             let per_layer: usize = layer_linears(m)
                 .iter()
-                .filter(|l| targets.contains(&l.name))
+                .filter(|l| targets.contains(&l.module()))
                 .map(|l| cfg.lora.rank * (l.inp + l.out) + if cfg.lora.dora { l.out } else { 0 })
                 .sum();
             (per_layer * m.num_hidden_layers) as u64
@@ -408,7 +385,7 @@ fn param_tensors(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize> {
                         v.push(l.out);
                     }
                 }
-                Method::Lora if targets.contains(&l.name) => {
+                Method::Lora if targets.contains(&l.module()) => {
                     v.push(cfg.lora.rank * l.inp);
                     v.push(cfg.lora.rank * l.out);
                     if cfg.lora.dora {
@@ -442,24 +419,17 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let (c, v, layers) = (m.hidden_size, m.vocab_size, m.num_hidden_layers);
     let nf4 = cfg.model.quantize == Quantize::Nf4;
 
-    // Weights. Decoder linears (dense or NF4), embeddings, lm_head when untied, norms, biases.
-    let mut linear_elems = 0usize;
+    // Weights: decoder linears (dense or NF4), and the rest (embeddings, lm_head when untied,
+    // norms, biases) in the model dtype.
     let mut linear_nf4 = 0u64;
-    let mut biases = 0usize;
     let mut largest_linear = 0usize;
     for l in layer_linears(m) {
-        linear_elems += l.inp * l.out;
         linear_nf4 += nf4_bytes(l.inp * l.out, cfg.model.double_quant);
         largest_linear = largest_linear.max(l.inp * l.out);
-        if l.bias {
-            biases += l.out;
-        }
     }
-    let linear_elems = linear_elems * layers;
+    let linear_elems = m.linear_weight_elems();
     let linear_nf4 = linear_nf4 * layers as u64;
-    let other = (v * c * if m.tie_word_embeddings { 1 } else { 2 })
-        + layers * (2 * c + biases + if m.qk_norm { 2 * m.head_dim } else { 0 })
-        + c;
+    let other = m.num_params() - linear_elems;
     let dt = cfg.model.dtype.name();
     let dora = !full && cfg.lora.dora;
     // DoRA keeps ||W_i||² per output row of each adapted linear (f32, computed once).
@@ -467,7 +437,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
         let targets = cfg.lora.targets();
         let outs: usize = layer_linears(m)
             .iter()
-            .filter(|l| targets.contains(&l.name))
+            .filter(|l| targets.contains(&l.module()))
             .map(|l| l.out)
             .sum();
         4 * (outs * layers) as u64

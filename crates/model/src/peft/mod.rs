@@ -61,7 +61,8 @@ impl Adapter {
     }
 }
 
-/// The modules LoRA can target, by their HF names.
+/// The modules LoRA can target, by their HF names (the module part of
+/// [`crate::layout::LINEAR_PATHS`]).
 pub const LINEAR_MODULES: [&str; 7] = [
     "q_proj",
     "k_proj",
@@ -131,9 +132,7 @@ struct PeftConfig {
     init_lora_weights: serde_json::Value,
 }
 
-fn module_name(path: &str) -> &str {
-    path.rsplit('.').next().unwrap_or(path)
-}
+use crate::layout::module_name;
 
 /// The PEFT module name (key prefix) of layer `i`'s linear `path` (`self_attn.q_proj`).
 pub fn peft_prefix(i: usize, path: &str) -> String {

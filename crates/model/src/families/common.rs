@@ -1,0 +1,386 @@
+//! What every family's `config.json` shares: the keys all of them read ([`CommonKeys`], HF's
+//! names word for word), the rotary settings in both transformers layouts, the checks, and
+//! [`CommonKeys::into_config`], the one place a [`DecoderConfig`] is built.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::config::{Arch, DecoderConfig, RopeScaling};
+use crate::error::{ModelError, Result};
+
+/// The `config.json` keys every family reads, with HF's defaults (a family with another
+/// default for `max_position_embeddings` gives it in [`FamilyShape`]).
+#[derive(Debug, Clone, Deserialize)]
+pub struct CommonKeys {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default = "silu")]
+    pub hidden_act: String,
+    #[serde(default)]
+    pub max_position_embeddings: Option<usize>,
+    #[serde(default = "eps")]
+    pub rms_norm_eps: f64,
+    /// transformers 4 layout; transformers 5 writes `rope_parameters` instead.
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    #[serde(default)]
+    pub attention_dropout: f64,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+    #[serde(default)]
+    pub eos_token_id: TokenIds,
+}
+
+fn silu() -> String {
+    "silu".into()
+}
+
+fn eps() -> f64 {
+    1e-6
+}
+
+/// What a family decides beyond the common keys: its layer types, head size, biases, norms.
+#[derive(Debug, Clone)]
+pub struct FamilyShape {
+    pub arch: Arch,
+    /// The family's name in messages ("Llama").
+    pub family: &'static str,
+    /// The `layer_types` entries it runs.
+    pub layer_types: &'static [&'static str],
+    /// `head_dim` when the config gives one; else hidden_size / num_attention_heads.
+    pub head_dim: Option<usize>,
+    /// HF's default `max_position_embeddings` for the family.
+    pub max_position_embeddings: usize,
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    pub mlp_bias: bool,
+    pub qk_norm: bool,
+    pub sliding_window: Option<usize>,
+}
+
+impl CommonKeys {
+    /// Checks the shared keys and builds the decoder's config with the family's `shape`.
+    pub fn into_config(self, shape: FamilyShape, path: &Path) -> Result<DecoderConfig> {
+        check_act(&self.hidden_act, path)?;
+        let kv = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
+        check_heads(self.hidden_size, self.num_attention_heads, kv, path)?;
+        check_attention_dropout(self.attention_dropout, path)?;
+        let types = layer_types(
+            &self.layer_types,
+            self.num_hidden_layers,
+            shape.layer_types,
+            shape.family,
+            path,
+        )?;
+        let (rope_theta, rope_scaling) = rope(
+            self.rope_theta,
+            &self.rope_scaling,
+            &self.rope_parameters,
+            &types,
+            DEFAULT_THETA,
+            path,
+        )?;
+        Ok(DecoderConfig {
+            arch: shape.arch,
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            num_hidden_layers: self.num_hidden_layers,
+            num_attention_heads: self.num_attention_heads,
+            num_key_value_heads: kv,
+            head_dim: shape
+                .head_dim
+                .unwrap_or(self.hidden_size / self.num_attention_heads),
+            rms_norm_eps: self.rms_norm_eps,
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: self
+                .max_position_embeddings
+                .unwrap_or(shape.max_position_embeddings),
+            qkv_bias: shape.qkv_bias,
+            o_bias: shape.o_bias,
+            mlp_bias: shape.mlp_bias,
+            qk_norm: shape.qk_norm,
+            tie_word_embeddings: self.tie_word_embeddings,
+            sliding_window: shape.sliding_window,
+            bos_token_id: self.bos_token_id,
+            eos_token_ids: self.eos_token_id.into_vec(),
+            raw: serde_json::Value::Null,
+        })
+    }
+}
+
+/// A family key that must keep the value that leaves the model a plain decoder: refused by
+/// name otherwise (`msg` says what tallow lacks).
+pub fn refuse(key: &str, msg: &str, path: &Path) -> ModelError {
+    ModelError::Config {
+        path: path.to_path_buf(),
+        key: key.into(),
+        msg: msg.into(),
+    }
+}
+
+/// `eos_token_id` is an int, a list of ints, or null in HF configs.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(untagged)]
+pub enum TokenIds {
+    One(u32),
+    Many(Vec<u32>),
+    #[default]
+    None,
+}
+
+impl TokenIds {
+    pub fn into_vec(self) -> Vec<u32> {
+        match self {
+            TokenIds::One(i) => vec![i],
+            TokenIds::Many(v) => v,
+            TokenIds::None => vec![],
+        }
+    }
+}
+
+/// transformers' default `rope_theta` for Llama, Mistral, Qwen2 and Qwen3.
+pub const DEFAULT_THETA: f64 = 10000.0;
+
+/// The rotary settings, read from either layout transformers writes:
+/// - transformers 4: top-level `rope_theta` and `rope_scaling` (null, or an object with
+///   `rope_type`, or the older `type`, and the type's parameters);
+/// - transformers 5: `rope_parameters`, one object with `rope_type`, `rope_theta` and the
+///   type's parameters, or one such object per layer type
+///   (`{"full_attention": {...}, "sliding_attention": {...}}`).
+///
+/// `layer_types` are the layer types this model has (each one's parameters must agree:
+/// tallow runs one rotary table). When both layouts are present they must agree.
+pub fn rope(
+    rope_theta: Option<f64>,
+    rope_scaling: &Option<serde_json::Value>,
+    rope_parameters: &Option<serde_json::Value>,
+    layer_types: &[String],
+    default_theta: f64,
+    path: &Path,
+) -> Result<(f64, Option<RopeScaling>)> {
+    let legacy_scaling = match rope_scaling {
+        Some(v) if !v.is_null() => Some(rope_object(v, "rope_scaling", path)?),
+        _ => None,
+    };
+    let legacy = (
+        rope_theta
+            .or(legacy_scaling.as_ref().and_then(|r| r.theta))
+            .unwrap_or(default_theta),
+        legacy_scaling.and_then(|r| r.scaling),
+    );
+    let Some(params) = rope_parameters.as_ref().filter(|v| !v.is_null()) else {
+        return Ok(legacy);
+    };
+    let err = |msg: String| ModelError::Config {
+        path: path.to_path_buf(),
+        key: "rope_parameters".into(),
+        msg,
+    };
+    let is_single = params.as_object().is_some_and(|o| {
+        o.contains_key("rope_type") || o.contains_key("type") || o.contains_key("rope_theta")
+    });
+    let parsed = if is_single {
+        rope_object(params, "rope_parameters", path)?
+    } else {
+        // One object per layer type: the types this model has must all agree.
+        let obj = params
+            .as_object()
+            .ok_or_else(|| err(format!("expected an object, found {params}")))?;
+        let mut seen: Option<(String, RopeObject)> = None;
+        for t in layer_types {
+            let v = obj.get(t).ok_or_else(|| {
+                err(format!(
+                    "no rotary parameters for layer type `{t}` (has: {})",
+                    obj.keys().cloned().collect::<Vec<_>>().join(", ")
+                ))
+            })?;
+            let r = rope_object(v, &format!("rope_parameters.{t}"), path)?;
+            match &seen {
+                Some((first, r0)) if *r0 != r => {
+                    return Err(err(format!(
+                        "layer types `{first}` and `{t}` have different rotary parameters; \
+                         tallow runs one rotary table for every layer of this family"
+                    )))
+                }
+                Some(_) => {}
+                None => seen = Some((t.clone(), r)),
+            }
+        }
+        seen.map(|(_, r)| r)
+            .ok_or_else(|| err("the model has no layer types".into()))?
+    };
+    let theta = parsed.theta.or(rope_theta).unwrap_or(default_theta);
+    let new = (theta, parsed.scaling);
+    let has_legacy = rope_theta.is_some() || rope_scaling.as_ref().is_some_and(|v| !v.is_null());
+    if has_legacy && new != legacy {
+        return Err(err(format!(
+            "this key (transformers 5) and `rope_theta` / `rope_scaling` (transformers 4) \
+             disagree: theta {} with {:?} here, theta {} with {:?} there; remove the stale one",
+            new.0, new.1, legacy.0, legacy.1
+        )));
+    }
+    Ok(new)
+}
+
+/// One rotary-parameter object: `rope_type` (or `type`; absent = default), an optional
+/// `rope_theta`, and the type's own numbers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeObject {
+    pub theta: Option<f64>,
+    pub scaling: Option<RopeScaling>,
+}
+
+fn rope_object(v: &serde_json::Value, key: &str, path: &Path) -> Result<RopeObject> {
+    let err = |msg: String| ModelError::Config {
+        path: path.to_path_buf(),
+        key: key.into(),
+        msg,
+    };
+    let obj = v
+        .as_object()
+        .ok_or_else(|| err(format!("expected an object, found {v}")))?;
+    let kind = match obj.get("rope_type").or_else(|| obj.get("type")) {
+        Some(t) => t
+            .as_str()
+            .ok_or_else(|| err(format!("`rope_type` must be a string, found {t}")))?,
+        None if key == "rope_scaling" => return Err(err("no `rope_type`".into())),
+        None => "default",
+    };
+    let num = |k: &str| {
+        obj.get(k)
+            .and_then(|x| x.as_f64())
+            .ok_or_else(|| err(format!("`{kind}` scaling needs a number `{k}`")))
+    };
+    let theta = match obj.get("rope_theta") {
+        None => None,
+        Some(t) => Some(
+            t.as_f64()
+                .ok_or_else(|| err(format!("`rope_theta` must be a number, found {t}")))?,
+        ),
+    };
+    // transformers 5 keeps a partial rotary fraction here; the Llama / Qwen layout rotates
+    // the whole head.
+    if let Some(f) = obj.get("partial_rotary_factor") {
+        if f.as_f64() != Some(1.0) {
+            return Err(err(format!(
+                "`partial_rotary_factor` {f} is not supported (tallow rotates the whole head)"
+            )));
+        }
+    }
+    let scaling = match kind {
+        "default" => None,
+        "llama3" => Some(RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position_embeddings: num("original_max_position_embeddings")?,
+        }),
+        "linear" => Some(RopeScaling::Linear {
+            factor: num("factor")?,
+        }),
+        other => {
+            return Err(err(format!(
+                "rope type `{other}` is not supported (supported: default, llama3, linear)"
+            )))
+        }
+    };
+    Ok(RopeObject { theta, scaling })
+}
+
+/// `layer_types` (transformers >= 4.56 writes it for some families, 5.x for most): one entry
+/// per layer; `allowed` are the types this family runs. Absent: every layer `full_attention`.
+pub fn layer_types(
+    types: &Option<Vec<String>>,
+    num_layers: usize,
+    allowed: &[&str],
+    family: &str,
+    path: &Path,
+) -> Result<Vec<String>> {
+    let Some(types) = types else {
+        return Ok(vec!["full_attention".to_string()]);
+    };
+    let err = |msg: String| ModelError::Config {
+        path: path.to_path_buf(),
+        key: "layer_types".into(),
+        msg,
+    };
+    if types.len() != num_layers {
+        return Err(err(format!(
+            "has {} entries but num_hidden_layers is {num_layers}",
+            types.len()
+        )));
+    }
+    let mut distinct: Vec<String> = Vec::new();
+    for t in types {
+        if !allowed.contains(&t.as_str()) {
+            return Err(err(format!(
+                "layer type `{t}` is not supported by tallow's {family} (supported: {})",
+                allowed.join(", ")
+            )));
+        }
+        if !distinct.contains(t) {
+            distinct.push(t.clone());
+        }
+    }
+    Ok(distinct)
+}
+
+/// `attention_dropout`: transformers drops attention probabilities while training; tallow's
+/// attention has no dropout, so only 0 is accepted.
+pub fn check_attention_dropout(p: f64, path: &Path) -> Result<()> {
+    if p != 0.0 {
+        return Err(ModelError::Config {
+            path: path.to_path_buf(),
+            key: "attention_dropout".into(),
+            msg: format!(
+                "{p} is not supported (tallow's attention has no dropout); set it to 0.0 \
+                 (LoRA dropout is `lora.dropout` in the training config)"
+            ),
+        });
+    }
+    Ok(())
+}
+
+pub fn check_act(act: &str, path: &Path) -> Result<()> {
+    if act != "silu" {
+        return Err(ModelError::Config {
+            path: path.to_path_buf(),
+            key: "hidden_act".into(),
+            msg: format!("`{act}` is not supported (only `silu`)"),
+        });
+    }
+    Ok(())
+}
+
+pub fn check_heads(hidden: usize, heads: usize, kv: usize, path: &Path) -> Result<()> {
+    let err = |key: &str, msg: String| ModelError::Config {
+        path: path.to_path_buf(),
+        key: key.into(),
+        msg,
+    };
+    if heads == 0 || kv == 0 || hidden == 0 {
+        return Err(err("num_attention_heads", "sizes must be positive".into()));
+    }
+    if !heads.is_multiple_of(kv) {
+        return Err(err(
+            "num_key_value_heads",
+            format!("{kv} does not divide num_attention_heads {heads}"),
+        ));
+    }
+    Ok(())
+}

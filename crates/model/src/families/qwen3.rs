@@ -1,0 +1,55 @@
+//! Qwen3 (dense), as `Qwen3ForCausalLM` in HF transformers.
+//! Model card: <https://huggingface.co/Qwen/Qwen3-0.6B>; report: arXiv:2505.09388.
+//!
+//! Differs from Qwen2 by RMSNorm on each head of q and k (`q_norm`, `k_norm`) before rotary
+//! embedding, no q/k/v bias by default, and an explicit `head_dim` that need not equal
+//! hidden_size / num_attention_heads.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use super::common::{refuse, CommonKeys, FamilyShape};
+use super::Family;
+use crate::config::Arch;
+use crate::error::Result;
+
+/// The `config.json` keys only Qwen3 reads, with HF's defaults.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Qwen3Keys {
+    #[serde(default = "head_dim")]
+    pub head_dim: usize,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub use_sliding_window: bool,
+}
+
+fn head_dim() -> usize {
+    128
+}
+
+impl Family for Qwen3Keys {
+    const FAMILY: &'static str = "Qwen3";
+    /// Only used with `use_sliding_window = true`, which is refused.
+    const IGNORED: &'static [&'static str] = &["sliding_window", "max_window_layers"];
+
+    fn shape(&self, arch: Arch, _common: &CommonKeys, path: &Path) -> Result<FamilyShape> {
+        if self.use_sliding_window {
+            let msg = "sliding-window Qwen3 is not supported; set it to false";
+            return Err(refuse("use_sliding_window", msg, path));
+        }
+        Ok(FamilyShape {
+            arch,
+            family: Self::FAMILY,
+            layer_types: &["full_attention"],
+            head_dim: Some(self.head_dim),
+            max_position_embeddings: 32768,
+            qkv_bias: self.attention_bias,
+            o_bias: self.attention_bias,
+            mlp_bias: false,
+            qk_norm: true,
+            sliding_window: None,
+        })
+    }
+}
