@@ -3,7 +3,9 @@
 
 use std::path::PathBuf;
 
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Parser, Subcommand};
+use tallow_trainer::config::Quantize;
 
 #[derive(Parser)]
 #[command(
@@ -184,8 +186,8 @@ pub struct MergeArgs {
     /// Quantize the base before merging: none | nf4 (merge into the same NF4 round trip a QLoRA
     /// run trained on). A bitsandbytes 4-bit checkpoint (`*-bnb-4bit`) is read as NF4 in any
     /// case; NF4 weights are merged dequantized and saved in --dtype.
-    #[arg(long, default_value = "none", value_parser = ["none", "nf4"])]
-    pub quantize: String,
+    #[arg(long, default_value = Quantize::None.name(), value_parser = quantize_parser())]
+    pub quantize: Quantize,
     /// With --quantize nf4: quantize the per-block scales too (bitsandbytes double quantization).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub double_quant: bool,
@@ -204,8 +206,9 @@ pub struct EvalArgs {
     /// Row format: auto | text | prompt_completion | messages.
     #[arg(long, default_value = "auto")]
     pub format: String,
-    /// Rows are truncated to this many tokens.
-    #[arg(long, default_value_t = 2048)]
+    /// Rows are truncated to this many tokens (the default of a training config's
+    /// `data.max_seq_len`, so the loss matches a run's eval with defaults).
+    #[arg(long, default_value_t = tallow_trainer::DEFAULT_MAX_SEQ_LEN)]
     pub max_seq_len: usize,
     /// Rows per forward pass (padding does not change the result).
     #[arg(long, default_value_t = 8)]
@@ -224,8 +227,8 @@ pub struct EvalArgs {
     pub adapter: Option<PathBuf>,
     /// Store the decoder's linear weights in 4-bit: none | nf4 (QLoRA base, bitsandbytes
     /// layout). A bitsandbytes 4-bit checkpoint (`*-bnb-4bit`) is read as NF4 in any case.
-    #[arg(long, default_value = "none", value_parser = ["none", "nf4"])]
-    pub quantize: String,
+    #[arg(long, default_value = Quantize::None.name(), value_parser = quantize_parser())]
+    pub quantize: Quantize,
     /// With --quantize nf4: quantize the per-block scales too (bitsandbytes double quantization).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub double_quant: bool,
@@ -275,8 +278,8 @@ pub struct DecodeArgs {
     pub device: String,
     /// Store the decoder's linear weights in 4-bit: none | nf4. A bitsandbytes 4-bit checkpoint
     /// is read as NF4 in any case.
-    #[arg(long, default_value = "none", value_parser = ["none", "nf4"])]
-    pub quantize: String,
+    #[arg(long, default_value = Quantize::None.name(), value_parser = quantize_parser())]
+    pub quantize: Quantize,
     /// With --quantize nf4: quantize the per-block scales too (bitsandbytes double quantization).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub double_quant: bool,
@@ -314,4 +317,11 @@ pub struct ChatArgs {
     /// A system message at the start of the conversation.
     #[arg(long)]
     pub system: Option<String>,
+}
+
+/// `--quantize`: one of [`Quantize::NAMES`] (listed by `--help` and in the error for any other
+/// value), parsed into a [`Quantize`].
+fn quantize_parser() -> impl TypedValueParser<Value = Quantize> {
+    PossibleValuesParser::new(Quantize::NAMES.iter().copied())
+        .map(|name| Quantize::from_name(&name).expect("one of the possible values"))
 }

@@ -5,6 +5,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use tallow_model::{CausalLM, LoadOptions};
+use tallow_trainer::config::Quantize;
 use tallow_trainer::eval::evaluate;
 use tallow_trainer::{load_jsonl, DataOptions, Format, TextTokenizer};
 
@@ -45,9 +46,9 @@ pub fn run(a: EvalArgs) -> Result<()> {
             a.max_seq_len
         );
     }
-    let opts = match a.quantize.as_str() {
-        "nf4" => LoadOptions::nf4(dtype, &device, a.double_quant),
-        _ => LoadOptions::frozen(dtype, &device),
+    let opts = match a.quantize {
+        Quantize::Nf4 => LoadOptions::nf4(dtype, &device, a.double_quant),
+        Quantize::None => LoadOptions::frozen(dtype, &device),
     };
     let mut model = CausalLM::load(&model_dir, &opts)
         .with_context(|| format!("loading the model from {}", model_dir.display()))?;

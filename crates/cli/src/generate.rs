@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 use tallow_model::{
     generate, CausalLM, GenerateOptions, Generation, GenerationConfig, LoadOptions, SamplingParams,
 };
+use tallow_trainer::config::Quantize;
 use tallow_trainer::{Message, TextTokenizer};
 
 use crate::args::{DecodeArgs, GenerateArgs};
@@ -41,9 +42,9 @@ pub fn load(a: &DecodeArgs) -> Result<Session> {
         );
     }
     let tok = TextTokenizer::from_model_dir(&model_dir)?;
-    let load = match a.quantize.as_str() {
-        "nf4" => LoadOptions::nf4(dtype, &device, a.double_quant),
-        _ => LoadOptions::frozen(dtype, &device),
+    let load = match a.quantize {
+        Quantize::Nf4 => LoadOptions::nf4(dtype, &device, a.double_quant),
+        Quantize::None => LoadOptions::frozen(dtype, &device),
     };
     let mut model = CausalLM::load(&model_dir, &load)
         .with_context(|| format!("loading the model from {}", model_dir.display()))?;

@@ -4,6 +4,7 @@
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use tallow_model::{load_peft, merge_lora, save_hf_model, CausalLM, LoadOptions};
+use tallow_trainer::config::Quantize;
 
 use crate::args::MergeArgs;
 use crate::device::parse_dtype;
@@ -19,9 +20,9 @@ pub fn run(mut a: MergeArgs) -> Result<()> {
     // Merge in f32 on the CPU whatever the output dtype: the sum W + s B A is rounded once.
     // An NF4 base (a bitsandbytes 4-bit checkpoint, or --quantize nf4) is merged into its
     // dequantized weights, as PEFT's merge_and_unload does: the output is a dense model.
-    let opts = match a.quantize.as_str() {
-        "nf4" => LoadOptions::nf4(DType::F32, &Device::Cpu, a.double_quant),
-        _ => LoadOptions::frozen(DType::F32, &Device::Cpu),
+    let opts = match a.quantize {
+        Quantize::Nf4 => LoadOptions::nf4(DType::F32, &Device::Cpu, a.double_quant),
+        Quantize::None => LoadOptions::frozen(DType::F32, &Device::Cpu),
     };
     let mut model = CausalLM::load(&a.model, &opts)
         .with_context(|| format!("loading the model from {}", a.model.display()))?;

@@ -13,33 +13,26 @@ use crate::error::{json_type, DataError, RowError};
 use crate::{Message, TextTokenizer};
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
-use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
-/// The shape of the rows of a JSONL file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Format {
-    /// Pick from the keys of the file's first row.
-    #[default]
-    Auto,
-    Text,
-    PromptCompletion,
-    Messages,
+crate::config::choice::choices! {
+    /// The shape of the rows of a JSONL file.
+    #[derive(Default)]
+    pub enum Format {
+        /// Pick from the keys of the file's first row.
+        #[default]
+        Auto = "auto",
+        /// `{"text": ...}`: every token after the first is trained.
+        Text = "text",
+        /// `{"prompt": ..., "completion": ...}`: only the completion is trained.
+        PromptCompletion = "prompt_completion",
+        /// `{"messages": [...]}`: rendered with the chat template; only assistant turns are trained.
+        Messages = "messages",
+    }
 }
 
 impl Format {
-    /// The name used in configs and on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            Format::Auto => "auto",
-            Format::Text => "text",
-            Format::PromptCompletion => "prompt_completion",
-            Format::Messages => "messages",
-        }
-    }
-
     /// The format a row's keys call for: `text`, then `prompt` + `completion`, then `messages`.
     fn detect(row: &serde_json::Map<String, Json>) -> Option<Format> {
         if row.contains_key("text") {
@@ -54,25 +47,19 @@ impl Format {
     }
 }
 
-impl fmt::Display for Format {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
 impl FromStr for Format {
     type Err = DataError;
 
+    /// The exact name (`--format prompt_completion`); an unknown one lists [`Format::NAMES`].
     fn from_str(s: &str) -> Result<Self, DataError> {
-        match s {
-            "auto" => Ok(Format::Auto),
-            "text" => Ok(Format::Text),
-            "prompt_completion" => Ok(Format::PromptCompletion),
-            "messages" => Ok(Format::Messages),
-            other => Err(DataError::UnknownFormat(other.to_string())),
-        }
+        Format::from_name(s).ok_or_else(|| DataError::UnknownFormat(s.to_string()))
     }
 }
+
+/// Rows are cut to this many tokens unless `data.max_seq_len` / `--max-seq-len` says otherwise:
+/// the default of the training config's `[data]` section, of [`DataOptions`] and of
+/// `tallow eval`, so an eval with defaults cuts rows as a training run with defaults does.
+pub const DEFAULT_MAX_SEQ_LEN: usize = 1024;
 
 /// How rows become examples.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -89,7 +76,7 @@ impl Default for DataOptions {
     fn default() -> Self {
         Self {
             format: Format::Auto,
-            max_seq_len: 2048,
+            max_seq_len: DEFAULT_MAX_SEQ_LEN,
             add_eos: true,
         }
     }

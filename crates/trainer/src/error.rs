@@ -61,7 +61,7 @@ pub enum DataError {
     TemplateSyntax { origin: String, message: String },
 
     /// `--format` / `format =` names no known format.
-    #[error("unknown data format {0:?}: expected one of auto, text, prompt_completion, messages")]
+    #[error("unknown data format {0:?}: expected one of {names}", names = crate::data::Format::NAMES.join(", "))]
     UnknownFormat(String),
 
     /// The data file has no non-blank line.

@@ -24,6 +24,8 @@ pub mod train;
 
 pub use chat::{ChatTemplate, Message};
 pub use config::TrainConfig;
-pub use data::{load_jsonl, tokenize_row, DataOptions, Dataset, Example, Format};
+pub use data::{
+    load_jsonl, tokenize_row, DataOptions, Dataset, Example, Format, DEFAULT_MAX_SEQ_LEN,
+};
 pub use error::{DataError, RowError};
 pub use tokenizer::TextTokenizer;

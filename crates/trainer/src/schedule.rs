@@ -19,52 +19,33 @@
 //! The last step a run of `total_steps` takes is `total_steps - 1`, so linear and cosine never
 //! quite reach 0 inside a run. As in HF, cosine's progress is not clamped past `total_steps`.
 
-use std::fmt;
 use std::str::FromStr;
 
-use serde::{Deserialize, Serialize};
+use crate::config::choice::or_list;
 
-/// The shape of the learning rate after warmup.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Schedule {
-    /// `get_constant_schedule_with_warmup`: base_lr after warmup.
-    Constant,
-    /// `get_linear_schedule_with_warmup`: linear decay to 0 at `total_steps`.
-    Linear,
-    /// `get_cosine_schedule_with_warmup`, half a cosine period: decay to 0 at `total_steps`.
-    Cosine,
-}
-
-impl Schedule {
-    /// The spelling used in configs and on the command line.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Schedule::Constant => "constant",
-            Schedule::Linear => "linear",
-            Schedule::Cosine => "cosine",
-        }
-    }
-}
-
-impl fmt::Display for Schedule {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+crate::config::choice::choices! {
+    /// The shape of the learning rate after warmup.
+    pub enum Schedule {
+        /// `get_constant_schedule_with_warmup`: base_lr after warmup.
+        Constant = "constant",
+        /// `get_linear_schedule_with_warmup`: linear decay to 0 at `total_steps`.
+        Linear = "linear",
+        /// `get_cosine_schedule_with_warmup`, half a cosine period: decay to 0 at `total_steps`.
+        Cosine = "cosine",
     }
 }
 
 impl FromStr for Schedule {
     type Err = String;
 
+    /// The name in any case (`Linear`); an unknown one lists [`Schedule::NAMES`].
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.to_ascii_lowercase().as_str() {
-            "constant" => Ok(Schedule::Constant),
-            "linear" => Ok(Schedule::Linear),
-            "cosine" => Ok(Schedule::Cosine),
-            _ => Err(format!(
-                "unknown learning-rate schedule `{s}`: expected `constant`, `linear` or `cosine`"
-            )),
-        }
+        Schedule::from_name(&s.to_ascii_lowercase()).ok_or_else(|| {
+            format!(
+                "unknown learning-rate schedule `{s}`: expected {}",
+                or_list(Schedule::NAMES)
+            )
+        })
     }
 }
 

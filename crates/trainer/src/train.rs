@@ -203,14 +203,7 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Run, TrainError> {
             set_dropout_rate(&mut model, spec.dropout);
             spec
         } else {
-            let spec = LoraSpec {
-                rank: cfg.lora.rank,
-                alpha: cfg.lora.alpha,
-                dropout: cfg.lora.dropout,
-                targets: cfg.lora.targets().iter().map(|s| s.to_string()).collect(),
-                rslora: cfg.lora.rslora,
-                dora: cfg.lora.dora,
-            };
+            let spec = cfg.lora.spec();
             attach_lora(&mut model, &spec, cfg.train.seed)?;
             spec
         };
@@ -454,9 +447,8 @@ pub fn train_with_limit(
             .collect::<BTreeMap<_, _>>(),
         optimizer: opt.name().into(),
         quantize: match (cfg.model.quantize, cfg.model.double_quant) {
-            (Quantize::None, _) => "none".into(),
-            (Quantize::Nf4, false) => "nf4".into(),
-            (Quantize::Nf4, true) => "nf4+double_quant".into(),
+            (Quantize::Nf4, true) => format!("{}+double_quant", Quantize::Nf4),
+            (q, _) => q.name().into(),
         },
         tokens_seen: 0,
         elapsed_s: 0.0,

@@ -156,7 +156,7 @@ impl Optimizer for AdamW {
     }
 
     fn name(&self) -> &'static str {
-        "adamw"
+        super::OptimizerKind::AdamW.name()
     }
 }
 

@@ -450,7 +450,7 @@ impl Optimizer for AdamW8bit {
     }
 
     fn name(&self) -> &'static str {
-        "adamw8bit"
+        super::OptimizerKind::AdamW8bit.name()
     }
 }
 

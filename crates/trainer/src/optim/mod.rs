@@ -16,11 +16,10 @@ pub mod adamw8bit;
 pub mod sgd;
 
 use std::collections::HashMap;
-use std::fmt;
 use std::str::FromStr;
 
+use crate::config::choice::or_list;
 use candle_core::{DType, Device, Tensor, Var};
-use serde::{Deserialize, Serialize};
 
 pub use adamw::{AdamW, AdamWParams};
 pub use adamw8bit::AdamW8bit;
@@ -57,49 +56,29 @@ pub trait Optimizer {
     }
 }
 
-/// Which optimizer to build.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum OptimizerKind {
-    /// [`AdamW`], torch.optim.AdamW semantics.
-    #[serde(rename = "adamw")]
-    AdamW,
-    /// [`AdamW8bit`]: AdamW with blockwise 8-bit moments (bitsandbytes `AdamW8bit`).
-    #[serde(rename = "adamw8bit")]
-    AdamW8bit,
-    /// [`Sgd`], torch.optim.SGD without momentum.
-    #[serde(rename = "sgd")]
-    Sgd,
-}
-
-impl OptimizerKind {
-    /// The spelling used in configs and on the command line.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OptimizerKind::AdamW => "adamw",
-            OptimizerKind::AdamW8bit => "adamw8bit",
-            OptimizerKind::Sgd => "sgd",
-        }
-    }
-}
-
-impl fmt::Display for OptimizerKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+crate::config::choice::choices! {
+    /// Which optimizer to build.
+    pub enum OptimizerKind {
+        /// [`AdamW`], torch.optim.AdamW semantics.
+        AdamW = "adamw",
+        /// [`AdamW8bit`]: AdamW with blockwise 8-bit moments (bitsandbytes `AdamW8bit`).
+        AdamW8bit = "adamw8bit",
+        /// [`Sgd`], torch.optim.SGD without momentum.
+        Sgd = "sgd",
     }
 }
 
 impl FromStr for OptimizerKind {
     type Err = String;
 
+    /// The name in any case (`AdamW`); an unknown one lists [`OptimizerKind::NAMES`].
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.to_ascii_lowercase().as_str() {
-            "adamw" => Ok(OptimizerKind::AdamW),
-            "adamw8bit" => Ok(OptimizerKind::AdamW8bit),
-            "sgd" => Ok(OptimizerKind::Sgd),
-            _ => Err(format!(
-                "unknown optimizer `{s}`: expected `adamw`, `adamw8bit` or `sgd`"
-            )),
-        }
+        OptimizerKind::from_name(&s.to_ascii_lowercase()).ok_or_else(|| {
+            format!(
+                "unknown optimizer `{s}`: expected {}",
+                or_list(OptimizerKind::NAMES)
+            )
+        })
     }
 }
 

@@ -67,7 +67,7 @@ impl Optimizer for Sgd {
     }
 
     fn name(&self) -> &'static str {
-        "sgd"
+        super::OptimizerKind::Sgd.name()
     }
 }
 

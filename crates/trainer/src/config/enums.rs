@@ -1,0 +1,161 @@
+//! The config's own enums: `model.dtype`, `model.quantize`, `train.method` and `lora.targets`.
+//! Their names are declared once, with [`choices!`]; `data.format`, `train.optimizer` and
+//! `train.schedule` are declared the same way beside the code that uses them
+//! ([`crate::data::Format`], [`crate::optim::OptimizerKind`], [`crate::schedule::Schedule`]).
+
+use candle_core::DType;
+use serde::{Deserialize, Serialize};
+
+use super::choice::choices;
+use super::LORA_TARGETS;
+
+choices! {
+    /// `model.dtype`: storage and compute dtype of the frozen base weights.
+    #[derive(Default)]
+    pub enum ModelDtype {
+        /// 32-bit float.
+        F32 = "f32",
+        /// IEEE half precision.
+        F16 = "f16",
+        /// bfloat16 (the default).
+        #[default]
+        Bf16 = "bf16",
+    }
+}
+
+impl ModelDtype {
+    /// The Candle dtype.
+    pub fn to_dtype(self) -> DType {
+        match self {
+            ModelDtype::F32 => DType::F32,
+            ModelDtype::F16 => DType::F16,
+            ModelDtype::Bf16 => DType::BF16,
+        }
+    }
+}
+
+choices! {
+    /// `model.quantize`: how the frozen linear weights inside the decoder layers are stored.
+    #[derive(Default)]
+    pub enum Quantize {
+        /// In `model.dtype`.
+        #[default]
+        None = "none",
+        /// 4-bit NormalFloat, bitsandbytes layout (QLoRA); embeddings, norms and lm_head stay in
+        /// `model.dtype`.
+        Nf4 = "nf4",
+    }
+}
+
+choices! {
+    /// `train.method`: which weights are trained.
+    #[derive(Default)]
+    pub enum Method {
+        /// Low-rank adapters on `lora.targets`; the base stays frozen.
+        #[default]
+        Lora = "lora",
+        /// Every weight of the model.
+        Full = "full",
+    }
+}
+
+/// The string that makes `lora.targets` every linear layer of [`LORA_TARGETS`] (PEFT's
+/// `target_modules = "all-linear"`).
+pub const ALL_LINEAR: &str = "all-linear";
+
+/// `lora.targets`: the string [`ALL_LINEAR`] or a list of names from [`LORA_TARGETS`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "TargetsRepr", into = "TargetsRepr")]
+pub enum LoraTargets {
+    /// These module names, as written.
+    List(Vec<String>),
+    /// Every name of [`LORA_TARGETS`].
+    AllLinear,
+}
+
+impl Default for LoraTargets {
+    fn default() -> Self {
+        LoraTargets::List(LORA_TARGETS.iter().map(|s| s.to_string()).collect())
+    }
+}
+
+impl LoraTargets {
+    /// The module names; `AllLinear` expands to [`LORA_TARGETS`].
+    pub fn names(&self) -> Vec<&str> {
+        match self {
+            LoraTargets::List(list) => list.iter().map(String::as_str).collect(),
+            LoraTargets::AllLinear => LORA_TARGETS.to_vec(),
+        }
+    }
+}
+
+/// How `lora.targets` is written in TOML.
+#[derive(Serialize, Deserialize)]
+#[serde(untagged)]
+enum TargetsRepr {
+    Name(String),
+    List(Vec<String>),
+}
+
+impl TryFrom<TargetsRepr> for LoraTargets {
+    type Error = String;
+
+    fn try_from(repr: TargetsRepr) -> Result<Self, String> {
+        match repr {
+            TargetsRepr::Name(s) if s == ALL_LINEAR => Ok(LoraTargets::AllLinear),
+            TargetsRepr::Name(s) => Err(format!(
+                "expected \"{ALL_LINEAR}\" or a list of module names, found the string {s:?}"
+            )),
+            TargetsRepr::List(list) => Ok(LoraTargets::List(list)),
+        }
+    }
+}
+
+impl From<LoraTargets> for TargetsRepr {
+    fn from(t: LoraTargets) -> Self {
+        match t {
+            LoraTargets::List(list) => TargetsRepr::List(list),
+            LoraTargets::AllLinear => TargetsRepr::Name(ALL_LINEAR.into()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dtype_names_and_candle_dtypes() {
+        let want = [
+            (ModelDtype::F32, "f32", DType::F32),
+            (ModelDtype::F16, "f16", DType::F16),
+            (ModelDtype::Bf16, "bf16", DType::BF16),
+        ];
+        assert_eq!(ModelDtype::ALL.len(), want.len());
+        for (dtype, name, dt) in want {
+            assert_eq!(dtype.name(), name);
+            assert_eq!(dtype.to_dtype(), dt);
+        }
+        assert_eq!(ModelDtype::default(), ModelDtype::Bf16);
+        assert_eq!(Quantize::NAMES, ["none", "nf4"]);
+        assert_eq!(Method::NAMES, ["lora", "full"]);
+        assert_eq!(
+            (Quantize::default(), Method::default()),
+            (Quantize::None, Method::Lora)
+        );
+    }
+
+    #[test]
+    fn targets_repr() {
+        let all: LoraTargets = serde_json::from_str("\"all-linear\"").unwrap();
+        assert_eq!(all, LoraTargets::AllLinear);
+        assert_eq!(serde_json::to_string(&all).unwrap(), "\"all-linear\"");
+        assert_eq!(all.names(), LORA_TARGETS.to_vec());
+        let e = serde_json::from_str::<LoraTargets>("\"q_proj\"")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("expected \"all-linear\" or a list"), "{e}");
+        let list: LoraTargets = serde_json::from_str("[\"v_proj\"]").unwrap();
+        assert_eq!(list.names(), ["v_proj"]);
+    }
+}

@@ -1,0 +1,326 @@
+//! The keys: every section and key with the TOML type it takes (`SECTIONS`), the names other
+//! trainers use for them (`ALIASES`), and the check that rejects an unknown section or key of
+//! a file with a message that lists the valid ones and suggests the closest
+//! ([`super::suggest`]). A test keeps `SECTIONS` in step with the raw structs.
+
+use toml::{Table, Value};
+
+use super::choice::quoted;
+use super::suggest::{normalize, suggest_anywhere, suggest_key, suggest_section};
+use super::ALL_LINEAR;
+use super::{ConfigError, Format, Method, ModelDtype, OptimizerKind, Quantize, Schedule};
+
+/// The TOML type a key takes.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Kind {
+    Str,
+    Uint,
+    Float,
+    Bool,
+    /// Two floats.
+    Pair,
+    /// `"all-linear"` or a list of strings.
+    Targets,
+    /// One of these strings: an enum's `NAMES`.
+    Choice(&'static [&'static str]),
+}
+
+impl Kind {
+    /// What a value of this kind must be, after "must be".
+    pub(super) fn expected(self) -> String {
+        match self {
+            Kind::Str => "a string".into(),
+            Kind::Uint => "a whole number >= 0".into(),
+            Kind::Float => "a number".into(),
+            Kind::Bool => "true or false".into(),
+            Kind::Pair => "a list of two numbers, e.g. [0.9, 0.999]".into(),
+            Kind::Targets => {
+                format!("\"{ALL_LINEAR}\" or a list of module names, e.g. [\"q_proj\", \"v_proj\"]")
+            }
+            Kind::Choice(names) => format!("one of {}", quoted(names)),
+        }
+    }
+}
+
+/// Every section and its keys, in the order [`super::TrainConfig::to_toml_string`] writes them.
+pub(super) const SECTIONS: [(&str, &[(&str, Kind)]); 4] = [
+    (
+        "model",
+        &[
+            ("path", Kind::Str),
+            ("dtype", Kind::Choice(ModelDtype::NAMES)),
+            ("quantize", Kind::Choice(Quantize::NAMES)),
+            ("double_quant", Kind::Bool),
+        ],
+    ),
+    (
+        "lora",
+        &[
+            ("rank", Kind::Uint),
+            ("alpha", Kind::Float),
+            ("dropout", Kind::Float),
+            ("targets", Kind::Targets),
+            ("rslora", Kind::Bool),
+            ("dora", Kind::Bool),
+            ("init", Kind::Str),
+        ],
+    ),
+    (
+        "data",
+        &[
+            ("train", Kind::Str),
+            ("eval", Kind::Str),
+            ("format", Kind::Choice(Format::NAMES)),
+            ("max_seq_len", Kind::Uint),
+            ("add_eos", Kind::Bool),
+            ("shuffle", Kind::Bool),
+            ("pack", Kind::Bool),
+        ],
+    ),
+    (
+        "train",
+        &[
+            ("method", Kind::Choice(Method::NAMES)),
+            ("micro_batch_size", Kind::Uint),
+            ("grad_accum", Kind::Uint),
+            ("max_steps", Kind::Uint),
+            ("epochs", Kind::Uint),
+            ("optimizer", Kind::Choice(OptimizerKind::NAMES)),
+            ("lr", Kind::Float),
+            ("weight_decay", Kind::Float),
+            ("betas", Kind::Pair),
+            ("eps", Kind::Float),
+            ("schedule", Kind::Choice(Schedule::NAMES)),
+            ("warmup_steps", Kind::Uint),
+            ("max_grad_norm", Kind::Float),
+            ("seed", Kind::Uint),
+            ("device", Kind::Str),
+            ("output_dir", Kind::Str),
+            ("log_every", Kind::Uint),
+            ("eval_every", Kind::Uint),
+            ("save_every", Kind::Uint),
+            ("checkpointing", Kind::Bool),
+            ("checkpoint_every", Kind::Uint),
+            ("tf32", Kind::Bool),
+            ("threads", Kind::Uint),
+        ],
+    ),
+];
+
+/// Names other trainers (HF TrainingArguments, PEFT, axolotl, torchtune, litgpt) use for our keys.
+pub(super) const ALIASES: &[(&str, &str)] = &[
+    ("learning_rate", "train.lr"),
+    ("lora_r", "lora.rank"),
+    ("r", "lora.rank"),
+    ("lora_alpha", "lora.alpha"),
+    ("lora_dropout", "lora.dropout"),
+    ("target_modules", "lora.targets"),
+    ("lora_target_modules", "lora.targets"),
+    ("lora_targets", "lora.targets"),
+    ("use_rslora", "lora.rslora"),
+    ("use_dora", "lora.dora"),
+    ("peft_use_dora", "lora.dora"),
+    ("lora_model_dir", "lora.init"),
+    ("adapter", "lora.init"),
+    ("base_model", "model.path"),
+    ("model_name_or_path", "model.path"),
+    ("checkpoint_dir", "model.path"),
+    ("torch_dtype", "model.dtype"),
+    ("load_in_4bit", "model.quantize"),
+    ("bnb_4bit_quant_type", "model.quantize"),
+    ("quantization", "model.quantize"),
+    ("bnb_4bit_use_double_quant", "model.double_quant"),
+    ("gradient_checkpointing", "train.checkpointing"),
+    ("activation_checkpointing", "train.checkpointing"),
+    ("enable_activation_checkpointing", "train.checkpointing"),
+    ("precision", "model.dtype"),
+    ("dataset", "data.train"),
+    ("datasets", "data.train"),
+    ("train_file", "data.train"),
+    ("eval_file", "data.eval"),
+    ("validation_file", "data.eval"),
+    ("val_file", "data.eval"),
+    ("sequence_len", "data.max_seq_len"),
+    ("seq_len", "data.max_seq_len"),
+    ("max_length", "data.max_seq_len"),
+    ("max_seq_length", "data.max_seq_len"),
+    ("block_size", "data.max_seq_len"),
+    ("cutoff_len", "data.max_seq_len"),
+    ("sample_packing", "data.pack"),
+    ("packing", "data.pack"),
+    ("batch_size", "train.micro_batch_size"),
+    ("micro_batch", "train.micro_batch_size"),
+    ("per_device_train_batch_size", "train.micro_batch_size"),
+    ("gradient_accumulation_steps", "train.grad_accum"),
+    ("gradient_accumulation_iters", "train.grad_accum"),
+    ("num_epochs", "train.epochs"),
+    ("num_train_epochs", "train.epochs"),
+    ("max_iters", "train.max_steps"),
+    ("num_steps", "train.max_steps"),
+    ("optim", "train.optimizer"),
+    ("lr_scheduler", "train.schedule"),
+    ("lr_scheduler_type", "train.schedule"),
+    ("scheduler", "train.schedule"),
+    ("warmup", "train.warmup_steps"),
+    ("num_warmup_steps", "train.warmup_steps"),
+    ("lr_warmup_steps", "train.warmup_steps"),
+    ("grad_clip", "train.max_grad_norm"),
+    ("max_norm", "train.max_grad_norm"),
+    ("gradient_clip_val", "train.max_grad_norm"),
+    ("adam_beta1", "train.betas"),
+    ("adam_beta2", "train.betas"),
+    ("beta1", "train.betas"),
+    ("beta2", "train.betas"),
+    ("adam_epsilon", "train.eps"),
+    ("epsilon", "train.eps"),
+    ("out_dir", "train.output_dir"),
+    ("save_dir", "train.output_dir"),
+    ("logging_steps", "train.log_every"),
+    ("log_interval", "train.log_every"),
+    ("eval_steps", "train.eval_every"),
+    ("eval_interval", "train.eval_every"),
+    ("save_steps", "train.save_every"),
+    ("save_interval", "train.save_every"),
+];
+
+/// Names other trainers use for our sections.
+pub(super) const SECTION_ALIASES: &[(&str, &str)] = &[
+    ("training", "train"),
+    ("trainer", "train"),
+    ("optimizer", "train"),
+    ("optim", "train"),
+    ("dataset", "data"),
+    ("datasets", "data"),
+    ("peft", "lora"),
+    ("adapter", "lora"),
+];
+
+/// The keys of `section`, or `None` for an unknown section.
+pub(super) fn section_keys(section: &str) -> Option<&'static [(&'static str, Kind)]> {
+    SECTIONS
+        .iter()
+        .find(|(name, _)| *name == section)
+        .map(|(_, keys)| *keys)
+}
+
+/// The kind of `section.key`, or `None` for an unknown section or key.
+pub(super) fn key_kind(section: &str, key: &str) -> Option<Kind> {
+    section_keys(section)?
+        .iter()
+        .find(|(name, _)| *name == key)
+        .map(|(_, kind)| *kind)
+}
+
+/// `[model], [lora], [data], [train]`.
+pub(super) fn section_list() -> String {
+    let names: Vec<String> = SECTIONS.iter().map(|(s, _)| format!("[{s}]")).collect();
+    names.join(", ")
+}
+
+/// The keys of `section`, comma-separated.
+pub(super) fn valid_keys(section: &str) -> String {
+    let keys: Vec<&str> = section_keys(section)
+        .unwrap_or_default()
+        .iter()
+        .map(|(k, _)| *k)
+        .collect();
+    keys.join(", ")
+}
+
+/// Rejects unknown sections and keys of the file, before any `--set`.
+pub(super) fn check_keys(table: &Table, origin: &str) -> Result<(), ConfigError> {
+    for (name, value) in table {
+        let Value::Table(sec) = value else {
+            if section_keys(name).is_some() {
+                return Err(ConfigError::NotATable {
+                    origin: origin.to_string(),
+                    section: name.clone(),
+                });
+            }
+            return Err(ConfigError::KeyOutsideSection {
+                origin: origin.to_string(),
+                key: name.clone(),
+                suggestion: suggest_anywhere(&normalize(name)),
+            });
+        };
+        if section_keys(name).is_none() {
+            return Err(ConfigError::UnknownSection {
+                origin: origin.to_string(),
+                set: None,
+                section: name.clone(),
+                suggestion: suggest_section(name),
+            });
+        }
+        for key in sec.keys() {
+            if key_kind(name, key).is_none() {
+                return Err(ConfigError::UnknownKey {
+                    origin: origin.to_string(),
+                    set: None,
+                    section: name.clone(),
+                    key: key.clone(),
+                    suggestion: suggest_key(name, key),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::TrainConfig;
+    use super::*;
+
+    /// `SECTIONS` (used for error messages and --set) lists exactly the keys of the raw structs,
+    /// in the order `to_toml_string` writes them.
+    #[test]
+    fn key_table_matches_structs() {
+        let text = TrainConfig::new("m", "t").to_toml_string();
+        let table: Table = text.parse().unwrap();
+        let mut sections_written = Vec::new();
+        for line in text.lines() {
+            if let Some(s) = line.strip_prefix('[') {
+                sections_written.push(s.trim_end_matches(']').to_string());
+            }
+        }
+        let expected: Vec<&str> = SECTIONS.iter().map(|(s, _)| *s).collect();
+        assert_eq!(sections_written, expected);
+        for (section, keys) in SECTIONS {
+            let written: Vec<&str> = text
+                .split(&format!("[{section}]\n"))
+                .nth(1)
+                .unwrap()
+                .lines()
+                .take_while(|l| !l.is_empty() && !l.starts_with('['))
+                .map(|l| l.split(" = ").next().unwrap())
+                .collect();
+            let listed: Vec<&str> = keys.iter().map(|(k, _)| *k).collect();
+            assert_eq!(written, listed, "[{section}]");
+            assert_eq!(table[section].as_table().unwrap().len(), keys.len());
+        }
+    }
+
+    #[test]
+    fn every_alias_points_at_a_key() {
+        for (alias, full) in ALIASES {
+            let (s, k) = full.split_once('.').unwrap();
+            assert!(key_kind(s, k).is_some(), "{alias} -> {full}");
+            assert!(key_kind(s, alias).is_none(), "{alias} is a key of [{s}]");
+        }
+        for (alias, s) in SECTION_ALIASES {
+            assert!(section_keys(s).is_some(), "{alias} -> {s}");
+        }
+    }
+
+    #[test]
+    fn choice_messages_list_the_names() {
+        assert_eq!(
+            Kind::Choice(OptimizerKind::NAMES).expected(),
+            "one of \"adamw\", \"adamw8bit\", \"sgd\""
+        );
+        assert_eq!(
+            key_kind("data", "format").unwrap().expected(),
+            "one of \"auto\", \"text\", \"prompt_completion\", \"messages\""
+        );
+    }
+}

@@ -1,0 +1,256 @@
+//! The training config of `tallow train --config FILE [--set section.key=value]...`.
+//!
+//! A TOML file with four sections, `[model]`, `[lora]`, `[data]` and `[train]`; every key has a
+//! default except `model.path` and `data.train`. It is read in three steps, as candle's
+//! `llama.rs` reads a model config:
+//!
+//! 1. the file becomes a `toml::Table`; its sections and keys are checked against the key table
+//!    (an unknown one is an error that lists the valid keys and suggests the closest), then each
+//!    `--set section.key=value` is applied to the table;
+//! 2. each section is deserialized into a raw serde struct (`Raw*`, private: plain strings for
+//!    paths, serde defaults, `deny_unknown_fields`); a value of the wrong type is an error naming
+//!    the key and the type it must have;
+//! 3. the raw structs become a [`TrainConfig`], checked by [`TrainConfig::validate`].
+//!
+//! [`TrainConfig::to_toml_string`] writes the resolved config back (every key, defaults filled
+//! in) so that a run directory records exactly what ran; loading that text gives an equal config.
+//!
+//! The files, one job each:
+//! - `mod.rs`: the checked config ([`TrainConfig`] and its sections) and its entry points;
+//! - `enums.rs`: the config's enums ([`ModelDtype`], [`Quantize`], [`Method`], [`LoraTargets`]);
+//! - `choice.rs`: the `choices!` macro, which gives each enum one list of names that serde,
+//!   parsing, the key table and the messages all read;
+//! - `raw.rs`: the serde mirrors of the sections and every default;
+//! - `keys.rs`: the key table (each key's TOML type), other trainers' names for our keys, and
+//!   the unknown-key check;
+//! - `suggest.rs`: "did you mean" by edit distance;
+//! - `load.rs`: text -> table -> `--set` -> raw sections -> [`TrainConfig`];
+//! - `validate.rs`: [`TrainConfig::validate`], one function per section;
+//! - `error.rs`: [`ConfigError`] and [`InvalidValue`].
+
+pub(crate) mod choice;
+mod enums;
+mod error;
+mod keys;
+mod load;
+mod raw;
+mod suggest;
+#[cfg(test)]
+mod tests;
+mod validate;
+
+use std::path::{Path, PathBuf};
+
+use tallow_model::LoraSpec;
+
+use crate::data::{DataOptions, Format};
+use raw::{path_string, RawConfig};
+
+pub use crate::data::DEFAULT_MAX_SEQ_LEN;
+pub use crate::optim::OptimizerKind;
+pub use crate::schedule::Schedule;
+pub use enums::{LoraTargets, Method, ModelDtype, Quantize, ALL_LINEAR};
+pub use error::{ConfigError, InvalidValue};
+
+/// The linear layers of a Llama / Qwen decoder layer that LoRA can wrap, in the order of the
+/// layer; `lora.targets = "all-linear"` means all of them. The model crate's list, so config
+/// validation and adapter attachment cannot disagree.
+pub use tallow_model::peft::LINEAR_MODULES as LORA_TARGETS;
+
+/// A checked training config: what `tallow train` runs.
+///
+/// Relative paths (`model.path`, `data.train`, `data.eval`, `lora.init`, `train.output_dir`) are
+/// kept as written and resolved against the current directory of the process, not against the
+/// config file's directory (as axolotl does), so the shipped configs run from the repo root.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainConfig {
+    pub model: ModelSection,
+    pub lora: LoraSection,
+    pub data: DataSection,
+    pub train: TrainSection,
+}
+
+/// `[model]`: the base model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelSection {
+    /// A local model dir in Hugging Face layout (`config.json`, safetensors, `tokenizer.json`).
+    pub path: PathBuf,
+    /// Storage and compute dtype of the frozen base (default bf16).
+    pub dtype: ModelDtype,
+    /// none | nf4: 4-bit storage of the decoder layers' linear weights (default none).
+    pub quantize: Quantize,
+    /// With nf4: quantize the per-block scales too (bitsandbytes double quantization, default true).
+    pub double_quant: bool,
+}
+
+/// `[lora]`: the adapters, used when `train.method = "lora"`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSection {
+    /// r, the inner dimension of B·A (default 16).
+    pub rank: usize,
+    /// The update B·A·x is scaled by alpha / rank, or alpha / sqrt(rank) with `rslora` (default 32).
+    pub alpha: f64,
+    /// Dropout on the adapter's input (default 0.05).
+    pub dropout: f64,
+    /// The wrapped linear layers (default all seven).
+    pub targets: LoraTargets,
+    /// Rank-stabilized LoRA scaling alpha / sqrt(rank) (Kalajdzievski 2023, arXiv:2312.03732).
+    pub rslora: bool,
+    /// DoRA (Liu et al. 2024, arXiv:2402.09353), as PEFT's `use_dora`: a trainable magnitude per
+    /// output feature times the direction (W + s B A) / ||W + s B A|| (default false).
+    pub dora: bool,
+    /// A PEFT adapter dir to start from; rank, alpha and targets then come from it.
+    pub init: Option<PathBuf>,
+}
+
+/// `[data]`: the JSONL files and how rows become sequences.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DataSection {
+    /// The training JSONL file.
+    pub train: PathBuf,
+    /// An optional eval JSONL file.
+    pub eval: Option<PathBuf>,
+    /// Row format; `Auto` picks from the keys of the first row.
+    pub format: Format,
+    /// Rows are cut to this many tokens (default [`DEFAULT_MAX_SEQ_LEN`], 1024).
+    pub max_seq_len: usize,
+    /// Append EOS to text rows and completions (default true).
+    pub add_eos: bool,
+    /// Shuffle rows each epoch, seeded by `train.seed`; false keeps file order (default true).
+    pub shuffle: bool,
+    /// Pack rows into `max_seq_len` sequences, attention kept inside each row (default false).
+    pub pack: bool,
+}
+
+/// `[train]`: the optimization.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainSection {
+    /// LoRA or full fine-tuning (default lora).
+    pub method: Method,
+    /// Sequences per forward/backward (default 1).
+    pub micro_batch_size: usize,
+    /// Micro-batches per optimizer step (default 8).
+    pub grad_accum: usize,
+    /// Optimizer steps to run; 0 runs `epochs` (default 0).
+    pub max_steps: usize,
+    /// Passes over the data when `max_steps` is 0 (default 1).
+    pub epochs: usize,
+    /// adamw | adamw8bit | sgd (default adamw); the type lives with the optimizers in [`crate::optim`].
+    pub optimizer: OptimizerKind,
+    /// Peak learning rate (default 2e-4).
+    pub lr: f64,
+    /// Decoupled weight decay (default 0).
+    pub weight_decay: f64,
+    /// AdamW (beta1, beta2), written `[0.9, 0.999]` in TOML (the default).
+    pub betas: (f64, f64),
+    /// AdamW epsilon (default 1e-8).
+    pub eps: f64,
+    /// Learning-rate schedule after warmup: constant | linear | cosine (default cosine); see
+    /// [`crate::schedule`].
+    pub schedule: Schedule,
+    /// Steps of linear warmup from 0 to `lr` (default 0).
+    pub warmup_steps: usize,
+    /// Clip the global gradient norm to this; 0 disables clipping (default 1.0).
+    pub max_grad_norm: f64,
+    /// Seeds shuffling, LoRA init and dropout (default 42).
+    pub seed: u64,
+    /// auto | cpu | cuda | cuda:N (default auto).
+    pub device: String,
+    /// Where the run writes its resolved config, logs and checkpoints (default runs/example).
+    pub output_dir: PathBuf,
+    /// Log every this many optimizer steps (default 1).
+    pub log_every: usize,
+    /// Evaluate every this many optimizer steps; 0 only at the end when `data.eval` is set.
+    pub eval_every: usize,
+    /// Save every this many optimizer steps; 0 only at the end.
+    pub save_every: usize,
+    /// Activation checkpointing: keep only decoder-layer inputs in the forward and recompute
+    /// each layer in the backward (default false).
+    pub checkpointing: bool,
+    /// With `checkpointing`: checkpoint every n-th decoder layer (default 1 = all).
+    pub checkpoint_every: usize,
+    /// TF32 tensor cores for f32 matmuls on CUDA (default true): an f32 model's matmuls and
+    /// the f32 LoRA A/B products (10-bit mantissa inputs, f32 accumulation, as PyTorch's
+    /// `allow_tf32`). bf16 / f16 matmuls are unaffected; no effect on the CPU.
+    pub tf32: bool,
+    /// CPU threads for the matmuls (gemm on rayon), tallow's fused kernels (rayon) and Candle's
+    /// element-wise pool alike; 0 (default) = the number of physical cores, as PyTorch's
+    /// `torch.get_num_threads()`. `RAYON_NUM_THREADS` / `CANDLE_NUM_THREADS`, when set, win.
+    pub threads: usize,
+}
+
+impl LoraSection {
+    /// The adapter these keys describe, as the model crate attaches it. Its
+    /// [`LoraSpec::scale`] is the factor the adapter output B·A·x is multiplied by: alpha / rank,
+    /// or alpha / sqrt(rank) with `rslora`. (`init` is not part of it: an adapter loaded from
+    /// `init` brings its own spec.)
+    pub fn spec(&self) -> LoraSpec {
+        LoraSpec {
+            rank: self.rank,
+            alpha: self.alpha,
+            dropout: self.dropout,
+            targets: self.targets().iter().map(|s| s.to_string()).collect(),
+            rslora: self.rslora,
+            dora: self.dora,
+        }
+    }
+
+    /// The wrapped module names; `"all-linear"` expands to [`LORA_TARGETS`].
+    pub fn targets(&self) -> Vec<&str> {
+        self.targets.names()
+    }
+}
+
+impl DataSection {
+    /// The options of [`crate::load_jsonl`].
+    pub fn options(&self) -> DataOptions {
+        DataOptions {
+            format: self.format,
+            max_seq_len: self.max_seq_len,
+            add_eos: self.add_eos,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// A config with every default and the two required paths.
+    pub fn new(model_path: impl Into<PathBuf>, train_data: impl Into<PathBuf>) -> Self {
+        let mut raw = RawConfig::default();
+        raw.model.path = Some(path_string(&model_path.into()));
+        raw.data.train = Some(path_string(&train_data.into()));
+        raw.into_config("TrainConfig::new")
+            .expect("both required keys are set")
+    }
+
+    /// Reads the TOML file at `path`, applies each `--set section.key=value` of `sets` in order,
+    /// and checks the result.
+    pub fn load(path: &Path, sets: &[String]) -> Result<TrainConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_toml_str(&text, &path.display().to_string(), sets)
+    }
+
+    /// Like [`TrainConfig::load`] on TOML text; `origin` (a file name) starts every error message.
+    ///
+    /// A `--set` value is parsed as a TOML value (`train.lr=1e-3`, `lora.targets=["q_proj"]`,
+    /// `train.betas=[0.9,0.95]`, `data.pack=true`); a value that is not TOML, or any value of a
+    /// string key, is taken as written (`model.path=/x/y`, `train.device=cuda:1`).
+    pub fn from_toml_str(
+        text: &str,
+        origin: &str,
+        sets: &[String],
+    ) -> Result<TrainConfig, ConfigError> {
+        load::from_toml_str(text, origin, sets)
+    }
+
+    /// The whole config as TOML, every key written and defaults filled in: what a run records in
+    /// its output dir. [`TrainConfig::from_toml_str`] of the result gives an equal config.
+    ///
+    /// Panics if `train.seed` exceeds `i64::MAX` (TOML integers are signed 64-bit), which
+    /// [`TrainConfig::validate`] rejects.
+    pub fn to_toml_string(&self) -> String {
+        toml::to_string(&RawConfig::from(self)).expect("a validated config serializes to TOML")
+    }
+}

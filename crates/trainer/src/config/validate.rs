@@ -1,0 +1,411 @@
+//! [`TrainConfig::validate`]: the checks on values, one function per section, then the checks
+//! that involve two sections. Each failure names the key, the value found and what it must be.
+
+use super::suggest::closest;
+use super::{
+    DataSection, InvalidValue, LoraSection, Method, ModelSection, OptimizerKind, Quantize,
+    TrainConfig, TrainSection, ALL_LINEAR, LORA_TARGETS,
+};
+
+type Checked = Result<(), InvalidValue>;
+
+/// The failure of `key`, with `message` after it.
+fn bad(key: &'static str, message: impl Into<String>) -> Checked {
+    Err(InvalidValue {
+        key,
+        message: message.into(),
+    })
+}
+
+impl TrainConfig {
+    /// Checks every value; the error names the key, the value found and what it must be.
+    pub fn validate(&self) -> Result<(), InvalidValue> {
+        validate_model(&self.model)?;
+        validate_lora(&self.lora)?;
+        validate_data(&self.data)?;
+        validate_train(&self.train)?;
+        validate_quantize_with_method(&self.model, &self.train)
+    }
+}
+
+fn validate_model(m: &ModelSection) -> Checked {
+    if m.path.as_os_str().is_empty() {
+        return bad(
+            "model.path",
+            "is empty; set it to a local model dir or a hub id, e.g. \"Qwen/Qwen2.5-0.5B-Instruct\"",
+        );
+    }
+    Ok(())
+}
+
+fn validate_lora(l: &LoraSection) -> Checked {
+    if l.rank < 1 {
+        return bad(
+            "lora.rank",
+            "must be at least 1, found 0 (8 to 64 is usual)",
+        );
+    }
+    if !(l.alpha > 0.0 && l.alpha.is_finite()) {
+        return bad(
+            "lora.alpha",
+            format!("must be > 0, found {} (usually 2 x rank)", l.alpha),
+        );
+    }
+    if !(0.0..1.0).contains(&l.dropout) {
+        return bad(
+            "lora.dropout",
+            format!(
+                "must be in [0, 1), found {} (0 turns dropout off)",
+                l.dropout
+            ),
+        );
+    }
+    validate_targets(&l.targets())?;
+    if l.init
+        .as_ref()
+        .is_some_and(|init| init.as_os_str().is_empty())
+    {
+        return bad(
+            "lora.init",
+            "is empty; leave the key out for a fresh adapter",
+        );
+    }
+    Ok(())
+}
+
+/// `lora.targets`: not empty, each a linear layer of [`LORA_TARGETS`], none twice.
+fn validate_targets(names: &[&str]) -> Checked {
+    let valid = LORA_TARGETS.join(", ");
+    if names.is_empty() {
+        return bad(
+            "lora.targets",
+            format!("is empty; list some of {valid} or write \"{ALL_LINEAR}\""),
+        );
+    }
+    for (i, name) in names.iter().enumerate() {
+        if !LORA_TARGETS.contains(name) {
+            let hint = closest(name, LORA_TARGETS.iter().copied())
+                .map(|c| format!("did you mean `{c}`? "))
+                .unwrap_or_default();
+            return bad(
+                "lora.targets",
+                format!(
+                    "has `{name}`, which is not a linear layer of a decoder layer; {hint}valid: \
+                     {valid}, or the string \"{ALL_LINEAR}\""
+                ),
+            );
+        }
+        if names[..i].contains(name) {
+            return bad("lora.targets", format!("lists `{name}` twice"));
+        }
+    }
+    Ok(())
+}
+
+fn validate_data(d: &DataSection) -> Checked {
+    if d.train.as_os_str().is_empty() {
+        return bad(
+            "data.train",
+            "is empty; set it to a JSONL file, e.g. \"data/train.jsonl\"",
+        );
+    }
+    if d.max_seq_len < 2 {
+        return bad(
+            "data.max_seq_len",
+            format!(
+                "must be at least 2 (one input and one target token), found {}",
+                d.max_seq_len
+            ),
+        );
+    }
+    Ok(())
+}
+
+fn validate_train(t: &TrainSection) -> Checked {
+    validate_train_length(t)?;
+    validate_train_optimizer(t)?;
+    if t.seed > i64::MAX as u64 {
+        return bad(
+            "train.seed",
+            format!(
+                "must be at most {} (a TOML integer), found {}",
+                i64::MAX,
+                t.seed
+            ),
+        );
+    }
+    if !valid_device(&t.device) {
+        return bad(
+            "train.device",
+            format!(
+                "must be auto, cpu, cuda or cuda:N (N a GPU number), found {:?}",
+                t.device
+            ),
+        );
+    }
+    if t.output_dir.as_os_str().is_empty() {
+        return bad(
+            "train.output_dir",
+            "is empty; set the dir the run writes to, e.g. \"runs/my-run\"",
+        );
+    }
+    if t.log_every < 1 {
+        return bad("train.log_every", "must be at least 1, found 0");
+    }
+    Ok(())
+}
+
+/// The batch, checkpointing and the length of the run.
+fn validate_train_length(t: &TrainSection) -> Checked {
+    if t.micro_batch_size < 1 {
+        return bad("train.micro_batch_size", "must be at least 1, found 0");
+    }
+    if t.checkpoint_every < 1 {
+        return bad(
+            "train.checkpoint_every",
+            "must be at least 1, found 0 (1 = checkpoint every decoder layer)",
+        );
+    }
+    if t.grad_accum < 1 {
+        return bad(
+            "train.grad_accum",
+            "must be at least 1, found 0 (1 = one micro-batch per optimizer step)",
+        );
+    }
+    if t.max_steps == 0 && t.epochs < 1 {
+        return bad(
+            "train.epochs",
+            "is 0 and `train.max_steps` is 0, so nothing would run; set epochs >= 1, or \
+             max_steps > 0 to count optimizer steps instead",
+        );
+    }
+    if t.max_steps > 0 && t.warmup_steps > t.max_steps {
+        return bad(
+            "train.warmup_steps",
+            format!(
+                "is {} but `train.max_steps` is {}; warmup must fit in the run",
+                t.warmup_steps, t.max_steps
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// The optimizer's hyperparameters.
+fn validate_train_optimizer(t: &TrainSection) -> Checked {
+    if !(t.lr > 0.0 && t.lr.is_finite()) {
+        return bad(
+            "train.lr",
+            format!("must be > 0, found {} (2e-4 is usual for LoRA)", t.lr),
+        );
+    }
+    if !(t.weight_decay >= 0.0 && t.weight_decay.is_finite()) {
+        return bad(
+            "train.weight_decay",
+            format!("must be >= 0, found {}", t.weight_decay),
+        );
+    }
+    if ![t.betas.0, t.betas.1]
+        .iter()
+        .all(|b| (0.0..1.0).contains(b))
+    {
+        return bad(
+            "train.betas",
+            format!(
+                "must both be in [0, 1), found [{}, {}] (usually [0.9, 0.999])",
+                t.betas.0, t.betas.1
+            ),
+        );
+    }
+    if !(t.eps > 0.0 && t.eps.is_finite()) {
+        return bad(
+            "train.eps",
+            format!("must be > 0, found {} (usually 1e-8)", t.eps),
+        );
+    }
+    if !(t.max_grad_norm >= 0.0 && t.max_grad_norm.is_finite()) {
+        return bad(
+            "train.max_grad_norm",
+            format!(
+                "must be >= 0 (0 disables clipping), found {}",
+                t.max_grad_norm
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// `model.quantize = "nf4"` freezes the base, so it needs `train.method = "lora"` (QLoRA).
+fn validate_quantize_with_method(m: &ModelSection, t: &TrainSection) -> Checked {
+    if m.quantize == Quantize::Nf4 && t.method == Method::Full {
+        return bad(
+            "model.quantize",
+            format!(
+                "is \"{nf4}\", which needs train.method = \"{lora}\" (QLoRA: NF4 base weights are \
+                 frozen); set model.quantize = \"{none}\" for a full fine-tune (add \
+                 train.optimizer = \"{adamw8bit}\" to save optimizer memory)",
+                nf4 = Quantize::Nf4,
+                lora = Method::Lora,
+                none = Quantize::None,
+                adamw8bit = OptimizerKind::AdamW8bit,
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// `auto`, `cpu`, `cuda` or `cuda:N`.
+fn valid_device(spec: &str) -> bool {
+    match spec {
+        "auto" | "cpu" | "cuda" => true,
+        s => s
+            .strip_prefix("cuda:")
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{assert_single_spaced, contains_all, err, invalid, parse, MINIMAL};
+    use super::*;
+
+    #[test]
+    fn nf4_with_full_fine_tuning_is_invalid() {
+        let e = err(MINIMAL, &["model.quantize=nf4", "train.method=full"]);
+        assert_eq!(
+            e,
+            "configs/x.toml: --set `model.quantize=nf4`: `model.quantize` is \"nf4\", which needs \
+             train.method = \"lora\" (QLoRA: NF4 base weights are frozen); set model.quantize = \
+             \"none\" for a full fine-tune (add train.optimizer = \"adamw8bit\" to save optimizer \
+             memory)"
+        );
+        assert!(parse(MINIMAL, &["model.quantize=nf4", "train.method=lora"]).is_ok());
+    }
+
+    /// Every message `validate` can give, rendered: none has a run of spaces inside a line (a
+    /// multi-line literal without its `\` once leaked 18 spaces of indentation into the nf4 one).
+    #[test]
+    fn messages_have_no_runs_of_spaces() {
+        let mut in_code = Vec::new();
+        let mut c = TrainConfig::new("m", "t");
+        c.model.quantize = Quantize::Nf4;
+        c.train.method = Method::Full;
+        in_code.push(c);
+        let mut c = TrainConfig::new("m", "t");
+        c.lora.init = Some(std::path::PathBuf::new());
+        in_code.push(c);
+        let mut c = TrainConfig::new("m", "t");
+        c.train.seed = u64::MAX;
+        in_code.push(c);
+        let mut messages: Vec<String> = in_code
+            .iter()
+            .map(|c| c.validate().unwrap_err().to_string())
+            .collect();
+        for (set, _) in CASES {
+            messages.push(invalid(set));
+        }
+        for sets in [
+            &["train.max_steps=10", "train.warmup_steps=11"][..],
+            &["train.checkpoint_every=0"][..],
+        ] {
+            messages.push(err(MINIMAL, sets));
+        }
+        for m in &messages {
+            assert_single_spaced(m);
+        }
+    }
+
+    /// `--set` values that fail validation, and a part of the message each gives.
+    const CASES: [(&str, &str); 26] = [
+        ("lora.rank=0", "`lora.rank` must be at least 1"),
+        ("lora.alpha=0", "`lora.alpha` must be > 0"),
+        ("lora.dropout=1.0", "`lora.dropout` must be in [0, 1)"),
+        ("lora.dropout=-0.1", "`lora.dropout` must be in [0, 1)"),
+        ("lora.targets=[]", "`lora.targets` is empty"),
+        ("lora.targets=[\"qproj\"]", "did you mean `q_proj`?"),
+        ("lora.targets=[\"lm_head\"]", "valid: q_proj, k_proj"),
+        (
+            "lora.targets=[\"q_proj\",\"q_proj\"]",
+            "lists `q_proj` twice",
+        ),
+        (
+            "train.micro_batch_size=0",
+            "`train.micro_batch_size` must be at least 1",
+        ),
+        (
+            "train.grad_accum=0",
+            "`train.grad_accum` must be at least 1",
+        ),
+        (
+            "data.max_seq_len=1",
+            "`data.max_seq_len` must be at least 2",
+        ),
+        ("train.lr=0", "`train.lr` must be > 0"),
+        ("train.lr=nan", "`train.lr` must be > 0"),
+        (
+            "train.betas=[0.9,1.0]",
+            "`train.betas` must both be in [0, 1)",
+        ),
+        (
+            "train.betas=[-0.1,0.9]",
+            "`train.betas` must both be in [0, 1)",
+        ),
+        ("train.eps=0", "`train.eps` must be > 0"),
+        (
+            "train.epochs=0",
+            "`train.epochs` is 0 and `train.max_steps` is 0",
+        ),
+        ("train.weight_decay=-1", "`train.weight_decay` must be >= 0"),
+        (
+            "train.max_grad_norm=-1",
+            "`train.max_grad_norm` must be >= 0",
+        ),
+        (
+            "train.device=gpu",
+            "`train.device` must be auto, cpu, cuda or cuda:N",
+        ),
+        ("train.device=cuda:", "`train.device` must be auto"),
+        ("train.device=cuda:x", "`train.device` must be auto"),
+        ("train.log_every=0", "`train.log_every` must be at least 1"),
+        ("model.path=", "`model.path` is empty"),
+        ("data.train=", "`data.train` is empty"),
+        ("train.output_dir=", "`train.output_dir` is empty"),
+    ];
+
+    #[test]
+    fn validate_rules() {
+        for (set, want) in CASES {
+            let e = invalid(set);
+            contains_all(&e, &[want, &format!("--set `{set}`")]);
+        }
+        // Two keys together: warmup must fit in max_steps; epochs may be 0 with max_steps.
+        let e = err(MINIMAL, &["train.max_steps=10", "train.warmup_steps=11"]);
+        contains_all(
+            &e,
+            &["`train.warmup_steps` is 11 but `train.max_steps` is 10"],
+        );
+        parse(
+            MINIMAL,
+            &[
+                "train.max_steps=10",
+                "train.warmup_steps=10",
+                "train.epochs=0",
+            ],
+        )
+        .unwrap();
+        parse(MINIMAL, &["train.warmup_steps=100"]).unwrap(); // epochs decide the length
+        for device in ["auto", "cpu", "cuda", "cuda:0", "cuda:12"] {
+            parse(MINIMAL, &[&format!("train.device={device}")]).unwrap();
+        }
+        // Errors from the file itself carry no --set.
+        let e = err(&format!("{MINIMAL}[lora]\nrank = 0\n"), &[]);
+        assert_eq!(
+            e,
+            "configs/x.toml: `lora.rank` must be at least 1, found 0 (8 to 64 is usual)"
+        );
+        // validate() on a config built in code.
+        let mut c = TrainConfig::new("m", "t");
+        c.train.lr = -1.0;
+        assert_eq!(c.validate().unwrap_err().key, "train.lr");
+    }
+}
