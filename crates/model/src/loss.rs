@@ -98,14 +98,35 @@ fn nll_sum_no_grad(h: &Tensor, head: &Tensor, labels: &Tensor) -> Result<Tensor>
     let step = chunk_rows(head.dim(0)?);
     let up = ops::upcast(h.dtype());
     let mut total = Tensor::zeros((), up, h.device())?;
+    // On the CPU (f32 / f64 logits): one pass per row, no logits-sized temporary.
+    let host_labels = cpu_labels(labels, h)?;
+    let mut host_total = 0f64;
     for start in (0..n).step_by(step) {
         let len = step.min(n - start);
         let logits = h.narrow(0, start, len)?.matmul(&head.t()?)?.to_dtype(up)?; // (n, V)
+        if let Some(y) = &host_labels {
+            host_total += crate::fused::ce_nll_sum(&logits, &y[start..start + len])?;
+            continue;
+        }
         let logp = ops::log_softmax_last_dim(&logits)?;
         let picked = logp.gather(&labels.narrow(0, start, len)?.unsqueeze(1)?, 1)?; // (n, 1)
         total = (total - picked.sum_all()?)?;
     }
+    if host_labels.is_some() {
+        total = Tensor::new(host_total, h.device())?.to_dtype(up)?;
+    }
     Ok(total)
+}
+
+/// The labels on the host when the CPU kernels take this batch's logits (CPU, logits in f32 /
+/// f64); None elsewhere (the tensor-op path, which keeps everything on the device).
+fn cpu_labels(labels: &Tensor, h: &Tensor) -> candle_core::Result<Option<Vec<u32>>> {
+    let up = ops::upcast(h.dtype());
+    if h.device().is_cpu() && matches!(up, candle_core::DType::F32 | candle_core::DType::F64) {
+        Ok(Some(labels.to_vec1::<u32>()?))
+    } else {
+        Ok(None)
+    }
 }
 
 /// Autograd node for [`lm_head_nll`]: holds the labels and the forward's value; the backward
@@ -170,17 +191,31 @@ impl CustomOp2 for FusedLmHeadNll {
             Tensor::arange(0u32, v as u32, d)?.unsqueeze(0)
         })?;
         let step = chunk_rows(v);
+        let host_labels = cpu_labels(&self.labels, &h)?;
         let mut dh = Vec::new();
         let mut dw: Option<Tensor> = None;
         for start in (0..n).step_by(step) {
             let len = step.min(n - start);
             let hc = h.narrow(0, start, len)?; // (n, C)
             let logits = hc.matmul(&w.t()?)?.to_dtype(up)?; // (n, V)
-            let p = ops::softmax_last_dim(&logits)
-                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-            let labels = self.labels.narrow(0, start, len)?.unsqueeze(1)?; // (n, 1)
-            let onehot = labels.broadcast_eq(&vocab)?.to_dtype(up)?; // (n, V)
-            let dlogits = (p - onehot)?.broadcast_mul(&g)?.to_dtype(h.dtype())?; // (n, V)
+            let dlogits = match &host_labels {
+                // CPU: softmax - onehot, scaled, in the logits' own buffer.
+                Some(y) => {
+                    let g = g.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+                    crate::fused::ce_grad_in_place(&logits, &y[start..start + len], g)?;
+                    let d = logits.to_dtype(h.dtype())?; // the same buffer in f32 / f64
+                    drop(logits);
+                    d
+                }
+                None => {
+                    let p = ops::softmax_last_dim(&logits)
+                        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                    drop(logits);
+                    let labels = self.labels.narrow(0, start, len)?.unsqueeze(1)?; // (n, 1)
+                    let onehot = labels.broadcast_eq(&vocab)?.to_dtype(up)?; // (n, V)
+                    (p - onehot)?.broadcast_mul(&g)?.to_dtype(h.dtype())? // (n, V)
+                }
+            };
             dh.push(dlogits.matmul(&w)?); // (n, C)
             if want_dw {
                 let part = dlogits.t()?.matmul(&hc)?; // (V, C)

@@ -544,28 +544,34 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let cpu_half = device == "cpu" && s == 2;
     let f32_copy = |n: usize| if cpu_half { 4 * n as u64 } else { 0 };
     let logits = chunk * v as u64;
-    let loss_forward = if cpu_half {
-        (logits * (s + 12)).max(f32_copy(v * c) + logits * (4 + s))
-    } else {
-        logits * (s + 12)
+    // On the CPU the cross-entropy runs in the f32 logits' own buffer (`tallow_model::fused`,
+    // `ce_nll_sum` / `ce_grad_in_place`): one f32 logits chunk (with bf16 / f16, also the
+    // matmul's f32 head copy and half-precision output). Elsewhere the tensor ops keep up to
+    // three f32 logits-sized buffers at once (log-softmax / softmax: input, shifted, exp;
+    // backward: probabilities, one-hot, their difference).
+    let ce = match (device == "cpu", cpu_half) {
+        (true, true) => f32_copy(v * c) + logits * (4 + s),
+        (true, false) => logits * 4,
+        (false, _) => logits * 12,
     };
-    // Backward high point: the LM head's backward (logits, probabilities, their gradient for a
-    // chunk, and dh for every row in f32), or one layer's attention backward (score-sized
+    let loss_forward = ce;
+    // Backward high point: the LM head's backward (a chunk's logits turned into their gradient,
+    // and dh for every row in f32), or one layer's attention backward (score-sized
     // gradients in f32) plus a few token-sized gradients.
     let h = m.num_attention_heads as u64;
-    let attn_bwd = (b as u64) * h * (t * t) as u64 * 12 + tokens * 4 * 4 * c as u64;
-    let lm_bwd = if cpu_half {
-        (logits * (s + 16)).max(f32_copy(v * c) + logits * 10)
-    } else {
-        logits * (s + 16)
-    } + 8 * tokens * c as u64;
+    // One layer's backward: score-sized gradients in f32, a few hidden-sized ones, and the
+    // feed-forward's (tokens x intermediate): the gradient of the SwiGLU output, of gate and up,
+    // each accumulated by Candle as zeros + add (~24-27 bytes per element, measured 2026-11-24 on
+    // random shapes, f32 and bf16, intermediate 1024-4096).
+    let attn_bwd = (b as u64) * h * (t * t) as u64 * 12
+        + tokens * 4 * 4 * c as u64
+        + tokens * 24 * m.intermediate_size as u64;
+    let lm_bwd = ce + 8 * tokens * c as u64;
     let rebuilt = if checkpointed > 0 { per_layer } else { 0 };
-    // NF4: a weight is dequantized (via f32) for its matmul, forward and backward.
-    let dequantized = if nf4 {
-        (4 + s) * largest_linear as u64
-    } else {
-        0
-    } + f32_copy(largest_linear);
+    // NF4: a weight is dequantized for its matmul, forward and backward, by one op that
+    // allocates only its output in the compute dtype (`quant::nf4`); a bf16 / f16 matmul on
+    // the CPU then reads it as an f32 copy.
+    let dequantized = if nf4 { s * largest_linear as u64 } else { 0 } + f32_copy(largest_linear);
     // DoRA's weight norm reads a bf16 / f16 (or NF4-dequantized) weight in f32, one linear at a
     // time (`tallow_model::peft::dora`): a transient the size of the largest weight.
     let dora_norm = if dora && s != 4 {
@@ -621,7 +627,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     } else {
         s * largest_linear as u64
     };
-    let mut overhead = 2 << 20;
+    let mut overhead = 1 << 20;
     overhead += 200 * v as u64; // tokenizer
     overhead += s * tokens * (2 * m.head_dim as u64) + s * (b * t * t) as u64; // rope + mask
     let mut what = "tokenizer, data, rotary tables, attention mask".to_string();
