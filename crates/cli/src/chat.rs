@@ -10,7 +10,7 @@ use std::io::{BufRead, IsTerminal, Write};
 
 use anyhow::Result;
 use tallow_model::generate;
-use tallow_trainer::Message;
+use tallow_text::Message;
 
 use crate::args::ChatArgs;
 use crate::generate::{chat_prompt, load, report, Streamer};

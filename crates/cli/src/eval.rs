@@ -4,13 +4,13 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use tallow_model::{CausalLM, LoadOptions};
-use tallow_trainer::config::Quantize;
+use tallow_text::TextTokenizer;
 use tallow_trainer::eval::evaluate;
-use tallow_trainer::{load_jsonl, DataOptions, Format, TextTokenizer};
+use tallow_trainer::{load_jsonl, DataOptions, Format};
 
 use crate::args::EvalArgs;
 use crate::device::{dtype_name, parse_device, parse_dtype};
+use crate::model;
 
 pub fn run(a: EvalArgs) -> Result<()> {
     let start = Instant::now();
@@ -21,14 +21,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
         anyhow::bail!("--max-seq-len {}: must be at least 2", a.max_seq_len);
     }
 
-    let model_dir = tallow_hub::resolve_model(&a.model)
-        .with_context(|| format!("--model {}", a.model.display()))?;
-    if !model_dir.is_dir() {
-        anyhow::bail!(
-            "--model {}: no such directory (give an HF-layout dir with config.json, safetensors and tokenizer.json, or a hub id OWNER/NAME[@REVISION])",
-            a.model.display()
-        );
-    }
+    let model_dir = model::dir(&a.model)?;
     let data_path = tallow_hub::resolve_data(&a.data)
         .with_context(|| format!("--data {}", a.data.display()))?;
     let tok = TextTokenizer::from_model_dir(&model_dir)?;
@@ -46,16 +39,8 @@ pub fn run(a: EvalArgs) -> Result<()> {
             a.max_seq_len
         );
     }
-    let opts = match a.quantize {
-        Quantize::Nf4 => LoadOptions::nf4(dtype, &device, a.double_quant),
-        Quantize::None => LoadOptions::frozen(dtype, &device),
-    };
-    let mut model = CausalLM::load(&model_dir, &opts)
-        .with_context(|| format!("loading the model from {}", model_dir.display()))?;
-    if let Some(adapter) = &a.adapter {
-        tallow_model::load_peft(&mut model, adapter)
-            .with_context(|| format!("loading the adapter from {}", adapter.display()))?;
-    }
+    let opts = model::options(a.quantize, a.double_quant, dtype, &device);
+    let (model, _) = model::load(&model_dir, &opts, a.adapter.as_deref())?;
     let pad = tok.batch_pad_id();
 
     let bar = ProgressBar::new(data.examples.len() as u64);

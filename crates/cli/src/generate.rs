@@ -6,13 +6,13 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use tallow_model::{
-    generate, CausalLM, GenerateOptions, Generation, GenerationConfig, LoadOptions, SamplingParams,
+    generate, CausalLM, GenerateOptions, Generation, GenerationConfig, SamplingParams,
 };
-use tallow_trainer::config::Quantize;
-use tallow_trainer::{Message, TextTokenizer};
+use tallow_text::{Message, TextTokenizer};
 
 use crate::args::{DecodeArgs, GenerateArgs};
 use crate::device::{dtype_name, parse_device, parse_dtype};
+use crate::model;
 
 /// transformers' GenerationConfig defaults, used when neither a flag nor generation_config.json
 /// gives a value (max_new_tokens: tallow's own; transformers' default is max_length = 20).
@@ -31,33 +31,10 @@ pub struct Session {
 pub fn load(a: &DecodeArgs) -> Result<Session> {
     let device = parse_device(&a.device)?;
     let dtype = parse_dtype(&a.dtype, &device)?;
-    // A hub id (`OWNER/NAME[@REV]`) becomes its cached snapshot dir.
-    let model_dir = tallow_hub::resolve_model(&a.model)
-        .with_context(|| format!("--model {}", a.model.display()))?;
-    if !model_dir.is_dir() {
-        bail!(
-            "--model {}: no such directory (give an HF-layout dir with config.json, safetensors \
-             and tokenizer.json, or a hub id OWNER/NAME)",
-            a.model.display()
-        );
-    }
+    let model_dir = model::dir(&a.model)?;
     let tok = TextTokenizer::from_model_dir(&model_dir)?;
-    let load = match a.quantize {
-        Quantize::Nf4 => LoadOptions::nf4(dtype, &device, a.double_quant),
-        Quantize::None => LoadOptions::frozen(dtype, &device),
-    };
-    let mut model = CausalLM::load(&model_dir, &load)
-        .with_context(|| format!("loading the model from {}", model_dir.display()))?;
-    if let Some(adapter) = &a.adapter {
-        if !adapter.is_dir() {
-            bail!(
-                "--adapter {}: no such directory (give a PEFT adapter dir with adapter_config.json and adapter_model.safetensors)",
-                adapter.display()
-            );
-        }
-        tallow_model::load_peft(&mut model, adapter)
-            .with_context(|| format!("loading the adapter from {}", adapter.display()))?;
-    }
+    let opts = model::options(a.quantize, a.double_quant, dtype, &device);
+    let (model, _) = model::load(&model_dir, &opts, a.adapter.as_deref())?;
     let gc = GenerationConfig::from_dir(&model_dir, &model.config.eos_token_ids)?;
     // transformers: sampling only when do_sample is true; then temperature defaults to 1.0.
     let temperature = a.temperature.unwrap_or(if gc.do_sample == Some(true) {

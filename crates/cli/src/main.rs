@@ -14,6 +14,7 @@ mod eval;
 mod generate;
 mod gpu;
 mod merge;
+mod model;
 mod plot;
 mod train;
 

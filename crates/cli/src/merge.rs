@@ -3,16 +3,15 @@
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
-use tallow_model::{load_peft, merge_lora, save_hf_model, CausalLM, LoadOptions};
-use tallow_trainer::config::Quantize;
+use tallow_model::{merge_lora, save_hf_model};
 
 use crate::args::MergeArgs;
 use crate::device::parse_dtype;
+use crate::model;
 
 pub fn run(mut a: MergeArgs) -> Result<()> {
     // A hub id (`OWNER/NAME[@REV]`) becomes its cached snapshot dir.
-    a.model = tallow_hub::resolve_model(&a.model)
-        .with_context(|| format!("--model {}", a.model.display()))?;
+    a.model = model::dir(&a.model)?;
     let dtype = match &a.dtype {
         Some(d) => parse_dtype(d, &Device::Cpu)?,
         None => config_dtype(&a.model).unwrap_or(DType::BF16),
@@ -20,14 +19,9 @@ pub fn run(mut a: MergeArgs) -> Result<()> {
     // Merge in f32 on the CPU whatever the output dtype: the sum W + s B A is rounded once.
     // An NF4 base (a bitsandbytes 4-bit checkpoint, or --quantize nf4) is merged into its
     // dequantized weights, as PEFT's merge_and_unload does: the output is a dense model.
-    let opts = match a.quantize {
-        Quantize::Nf4 => LoadOptions::nf4(DType::F32, &Device::Cpu, a.double_quant),
-        Quantize::None => LoadOptions::frozen(DType::F32, &Device::Cpu),
-    };
-    let mut model = CausalLM::load(&a.model, &opts)
-        .with_context(|| format!("loading the model from {}", a.model.display()))?;
-    let spec = load_peft(&mut model, &a.adapter)
-        .with_context(|| format!("loading the adapter from {}", a.adapter.display()))?;
+    let opts = model::options(a.quantize, a.double_quant, DType::F32, &Device::Cpu);
+    let (mut model, spec) = model::load(&a.model, &opts, Some(&a.adapter))?;
+    let spec = spec.expect("an adapter was given, so load returns its spec");
     merge_lora(&mut model)?;
     save_hf_model(&model, &a.model, &a.out, dtype)
         .with_context(|| format!("writing {}", a.out.display()))?;

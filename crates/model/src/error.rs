@@ -73,3 +73,37 @@ pub enum ModelError {
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;
+
+/// A [`ModelError`] of [`crate::load()`], with the step that failed and its directory.
+///
+/// The message is the step alone ("loading the adapter from DIR"); the model error is its
+/// source, so a printed chain reads `loading the adapter from DIR` / `caused by: ...`. Callers
+/// that want the model error alone (the trainer: its out-of-memory check reads the text) take
+/// [`LoadError::into_model_error`].
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// config.json or the weights of the base model.
+    #[error("loading the model from {}", dir.display())]
+    Model {
+        dir: PathBuf,
+        #[source]
+        source: ModelError,
+    },
+
+    /// The adapter (adapter_config.json, adapter_model.safetensors) or attaching it.
+    #[error("loading the adapter from {}", dir.display())]
+    Adapter {
+        dir: PathBuf,
+        #[source]
+        source: ModelError,
+    },
+}
+
+impl LoadError {
+    /// The model error, without the step and directory.
+    pub fn into_model_error(self) -> ModelError {
+        match self {
+            LoadError::Model { source, .. } | LoadError::Adapter { source, .. } => source,
+        }
+    }
+}

@@ -7,6 +7,9 @@
 //! - `consts`: small constant tensors (codebooks, tables) uploaded once per device; `cuda`
 //!   (feature `cuda`): tallow's own kernels (`kernels/tallow.cu`).
 //! - `loss`: chunked cross-entropy fused with the LM head; `weights`: safetensors loading.
+//! - `load`: [`load()`], the one load of a model dir plus an optional adapter that every command
+//!   (train, eval, generate, chat, merge) calls. The tokenizer and chat template are not here:
+//!   they are the `tallow-text` crate's.
 //! - `generate`: inference only: KV cache, cached forward, decoding loop; `sampling`: next-token
 //!   choice (greedy, temperature, top-k, top-p, repetition penalty).
 
@@ -24,6 +27,7 @@ pub mod hf_keys;
 pub mod io;
 pub mod layout;
 pub mod linear;
+pub mod load;
 pub mod loss;
 pub mod model;
 pub mod no_grad;
@@ -34,11 +38,12 @@ pub mod sampling;
 pub mod weights;
 
 pub use config::{Arch, DecoderConfig, RopeScaling};
-pub use error::{ModelError, Result};
+pub use error::{LoadError, ModelError, Result};
 pub use families::{llama, qwen2, qwen3};
 pub use generate::{generate, GenerateOptions, Generation, GenerationConfig, KvCache};
 pub use layout::{LinearSpec, LINEAR_PATHS};
 pub use linear::{Base, Linear, Param};
+pub use load::load;
 pub use loss::{lm_head_nll, Targets};
 pub use model::{CausalLM, LoadOptions};
 pub use no_grad::no_grad;

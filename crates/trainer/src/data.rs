@@ -10,11 +10,11 @@
 //! token (see `tests/data_parity.rs`); change both together.
 
 use crate::error::{json_type, DataError, RowError};
-use crate::{Message, TextTokenizer};
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use tallow_text::{Message, TextTokenizer};
 
 crate::config::choice::choices! {
     /// The shape of the rows of a JSONL file.
@@ -316,7 +316,7 @@ pub fn tokenize_row(
     let (mut ids, mut targets) = match format {
         Format::Text => {
             let text = string_key(row, "text", format)?;
-            let mut ids = tok.encode_row(text, true)?;
+            let mut ids = tok.encode(text, true)?;
             push_eos(&mut ids, tok, opts)?;
             // Every token after the first is predicted.
             let targets = (0..ids.len()).map(|i| i >= 1).collect();
@@ -327,9 +327,9 @@ pub fn tokenize_row(
             let completion = string_key(row, "completion", format)?;
             // Encode the joined string (not prompt ids + completion ids) so the boundary token
             // merges as it would at inference; the prompt's own length marks where targets start.
-            let mut ids = tok.encode_row(&format!("{prompt}{completion}"), true)?;
+            let mut ids = tok.encode(&format!("{prompt}{completion}"), true)?;
             push_eos(&mut ids, tok, opts)?;
-            let start = tok.encode_row(prompt, true)?.len().max(1);
+            let start = tok.encode(prompt, true)?.len().max(1);
             let targets = (0..ids.len()).map(|i| i >= start).collect();
             (ids, targets)
         }
@@ -358,12 +358,10 @@ fn messages_example(
     let messages = parse_messages(row)?;
     let template = tok.chat_template().ok_or(RowError::NoChatTemplate)?;
     let n_tokens = |msgs: &[Message], gen: bool| -> Result<usize, RowError> {
-        Ok(tok
-            .encode_row(&template.render_row(msgs, gen)?, false)?
-            .len())
+        Ok(tok.encode(&template.render(msgs, gen)?, false)?.len())
     };
 
-    let ids = tok.encode_row(&template.render_row(&messages, false)?, false)?;
+    let ids = tok.encode(&template.render(&messages, false)?, false)?;
     let mut targets = vec![false; ids.len()];
     for (i, m) in messages.iter().enumerate() {
         if m.role != "assistant" {
@@ -459,7 +457,7 @@ fn push_eos(ids: &mut Vec<u32>, tok: &TextTokenizer, opts: &DataOptions) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tokenizer::test_util::*;
+    use tallow_text::test_util::*;
 
     const BOS: u32 = 1;
     const EOS: u32 = 2;

@@ -1,9 +1,11 @@
-//! Errors of the data pipeline: loading a model dir's tokenizer files, rendering chat templates,
-//! and reading JSONL datasets.
+//! Errors of the data pipeline (reading JSONL and parquet datasets; the tokenizer's and chat
+//! template's own errors come from `tallow_text` and convert with `From`) and of a training run.
 //!
 //! Every message names the file (and line or key where there is one) and says what to change.
 
 use std::path::PathBuf;
+
+use tallow_text::{EncodeError, TextError};
 
 /// An error while loading tokenizer files or a dataset.
 #[derive(Debug, thiserror::Error)]
@@ -16,49 +18,10 @@ pub enum DataError {
         source: std::io::Error,
     },
 
-    /// The model dir lacks the fast-tokenizer file.
-    #[error(
-        "{} has no tokenizer.json: the model dir needs a tokenizer.json (the file HF \
-         `tokenizer.save_pretrained` writes; convert slow tokenizers with transformers first)",
-        dir.display()
-    )]
-    MissingTokenizer { dir: PathBuf },
-
-    /// tokenizer.json exists but the `tokenizers` crate rejected it.
-    #[error("cannot load tokenizer {}: {message}", path.display())]
-    Tokenizer { path: PathBuf, message: String },
-
-    /// A JSON config file (tokenizer_config.json, config.json, ...) is not valid JSON.
-    #[error("{} is not valid JSON: {source}", path.display())]
-    Json {
-        path: PathBuf,
-        #[source]
-        source: serde_json::Error,
-    },
-
-    /// A key of a JSON config file has a value of the wrong shape.
-    #[error("{}: key `{key}` {message}", path.display())]
-    ConfigKey {
-        path: PathBuf,
-        key: String,
-        message: String,
-    },
-
-    /// A special token named in tokenizer_config.json is not in tokenizer.json's vocabulary.
-    #[error(
-        "{}: `{key}` is {token:?}, which is not a token of tokenizer.json; fix the key or add the \
-         token to tokenizer.json's added_tokens",
-        path.display()
-    )]
-    UnknownToken {
-        path: PathBuf,
-        key: String,
-        token: String,
-    },
-
-    /// The chat template does not parse.
-    #[error("chat template from {origin} does not compile: {message}")]
-    TemplateSyntax { origin: String, message: String },
+    /// The model dir's tokenizer files (tokenizer.json, tokenizer_config.json, the chat
+    /// template) could not be loaded.
+    #[error(transparent)]
+    Text(#[from] TextError),
 
     /// `--format` / `format =` names no known format.
     #[error("unknown data format {0:?}: expected one of {names}", names = crate::data::Format::NAMES.join(", "))]
@@ -101,10 +64,6 @@ pub enum DataError {
     /// A parquet file could not be read (not parquet, truncated, unsupported compression).
     #[error("cannot read parquet file {}: {message} (tallow reads uncompressed and snappy-compressed parquet)", path.display())]
     Parquet { path: PathBuf, message: String },
-
-    /// Rendering, encoding or decoding one text failed outside a dataset row.
-    #[error(transparent)]
-    Text(#[from] RowError),
 }
 
 /// What is wrong with one row (one JSONL line); [`DataError::Row`] adds the file and line.
@@ -158,26 +117,13 @@ pub enum RowError {
     )]
     NoChatTemplate,
 
-    /// The chat template raised (`raise_exception`) or failed while rendering.
-    #[error("chat template from {origin} failed to render: {message}")]
-    Template { origin: String, message: String },
-
-    /// The tokenizer failed on the text.
-    #[error("tokenizer failed: {0}")]
-    Encode(String),
+    /// The chat template raised while rendering the row, or the tokenizer failed on it.
+    #[error(transparent)]
+    Text(#[from] EncodeError),
 }
 
-/// The JSON type name of a value, for error messages.
-pub(crate) fn json_type(v: &serde_json::Value) -> &'static str {
-    match v {
-        serde_json::Value::Null => "null",
-        serde_json::Value::Bool(_) => "a boolean",
-        serde_json::Value::Number(_) => "a number",
-        serde_json::Value::String(_) => "a string",
-        serde_json::Value::Array(_) => "an array",
-        serde_json::Value::Object(_) => "an object",
-    }
-}
+/// The JSON type name of a value, for error messages (one definition, in the text crate).
+pub(crate) use tallow_text::error::json_type;
 
 /// An error of a training run.
 #[derive(Debug, thiserror::Error)]
@@ -229,6 +175,21 @@ pub enum TrainError {
     },
     #[error("{0}")]
     Invalid(String),
+}
+
+/// The model dir's tokenizer files, as the data pipeline reports them.
+impl From<TextError> for TrainError {
+    fn from(e: TextError) -> Self {
+        TrainError::Data(DataError::Text(e))
+    }
+}
+
+/// A failed [`tallow_model::load()`] is the model error itself: a run's messages name the
+/// config key and path already, and [`TrainError::is_device_oom`] reads the model error's text.
+impl From<tallow_model::LoadError> for TrainError {
+    fn from(e: tallow_model::LoadError) -> Self {
+        TrainError::Model(e.into_model_error())
+    }
 }
 
 impl TrainError {

@@ -1,10 +1,11 @@
 //! tallow-trainer: data pipeline, loss, evaluation and training loop for tallow.
 //!
-//! Data flow: [`TextTokenizer::from_model_dir`] reads a model dir's tokenizer files,
-//! [`load_jsonl`] turns a JSONL file into [`Example`]s (token ids plus which positions are trained).
+//! Data flow: [`TextTokenizer::from_model_dir`] (the `tallow-text` crate, shared with inference)
+//! reads a model dir's tokenizer files and chat template, [`load_jsonl`] turns a JSONL or parquet
+//! file into [`Example`]s (token ids plus which positions are trained), [`train::train`] runs the
+//! loop on them.
 
 pub mod batch;
-pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
@@ -19,13 +20,13 @@ pub mod opcount;
 pub mod optim;
 pub mod schedule;
 pub mod threads;
-pub mod tokenizer;
 pub mod train;
 
-pub use chat::{ChatTemplate, Message};
 pub use config::TrainConfig;
 pub use data::{
     load_jsonl, tokenize_row, DataOptions, Dataset, Example, Format, DEFAULT_MAX_SEQ_LEN,
 };
 pub use error::{DataError, RowError};
-pub use tokenizer::TextTokenizer;
+// The text types moved to `tallow_text`; re-exported so code written against the trainer keeps
+// compiling.
+pub use tallow_text::{ChatTemplate, Message, TextTokenizer};

@@ -18,9 +18,10 @@ use rand::SeedableRng;
 use serde::Serialize;
 use tallow_model::linear::mix_seed;
 use tallow_model::{
-    attach_lora, lm_head_nll, load_peft, lora_vars, save_hf_model, save_peft, set_dropout,
-    set_dropout_rate, CausalLM, LoadOptions, LoraSpec, Nf4Options,
+    attach_lora, lm_head_nll, lora_vars, save_hf_model, save_peft, set_dropout, set_dropout_rate,
+    CausalLM, LoadOptions, LoraSpec, Nf4Options,
 };
+use tallow_text::TextTokenizer;
 
 use crate::batch::{pack, Batch, Row};
 use crate::checkpoint::{self, CheckpointState, LoraState};
@@ -34,7 +35,6 @@ use crate::memory::{PhasePeaks, Probe};
 use crate::opcount;
 use crate::optim::{self, Optimizer};
 use crate::schedule::lr_at;
-use crate::tokenizer::TextTokenizer;
 
 /// One line of `metrics.jsonl` for an optimizer step.
 #[derive(Debug, Clone, Serialize)]
@@ -176,7 +176,9 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Run, TrainError> {
             double_quant: cfg.model.double_quant,
         }),
     };
-    let mut model = CausalLM::load(model_dir, &opts)?;
+    // lora.init: the adapter a LoRA run continues from (a full fine-tune has none).
+    let init = if full { None } else { cfg.lora.init.as_deref() };
+    let (mut model, init_spec) = tallow_model::load(model_dir, &opts, init)?;
     if cfg.train.checkpointing {
         model.set_checkpointing(Some(cfg.train.checkpoint_every));
     }
@@ -188,9 +190,8 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Run, TrainError> {
             .collect();
         (params, None)
     } else {
-        let spec = if let Some(init) = &cfg.lora.init {
+        let spec = if let (Some(mut spec), Some(init)) = (init_spec, init) {
             // rank / alpha / targets come from the adapter; dropout from this config.
-            let mut spec = load_peft(&mut model, init)?;
             if cfg.lora.dora && !spec.dora {
                 return Err(TrainError::Invalid(format!(
                     "lora.dora = true, but the adapter in lora.init ({}) is plain LoRA \

@@ -12,7 +12,7 @@
 //!   is used), read only when tokenizer_config.json names no `eos_token`.
 
 use crate::chat::ChatTemplate;
-use crate::error::{DataError, RowError};
+use crate::error::{json_type, EncodeError, TextError};
 use serde_json::Value as Json;
 use std::path::{Path, PathBuf};
 use tokenizers::Tokenizer;
@@ -32,15 +32,15 @@ pub struct TextTokenizer {
 
 impl TextTokenizer {
     /// Loads the tokenizer files of the HF model dir `dir` (see the module doc for which files).
-    pub fn from_model_dir(dir: &Path) -> Result<Self, DataError> {
+    pub fn from_model_dir(dir: &Path) -> Result<Self, TextError> {
         let tokenizer_path = dir.join("tokenizer.json");
         if !tokenizer_path.is_file() {
-            return Err(DataError::MissingTokenizer {
+            return Err(TextError::MissingTokenizer {
                 dir: dir.to_path_buf(),
             });
         }
         let mut inner =
-            Tokenizer::from_file(&tokenizer_path).map_err(|e| DataError::Tokenizer {
+            Tokenizer::from_file(&tokenizer_path).map_err(|e| TextError::Tokenizer {
                 path: tokenizer_path.clone(),
                 message: e.to_string(),
             })?;
@@ -49,7 +49,7 @@ impl TextTokenizer {
         // `max_length` truncation would silently cut training rows.
         inner
             .with_truncation(None)
-            .map_err(|e| DataError::Tokenizer {
+            .map_err(|e| TextError::Tokenizer {
                 path: tokenizer_path.clone(),
                 message: e.to_string(),
             })?;
@@ -65,7 +65,7 @@ impl TextTokenizer {
             Some(tok) => Some(
                 inner
                     .token_to_id(tok)
-                    .ok_or_else(|| DataError::UnknownToken {
+                    .ok_or_else(|| TextError::UnknownToken {
                         path: config_path.clone(),
                         key: "eos_token".into(),
                         token: tok.clone(),
@@ -83,7 +83,7 @@ impl TextTokenizer {
                     .map(|src| (src, config_path.display().to_string()))
             }
             Err(source) => {
-                return Err(DataError::Io {
+                return Err(TextError::Io {
                     path: jinja_path,
                     source,
                 })
@@ -108,27 +108,18 @@ impl TextTokenizer {
 
     /// Token ids of `text`; `add_special_tokens` runs the post-processor (e.g. prepends BOS),
     /// like `tokenizer(text, add_special_tokens=...)` in transformers.
-    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, DataError> {
-        Ok(self.encode_row(text, add_special_tokens)?)
-    }
-
-    /// [`Self::encode`] with the row-level error type, for the dataset loader.
-    pub(crate) fn encode_row(
-        &self,
-        text: &str,
-        add_special_tokens: bool,
-    ) -> Result<Vec<u32>, RowError> {
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, EncodeError> {
         self.inner
             .encode(text, add_special_tokens)
             .map(|enc| enc.get_ids().to_vec())
-            .map_err(|e| RowError::Encode(e.to_string()))
+            .map_err(|e| EncodeError::Tokenizer(e.to_string()))
     }
 
     /// Text of `ids`, special tokens included.
-    pub fn decode(&self, ids: &[u32]) -> Result<String, DataError> {
+    pub fn decode(&self, ids: &[u32]) -> Result<String, EncodeError> {
         self.inner
             .decode(ids, false)
-            .map_err(|e| DataError::Text(RowError::Encode(e.to_string())))
+            .map_err(|e| EncodeError::Tokenizer(e.to_string()))
     }
 
     /// The EOS id: tokenizer_config.json's `eos_token`, else `eos_token_id` from
@@ -153,8 +144,6 @@ impl TextTokenizer {
         self.pad_id
     }
 
-    /// Vocabulary size including added tokens (the largest id + 1 for HF-saved tokenizers; the
-    /// model's embedding may be larger).
     /// The id to right-pad batches with: the pad token, else EOS, else 0. Padding is never
     /// attended to by real tokens nor trained on, so any valid id works; a real one keeps
     /// dumps readable.
@@ -162,6 +151,8 @@ impl TextTokenizer {
         self.pad_id().or(self.eos_id()).unwrap_or(0)
     }
 
+    /// Vocabulary size including added tokens (the largest id + 1 for HF-saved tokenizers; the
+    /// model's embedding may be larger).
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
@@ -183,12 +174,12 @@ impl TextTokenizer {
 }
 
 /// Parses the JSON file at `path`; `Ok(None)` when it does not exist.
-fn read_json(path: &Path) -> Result<Option<Json>, DataError> {
+fn read_json(path: &Path) -> Result<Option<Json>, TextError> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(source) => {
-            return Err(DataError::Io {
+            return Err(TextError::Io {
                 path: path.to_path_buf(),
                 source,
             })
@@ -196,7 +187,7 @@ fn read_json(path: &Path) -> Result<Option<Json>, DataError> {
     };
     serde_json::from_str(&text)
         .map(Some)
-        .map_err(|source| DataError::Json {
+        .map_err(|source| TextError::Json {
             path: path.to_path_buf(),
             source,
         })
@@ -204,13 +195,13 @@ fn read_json(path: &Path) -> Result<Option<Json>, DataError> {
 
 /// A special token of tokenizer_config.json: a string, `null`, or an AddedToken dict
 /// (`{"__type": "AddedToken", "content": "</s>", ...}`, written by older transformers).
-fn special_token(config: &Json, key: &str, path: &Path) -> Result<Option<String>, DataError> {
+fn special_token(config: &Json, key: &str, path: &Path) -> Result<Option<String>, TextError> {
     match config.get(key) {
         None | Some(Json::Null) => Ok(None),
         Some(Json::String(s)) => Ok(Some(s.clone())),
         Some(Json::Object(obj)) => match obj.get("content") {
             Some(Json::String(s)) => Ok(Some(s.clone())),
-            _ => Err(DataError::ConfigKey {
+            _ => Err(TextError::ConfigKey {
                 path: path.to_path_buf(),
                 key: key.into(),
                 message: "is a dict without a string \"content\"; write the token as a string \
@@ -218,12 +209,12 @@ fn special_token(config: &Json, key: &str, path: &Path) -> Result<Option<String>
                     .into(),
             }),
         },
-        Some(other) => Err(DataError::ConfigKey {
+        Some(other) => Err(TextError::ConfigKey {
             path: path.to_path_buf(),
             key: key.into(),
             message: format!(
                 "must be a string, null or {{\"content\": \"<token>\"}}, found {}",
-                crate::error::json_type(other)
+                json_type(other)
             ),
         }),
     }
@@ -231,8 +222,8 @@ fn special_token(config: &Json, key: &str, path: &Path) -> Result<Option<String>
 
 /// tokenizer_config.json's `chat_template`: a string, or a list of named templates from which
 /// "default" (else the first) is taken, as transformers does.
-fn config_chat_template(config: &Json, path: &Path) -> Result<Option<String>, DataError> {
-    let bad = |message: &str| DataError::ConfigKey {
+fn config_chat_template(config: &Json, path: &Path) -> Result<Option<String>, TextError> {
+    let bad = |message: &str| TextError::ConfigKey {
         path: path.to_path_buf(),
         key: "chat_template".into(),
         message: message.into(),
@@ -262,7 +253,7 @@ fn config_chat_template(config: &Json, path: &Path) -> Result<Option<String>, Da
 }
 
 /// `eos_token_id` from generation_config.json, else config.json (an id or a list; the first id).
-fn fallback_eos_id(dir: &Path) -> Result<Option<u32>, DataError> {
+fn fallback_eos_id(dir: &Path) -> Result<Option<u32>, TextError> {
     for name in ["generation_config.json", "config.json"] {
         let path = dir.join(name);
         let Some(config) = read_json(&path)? else {
@@ -277,7 +268,7 @@ fn fallback_eos_id(dir: &Path) -> Result<Option<u32>, DataError> {
             Some(Ok(id)) => return Ok(Some(id)),
             None if id.is_none() => continue, // empty list
             _ => {
-                return Err(DataError::ConfigKey {
+                return Err(TextError::ConfigKey {
                     path,
                     key: "eos_token_id".into(),
                     message: "must be a token id or a list of token ids".into(),
@@ -288,102 +279,11 @@ fn fallback_eos_id(dir: &Path) -> Result<Option<u32>, DataError> {
     Ok(None)
 }
 
-/// Helpers that write throwaway model dirs with a tiny word-level tokenizer, for unit tests here
-/// and in `data.rs`.
-#[cfg(test)]
-pub(crate) mod test_util {
-    use std::path::{Path, PathBuf};
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    /// Vocabulary of the test tokenizer: words split on whitespace, `<s>` = 1, `</s>` = 2.
-    pub const WORDS: [&str; 12] = [
-        "<unk>", "<s>", "</s>", "hello", "world", "a", "b", "c", "d", "e", "<|user|>", "<|bot|>",
-    ];
-
-    /// A WordLevel tokenizer.json over [`WORDS`] whose post-processor prepends `<s>` (like Llama).
-    pub fn tokenizer_json() -> String {
-        let vocab: Vec<String> = WORDS
-            .iter()
-            .enumerate()
-            .map(|(i, w)| format!("{w:?}: {i}"))
-            .collect();
-        let added: Vec<String> = [0, 1, 2, 10, 11]
-            .iter()
-            .map(|&i| {
-                format!(
-                    r#"{{"id": {i}, "content": {:?}, "single_word": false, "lstrip": false,
-                        "rstrip": false, "normalized": false, "special": true}}"#,
-                    WORDS[i]
-                )
-            })
-            .collect();
-        format!(
-            r##"{{
-              "version": "1.0",
-              "truncation": {{"direction": "Right", "max_length": 3, "strategy": "LongestFirst", "stride": 0}},
-              "padding": null,
-              "added_tokens": [{added}],
-              "normalizer": null,
-              "pre_tokenizer": {{"type": "WhitespaceSplit"}},
-              "post_processor": {{
-                "type": "TemplateProcessing",
-                "single": [{{"SpecialToken": {{"id": "<s>", "type_id": 0}}}}, {{"Sequence": {{"id": "A", "type_id": 0}}}}],
-                "pair": [{{"SpecialToken": {{"id": "<s>", "type_id": 0}}}}, {{"Sequence": {{"id": "A", "type_id": 0}}}},
-                         {{"Sequence": {{"id": "B", "type_id": 1}}}}],
-                "special_tokens": {{"<s>": {{"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}}
-              }},
-              "decoder": null,
-              "model": {{"type": "WordLevel", "vocab": {{{vocab}}}, "unk_token": "<unk>"}}
-            }}"##,
-            added = added.join(", "),
-            vocab = vocab.join(", ")
-        )
-    }
-
-    /// A ChatML-like template over the test vocabulary: `<|user|> hi <|bot|> answer </s> `.
-    pub const TEMPLATE: &str = "{% for m in messages %}\n\
-        {% if m.role == 'user' %}{{ '<|user|> ' + m.content + ' ' }}\
-        {% else %}{{ '<|bot|> ' + m.content + ' ' + eos_token + ' ' }}{% endif %}\n\
-        {% endfor %}\n\
-        {% if add_generation_prompt %}{{ '<|bot|> ' }}{% endif %}";
-
-    /// Creates a fresh empty dir under the system temp dir, unique per call.
-    pub fn temp_dir(name: &str) -> PathBuf {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let dir =
-            std::env::temp_dir().join(format!("tallow-trainer-{}-{name}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
-    }
-
-    /// A model dir with tokenizer.json and, if given, tokenizer_config.json.
-    pub fn model_dir(name: &str, tokenizer_config: Option<&str>) -> PathBuf {
-        let dir = temp_dir(name);
-        write(&dir, "tokenizer.json", &tokenizer_json());
-        if let Some(cfg) = tokenizer_config {
-            write(&dir, "tokenizer_config.json", cfg);
-        }
-        dir
-    }
-
-    pub fn write(dir: &Path, name: &str, text: &str) {
-        std::fs::write(dir.join(name), text).unwrap();
-    }
-
-    /// tokenizer_config.json with `eos_token` `</s>` and [`TEMPLATE`].
-    pub fn chat_config() -> String {
-        serde_json::json!({"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE})
-            .to_string()
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::test_util::*;
     use super::*;
     use crate::chat::Message;
+    use crate::test_util::*;
 
     #[test]
     fn loads_specials_and_encodes_without_saved_truncation() {

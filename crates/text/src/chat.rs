@@ -10,7 +10,7 @@
 
 mod compat;
 
-use crate::error::{DataError, RowError};
+use crate::error::{EncodeError, TextError};
 use minijinja::syntax::SyntaxConfig;
 use minijinja::value::Serde;
 use minijinja::{context, Environment, Value};
@@ -55,10 +55,10 @@ impl ChatTemplate {
         origin: impl Into<String>,
         bos_token: Option<&str>,
         eos_token: Option<&str>,
-    ) -> Result<Self, DataError> {
+    ) -> Result<Self, TextError> {
         let source = source.into();
         let origin = origin.into();
-        let syntax_err = |e: minijinja::Error| DataError::TemplateSyntax {
+        let syntax_err = |e: minijinja::Error| TextError::TemplateSyntax {
             origin: origin.clone(),
             message: error_text(&e),
         };
@@ -105,17 +105,8 @@ impl ChatTemplate {
         &self,
         messages: &[Message],
         add_generation_prompt: bool,
-    ) -> Result<String, DataError> {
-        Ok(self.render_row(messages, add_generation_prompt)?)
-    }
-
-    /// [`Self::render`] with the row-level error type, for the dataset loader.
-    pub(crate) fn render_row(
-        &self,
-        messages: &[Message],
-        add_generation_prompt: bool,
-    ) -> Result<String, RowError> {
-        let template_err = |e: minijinja::Error| RowError::Template {
+    ) -> Result<String, EncodeError> {
+        let template_err = |e: minijinja::Error| EncodeError::Template {
             origin: self.origin.clone(),
             message: error_text(&e),
         };

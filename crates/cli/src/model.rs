@@ -1,0 +1,59 @@
+//! What `eval`, `generate`, `chat` and `merge` do before their own work: `--model` resolved to a
+//! local dir, then the model with its `--adapter` through [`tallow_model::load()`] (the load
+//! `tallow train` calls too). The tokenizer is `tallow_text::TextTokenizer::from_model_dir` on
+//! the same dir; `merge` needs none.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use tallow_model::{CausalLM, LoadOptions, LoraSpec};
+use tallow_trainer::config::Quantize;
+
+/// `--model` as a local dir: a hub id (`OWNER/NAME[@REVISION]`) becomes its cached snapshot,
+/// downloaded when missing; a local path must be a directory.
+pub fn dir(model: &Path) -> Result<PathBuf> {
+    let dir =
+        tallow_hub::resolve_model(model).with_context(|| format!("--model {}", model.display()))?;
+    if !dir.is_dir() {
+        bail!(
+            "--model {}: no such directory (give an HF-layout dir with config.json, safetensors \
+             and tokenizer.json, or a hub id OWNER/NAME[@REVISION])",
+            model.display()
+        );
+    }
+    Ok(dir)
+}
+
+/// Frozen base weights in `dtype` on `device`: quantized to NF4 with `--quantize nf4` (and
+/// `--double-quant`), dense otherwise.
+pub fn options(
+    quantize: Quantize,
+    double_quant: bool,
+    dtype: DType,
+    device: &Device,
+) -> LoadOptions {
+    match quantize {
+        Quantize::Nf4 => LoadOptions::nf4(dtype, device, double_quant),
+        Quantize::None => LoadOptions::frozen(dtype, device),
+    }
+}
+
+/// The model in `dir` with the adapter in `adapter` on it (and the adapter's spec). An error
+/// names the step and directory ("loading the adapter from ..."), its cause the reason.
+pub fn load(
+    dir: &Path,
+    opts: &LoadOptions,
+    adapter: Option<&Path>,
+) -> Result<(CausalLM, Option<LoraSpec>)> {
+    if let Some(adapter) = adapter {
+        if !adapter.is_dir() {
+            bail!(
+                "--adapter {}: no such directory (give a PEFT adapter dir with \
+                 adapter_config.json and adapter_model.safetensors)",
+                adapter.display()
+            );
+        }
+    }
+    Ok(tallow_model::load(dir, opts, adapter)?)
+}
