@@ -49,13 +49,11 @@ import shutil
 import sys
 from pathlib import Path
 
-if __name__ == "__main__" and os.environ.get("PYTHONHASHSEED") != "0":
-    os.execve(
-        sys.executable,
-        [sys.executable, str(Path(__file__).resolve())] + sys.argv[1:],
-        dict(os.environ, PYTHONHASHSEED="0"),
-    )
-os.environ["HF_HUB_OFFLINE"] = "1"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fixture_env import pin_hash_seed_and_go_offline  # noqa: E402
+
+if __name__ == "__main__":
+    pin_hash_seed_and_go_offline(__file__)
 
 import warnings  # noqa: E402
 
@@ -100,21 +98,8 @@ def file_key_to_param(key: str, adapter_name: str = "default") -> str:
 
 
 def check_loaded(model, adapter_dir: Path):
-    sd = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    params = mp.lora_params(model)
-    seen = set()
-    for k, t in sd.items():
-        pn = file_key_to_param(k)
-        if pn not in params:
-            raise AssertionError(f"{adapter_dir}: tensor {k} matches no adapter parameter ({pn})")
-        p = params[pn]
-        if tuple(p.shape) != tuple(t.shape) or not torch.equal(p.detach().cpu(), t.to(p.dtype)):
-            raise AssertionError(f"{adapter_dir}: tensor {k} {tuple(t.shape)} not loaded as-is into {pn}")
-        seen.add(pn)
-    missing = sorted(set(params) - seen)
-    if missing:
-        raise AssertionError(f"{adapter_dir}: adapter parameters not in the file: {missing}")
-    return sorted(sd)
+    """make_peft_fixtures.check_loaded with the magnitude keys mapped too."""
+    return mp.check_loaded(model, adapter_dir, file_key_to_param)
 
 
 def build_adapter(name, model_dir: Path, ref, seed):

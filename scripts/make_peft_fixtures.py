@@ -75,17 +75,11 @@ import shutil
 import sys
 from pathlib import Path
 
-# LoraConfig keeps target_modules as a set and adapter_config.json lists it in set order, which
-# depends on str hashing: pin the hash seed (before the heavy imports) so the files are reproducible.
-if __name__ == "__main__" and os.environ.get("PYTHONHASHSEED") != "0":
-    os.execve(
-        sys.executable,
-        [sys.executable, str(Path(__file__).resolve())] + sys.argv[1:],
-        dict(os.environ, PYTHONHASHSEED="0"),
-    )
-# base_model_name_or_path is a bare dir name ("tiny-llama"); PEFT's save/load treat it as a Hub
-# repo id and try to fetch its config.json (only to detect resized embeddings). Stay offline.
-os.environ["HF_HUB_OFFLINE"] = "1"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fixture_env import pin_hash_seed_and_go_offline  # noqa: E402
+
+if __name__ == "__main__":
+    pin_hash_seed_and_go_offline(__file__)
 
 import warnings  # noqa: E402
 
@@ -138,13 +132,15 @@ def lora_params(model):
     return {n: p for n, p in model.named_parameters() if ".lora_" in n}
 
 
-def check_loaded(model, adapter_dir: Path):
-    """Every tensor of the file landed in a LoRA parameter (bit-exact); every LoRA param covered."""
+def check_loaded(model, adapter_dir: Path, key_to_param=None):
+    """Every tensor of the file landed in a LoRA parameter (bit-exact); every LoRA param covered.
+    `key_to_param` maps a file key to its parameter name (default: LoRA A / B keys)."""
+    key_to_param = key_to_param or file_key_to_param
     sd = load_file(str(adapter_dir / "adapter_model.safetensors"))
     params = lora_params(model)
     seen = set()
     for k, t in sd.items():
-        pn = file_key_to_param(k)
+        pn = key_to_param(k)
         if pn not in params:
             raise AssertionError(f"{adapter_dir}: tensor {k} does not match any LoRA parameter ({pn})")
         p = params[pn]

@@ -324,3 +324,60 @@ pub fn dropout_keep_masks(
     }
     out
 }
+
+/// One plain-SGD step (lr 0.5, no clipping, the 4 "text" rows in one micro-batch, dropout 0)
+/// of `tallow train` from the adapter `init` on `<root>/models/<model>`, against the reference
+/// `<root>/reference/<reference>.json` (its `sgd.sgd_loss_before`) and
+/// `<root>/reference/<reference>-sgd.safetensors` (`after.<key>`): the step's loss within
+/// 1e-5, the update of every adapter tensor within 1e-3 relative (max |ours - ref| / max |ref|
+/// over after - before). Returns the run's adapter dir.
+pub fn sgd_step_matches_reference(
+    what: &str,
+    root: &std::path::Path,
+    model: &str,
+    init: &std::path::Path,
+    reference: &str,
+) -> PathBuf {
+    let dir = scratch(&format!("sgd-{}", what.replace(' ', "-")));
+    let cfg = format!(
+        "[model]\npath = \"{}\"\ndtype = \"f32\"\n[lora]\ninit = \"{}\"\ndropout = 0.0\n[data]\ntrain = \"{}\"\nmax_seq_len = 32\nshuffle = false\n\
+         [train]\noptimizer = \"sgd\"\nlr = 0.5\nschedule = \"constant\"\nmax_grad_norm = 0.0\nmax_steps = 1\nmicro_batch_size = 4\ngrad_accum = 1\noutput_dir = \"{}\"\n",
+        root.join("models").join(model).display(),
+        init.display(),
+        data_file("text").display(),
+        dir.join("run").display()
+    );
+    std::fs::write(dir.join("sgd.toml"), cfg).unwrap();
+    let r = tallow([
+        "train",
+        "--config",
+        dir.join("sgd.toml").to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let reference_json = json_at(root, &format!("{reference}.json"));
+    let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
+    let step: serde_json::Value =
+        serde_json::from_str(metrics.lines().find(|l| l.contains("\"loss\"")).unwrap()).unwrap();
+    let want = reference_json["sgd"]["sgd_loss_before"].as_f64().unwrap();
+    assert!(
+        (step["loss"].as_f64().unwrap() - want).abs() < 1e-5,
+        "{what}: loss {} vs {want}",
+        step["loss"]
+    );
+    let load = |p: &std::path::Path| candle_core::safetensors::load(p, &Device::Cpu).unwrap();
+    let before = load(&init.join("adapter_model.safetensors"));
+    let ours = load(&dir.join("run/adapter/adapter_model.safetensors"));
+    let refs = load(&root.join(format!("reference/{reference}-sgd.safetensors")));
+    assert_eq!(ours.len(), before.len());
+    for (name, b) in &before {
+        let du = (&ours[name] - b).unwrap();
+        let dr = (&refs[&format!("after.{name}")] - b).unwrap();
+        let rel = max_abs_diff(&du, &dr) / max_abs(&dr).max(1e-12);
+        assert!(
+            rel < 1e-3,
+            "{what} {name}: update differs by {rel} (relative)"
+        );
+    }
+    dir.join("run/adapter")
+}

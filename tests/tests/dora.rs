@@ -96,53 +96,13 @@ fn one_dora_sgd_step_matches_peft() {
 }
 
 fn one_dora_sgd_step(layout: &str, root: &Path, model: &str) {
-    {
-        let dir = scratch(&format!("dora-sgd-{model}-{}", layout.replace(' ', "-")));
-        let init = adapter(model);
-        let cfg = format!(
-            "[model]\npath = \"{}\"\ndtype = \"f32\"\n[lora]\ninit = \"{}\"\ndropout = 0.0\n[data]\ntrain = \"{}\"\nmax_seq_len = 32\nshuffle = false\n\
-             [train]\noptimizer = \"sgd\"\nlr = 0.5\nschedule = \"constant\"\nmax_grad_norm = 0.0\nmax_steps = 1\nmicro_batch_size = 4\ngrad_accum = 1\noutput_dir = \"{}\"\n",
-            root.join("models").join(model).display(),
-            init.display(),
-            data_file("text").display(),
-            dir.join("run").display()
-        );
-        std::fs::write(dir.join("sgd.toml"), cfg).unwrap();
-        let r = tallow([
-            "train",
-            "--config",
-            dir.join("sgd.toml").to_str().unwrap(),
-            "--quiet",
-        ]);
-        assert_eq!(r.code, 0, "{}", r.stderr);
-        let reference = json_at(root, &format!("peft-dora-{model}.json"));
-        let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
-        let step: serde_json::Value =
-            serde_json::from_str(metrics.lines().find(|l| l.contains("\"loss\"")).unwrap())
-                .unwrap();
-        let want = reference["sgd"]["sgd_loss_before"].as_f64().unwrap();
-        assert!(
-            (step["loss"].as_f64().unwrap() - want).abs() < 1e-5,
-            "{layout} {model}: loss {} vs {want}",
-            step["loss"]
-        );
-        let before = load(&init.join("adapter_model.safetensors"));
-        let ours = load(&dir.join("run/adapter/adapter_model.safetensors"));
-        let refs = load(&root.join(format!("reference/peft-dora-{model}-sgd.safetensors")));
-        assert_eq!(ours.len(), before.len());
-        assert!(before.keys().any(|k| k.ends_with(".lora_magnitude_vector")));
-        for (name, b) in &before {
-            let du = (&ours[name] - b).unwrap();
-            let dr = (&refs[&format!("after.{name}")] - b).unwrap();
-            let rel = max_abs_diff(&du, &dr) / max_abs(&dr).max(1e-12);
-            assert!(
-                rel < 1e-3,
-                "{layout} {model} {name}: update differs by {rel} (relative)"
-            );
-        }
-        let cfg = std::fs::read_to_string(dir.join("run/adapter/adapter_config.json")).unwrap();
-        assert!(cfg.contains("\"use_dora\": true"), "{cfg}");
-    }
+    let what = format!("dora {layout} {model}");
+    let init = adapter(model);
+    let before = load(&init.join("adapter_model.safetensors"));
+    assert!(before.keys().any(|k| k.ends_with(".lora_magnitude_vector")));
+    let out = sgd_step_matches_reference(&what, root, model, &init, &format!("peft-dora-{model}"));
+    let cfg = std::fs::read_to_string(out.join("adapter_config.json")).unwrap();
+    assert!(cfg.contains("\"use_dora\": true"), "{cfg}");
 }
 
 /// `tests/fixtures/adapters/tiny-qwen2-tallow-dora` was written by `tallow train` (DoRA, three

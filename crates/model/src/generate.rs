@@ -288,10 +288,7 @@ impl GenerationConfig {
             }
             Err(source) => return Err(ModelError::Io { path, source }),
         };
-        let j: Json = serde_json::from_str(&text).map_err(|source| ModelError::Json {
-            path: path.clone(),
-            source,
-        })?;
+        let j: Json = crate::io::parse_json(&text, &path)?;
         let bad = |key: &str, msg: &str| ModelError::Config {
             path: path.clone(),
             key: key.into(),

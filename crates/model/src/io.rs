@@ -1,5 +1,6 @@
 //! Atomic output: every file tallow writes goes to a temporary name in the same directory and is
 //! renamed into place, so a killed run never leaves a half-written checkpoint, adapter or model.
+//! And the reading of small text / JSON files with errors that name the file.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -20,6 +21,22 @@ fn io_err(path: &Path, source: std::io::Error) -> ModelError {
         path: path.to_path_buf(),
         source,
     }
+}
+
+/// The text of `path`; an error names the file.
+pub fn read_text(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// `text` (read from `path`) parsed as JSON; an error names the file.
+pub fn parse_json<T: serde::de::DeserializeOwned>(text: &str, path: &Path) -> Result<T> {
+    serde_json::from_str(text).map_err(|source| ModelError::Json {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// Writes `bytes` to `path` atomically (temp file + fsync + rename).

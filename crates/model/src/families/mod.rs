@@ -6,7 +6,7 @@
 //! checks them and gives [`common::CommonKeys::into_config`] the family's [`FamilyShape`].
 //!
 //! Adding a Llama-like family: a file here, its `Arch` variant (class and `model_type` names in
-//! `config::ARCHS`) and one line in [`family_config`].
+//! `config::ARCHS`) and one line in `family`.
 
 use std::path::Path;
 
@@ -47,22 +47,31 @@ pub fn policy<F: Family>() -> KeyPolicy {
     }
 }
 
-/// The key policy of `arch`'s family (what `config.json` keys it reads, ignores, refuses).
-pub fn key_policy(arch: Arch) -> KeyPolicy {
-    match arch {
-        Arch::Llama | Arch::Mistral => policy::<llama::LlamaKeys>(),
-        Arch::Qwen2 => policy::<qwen2::Qwen2Keys>(),
-        Arch::Qwen3 => policy::<qwen3::Qwen3Keys>(),
+/// What the rest of the crate needs of a family, without naming its type.
+struct Registered {
+    policy: fn() -> KeyPolicy,
+    parse: fn(Arch, &serde_json::Value, &Path) -> Result<DecoderConfig>,
+}
+
+fn registered<F: Family>() -> Registered {
+    Registered {
+        policy: policy::<F>,
+        parse: parse::<F>,
     }
 }
 
-/// The registration: which family reads which architecture.
-fn family_config(arch: Arch, raw: &serde_json::Value, path: &Path) -> Result<DecoderConfig> {
+/// The registration: which family reads which architecture (one line a family).
+fn family(arch: Arch) -> Registered {
     match arch {
-        Arch::Llama | Arch::Mistral => parse::<llama::LlamaKeys>(arch, raw, path),
-        Arch::Qwen2 => parse::<qwen2::Qwen2Keys>(arch, raw, path),
-        Arch::Qwen3 => parse::<qwen3::Qwen3Keys>(arch, raw, path),
+        Arch::Llama | Arch::Mistral => registered::<llama::LlamaKeys>(),
+        Arch::Qwen2 => registered::<qwen2::Qwen2Keys>(),
+        Arch::Qwen3 => registered::<qwen3::Qwen3Keys>(),
     }
+}
+
+/// The key policy of `arch`'s family (what `config.json` keys it reads, ignores, refuses).
+pub fn key_policy(arch: Arch) -> KeyPolicy {
+    (family(arch).policy)()
 }
 
 /// Checks every key of `raw` against family `F` (read, ignored or refused by name), reads the
@@ -119,20 +128,12 @@ impl DecoderConfig {
     /// Reads `dir/config.json` and validates it for its family.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
-            path: path.clone(),
-            source,
-        })?;
-        Self::from_json_str(&text, &path)
+        Self::from_json_str(&crate::io::read_text(&path)?, &path)
     }
 
     /// Parses config.json text; `path` is only used in error messages.
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
-        let raw: serde_json::Value =
-            serde_json::from_str(text).map_err(|source| ModelError::Json {
-                path: path.to_path_buf(),
-                source,
-            })?;
+        let raw: serde_json::Value = crate::io::parse_json(text, path)?;
         let architecture = raw
             .get("architectures")
             .and_then(|a| a.as_array())
@@ -147,7 +148,7 @@ impl DecoderConfig {
             }
         })?;
         check_quantization_config(&raw, path)?;
-        let cfg = family_config(arch, &raw, path)?;
+        let cfg = (family(arch).parse)(arch, &raw, path)?;
         Ok(DecoderConfig { raw, ..cfg })
     }
 }

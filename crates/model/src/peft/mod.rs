@@ -264,14 +264,7 @@ pub fn save_peft(model: &CausalLM, spec: &LoraSpec, dir: &Path, base_model: &str
 /// Reads `dir/adapter_config.json` into a [`LoraSpec`], refusing PEFT features tallow lacks.
 pub fn read_peft_config(dir: &Path) -> Result<LoraSpec> {
     let path = dir.join("adapter_config.json");
-    let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
-        path: path.clone(),
-        source,
-    })?;
-    let cfg: PeftConfig = serde_json::from_str(&text).map_err(|source| ModelError::Json {
-        path: path.clone(),
-        source,
-    })?;
+    let cfg: PeftConfig = crate::io::parse_json(&crate::io::read_text(&path)?, &path)?;
     let bad = |key: &str, msg: &str| ModelError::Config {
         path: path.clone(),
         key: key.into(),
