@@ -560,12 +560,15 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // gradients in f32) plus a few token-sized gradients.
     let h = m.num_attention_heads as u64;
     // One layer's backward: score-sized gradients in f32, a few hidden-sized ones, and the
-    // feed-forward's (tokens x intermediate): the gradient of the SwiGLU output, of gate and up,
-    // each accumulated by Candle as zeros + add (~24-27 bytes per element, measured 2026-11-24 on
-    // random shapes, f32 and bf16, intermediate 1024-4096).
+    // feed-forward's (tokens x intermediate): the gradients of the SwiGLU output, of gate and of
+    // up, each accumulated by Candle as zeros + add, about six such tensors at once. Measured on
+    // the CPU (2026-11-24, random shapes, intermediate 1024-4096): 24-27 bytes per element in
+    // f32 and in bf16 (whose CPU matmuls work in f32). On CUDA the gradients stay in the model
+    // dtype: six of them, 6 x s (not measured yet).
+    let ffn_grad = if device == "cpu" { 24 } else { 6 * s };
     let attn_bwd = (b as u64) * h * (t * t) as u64 * 12
         + tokens * 4 * 4 * c as u64
-        + tokens * 24 * m.intermediate_size as u64;
+        + tokens * ffn_grad * m.intermediate_size as u64;
     let lm_bwd = ce + 8 * tokens * c as u64;
     let rebuilt = if checkpointed > 0 { per_layer } else { 0 };
     // NF4: a weight is dequantized for its matmul, forward and backward, by one op that
