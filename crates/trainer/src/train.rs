@@ -1,7 +1,8 @@
-//! `tallow train`: LoRA or full fine-tuning. Setup (data, model, adapters, optimizer, resume)
-//! comes first; [`train`] then reads top to bottom: for each optimizer step, forward and backward
-//! over `grad_accum` micro-batches with the loss scaled by the step's total target tokens, then
-//! clip, step, log, evaluate, checkpoint.
+//! `tallow train`: LoRA or full fine-tuning. [`train_with_limit`] reads top to bottom in phases,
+//! each a method of the run's `Session`: load (data, model, adapters, optimizer, resume), then for
+//! each optimizer step forward and backward over `grad_accum` micro-batches with the loss scaled
+//! by the step's total target tokens, then clip, step, log, evaluate, checkpoint; then the final
+//! adapter or model.
 //!
 //! Loss of a step = (sum of target-token NLL over all its micro-batches) / (target tokens of the
 //! step), so `micro_batch_size = 4, grad_accum = 1` and `micro_batch_size = 1, grad_accum = 4`
@@ -111,8 +112,8 @@ pub struct Summary {
     pub peak_bytes: PhasePeaks,
 }
 
-/// Everything [`train`] works on, built by [`setup`].
-struct Run {
+/// What [`setup`] loads: the model with its trainable set, and the data.
+struct Setup {
     /// `model.path` as a local dir (a hub id resolved to its cached snapshot).
     model_dir: PathBuf,
     model: CausalLM,
@@ -124,7 +125,7 @@ struct Run {
     pad: u32,
 }
 
-fn setup(cfg: &TrainConfig, device: &Device) -> Result<Run, TrainError> {
+fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
     // Hub ids (`OWNER/NAME[@REV]`) and `hf://datasets/...` files come from the HF cache,
     // downloaded when missing; local paths are used as written.
     let hub = |key: &'static str| move |source| TrainError::Hub { key, source };
@@ -211,7 +212,7 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Run, TrainError> {
         (lora_vars(&model), Some(spec))
     };
     let pad = tok.batch_pad_id();
-    Ok(Run {
+    Ok(Setup {
         model_dir: model_dir.to_path_buf(),
         model,
         params,
@@ -234,6 +235,17 @@ struct Schedule {
 }
 
 impl Schedule {
+    /// `n` rows, `rows_per_step` (micro-batch size x grad_accum) per optimizer step.
+    fn new(n: usize, rows_per_step: usize, shuffle: bool, seed: u64) -> Schedule {
+        Schedule {
+            n,
+            rows_per_step,
+            steps_per_epoch: n.div_ceil(rows_per_step),
+            shuffle,
+            seed,
+        }
+    }
+
     fn rows(&self, step: usize) -> Vec<usize> {
         let epoch = step / self.steps_per_epoch;
         let i = step % self.steps_per_epoch;
@@ -295,6 +307,644 @@ pub fn train(
     train_with_limit(cfg, device, resume, None, on_event)
 }
 
+/// [`train`] on a device with `memory_limit` bytes (None: the device's own memory): a phase whose
+/// measured peak goes over it stops the run with [`TrainError::OutOfMemory`], as running out of
+/// GPU memory does.
+pub fn train_with_limit(
+    cfg: &TrainConfig,
+    device: &Device,
+    resume: bool,
+    memory_limit: Option<u64>,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<Summary, TrainError> {
+    // Load data, model, adapters and optimizer; resume; the step-0 metrics and evaluation.
+    let mut run = Session::start(cfg, device, resume, memory_limit, on_event)?;
+    for step in run.start_step..run.total_steps {
+        // Forward + backward over the step's micro-batches, gradients summed on the device.
+        let fb = run.forward_backward(step)?;
+        // Clip, the step's one host read (loss and gradient norm), the optimizer update.
+        let upd = run.update(step, fb)?;
+        // The metrics line (logged steps) and the progress event (every step).
+        let log = run.log(step, upd, on_event)?;
+        // Evaluate and checkpoint when due; the last step does both.
+        run.eval_and_checkpoint(&log, on_event)?;
+    }
+    // The PEFT adapter or the whole model, and the run's summary.
+    run.finish(on_event)
+}
+
+/// A run from its load to its final save: what [`setup`] loaded, the optimizer, the step plan,
+/// and what the loop carries from step to step. Its methods are the phases of
+/// [`train_with_limit`], in the order they run.
+struct Session<'a> {
+    cfg: &'a TrainConfig,
+    device: &'a Device,
+    /// `train.output_dir`: `config.toml`, `metrics.jsonl`, `checkpoints/`, `adapter/` or `model/`.
+    out: PathBuf,
+    /// The memory probe, `--memory-limit` and `metrics.jsonl`.
+    memory: Memory,
+    /// `model.path` as a local dir (a hub id resolved to its cached snapshot).
+    model_dir: PathBuf,
+    model: CausalLM,
+    /// The trainable variables, in a fixed order, with their checkpoint names.
+    params: Vec<(String, Var)>,
+    /// The same variables, in the same order: what the optimizer and the accumulator see.
+    vars: Vec<Var>,
+    lora: Option<LoraSpec>,
+    rows: Vec<Row>,
+    eval: Vec<Example>,
+    pad: u32,
+    opt: Box<dyn Optimizer>,
+    plan: Schedule,
+    /// What a checkpoint of this run must match to be resumed (its step and counters are 0).
+    identity: CheckpointState,
+    /// The first step this process runs (0, or the step of the checkpoint resumed).
+    start_step: usize,
+    total_steps: usize,
+    trainable_params: usize,
+    load_peak_bytes: Option<u64>,
+    eval_loss_start: Option<f64>,
+    /// Input tokens of all steps so far, those before a resume included.
+    tokens_seen: u64,
+    /// Training seconds before this process (from the checkpoint resumed).
+    elapsed_before: f64,
+    /// When this process's first step began.
+    started: Instant,
+    /// The gradients of the current step, summed over its micro-batches.
+    acc: GradAccumulator,
+    last_loss: Option<f64>,
+    eval_loss_end: Option<f64>,
+    last_checkpoint: Option<PathBuf>,
+    /// Peak bytes per phase over all steps of this process.
+    run_peaks: PhasePeaks,
+}
+
+/// What the forward and backward passes of a step leave for its update (the gradients
+/// themselves are in [`Session::acc`]).
+struct ForwardBackward {
+    /// The step's summed target-token NLL, still on the device.
+    nll_sum: Tensor,
+    tally: StepTally,
+}
+
+/// A step after its optimizer update: its loss and gradient norm, read from the device.
+struct Updated {
+    loss: f64,
+    grad_norm: f64,
+    lr: f64,
+    tally: StepTally,
+}
+
+/// What a step counts from its start to its metrics line.
+struct StepTally {
+    started: Instant,
+    /// Whether this step measures memory (logged, or under `--memory-limit`).
+    measure: bool,
+    /// The probe and host-read counters when the step began.
+    probes_before: u64,
+    reads_before: u64,
+    /// Input tokens (no padding) and target tokens of the step.
+    tokens: usize,
+    target_tokens: usize,
+    peaks: PhasePeaks,
+    ops_forward: u64,
+    ops_backward: u64,
+}
+
+impl<'a> Session<'a> {
+    /// Phase "load": writes the resolved config, loads data, model and adapters (a device OOM or
+    /// a peak over `--memory-limit` stops the run as out of memory), builds the optimizer and the
+    /// step plan, and with `resume` loads the newest checkpoint into the trainable variables and
+    /// the optimizer. Then reports [`Event::Start`] and, on a fresh start, writes the step-0
+    /// metrics line and evaluates once. Costs: the load, the probe's reset and its two reads
+    /// (load peak and live bytes), and the evaluation (one host read) when there is an eval set.
+    fn start(
+        cfg: &'a TrainConfig,
+        device: &'a Device,
+        resume: bool,
+        memory_limit: Option<u64>,
+        on_event: &mut dyn FnMut(Event),
+    ) -> Result<Self, TrainError> {
+        let t = &cfg.train;
+        let out = t.output_dir.clone();
+        std::fs::create_dir_all(&out)
+            .map_err(|e| TrainError::Invalid(format!("{}: {e}", out.display())))?;
+        // The resolved config is the first thing written: the run directory says what ran.
+        tallow_model::io::write_atomic(&out.join("config.toml"), cfg.to_toml_string().as_bytes())?;
+        let metrics = out.join("metrics.jsonl");
+
+        set_tf32(device, t.tf32);
+
+        // Data, model, adapters; then the optimizer, the step plan and the checkpoint identity.
+        let memory = Memory::start(device, memory_limit, metrics);
+        let Setup {
+            model_dir,
+            model,
+            params,
+            lora,
+            rows,
+            eval,
+            pad,
+        } = memory.check(setup(cfg, device), "load", 0, &None)?;
+        let vars: Vec<Var> = params.iter().map(|(_, v)| v.clone()).collect();
+        let mut opt: Box<dyn Optimizer> = optim::build(t.optimizer, t.betas, t.eps, t.weight_decay);
+        let rows_per_step = t.micro_batch_size * t.grad_accum;
+        let plan = Schedule::new(rows.len(), rows_per_step, cfg.data.shuffle, t.seed);
+        let total_steps = if t.max_steps > 0 {
+            t.max_steps
+        } else {
+            t.epochs * plan.steps_per_epoch
+        };
+        let identity = checkpoint_identity(cfg, &model, &params, lora.as_ref(), opt.name());
+
+        // Resume: the newest checkpoint's weights, optimizer state and counters.
+        let resumed = if resume {
+            let resumed = resume_from(
+                &out,
+                device,
+                &identity,
+                &params,
+                &vars,
+                opt.as_mut(),
+                &memory.metrics,
+            )?;
+            if resumed.is_none() {
+                on_event(Event::Note(format!(
+                    "no checkpoint in {}: starting from step 0",
+                    checkpoint::checkpoints_dir(&out).display()
+                )));
+            }
+            resumed
+        } else {
+            None
+        };
+        if resumed.is_none() {
+            let _ = std::fs::remove_file(&memory.metrics);
+        }
+        let (start_step, tokens_seen, elapsed_before) = match &resumed {
+            Some(r) => (r.step, r.tokens_seen, r.elapsed_s),
+            None => (0, 0, 0.0),
+        };
+        let resumed_from = resumed.map(|r| r.dir);
+
+        // Start: the event, the step-0 metrics line and the first evaluation.
+        let trainable_params = params.iter().map(|(_, v)| v.elem_count()).sum();
+        let load_peak_bytes = memory.probe.peak();
+        let load_live_bytes = memory.probe.current();
+        on_event(Event::Start {
+            total_steps,
+            start_step,
+            trainable_params,
+            rows: rows.len(),
+            resumed_from: resumed_from.as_deref(),
+            load_peak_bytes,
+            load_live_bytes,
+            memory: memory.probe.what(),
+        });
+        let eval_loss_start = if start_step == 0 {
+            eval_loss(&model, &eval, t.micro_batch_size, pad)?
+        } else {
+            None
+        };
+        if resumed_from.is_none() {
+            append_metrics(
+                &memory.metrics,
+                &serde_json::json!({
+                    "step": 0,
+                    "load_peak_bytes": load_peak_bytes,
+                    "load_live_bytes": load_live_bytes,
+                    "trainable_params": trainable_params,
+                    "memory": memory.probe.what(),
+                }),
+            )?;
+        }
+        if let Some(l) = eval_loss_start {
+            append_metrics(
+                &memory.metrics,
+                &serde_json::json!({"step": 0, "eval_loss": l}),
+            )?;
+            on_event(Event::Eval { step: 0, loss: l });
+        }
+
+        let started = Instant::now();
+        let acc = GradAccumulator::new(&vars);
+        Ok(Session {
+            cfg,
+            device,
+            out,
+            memory,
+            model_dir,
+            model,
+            params,
+            vars,
+            lora,
+            rows,
+            eval,
+            pad,
+            opt,
+            plan,
+            identity,
+            start_step,
+            total_steps,
+            trainable_params,
+            load_peak_bytes,
+            eval_loss_start,
+            tokens_seen,
+            elapsed_before,
+            started,
+            acc,
+            last_loss: None,
+            eval_loss_end: None,
+            last_checkpoint: resumed_from,
+            run_peaks: PhasePeaks::default(),
+        })
+    }
+
+    /// Whether step `done` (1-based) writes a metrics line: every `log_every`-th step and the
+    /// last one.
+    fn logged(&self, done: usize) -> bool {
+        done.is_multiple_of(self.cfg.train.log_every.max(1)) || done == self.total_steps
+    }
+
+    /// Phase "forward" + "backward" of optimizer step `step` (0-based): over its `grad_accum`
+    /// micro-batches, each with its own dropout seed, the loss is the micro-batch's NLL over the
+    /// step's target tokens (its share of the step mean); the gradients are summed in the
+    /// accumulator and the NLL on the device (no host read). A step that measures memory
+    /// resets and reads the probe around each pass (4 probe calls per micro-batch, each a
+    /// stream sync on CUDA; under `--memory-limit` one more per pass, its check); the others
+    /// make no probe call.
+    fn forward_backward(&mut self, step: usize) -> Result<ForwardBackward, TrainError> {
+        let t = &self.cfg.train;
+        let started = Instant::now();
+        // A step that measures its memory: logged, or checked against --memory-limit. The
+        // others never probe (on CUDA each probe call synchronizes the stream).
+        let measure = self.memory.limit.is_some() || self.logged(step + 1);
+        let probe = self.memory.probe.on_step(measure);
+        let probes_before = crate::memory::probes();
+        let (mut ops_forward, mut ops_backward) = (0, 0);
+        let step_rows: Vec<&Row> = self
+            .plan
+            .rows(step)
+            .into_iter()
+            .map(|i| &self.rows[i])
+            .collect();
+        let step_targets: usize = step_rows.iter().map(|r| r.n_targets()).sum();
+        let mut step_tokens = 0;
+        let reads_before = host::reads();
+        // The step's summed NLL stays on the device until the one read of the step.
+        let mut nll_sum: Option<Tensor> = None;
+        let mut peaks = PhasePeaks::default();
+
+        let model = &self.model;
+        for (m, micro) in step_rows.chunks(t.micro_batch_size).enumerate() {
+            set_dropout(model, Some(dropout_seed(t.seed, step, m)));
+            let batch = Batch::from_rows(micro, self.pad, self.device)?;
+            probe.start_phase();
+            let forward = || -> Result<_, TrainError> {
+                let hidden = model.forward_hidden(&batch.input_ids, batch.segments.as_deref())?; // (B, T, C)
+                let nll = lm_head_nll(&hidden, model.lm_head_weight(), &batch.targets)?; // sum over targets
+                let loss = (&nll / step_targets as f64)?; // this micro-batch's share of the step mean
+                Ok((hidden, nll, loss))
+            };
+            let ops = opcount::mark();
+            let (hidden, nll, loss) =
+                self.memory
+                    .check(forward(), "forward", step + 1, &self.last_checkpoint)?;
+            ops_forward += opcount::since(ops);
+            let forward_peak = probe.peak();
+            probe.start_phase();
+            let backward = |acc: &mut GradAccumulator| -> Result<(), TrainError> {
+                acc.add(&loss.backward()?)?;
+                // Checkpointed layers hand their parameters' gradients over separately.
+                for store in model.take_checkpoint_grads() {
+                    acc.add(&store)?;
+                }
+                Ok(())
+            };
+            let ops = opcount::mark();
+            self.memory.check(
+                backward(&mut self.acc),
+                "backward",
+                step + 1,
+                &self.last_checkpoint,
+            )?;
+            ops_backward += opcount::since(ops);
+            let nll_value = nll.detach();
+            nll_sum = Some(match nll_sum {
+                Some(acc) => (acc + nll_value)?,
+                None => nll_value,
+            });
+            drop((hidden, nll, loss));
+            peaks = peaks.merge(&PhasePeaks {
+                forward: forward_peak,
+                backward: probe.peak(),
+                optimizer: None,
+            });
+            step_tokens += batch.tokens;
+        }
+        set_dropout(model, None);
+
+        Ok(ForwardBackward {
+            nll_sum: nll_sum.expect("a step has at least one micro-batch"),
+            tally: StepTally {
+                started,
+                measure,
+                probes_before,
+                reads_before,
+                tokens: step_tokens,
+                target_tokens: step_targets,
+                peaks,
+                ops_forward,
+                ops_backward,
+            },
+        })
+    }
+
+    /// Phase "optimizer" of step `step`: takes the summed gradients, clips them to
+    /// `max_grad_norm`, reads the step's loss and gradient norm together (the one host read of
+    /// the step, a stream sync on CUDA), stops on a non-finite value before the weights change,
+    /// and steps the optimizer at the scheduled learning rate. A measuring step resets and
+    /// reads the probe around it (2 probe calls; under `--memory-limit` 2 more, the checks of
+    /// taking the gradients and of the update).
+    fn update(&mut self, step: usize, fb: ForwardBackward) -> Result<Updated, TrainError> {
+        let t = &self.cfg.train;
+        let ForwardBackward { nll_sum, mut tally } = fb;
+        let probe = self.memory.probe.on_step(tally.measure);
+        probe.start_phase();
+        let taken = self.acc.take().map_err(TrainError::from);
+        let mut grads = self
+            .memory
+            .check(taken, "optimizer", step + 1, &self.last_checkpoint)?;
+        let grad_norm = clip_grad_norm(&mut grads, t.max_grad_norm)?;
+        // The one host read of the step: its loss and gradient norm together.
+        let both = Tensor::stack(
+            &[
+                nll_sum.to_dtype(DType::F64)?,
+                grad_norm
+                    .to_device(nll_sum.device())?
+                    .to_dtype(DType::F64)?,
+            ],
+            0,
+        )?;
+        let read = host::read(&both)?;
+        let (loss, grad_norm) = (read[0] / tally.target_tokens as f64, read[1]);
+        for (what, value) in [("loss", loss), ("gradient norm", grad_norm)] {
+            if !value.is_finite() {
+                return Err(TrainError::NonFinite {
+                    step: step + 1,
+                    what,
+                    value,
+                    kept: kept_message(&self.last_checkpoint),
+                });
+            }
+        }
+        let lr = lr_at(t.schedule, t.lr, step, t.warmup_steps, self.total_steps);
+        let stepped = self
+            .opt
+            .step(&self.vars, &grads, lr)
+            .map_err(TrainError::from);
+        self.memory
+            .check(stepped, "optimizer", step + 1, &self.last_checkpoint)?;
+        drop(grads);
+        tally.peaks.optimizer = probe.peak();
+        self.run_peaks = self.run_peaks.merge(&tally.peaks);
+        Ok(Updated {
+            loss,
+            grad_norm,
+            lr,
+            tally,
+        })
+    }
+
+    /// The [`StepLog`] of step `step`: appended to `metrics.jsonl` on logged steps, reported as
+    /// [`Event::Step`] on every step. No host read; a measuring step reads the live bytes (one
+    /// probe call).
+    fn log(
+        &mut self,
+        step: usize,
+        upd: Updated,
+        on_event: &mut dyn FnMut(Event),
+    ) -> Result<StepLog, TrainError> {
+        let Updated {
+            loss,
+            grad_norm,
+            lr,
+            tally,
+        } = upd;
+        let probe = self.memory.probe.on_step(tally.measure);
+        let done = step + 1;
+        self.tokens_seen += tally.tokens as u64;
+        let dt = tally.started.elapsed().as_secs_f64();
+        let log = StepLog {
+            step: done,
+            loss,
+            lr,
+            grad_norm,
+            tokens: tally.tokens,
+            target_tokens: tally.target_tokens,
+            tokens_per_s: tally.tokens as f64 / dt.max(1e-9),
+            elapsed_s: self.elapsed_before + self.started.elapsed().as_secs_f64(),
+            peak_bytes: tally.peaks,
+            host_reads: host::reads() - tally.reads_before,
+            live_bytes: probe.current(),
+            optimizer_state_bytes: self.opt.state_bytes() as u64,
+            // After `live_bytes` (fields are evaluated in this order): it is a probe call too.
+            memory_probes: crate::memory::probes() - tally.probes_before,
+            ops_forward: tally.ops_forward,
+            ops_backward: tally.ops_backward,
+        };
+        if self.logged(done) {
+            append_metrics(&self.memory.metrics, &log)?;
+        }
+        on_event(Event::Step(&log));
+        self.last_loss = Some(loss);
+        Ok(log)
+    }
+
+    /// Evaluates (every `eval_every` steps) and checkpoints (every `save_every` steps) after the
+    /// step `log` describes; the last step does both. An evaluation is one host read; a
+    /// checkpoint copies the trainable tensors and the optimizer state to the host and writes
+    /// them.
+    fn eval_and_checkpoint(
+        &mut self,
+        log: &StepLog,
+        on_event: &mut dyn FnMut(Event),
+    ) -> Result<(), TrainError> {
+        let t = &self.cfg.train;
+        let done = log.step;
+        let last = done == self.total_steps;
+        if (t.eval_every > 0 && done.is_multiple_of(t.eval_every)) || last {
+            if let Some(l) = eval_loss(&self.model, &self.eval, t.micro_batch_size, self.pad)? {
+                append_metrics(
+                    &self.memory.metrics,
+                    &serde_json::json!({"step": done, "eval_loss": l}),
+                )?;
+                on_event(Event::Eval {
+                    step: done,
+                    loss: l,
+                });
+                self.eval_loss_end = Some(l);
+            }
+        }
+        if (t.save_every > 0 && done.is_multiple_of(t.save_every)) || last {
+            let state = CheckpointState {
+                step: done,
+                tokens_seen: self.tokens_seen,
+                elapsed_s: log.elapsed_s,
+                ..self.identity.clone()
+            };
+            let trainable: Vec<(String, Tensor)> = self
+                .params
+                .iter()
+                .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+                .collect();
+            let path = checkpoint::save(&self.out, &state, &trainable, &self.opt.state())?;
+            on_event(Event::Checkpoint {
+                step: done,
+                path: &path,
+            });
+            self.last_checkpoint = Some(path);
+        }
+        Ok(())
+    }
+
+    /// The final output: a PEFT adapter in `adapter/`, or the whole model in HF layout in
+    /// `model/` (a copy of every weight to the host), and the run's [`Summary`].
+    fn finish(self, on_event: &mut dyn FnMut(Event)) -> Result<Summary, TrainError> {
+        // Optimizer-state memory (adamw: 8 bytes per trainable parameter; adamw8bit: about 2).
+        on_event(Event::Note(format!(
+            "optimizer state ({}): {} for {} trainable parameters",
+            self.opt.name(),
+            crate::memory::human_bytes(self.opt.state_bytes() as u64),
+            self.trainable_params
+        )));
+
+        let output = match &self.lora {
+            Some(spec) => {
+                let dir = self.out.join("adapter");
+                save_peft(
+                    &self.model,
+                    spec,
+                    &dir,
+                    &self.cfg.model.path.display().to_string(),
+                )?;
+                dir
+            }
+            None => {
+                let dir = self.out.join("model");
+                save_hf_model(&self.model, &self.model_dir, &dir, self.model.dtype())?;
+                dir
+            }
+        };
+        Ok(Summary {
+            steps: self.total_steps,
+            last_loss: self.last_loss,
+            eval_loss_start: self.eval_loss_start,
+            eval_loss_end: self.eval_loss_end,
+            output,
+            elapsed_s: self.elapsed_before + self.started.elapsed().as_secs_f64(),
+            load_peak_bytes: self.load_peak_bytes,
+            peak_bytes: self.run_peaks,
+        })
+    }
+}
+
+/// The mean loss over the eval set (None without one), at the training micro-batch and without
+/// a graph ([`crate::eval`]): it needs less memory than the training forward that already ran at
+/// this batch size. One host read.
+fn eval_loss(
+    model: &CausalLM,
+    eval: &[Example],
+    micro_batch_size: usize,
+    pad: u32,
+) -> Result<Option<f64>, TrainError> {
+    if eval.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(
+        evaluate(model, eval, micro_batch_size, pad, |_| {})?.loss,
+    ))
+}
+
+/// What a checkpoint of this run must match to be resumed: method, architecture, model path,
+/// LoRA shape, trainable tensors and their shapes, optimizer, quantization.
+fn checkpoint_identity(
+    cfg: &TrainConfig,
+    model: &CausalLM,
+    params: &[(String, Var)],
+    lora: Option<&LoraSpec>,
+    optimizer: &str,
+) -> CheckpointState {
+    CheckpointState {
+        step: 0,
+        method: format!("{:?}", cfg.train.method).to_lowercase(),
+        architecture: model.config.arch.hf_class().into(),
+        model_path: cfg.model.path.display().to_string(),
+        lora: lora.map(|s| LoraState {
+            rank: s.rank,
+            alpha: s.alpha,
+            targets: s.targets.clone(),
+            rslora: s.rslora,
+            dora: s.dora,
+        }),
+        trainable: params
+            .iter()
+            .map(|(n, v)| (n.clone(), v.dims().to_vec()))
+            .collect::<BTreeMap<_, _>>(),
+        optimizer: optimizer.into(),
+        quantize: match (cfg.model.quantize, cfg.model.double_quant) {
+            (Quantize::Nf4, true) => format!("{}+double_quant", Quantize::Nf4),
+            (q, _) => q.name().into(),
+        },
+        tokens_seen: 0,
+        elapsed_s: 0.0,
+        tallow_version: env!("CARGO_PKG_VERSION").into(),
+    }
+}
+
+/// Where a resumed run picks up.
+struct Resumed {
+    /// The checkpoint's directory.
+    dir: PathBuf,
+    step: usize,
+    tokens_seen: u64,
+    elapsed_s: f64,
+}
+
+/// Loads the newest checkpoint in `out` (None when there is none), after checking it is one of
+/// a run like this (`identity`), into the trainable variables and the optimizer, and drops the
+/// lines of `metrics` of the steps after it (the resumed run redoes them).
+fn resume_from(
+    out: &Path,
+    device: &Device,
+    identity: &CheckpointState,
+    params: &[(String, Var)],
+    vars: &[Var],
+    opt: &mut dyn Optimizer,
+    metrics: &Path,
+) -> Result<Option<Resumed>, TrainError> {
+    let Some((_, dir)) = checkpoint::latest(out) else {
+        return Ok(None);
+    };
+    let ck = checkpoint::load(&dir, device)?;
+    checkpoint::check_compatible(&ck.state, identity, &dir)?;
+    for (name, var) in params {
+        let saved = ck
+            .trainable
+            .get(name)
+            .ok_or_else(|| TrainError::Resume(format!("{}: no tensor `{name}`", dir.display())))?;
+        var.set(&saved.to_dtype(var.dtype())?)?;
+    }
+    opt.load_state(vars, &ck.optimizer)?;
+    truncate_metrics(metrics, ck.state.step)?;
+    Ok(Some(Resumed {
+        dir,
+        step: ck.state.step,
+        tokens_seen: ck.state.tokens_seen,
+        elapsed_s: ck.state.elapsed_s,
+    }))
+}
+
 /// `train.tf32`: TF32 tensor cores for f32 matmuls when `device` is CUDA (Candle's switch,
 /// process-wide; off by default in Candle, as in PyTorch). Nothing to do on the CPU.
 fn set_tf32(device: &Device, on: bool) {
@@ -317,409 +967,77 @@ fn kept_message(last_checkpoint: &Option<PathBuf>) -> String {
     }
 }
 
-/// Turns a device out-of-memory error of `phase` into [`TrainError::OutOfMemory`] (other
-/// errors pass through), and stops the run as out of memory when the phase's measured peak went
-/// over `limit` (`--memory-limit`: a smaller device, emulated). Either way the OOM is logged to
-/// `metrics.jsonl` as `{"step", "oom": {"phase", "peak_bytes", "limit_bytes"}}`.
-#[allow(clippy::too_many_arguments)]
-fn check_memory<T>(
-    result: Result<T, TrainError>,
-    phase: &'static str,
-    step: usize,
-    peak: impl Fn() -> Option<u64>,
+/// The run's memory probe and what stops it as out of memory: a device OOM error, or a phase's
+/// measured peak over `--memory-limit`.
+struct Memory {
+    probe: Probe,
+    /// `--memory-limit` (a smaller device, emulated); None: the device's own memory.
     limit: Option<u64>,
+    /// The GPU's memory on CUDA; None on the CPU.
     device_total: Option<u64>,
-    last_checkpoint: &Option<PathBuf>,
-    metrics: &Path,
-) -> Result<T, TrainError> {
-    let (detail, peak_bytes, limit_bytes) = match result {
-        Err(e) if e.is_device_oom() => (e.to_string(), peak(), limit.or(device_total)),
-        Err(e) => return Err(e),
-        // The peak is read only under a limit (on CUDA reading it synchronizes the device).
-        Ok(v) => match limit.and_then(|l| Some((l, peak()?))) {
-            Some((l, p)) if p > l => (
-                format!(
-                    "the measured peak {} is over --memory-limit {}",
-                    crate::memory::human_bytes(p),
-                    crate::memory::human_bytes(l)
-                ),
-                Some(p),
-                Some(l),
-            ),
-            _ => return Ok(v),
-        },
-    };
-    let _ = append_metrics(
-        metrics,
-        &serde_json::json!({"step": step, "oom": {
-            "phase": phase, "peak_bytes": peak_bytes, "limit_bytes": limit_bytes}}),
-    );
-    Err(TrainError::OutOfMemory {
-        phase,
-        step,
-        peak_bytes,
-        limit_bytes,
-        detail,
-        kept: kept_message(last_checkpoint),
-    })
+    /// `metrics.jsonl`, where an OOM is logged (with every other line of the run).
+    metrics: PathBuf,
 }
 
-/// [`train`] on a device with `memory_limit` bytes (None: the device's own memory): a phase whose
-/// measured peak goes over it stops the run with [`TrainError::OutOfMemory`], as running out of
-/// GPU memory does.
-pub fn train_with_limit(
-    cfg: &TrainConfig,
-    device: &Device,
-    resume: bool,
-    memory_limit: Option<u64>,
-    on_event: &mut dyn FnMut(Event),
-) -> Result<Summary, TrainError> {
-    let t = &cfg.train;
-    let out = t.output_dir.clone();
-    std::fs::create_dir_all(&out)
-        .map_err(|e| TrainError::Invalid(format!("{}: {e}", out.display())))?;
-    // The resolved config is the first thing written: the run directory says what ran.
-    tallow_model::io::write_atomic(&out.join("config.toml"), cfg.to_toml_string().as_bytes())?;
-    let metrics = out.join("metrics.jsonl");
-
-    set_tf32(device, t.tf32);
-
-    // Phase "load": data, model, adapters, optimizer, resume state.
-    let probe = Probe::for_device(device);
-    let total = probe.device_total();
-    probe.start_phase();
-    // check!(result, phase, step, last checkpoint): device OOM and --memory-limit, see
-    // [`check_memory`].
-    macro_rules! check {
-        ($r:expr, $phase:expr, $step:expr, $last:expr) => {
-            check_memory(
-                $r,
-                $phase,
-                $step,
-                || probe.peak(),
-                memory_limit,
-                total,
-                $last,
-                &metrics,
-            )
-        };
-    }
-    let Run {
-        model_dir,
-        model,
-        params,
-        lora,
-        rows,
-        eval,
-        pad,
-    } = check!(setup(cfg, device), "load", 0, &None)?;
-    let vars: Vec<Var> = params.iter().map(|(_, v)| v.clone()).collect();
-    let mut opt: Box<dyn Optimizer> = optim::build(t.optimizer, t.betas, t.eps, t.weight_decay);
-    let rows_per_step = t.micro_batch_size * t.grad_accum;
-    let plan = Schedule {
-        n: rows.len(),
-        rows_per_step,
-        steps_per_epoch: rows.len().div_ceil(rows_per_step),
-        shuffle: cfg.data.shuffle,
-        seed: t.seed,
-    };
-    let total_steps = if t.max_steps > 0 {
-        t.max_steps
-    } else {
-        t.epochs * plan.steps_per_epoch
-    };
-
-    // What a checkpoint of this run must match to be resumed.
-    let identity = CheckpointState {
-        step: 0,
-        method: format!("{:?}", t.method).to_lowercase(),
-        architecture: model.config.arch.hf_class().into(),
-        model_path: cfg.model.path.display().to_string(),
-        lora: lora.as_ref().map(|s| LoraState {
-            rank: s.rank,
-            alpha: s.alpha,
-            targets: s.targets.clone(),
-            rslora: s.rslora,
-            dora: s.dora,
-        }),
-        trainable: params
-            .iter()
-            .map(|(n, v)| (n.clone(), v.dims().to_vec()))
-            .collect::<BTreeMap<_, _>>(),
-        optimizer: opt.name().into(),
-        quantize: match (cfg.model.quantize, cfg.model.double_quant) {
-            (Quantize::Nf4, true) => format!("{}+double_quant", Quantize::Nf4),
-            (q, _) => q.name().into(),
-        },
-        tokens_seen: 0,
-        elapsed_s: 0.0,
-        tallow_version: env!("CARGO_PKG_VERSION").into(),
-    };
-    let mut start_step = 0;
-    let mut tokens_seen = 0u64;
-    let mut elapsed_before = 0.0;
-    let mut resumed_from = None;
-    if resume {
-        match checkpoint::latest(&out) {
-            Some((_, dir)) => {
-                let ck = checkpoint::load(&dir, device)?;
-                checkpoint::check_compatible(&ck.state, &identity, &dir)?;
-                for (name, var) in &params {
-                    let saved = ck.trainable.get(name).ok_or_else(|| {
-                        TrainError::Resume(format!("{}: no tensor `{name}`", dir.display()))
-                    })?;
-                    var.set(&saved.to_dtype(var.dtype())?)?;
-                }
-                opt.load_state(&vars, &ck.optimizer)?;
-                start_step = ck.state.step;
-                tokens_seen = ck.state.tokens_seen;
-                elapsed_before = ck.state.elapsed_s;
-                truncate_metrics(&metrics, start_step)?;
-                resumed_from = Some(dir);
-            }
-            None => on_event(Event::Note(format!(
-                "no checkpoint in {}: starting from step 0",
-                checkpoint::checkpoints_dir(&out).display()
-            ))),
-        }
-    }
-    if resumed_from.is_none() {
-        let _ = std::fs::remove_file(&metrics);
-    }
-    let trainable_params = params.iter().map(|(_, v)| v.elem_count()).sum();
-    let load_peak_bytes = probe.peak();
-    let load_live_bytes = probe.current();
-    on_event(Event::Start {
-        total_steps,
-        start_step,
-        trainable_params,
-        rows: rows.len(),
-        resumed_from: resumed_from.as_deref(),
-        load_peak_bytes,
-        load_live_bytes,
-        memory: probe.what(),
-    });
-
-    let run_eval = |model: &CausalLM| -> Result<Option<f64>, TrainError> {
-        if eval.is_empty() {
-            return Ok(None);
-        }
-        // At the training micro-batch and without a graph (`crate::eval`): it needs less memory
-        // than the training forward that already ran at this batch size.
-        Ok(Some(
-            evaluate(model, &eval, t.micro_batch_size, pad, |_| {})?.loss,
-        ))
-    };
-    let eval_loss_start = if start_step == 0 {
-        run_eval(&model)?
-    } else {
-        None
-    };
-    if resumed_from.is_none() {
-        append_metrics(
-            &metrics,
-            &serde_json::json!({
-                "step": 0,
-                "load_peak_bytes": load_peak_bytes,
-                "load_live_bytes": load_live_bytes,
-                "trainable_params": trainable_params,
-                "memory": probe.what(),
-            }),
-        )?;
-    }
-    if let Some(l) = eval_loss_start {
-        append_metrics(&metrics, &serde_json::json!({"step": 0, "eval_loss": l}))?;
-        on_event(Event::Eval { step: 0, loss: l });
-    }
-
-    let started = Instant::now();
-    let mut acc = GradAccumulator::new(&vars);
-    let mut last_loss = None;
-    let mut eval_loss_end = None;
-    let mut last_checkpoint: Option<PathBuf> = resumed_from.clone();
-    let mut run_peaks = PhasePeaks::default();
-    // Metrics lines: every `log_every`-th step and the last one.
-    let logged = |done: usize| done.is_multiple_of(t.log_every.max(1)) || done == total_steps;
-    for step in start_step..total_steps {
-        let t0 = Instant::now();
-        // A step that measures its memory: logged, or checked against --memory-limit. The
-        // others never probe (on CUDA each probe call synchronizes the stream).
-        let probe = probe.on_step(memory_limit.is_some() || logged(step + 1));
-        let probes_before = crate::memory::probes();
-        let (mut ops_forward, mut ops_backward) = (0, 0);
-        let step_rows: Vec<&Row> = plan.rows(step).into_iter().map(|i| &rows[i]).collect();
-        let step_targets: usize = step_rows.iter().map(|r| r.n_targets()).sum();
-        let mut step_tokens = 0;
-        let reads_before = host::reads();
-        // The step's summed NLL stays on the device until the one read of the step.
-        let mut nll_sum: Option<Tensor> = None;
-        let mut peaks = PhasePeaks::default();
-
-        // Forward + backward over the micro-batches; gradients summed in the accumulator.
-        for (m, micro) in step_rows.chunks(t.micro_batch_size).enumerate() {
-            set_dropout(&model, Some(dropout_seed(t.seed, step, m)));
-            let batch = Batch::from_rows(micro, pad, device)?;
-            probe.start_phase();
-            let forward = || -> Result<_, TrainError> {
-                let hidden = model.forward_hidden(&batch.input_ids, batch.segments.as_deref())?; // (B, T, C)
-                let nll = lm_head_nll(&hidden, model.lm_head_weight(), &batch.targets)?; // sum over targets
-                let loss = (&nll / step_targets as f64)?; // this micro-batch's share of the step mean
-                Ok((hidden, nll, loss))
-            };
-            let ops = opcount::mark();
-            let (hidden, nll, loss) = check!(forward(), "forward", step + 1, &last_checkpoint)?;
-            ops_forward += opcount::since(ops);
-            let forward_peak = probe.peak();
-            probe.start_phase();
-            let backward = |acc: &mut GradAccumulator| -> Result<(), TrainError> {
-                acc.add(&loss.backward()?)?;
-                // Checkpointed layers hand their parameters' gradients over separately.
-                for store in model.take_checkpoint_grads() {
-                    acc.add(&store)?;
-                }
-                Ok(())
-            };
-            let ops = opcount::mark();
-            check!(backward(&mut acc), "backward", step + 1, &last_checkpoint)?;
-            ops_backward += opcount::since(ops);
-            let nll_value = nll.detach();
-            nll_sum = Some(match nll_sum {
-                Some(acc) => (acc + nll_value)?,
-                None => nll_value,
-            });
-            drop((hidden, nll, loss));
-            peaks = peaks.merge(&PhasePeaks {
-                forward: forward_peak,
-                backward: probe.peak(),
-                optimizer: None,
-            });
-            step_tokens += batch.tokens;
-        }
-        set_dropout(&model, None);
-
-        // Clip, then one optimizer update.
+impl Memory {
+    /// The probe of `device`, its high-water mark reset for the load phase.
+    fn start(device: &Device, limit: Option<u64>, metrics: PathBuf) -> Memory {
+        let probe = Probe::for_device(device);
+        let device_total = probe.device_total();
         probe.start_phase();
-        let taken = acc.take().map_err(TrainError::from);
-        let mut grads = check!(taken, "optimizer", step + 1, &last_checkpoint)?;
-        let grad_norm = clip_grad_norm(&mut grads, t.max_grad_norm)?;
-        // The one host read of the step: its loss and gradient norm together.
-        let nll_sum = nll_sum.expect("a step has at least one micro-batch");
-        let both = Tensor::stack(
-            &[
-                nll_sum.to_dtype(DType::F64)?,
-                grad_norm
-                    .to_device(nll_sum.device())?
-                    .to_dtype(DType::F64)?,
-            ],
-            0,
-        )?;
-        let read = host::read(&both)?;
-        let (loss, grad_norm) = (read[0] / step_targets as f64, read[1]);
-        for (what, value) in [("loss", loss), ("gradient norm", grad_norm)] {
-            if !value.is_finite() {
-                return Err(TrainError::NonFinite {
-                    step: step + 1,
-                    what,
-                    value,
-                    kept: kept_message(&last_checkpoint),
-                });
-            }
-        }
-        let lr = lr_at(t.schedule, t.lr, step, t.warmup_steps, total_steps);
-        let update = opt.step(&vars, &grads, lr).map_err(TrainError::from);
-        check!(update, "optimizer", step + 1, &last_checkpoint)?;
-        drop(grads);
-        peaks.optimizer = probe.peak();
-        run_peaks = run_peaks.merge(&peaks);
-
-        // Log.
-        let done = step + 1;
-        tokens_seen += step_tokens as u64;
-        let dt = t0.elapsed().as_secs_f64();
-        let log = StepLog {
-            step: done,
-            loss,
-            lr,
-            grad_norm,
-            tokens: step_tokens,
-            target_tokens: step_targets,
-            tokens_per_s: step_tokens as f64 / dt.max(1e-9),
-            elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
-            peak_bytes: peaks,
-            host_reads: host::reads() - reads_before,
-            live_bytes: probe.current(),
-            optimizer_state_bytes: opt.state_bytes() as u64,
-            // After `live_bytes` (fields are evaluated in this order): it is a probe call too.
-            memory_probes: crate::memory::probes() - probes_before,
-            ops_forward,
-            ops_backward,
-        };
-        if logged(done) {
-            append_metrics(&metrics, &log)?;
-        }
-        on_event(Event::Step(&log));
-        last_loss = Some(loss);
-
-        // Evaluate and checkpoint; the last step always does both.
-        let last = done == total_steps;
-        if (t.eval_every > 0 && done % t.eval_every == 0) || last {
-            if let Some(l) = run_eval(&model)? {
-                append_metrics(&metrics, &serde_json::json!({"step": done, "eval_loss": l}))?;
-                on_event(Event::Eval {
-                    step: done,
-                    loss: l,
-                });
-                eval_loss_end = Some(l);
-            }
-        }
-        if (t.save_every > 0 && done % t.save_every == 0) || last {
-            let state = CheckpointState {
-                step: done,
-                tokens_seen,
-                elapsed_s: log.elapsed_s,
-                ..identity.clone()
-            };
-            let trainable: Vec<(String, Tensor)> = params
-                .iter()
-                .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-                .collect();
-            let path = checkpoint::save(&out, &state, &trainable, &opt.state())?;
-            on_event(Event::Checkpoint {
-                step: done,
-                path: &path,
-            });
-            last_checkpoint = Some(path);
+        Memory {
+            probe,
+            limit,
+            device_total,
+            metrics,
         }
     }
 
-    // Optimizer-state memory (adamw: 8 bytes per trainable parameter; adamw8bit: about 2).
-    on_event(Event::Note(format!(
-        "optimizer state ({}): {} for {trainable_params} trainable parameters",
-        opt.name(),
-        crate::memory::human_bytes(opt.state_bytes() as u64)
-    )));
-
-    // Final output: a PEFT adapter, or the whole model in HF layout.
-    let output = match &lora {
-        Some(spec) => {
-            let dir = out.join("adapter");
-            save_peft(&model, spec, &dir, &cfg.model.path.display().to_string())?;
-            dir
-        }
-        None => {
-            let dir = out.join("model");
-            save_hf_model(&model, &model_dir, &dir, model.dtype())?;
-            dir
-        }
-    };
-    Ok(Summary {
-        steps: total_steps,
-        last_loss,
-        eval_loss_start,
-        eval_loss_end,
-        output,
-        elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
-        load_peak_bytes,
-        peak_bytes: run_peaks,
-    })
+    /// Turns a device out-of-memory error of `phase` into [`TrainError::OutOfMemory`] (other
+    /// errors pass through), and stops the run as out of memory when the phase's measured peak
+    /// went over the limit (`--memory-limit`: a smaller device, emulated). Either way the OOM is
+    /// logged to `metrics.jsonl` as `{"step", "oom": {"phase", "peak_bytes", "limit_bytes"}}`.
+    /// The peak is read (a probe call, a stream sync on CUDA) only on an OOM or under a limit.
+    fn check<T>(
+        &self,
+        result: Result<T, TrainError>,
+        phase: &'static str,
+        step: usize,
+        last_checkpoint: &Option<PathBuf>,
+    ) -> Result<T, TrainError> {
+        let (detail, peak_bytes, limit_bytes) = match result {
+            Err(e) if e.is_device_oom() => (
+                e.to_string(),
+                self.probe.peak(),
+                self.limit.or(self.device_total),
+            ),
+            Err(e) => return Err(e),
+            // The peak is read only under a limit (on CUDA reading it synchronizes the device).
+            Ok(v) => match self.limit.and_then(|l| Some((l, self.probe.peak()?))) {
+                Some((l, p)) if p > l => (
+                    format!(
+                        "the measured peak {} is over --memory-limit {}",
+                        crate::memory::human_bytes(p),
+                        crate::memory::human_bytes(l)
+                    ),
+                    Some(p),
+                    Some(l),
+                ),
+                _ => return Ok(v),
+            },
+        };
+        let _ = append_metrics(
+            &self.metrics,
+            &serde_json::json!({"step": step, "oom": {
+                "phase": phase, "peak_bytes": peak_bytes, "limit_bytes": limit_bytes}}),
+        );
+        Err(TrainError::OutOfMemory {
+            phase,
+            step,
+            peak_bytes,
+            limit_bytes,
+            detail,
+            kept: kept_message(last_checkpoint),
+        })
+    }
 }
