@@ -48,7 +48,10 @@ fn max_rel_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f64
 
 /// `micro_batch_size = 4, grad_accum = 1` and `micro_batch_size = 1, grad_accum = 4` give the
 /// same adapter after 3 AdamW steps (dropout off: masks are drawn per micro-batch). Tolerance:
-/// 1e-4 relative per tensor (f32; the sums are ordered differently, and AdamW divides by sqrt(v)).
+/// 1e-3 relative per tensor (f32; the sums are ordered differently, and AdamW divides by
+/// sqrt(v), which magnifies rounding in entries with small v: measured 7.7e-5 with the tensor-op
+/// cross-entropy, 1.1e-4 with the CPU kernel). Normalizing each micro-batch by its own target
+/// count instead of the step's moves the adapters by 2.0 (relative): far outside.
 #[test]
 fn accumulation_equals_a_big_batch() {
     let lora = "rank = 4\nalpha = 8\ndropout = 0.0";
@@ -69,7 +72,7 @@ fn accumulation_equals_a_big_batch() {
     train_ok(&["train", "--config", ca.to_str().unwrap(), "--quiet"]);
     train_ok(&["train", "--config", cb.to_str().unwrap(), "--quiet"]);
     let d = max_rel_diff(&adapter(&a), &adapter(&b));
-    assert!(d < 1e-4, "adapters differ by {d} (relative)");
+    assert!(d < 1e-3, "adapters differ by {d} (relative)");
     // And the step losses agree.
     let la = std::fs::read_to_string(a.join("run/metrics.jsonl")).unwrap();
     let lb = std::fs::read_to_string(b.join("run/metrics.jsonl")).unwrap();
