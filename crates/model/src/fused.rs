@@ -31,6 +31,7 @@ pub trait Real:
     + std::ops::Mul<Output = Self>
     + std::ops::Div<Output = Self>
     + std::ops::Neg<Output = Self>
+    + std::ops::SubAssign
     + PartialOrd
 {
     fn exp(self) -> Self;
@@ -1313,7 +1314,7 @@ impl CeGrad {
                 let (m, s) = max_sum_exp(row);
                 let scale = T::from_f64(self.g / s);
                 row.iter_mut().for_each(|e| *e = (*e - m).exp() * scale);
-                row[y as usize] = row[y as usize] - T::from_f64(self.g);
+                row[y as usize] -= T::from_f64(self.g);
             });
     }
 }
