@@ -180,7 +180,11 @@ fn random_config(d: &mut Draw) -> serde_json::Value {
     let family = d.pick(&["llama", "qwen2", "qwen3"]);
     let head_dim = d.pick(&[32usize, 64, 128]);
     let heads = d.range(2, 12);
-    let kv = d.pick(&(1..=heads).filter(|k| heads.is_multiple_of(*k)).collect::<Vec<_>>());
+    let kv = d.pick(
+        &(1..=heads)
+            .filter(|k| heads.is_multiple_of(*k))
+            .collect::<Vec<_>>(),
+    );
     // Llama and Qwen2 derive head_dim from hidden / heads; Qwen3 (and Llama's explicit key)
     // may give any head_dim.
     let hidden = if family == "qwen2" {

@@ -9,15 +9,8 @@ use candle_core::{DType, Device, Tensor};
 use tallow_model::{Base, CausalLM, LoadOptions, Nf4Weight};
 use tallow_tests::*;
 
-const LINEARS: [&str; 7] = [
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-];
+/// The decoder linears (the ones NF4 quantizes), as PEFT names them.
+use tallow_model::peft::LINEAR_MODULES as LINEARS;
 
 fn bnb_dir() -> PathBuf {
     model_dir("tiny-qwen2-bnb-4bit")

@@ -192,6 +192,11 @@ impl CustomOp2 for FusedLmHeadNll {
         })?;
         let step = chunk_rows(v);
         let host_labels = cpu_labels(&self.labels, &h)?;
+        // The CPU kernel takes the scale as a number (reading a CPU scalar costs no sync).
+        let g_host = match &host_labels {
+            Some(_) => g.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
+            None => 0.0,
+        };
         let mut dh = Vec::new();
         let mut dw: Option<Tensor> = None;
         for start in (0..n).step_by(step) {
@@ -201,8 +206,7 @@ impl CustomOp2 for FusedLmHeadNll {
             let dlogits = match &host_labels {
                 // CPU: softmax - onehot, scaled, in the logits' own buffer.
                 Some(y) => {
-                    let g = g.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-                    crate::fused::ce_grad_in_place(&logits, &y[start..start + len], g)?;
+                    crate::fused::ce_grad_in_place(&logits, &y[start..start + len], g_host)?;
                     let d = logits.to_dtype(h.dtype())?; // the same buffer in f32 / f64
                     drop(logits);
                     d

@@ -110,12 +110,9 @@ fn dtype_bytes(d: ModelDtype) -> usize {
     }
 }
 
-/// A decoder linear layer's shape (from the model crate's one description of the layers).
+/// A decoder linear layer's shape (from the model crate's one description of the layers,
+/// `DecoderConfig::layer_linears`).
 type Lin = tallow_model::LinearSpec;
-
-fn layer_linears(m: &DecoderConfig) -> [Lin; 7] {
-    m.layer_linears()
-}
 
 /// NF4 bytes of an (out, in) weight: 4-bit codes, plus per block of 64 an f32 absmax, or with
 /// double quantization an 8-bit absmax and one f32 per 256 blocks (+ the f32 offset).
@@ -184,7 +181,7 @@ pub fn layer_activation_bytes(
         let cast_once = if shared { cast(4 * ls[0].inp) } else { 0 };
         cast_once + ls.iter().map(|l| linear(l, shared)).sum::<usize>()
     };
-    let [lq, lk, lv, lo, lg, lu, ld] = layer_linears(m);
+    let [lq, lk, lv, lo, lg, lu, ld] = m.layer_linears();
     let mut per_token = 0;
     per_token += s * c; // input_layernorm output
     per_token += group(&[&lq, &lk, &lv]);
@@ -362,7 +359,8 @@ pub fn trainable_params(m: &DecoderConfig, cfg: &TrainConfig) -> u64 {
         Method::Full => m.num_params() as u64,
         Method::Lora => {
             let targets = cfg.lora.targets();
-            let per_layer: usize = layer_linears(m)
+            let per_layer: usize = m
+                .layer_linears()
                 .iter()
                 .filter(|l| targets.contains(&l.module()))
                 .map(|l| cfg.lora.rank * (l.inp + l.out) + if cfg.lora.dora { l.out } else { 0 })
@@ -377,7 +375,7 @@ fn param_tensors(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize> {
     let mut v = Vec::new();
     let targets = cfg.lora.targets();
     for _ in 0..m.num_hidden_layers {
-        for l in layer_linears(m) {
+        for l in m.layer_linears() {
             match cfg.train.method {
                 Method::Full => {
                     v.push(l.inp * l.out);
@@ -423,7 +421,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // norms, biases) in the model dtype.
     let mut linear_nf4 = 0u64;
     let mut largest_linear = 0usize;
-    for l in layer_linears(m) {
+    for l in m.layer_linears() {
         linear_nf4 += nf4_bytes(l.inp * l.out, cfg.model.double_quant);
         largest_linear = largest_linear.max(l.inp * l.out);
     }
@@ -435,7 +433,8 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // DoRA keeps ||W_i||² per output row of each adapted linear (f32, computed once).
     let dora_norms = if dora {
         let targets = cfg.lora.targets();
-        let outs: usize = layer_linears(m)
+        let outs: usize = m
+            .layer_linears()
             .iter()
             .filter(|l| targets.contains(&l.module()))
             .map(|l| l.out)

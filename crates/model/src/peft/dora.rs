@@ -44,24 +44,34 @@ pub struct Dora {
 
 impl Dora {
     /// DoRA on `lin`'s base weight with `lora`'s matrices: m = ||W + s B A|| (the row norms of
-    /// W for a fresh adapter).
+    /// W for a fresh adapter). The weight is read once (dequantized once for NF4) for both
+    /// ||W||² and W Aᵀ.
     pub fn new(lin: &Linear, lora: Lora) -> Result<Self> {
-        let base_norm_sq = base_norm_sq(&lin.weight)?;
+        let w = lin.weight.dense()?.detach().to_dtype(DType::F32)?; // (out, in)
+        let base_norm_sq = w.sqr()?.sum(1)?;
+        let wa = lora.a.as_tensor().detach().matmul(&w.t()?)?.t()?; // (out, r) = W Aᵀ
+        drop(w);
         let dora = Self {
             magnitude: Var::zeros(lin.out_features(), DType::F32, base_norm_sq.device())?,
             base_norm_sq,
             lora,
         };
-        dora.magnitude.set(&dora.weight_norm(lin)?)?;
+        dora.magnitude.set(&dora.norm_with(&wa)?)?;
         Ok(dora)
     }
 
     /// n = ||W + s B A|| per output row, (out) f32, from detached tensors (no graph).
     pub fn weight_norm(&self, lin: &Linear) -> Result<Tensor> {
+        let a = self.lora.a.as_tensor().detach(); // (r, in)
+        let wa = crate::no_grad(|| base_times(lin, &a))?.t()?; // (out, r) = W Aᵀ
+        self.norm_with(&wa)
+    }
+
+    /// n from W Aᵀ (out, r): ||W_i||² + 2 s (W Aᵀ)_i · B_i + s² B_i (A Aᵀ) B_iᵀ, square-rooted.
+    fn norm_with(&self, wa: &Tensor) -> Result<Tensor> {
         let s = self.lora.scale;
         let a = self.lora.a.as_tensor().detach(); // (r, in)
         let b = self.lora.b.as_tensor().detach(); // (out, r)
-        let wa = crate::no_grad(|| base_times(lin, &a))?.t()?; // (out, r) = W Aᵀ
         let cross = (wa * &b)?.sum(1)?; // (out): W_i · (B A)_i
         let aat = a.matmul(&a.t()?)?; // (r, r)
         let quad = (b.matmul(&aat)? * &b)?.sum(1)?; // (out): ||(B A)_i||²
@@ -130,11 +140,6 @@ fn base_times(lin: &Linear, a: &Tensor) -> Result<Tensor> {
     // bf16 / f16: the weight in f32 (one transient copy), so the cross term keeps A's precision.
     let w = lin.weight.dense()?.to_dtype(DType::F32)?.detach(); // (out, in)
     Ok(a.matmul(&w.t()?)?)
-}
-
-/// ||W_i||² per output row (out), f32.
-fn base_norm_sq(base: &Base) -> Result<Tensor> {
-    Ok(base.dense()?.detach().to_dtype(DType::F32)?.sqr()?.sum(1)?)
 }
 
 #[cfg(test)]
