@@ -1,49 +1,20 @@
 //! The checked model configuration that the shared decoder runs from ([`DecoderConfig`]), and
-//! the architectures tallow implements ([`Arch`]). Reading `config.json` is the families'
+//! the name of its family ([`Arch`]). Reading `config.json` is the families'
 //! business (`crate::families`: the shared keys, one small file per family, the dispatch).
 
-/// The model families tallow implements.
+/// A model family tallow implements, as HF names it: the class in `architectures[0]` and the
+/// `model_type`. Which families exist, and how each reads `config.json`, is the registration in
+/// `crate::families` (`Arch::from_hf` and `Arch::supported` live there).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Arch {
-    Llama,
-    Mistral,
-    Qwen2,
-    Qwen3,
+pub struct Arch {
+    pub class: &'static str,
+    pub model_type: &'static str,
 }
 
-/// Each architecture with the HF class name (`architectures[0]`) and `model_type` that select
-/// it: the one list `from_hf`, `hf_class` and the "supported" message read.
-pub const ARCHS: [(Arch, &str, &str); 4] = [
-    (Arch::Llama, "LlamaForCausalLM", "llama"),
-    (Arch::Mistral, "MistralForCausalLM", "mistral"),
-    (Arch::Qwen2, "Qwen2ForCausalLM", "qwen2"),
-    (Arch::Qwen3, "Qwen3ForCausalLM", "qwen3"),
-];
-
 impl Arch {
-    /// The class names tallow reads, for messages.
-    pub fn supported() -> String {
-        ARCHS.map(|(_, class, _)| class).join(", ")
-    }
-
-    /// The family of a config: by its first `architectures` entry, else by `model_type`.
-    pub fn from_hf(architecture: Option<&str>, model_type: Option<&str>) -> Option<Self> {
-        match architecture {
-            Some(a) => ARCHS.iter().find(|(_, c, _)| *c == a).map(|e| e.0),
-            None => ARCHS
-                .iter()
-                .find(|(_, _, t)| Some(*t) == model_type)
-                .map(|e| e.0),
-        }
-    }
-
     /// The HF class name, written into configs tallow saves.
     pub fn hf_class(&self) -> &'static str {
-        ARCHS
-            .iter()
-            .find(|(a, _, _)| a == self)
-            .map(|e| e.1)
-            .expect("every Arch is in ARCHS")
+        self.class
     }
 }
 

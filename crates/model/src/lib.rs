@@ -39,7 +39,6 @@ pub mod weights;
 
 pub use config::{Arch, DecoderConfig, RopeScaling};
 pub use error::{LoadError, ModelError, Result};
-pub use families::{llama, qwen2, qwen3};
 pub use generate::{generate, GenerateOptions, Generation, GenerationConfig, KvCache};
 pub use layout::{LinearSpec, LINEAR_PATHS};
 pub use linear::{Base, Linear, Param};

@@ -55,9 +55,6 @@ fn eps() -> f64 {
 /// What a family decides beyond the common keys: its layer types, head size, biases, norms.
 #[derive(Debug, Clone)]
 pub struct FamilyShape {
-    pub arch: Arch,
-    /// The family's name in messages ("Llama").
-    pub family: &'static str,
     /// The `layer_types` entries it runs.
     pub layer_types: &'static [&'static str],
     /// `head_dim` when the config gives one; else hidden_size / num_attention_heads.
@@ -73,7 +70,14 @@ pub struct FamilyShape {
 
 impl CommonKeys {
     /// Checks the shared keys and builds the decoder's config with the family's `shape`.
-    pub fn into_config(self, shape: FamilyShape, path: &Path) -> Result<DecoderConfig> {
+    /// `family` names it in messages.
+    pub fn into_config(
+        self,
+        arch: Arch,
+        family: &str,
+        shape: FamilyShape,
+        path: &Path,
+    ) -> Result<DecoderConfig> {
         check_act(&self.hidden_act, path)?;
         let kv = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
         check_heads(self.hidden_size, self.num_attention_heads, kv, path)?;
@@ -82,7 +86,7 @@ impl CommonKeys {
             &self.layer_types,
             self.num_hidden_layers,
             shape.layer_types,
-            shape.family,
+            family,
             path,
         )?;
         let (rope_theta, rope_scaling) = rope(
@@ -94,7 +98,7 @@ impl CommonKeys {
             path,
         )?;
         Ok(DecoderConfig {
-            arch: shape.arch,
+            arch,
             vocab_size: self.vocab_size,
             hidden_size: self.hidden_size,
             intermediate_size: self.intermediate_size,

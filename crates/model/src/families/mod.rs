@@ -1,12 +1,13 @@
 //! The model families: one small file each over the shared keys ([`common`]), and their
-//! registration ([`Arch`] and the dispatch in [`DecoderConfig::from_json_str`]).
+//! registration ([`FAMILIES`]), which [`Arch::from_hf`] and [`DecoderConfig::from_json_str`] read.
 //!
 //! A family file holds a serde struct of the `config.json` keys only it reads (HF's names word
-//! for word), the keys of its transformers config class it ignores, and an `into_config` that
-//! checks them and gives [`common::CommonKeys::into_config`] the family's [`FamilyShape`].
+//! for word), its HF class and `model_type`, the keys of its transformers config class it
+//! ignores, and a `shape` that checks its keys and gives [`CommonKeys::into_config`] the
+//! family's [`FamilyShape`].
 //!
-//! Adding a Llama-like family: a file here, its `Arch` variant (class and `model_type` names in
-//! `config::ARCHS`) and one line in `family`.
+//! Adding a Llama-like family: a file here, and its two lines below (`pub mod` and its row in
+//! [`FAMILIES`]).
 
 use std::path::Path;
 
@@ -19,21 +20,33 @@ use crate::hf_keys::{check_keys, field_names, KeyPolicy};
 
 pub mod common;
 pub mod llama;
+pub mod mistral;
 pub mod qwen2;
 pub mod qwen3;
 
 use common::{CommonKeys, FamilyShape};
 
+/// The registration: every family tallow reads, one row each.
+pub const FAMILIES: &[Registered] = &[
+    register::<llama::LlamaKeys>(),
+    register::<mistral::MistralKeys>(),
+    register::<qwen2::Qwen2Keys>(),
+    register::<qwen3::Qwen3Keys>(),
+];
+
 /// A family's own `config.json` keys (its serde fields), beyond [`CommonKeys`].
 pub trait Family: DeserializeOwned {
     /// The family's name in messages ("Llama").
     const FAMILY: &'static str;
+    /// Its HF class (`architectures[0]`, "LlamaForCausalLM") and `model_type` ("llama").
+    const CLASS: &'static str;
+    const MODEL_TYPE: &'static str;
     /// Keys of the family's transformers config class that tallow ignores, each because it
     /// cannot change the output (say why next to it).
     const IGNORED: &'static [&'static str];
     /// Checks the family's keys; the decoder's config is built by
     /// [`CommonKeys::into_config`] from the [`FamilyShape`] this returns.
-    fn shape(&self, arch: Arch, common: &CommonKeys, path: &Path) -> Result<FamilyShape>;
+    fn shape(&self, common: &CommonKeys, path: &Path) -> Result<FamilyShape>;
 }
 
 /// The keys family `F` reads (the common ones and its own) and ignores.
@@ -47,36 +60,59 @@ pub fn policy<F: Family>() -> KeyPolicy {
     }
 }
 
-/// What the rest of the crate needs of a family, without naming its type.
-struct Registered {
+/// A registered family, as the rest of the crate sees it: its names, and its key policy and
+/// parser without naming its type.
+pub struct Registered {
+    pub arch: Arch,
     policy: fn() -> KeyPolicy,
-    parse: fn(Arch, &serde_json::Value, &Path) -> Result<DecoderConfig>,
+    parse: fn(&serde_json::Value, &Path) -> Result<DecoderConfig>,
 }
 
-fn registered<F: Family>() -> Registered {
+const fn register<F: Family>() -> Registered {
     Registered {
+        arch: Arch {
+            class: F::CLASS,
+            model_type: F::MODEL_TYPE,
+        },
         policy: policy::<F>,
         parse: parse::<F>,
     }
 }
 
-/// The registration: which family reads which architecture (one line a family).
-fn family(arch: Arch) -> Registered {
-    match arch {
-        Arch::Llama | Arch::Mistral => registered::<llama::LlamaKeys>(),
-        Arch::Qwen2 => registered::<qwen2::Qwen2Keys>(),
-        Arch::Qwen3 => registered::<qwen3::Qwen3Keys>(),
+fn registered(arch: Arch) -> &'static Registered {
+    FAMILIES
+        .iter()
+        .find(|f| f.arch == arch)
+        .expect("an Arch is only made by the registration")
+}
+
+impl Arch {
+    /// The family of a config: by its first `architectures` entry, else by `model_type`.
+    pub fn from_hf(architecture: Option<&str>, model_type: Option<&str>) -> Option<Self> {
+        let found = match architecture {
+            Some(a) => FAMILIES.iter().find(|f| f.arch.class == a),
+            None => FAMILIES
+                .iter()
+                .find(|f| Some(f.arch.model_type) == model_type),
+        };
+        found.map(|f| f.arch)
+    }
+
+    /// The class names tallow reads, for messages.
+    pub fn supported() -> String {
+        let classes: Vec<&str> = FAMILIES.iter().map(|f| f.arch.class).collect();
+        classes.join(", ")
     }
 }
 
 /// The key policy of `arch`'s family (what `config.json` keys it reads, ignores, refuses).
 pub fn key_policy(arch: Arch) -> KeyPolicy {
-    (family(arch).policy)()
+    (registered(arch).policy)()
 }
 
 /// Checks every key of `raw` against family `F` (read, ignored or refused by name), reads the
 /// common keys and the family's own, and builds the config.
-fn parse<F: Family>(arch: Arch, raw: &serde_json::Value, path: &Path) -> Result<DecoderConfig> {
+fn parse<F: Family>(raw: &serde_json::Value, path: &Path) -> Result<DecoderConfig> {
     check_keys(&policy::<F>(), raw, path)?;
     let bad = |e: serde_json::Error| ModelError::Config {
         path: path.to_path_buf(),
@@ -85,8 +121,12 @@ fn parse<F: Family>(arch: Arch, raw: &serde_json::Value, path: &Path) -> Result<
     };
     let common = CommonKeys::deserialize(raw).map_err(bad)?;
     let own = F::deserialize(raw).map_err(bad)?;
-    let shape = own.shape(arch, &common, path)?;
-    common.into_config(shape, path)
+    let shape = own.shape(&common, path)?;
+    let arch = Arch {
+        class: F::CLASS,
+        model_type: F::MODEL_TYPE,
+    };
+    common.into_config(arch, F::FAMILY, shape, path)
 }
 
 /// `quantization_config` of a pre-quantized checkpoint: bitsandbytes 4-bit (nf4) is read
@@ -148,7 +188,7 @@ impl DecoderConfig {
             }
         })?;
         check_quantization_config(&raw, path)?;
-        let cfg = (family(arch).parse)(arch, &raw, path)?;
+        let cfg = (registered(arch).parse)(&raw, path)?;
         Ok(DecoderConfig { raw, ..cfg })
     }
 }

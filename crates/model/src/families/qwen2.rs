@@ -10,7 +10,6 @@ use serde::Deserialize;
 
 use super::common::{refuse, CommonKeys, FamilyShape};
 use super::Family;
-use crate::config::Arch;
 use crate::error::Result;
 
 /// The `config.json` keys only Qwen2 reads, with HF's defaults.
@@ -22,17 +21,17 @@ pub struct Qwen2Keys {
 
 impl Family for Qwen2Keys {
     const FAMILY: &'static str = "Qwen2";
+    const CLASS: &'static str = "Qwen2ForCausalLM";
+    const MODEL_TYPE: &'static str = "qwen2";
     /// Only used with `use_sliding_window = true`, which is refused.
     const IGNORED: &'static [&'static str] = &["sliding_window", "max_window_layers"];
 
-    fn shape(&self, arch: Arch, _common: &CommonKeys, path: &Path) -> Result<FamilyShape> {
+    fn shape(&self, _common: &CommonKeys, path: &Path) -> Result<FamilyShape> {
         if self.use_sliding_window {
             let msg = "sliding-window Qwen2 is not supported; set it to false";
             return Err(refuse("use_sliding_window", msg, path));
         }
         Ok(FamilyShape {
-            arch,
-            family: Self::FAMILY,
             layer_types: &["full_attention"],
             head_dim: None,
             max_position_embeddings: 32768,

@@ -11,7 +11,6 @@ use serde::Deserialize;
 
 use super::common::{refuse, CommonKeys, FamilyShape};
 use super::Family;
-use crate::config::Arch;
 use crate::error::Result;
 
 /// The `config.json` keys only Qwen3 reads, with HF's defaults.
@@ -31,17 +30,17 @@ fn head_dim() -> usize {
 
 impl Family for Qwen3Keys {
     const FAMILY: &'static str = "Qwen3";
+    const CLASS: &'static str = "Qwen3ForCausalLM";
+    const MODEL_TYPE: &'static str = "qwen3";
     /// Only used with `use_sliding_window = true`, which is refused.
     const IGNORED: &'static [&'static str] = &["sliding_window", "max_window_layers"];
 
-    fn shape(&self, arch: Arch, _common: &CommonKeys, path: &Path) -> Result<FamilyShape> {
+    fn shape(&self, _common: &CommonKeys, path: &Path) -> Result<FamilyShape> {
         if self.use_sliding_window {
             let msg = "sliding-window Qwen3 is not supported; set it to false";
             return Err(refuse("use_sliding_window", msg, path));
         }
         Ok(FamilyShape {
-            arch,
-            family: Self::FAMILY,
             layer_types: &["full_attention"],
             head_dim: Some(self.head_dim),
             max_position_embeddings: 32768,
