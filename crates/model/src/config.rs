@@ -308,6 +308,18 @@ mod tests {
         );
         let c = parse(&m).unwrap();
         assert_eq!((c.sliding_window, c.rope_theta), (Some(8), 1e6));
+        // HF's default window when the key is absent; null is full attention
+        let absent = parse(&base("MistralForCausalLM", "mistral")).unwrap();
+        assert_eq!(absent.sliding_window, Some(4096));
+        let null = with(
+            base("MistralForCausalLM", "mistral"),
+            json!({"sliding_window": null}),
+        );
+        assert_eq!(parse(&null).unwrap().sliding_window, None);
+        // a Llama has no window to set
+        let llama = with(base("LlamaForCausalLM", "llama"), json!({"sliding_window": 8}));
+        let e = parse(&llama).unwrap_err().to_string();
+        assert!(e.contains("`sliding_window`"), "{e}");
         let bad = with(
             m,
             json!({"layer_types": ["full_attention", "full_attention"]}),
