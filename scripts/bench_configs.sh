@@ -17,6 +17,8 @@
 #               tokens per row and grad_accum 1 (the files' 2048 x 16 would take hours here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/bench_lib.sh
+. scripts/bench_lib.sh
 DEVICE=${DEVICE:-cpu}
 PARTS=${PARTS:-quickstart grid configs}
 WORK=${WORK:-target/bench-configs}
@@ -53,26 +55,8 @@ for part in $PARTS; do
     grid)
       M=$WORK/llama-105m
       [ -f "$M/model.safetensors" ] || "$MAKE" benchmarks/models/llama-105m.json "$M" --rows 8 >/dev/null
-      cat > "$WORK/base.toml" <<TOML
-[model]
-path = "$M"
-dtype = "bf16"
-[lora]
-rank = 16
-alpha = 32
-dropout = 0.0
-[data]
-train = "$M/bench.jsonl"
-max_seq_len = 128
-shuffle = false
-[train]
-micro_batch_size = 1
-grad_accum = 1
-lr = 1e-4
-schedule = "constant"
-device = "$DEVICE"
-output_dir = "$WORK/run"
-TOML
+      bench_job_toml "model.path=\"$M\"" "data.train=\"$M/bench.jsonl\"" data.max_seq_len=128 \
+        "train.device=\"$DEVICE\"" "train.output_dir=\"$WORK/run\"" > "$WORK/base.toml"
       run "random 105M Llama, LoRA / full" benchmarks/estimate-grid-a.svg --config "$WORK/base.toml" \
         --grid train.method=lora,full --grid train.checkpointing=false,true \
         --grid train.optimizer=adamw,adamw8bit

@@ -21,6 +21,8 @@ WORK=${WORK:-target/bench-cpu}
 THREADS=${THREADS:-$(nproc)}
 mkdir -p "$WORK"
 SHAPES=${SHAPES:-base wide quickstart}
+# shellcheck source=scripts/bench_lib.sh
+. scripts/bench_lib.sh
 cargo build --release -q -p tallow
 REV=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- crates || echo "+dirty")
 
@@ -41,27 +43,9 @@ prepare() { # shape
     # shellcheck disable=SC2086
     $PY scripts/bench_peft_reference.py make-model "$dir/model" $args >/dev/null
   fi
-  cat > "$dir/tallow.toml" <<TOML
-[model]
-path = "$dir/model"
-dtype = "f32"
-[lora]
-rank = 16
-alpha = 32
-dropout = 0.0
-targets = "all-linear"
-[data]
-train = "$dir/model/bench.jsonl"
-max_seq_len = $seq
-shuffle = false
-[train]
-micro_batch_size = $mb
-grad_accum = 1
-max_steps = $STEPS
-lr = 1e-4
-schedule = "constant"
-output_dir = "$dir/run"
-TOML
+  bench_job_toml "model.path=\"$dir/model\"" 'model.dtype="f32"' 'lora.targets="all-linear"' \
+    "data.train=\"$dir/model/bench.jsonl\"" "data.max_seq_len=$seq" "train.micro_batch_size=$mb" \
+    "train.max_steps=$STEPS" "train.output_dir=\"$dir/run\"" > "$dir/tallow.toml"
 }
 tallow_run() { # shape
   local dir="$WORK/$1"

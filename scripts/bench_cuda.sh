@@ -49,6 +49,8 @@
 #   PEFT_QLORA_CPU=1 PY=/work/pyref/bin/python scripts/bench_cuda.sh --smoke
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/bench_lib.sh
+. scripts/bench_lib.sh
 ALL_MODELS=qwen2.5-0.5b,qwen2.5-1.5b,llama-3.2-1b,llama-3.2-3b,llama-3.1-8b
 MODELS=$ALL_MODELS SEQS= METHODS=lora,qlora CKPTS=off,on SIDES=tallow,peft
 STEPS= WARMUP= TIMEOUT=300 DEADLINE=0 OUT= SMOKE=0 LIST=0
@@ -225,31 +227,9 @@ make_model() { # name dir
   if [ "$rc" != 0 ]; then rm -rf "$dir"; return 1; fi
 }
 
-cat > "$WORK/base.toml" <<TOML
-[model]
-path = "unset"
-dtype = "bf16"
-[lora]
-rank = 16
-alpha = 32
-dropout = 0.0
-targets = "all-linear"
-[data]
-train = "unset"
-max_seq_len = 512
-shuffle = false
-[train]
-method = "lora"
-micro_batch_size = 1
-grad_accum = 1
-optimizer = "adamw"
-lr = 1e-4
-weight_decay = 0.0
-schedule = "constant"
-max_grad_norm = 1.0
-device = "$DEVICE"
-output_dir = "unset"
-TOML
+bench_job_toml 'lora.targets="all-linear"' 'train.method="lora"' 'train.optimizer="adamw"' \
+  train.weight_decay=0.0 train.max_grad_norm=1.0 "train.device=\"$DEVICE\"" 'train.output_dir="unset"' \
+  > "$WORK/base.toml"
 
 THREADS=${THREADS:-$(nproc)}
 for m in ${MODELS//,/ }; do
@@ -311,12 +291,19 @@ notes, t_tps, p_tps, losses = [], None, None, [None, None]
 cols = {k: "-" for k in ("t_peak", "est", "err", "alloc", "resv")}
 smi = [read(f"{cell}/{side}.smi") for side in ("tallow", "peft")]
 
-rc = read(f"{cell}/tallow.rc")
-if rc is None:
-    notes.append("tallow not run (--sides)")
-elif rc == "deadline":
-    notes.append("tallow not run: --deadline reached")
-else:
+def ran(side, name):
+    """The side's exit status, or None (noted) when it did not run."""
+    rc = read(f"{cell}/{side}.rc")
+    if rc is None:
+        notes.append(f"{name} not run (--sides)")
+    elif rc == "deadline":
+        notes.append(f"{name} not run: --deadline reached")
+    else:
+        return rc
+    return None
+
+rc = ran("tallow", "tallow")
+if rc is not None:
     try:
         rows = json.loads(read(f"{cell}/tallow.out") or "null")
     except ValueError:
@@ -351,12 +338,8 @@ else:
         if rc != "0" and not r.get("oom") and not r.get("error"):
             notes.append(f"tallow exit {rc}")
 
-rc = read(f"{cell}/peft.rc")
-if rc is None:
-    notes.append("PEFT not run (--sides)")
-elif rc == "deadline":
-    notes.append("PEFT not run: --deadline reached")
-else:
+rc = ran("peft", "PEFT")
+if rc is not None:
     v = last_json(f"{cell}/peft.out")
     if v is None:
         notes.append(f"PEFT failed (exit {rc}): {tail(f'{cell}/peft.err')}")

@@ -21,6 +21,8 @@ STEPS=${STEPS:-2}
 WORK=${WORK:-target/bench-mem}
 OUT=${OUT:-benchmarks/memory.md}
 MODEL=$WORK/llama-105m
+# shellcheck source=scripts/bench_lib.sh
+. scripts/bench_lib.sh
 if [ -z "${TALLOW:-}" ]; then
   cargo build --release -q -p tallow -p tallow-tests
   TALLOW=target/release/tallow
@@ -28,27 +30,8 @@ fi
 if [ ! -f "$MODEL/model.safetensors" ]; then
   target/release/make-random-model benchmarks/models/llama-105m.json "$MODEL" --rows 16 >/dev/null
 fi
-cat > "$WORK/base.toml" <<TOML
-[model]
-path = "$MODEL"
-dtype = "bf16"
-[lora]
-rank = 16
-alpha = 32
-dropout = 0.0
-[data]
-train = "$MODEL/bench.jsonl"
-max_seq_len = 512
-shuffle = false
-[train]
-micro_batch_size = 1
-grad_accum = 1
-max_steps = $STEPS
-lr = 1e-4
-schedule = "constant"
-device = "$DEVICE"
-output_dir = "$WORK/run"
-TOML
+bench_job_toml "model.path=\"$MODEL\"" "data.train=\"$MODEL/bench.jsonl\"" "train.max_steps=$STEPS" \
+  "train.device=\"$DEVICE\"" "train.output_dir=\"$WORK/run\"" > "$WORK/base.toml"
 
 CELLS=(
   "lora bf16|"

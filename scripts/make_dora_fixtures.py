@@ -59,35 +59,26 @@ import warnings  # noqa: E402
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from peft import LoraConfig, get_peft_model  # noqa: E402
+from peft import get_peft_model  # noqa: E402
 from peft.utils import get_peft_model_state_dict  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fixturelib as fl  # noqa: E402
 import make_fixtures as mf  # noqa: E402
 import make_peft_fixtures as mp  # noqa: E402
 
 REPO = mf.REPO
 FIX = mf.FIX
-MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
+MODELS = mp.MODELS
 SEED = 20240607 + 9000
-INIT_STD = 0.2
+INIT_STD = mp.INIT_STD
 MAG_STD = 0.1
-SGD_LR = 0.5
+SGD_LR = mp.SGD_LR
 SPEC = dict(r=4, lora_alpha=8, target_modules=mp.ALL_TARGETS)
-MERGE_TOL = 1e-4
+MERGE_TOL = mp.MERGE_TOL
 
 
 def dora_config():
-    return LoraConfig(
-        r=SPEC["r"],
-        lora_alpha=SPEC["lora_alpha"],
-        lora_dropout=0.0,
-        target_modules=list(SPEC["target_modules"]),
-        task_type="CAUSAL_LM",
-        use_dora=True,
-        bias="none",
-    )
+    return mp.lora_config(SPEC, use_dora=True)
 
 
 def file_key_to_param(key: str, adapter_name: str = "default") -> str:
@@ -107,36 +98,17 @@ def build_adapter(name, model_dir: Path, ref, seed):
     shutil.rmtree(out, ignore_errors=True)
     base = mf.load_model(model_dir)
     model = get_peft_model(base, dora_config())
-    gen = torch.Generator().manual_seed(seed)
-    counts = {"ab": 0, "m": 0}
-    with torch.no_grad():
-        for pn, p in model.named_parameters():
-            if ".lora_A." in pn or ".lora_B." in pn:
-                p.copy_(INIT_STD * torch.randn(p.shape, generator=gen, dtype=torch.float32))
-                counts["ab"] += 1
-            elif ".lora_magnitude_vector." in pn:
-                p.mul_(1 + MAG_STD * torch.randn(p.shape, generator=gen, dtype=torch.float32))
-                counts["m"] += 1
-            else:
-                assert ".lora_" not in pn, pn
+    counts = mp.randomize_adapter(model, seed, MAG_STD)
     n_mod = 2 * len(SPEC["target_modules"])  # 2 layers x targets
     assert counts == {"ab": 2 * n_mod, "m": n_mod}, counts
     model.eval()
     mem = mp.eval_losses(model, ref)
 
-    model.peft_config["default"].base_model_name_or_path = name
-    model.save_pretrained(str(out), safe_serialization=True)
-    (out / "README.md").unlink(missing_ok=True)
-    cfg = json.loads((out / "adapter_config.json").read_text(encoding="utf-8"))
+    cfg = mp.save_adapter(model, name, out)
     assert cfg["use_dora"] is True, cfg
 
-    re = mp.load_peft(model_dir, out)
-    keys = check_loaded(re, out)
+    keys, formats = mp.reload_formats(model_dir, out, ref, mem, file_key_to_param, tag=(name,))
     assert any(k.endswith(".lora_magnitude_vector") for k in keys), keys
-    rel = mp.eval_losses(re, ref)
-    for fmt in mem:
-        assert rel[fmt]["nll_sum"] == mem[fmt]["nll_sum"], (name, fmt)
-    mrg = mp.merged_losses(re, ref)
     res = {
         "adapter_dir": str(out.relative_to(REPO)),
         "seed": seed,
@@ -147,47 +119,19 @@ def build_adapter(name, model_dir: Path, ref, seed):
         "use_dora": True,
         "scaling": SPEC["lora_alpha"] / SPEC["r"],
         "keys": keys,
-        "formats": {},
+        "formats": formats,
     }
-    for fmt in mem:
-        d = abs(mrg[fmt]["loss"] - mem[fmt]["loss"])
-        assert d < MERGE_TOL, (name, fmt, mem[fmt]["loss"], mrg[fmt]["loss"])
-        res["formats"][fmt] = {
-            "loss": mem[fmt]["loss"],
-            "reload_loss": rel[fmt]["loss"],
-            "merged_loss": mrg[fmt]["loss"],
-            "nll_sum": mem[fmt]["nll_sum"],
-            "n_targets": mem[fmt]["n_targets"],
-        }
     return out, res
 
 
 def sgd_step(name, model_dir: Path, adapter_dir: Path, ref, out_root=FIX):
     model = mp.load_peft(model_dir, adapter_dir, trainable=True)
     model.eval()
-    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    sd = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    key_of = {file_key_to_param(k): k for k in sd}
-    assert set(key_of) == set(trainable), set(key_of) ^ set(trainable)
-    opt = torch.optim.SGD(list(trainable.values()), lr=SGD_LR)
-    opt.zero_grad(set_to_none=True)
-    loss = mp.text_loss(model, ref)
-    loss.backward()
-    before = loss.item()
-    tensors = {}
-    for pn, p in trainable.items():
-        assert p.grad is not None, pn
-        tensors[f"grad.{key_of[pn]}"] = p.grad.detach().float().clone().contiguous()
-    opt.step()
-    for pn, p in trainable.items():
-        tensors[f"after.{key_of[pn]}"] = p.detach().float().clone().contiguous()
+    before, after, tensors, sd = mp.text_sgd(model, adapter_dir, ref, SGD_LR, file_key_to_param)
     saved = get_peft_model_state_dict(model)
     assert set(saved) == set(sd), set(saved) ^ set(sd)
-    with torch.no_grad():
-        after = mp.text_loss(model, ref).item()
-    assert after < before, (before, after)
     path = out_root / "reference" / f"peft-dora-{name}-sgd.safetensors"
-    save_file(dict(sorted(tensors.items())), str(path), metadata={"format": "pt"})
+    fl.save_tensors(tensors, path)
     return {
         "lr": SGD_LR,
         "sgd_loss_before": before,
@@ -278,11 +222,9 @@ def main():
     ap.add_argument("--out", type=Path)
     ap.add_argument("--v5", action="store_true")
     args = ap.parse_args()
-    for k, v in mf.PINNED.items():
-        if not args.v5 and not mf.VERSIONS[k].startswith(v):
-            print(f"WARNING: {k} {mf.VERSIONS[k]} != pinned {v}", file=sys.stderr)
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    if not args.v5:
+        fl.warn_unpinned(mf.VERSIONS, mf.PINNED)
+    fl.deterministic()
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message=r"Unable to fetch remote file")
     warnings.filterwarnings("ignore", message=r"Could not find a config file")

@@ -34,9 +34,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import torch  # noqa: E402
 from peft import PeftModel  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fixturelib as fl  # noqa: E402
 import make_fixtures as mf  # noqa: E402
 import make_peft_fixtures as mp  # noqa: E402  (file_key_to_param)
 
@@ -61,8 +62,7 @@ class FixedMask(torch.nn.Module):
 
 def main():
     torch.manual_seed(0)
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    fl.deterministic()
     for name in MODELS:
         ref = json.loads((FIX / "reference" / f"{name}.json").read_text())
         rows = ref["formats"]["text"]["rows"]
@@ -89,24 +89,10 @@ def main():
 
         with torch.no_grad():
             plain = loss_fn(False).item()
-        sd = load_file(str(adapter / "adapter_model.safetensors"))
-        params = dict(model.named_parameters())
-        key_of = {mp.file_key_to_param(k): k for k in sd}
-        trainable = {n: p for n, p in params.items() if p.requires_grad}
-        assert set(key_of) == set(trainable)
-        opt = torch.optim.SGD(list(trainable.values()), lr=LR)
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(True)
-        loss.backward()
-        tensors = {}
-        for pn, p in trainable.items():
-            tensors[f"grad.{key_of[pn]}"] = p.grad.detach().float().clone().contiguous()
-        opt.step()
-        for pn, p in trainable.items():
-            tensors[f"after.{key_of[pn]}"] = p.detach().float().clone().contiguous()
-        save_file(dict(sorted(tensors.items())), str(FIX / "reference" / f"dropout-{name}-sgd.safetensors"),
-                  metadata={"format": "pt"})
-        doc = {"versions": mf.VERSIONS, "p": P, "seed": SEED, "lr": LR, "loss": loss.item(),
+        trainable, key_of, _ = fl.adapter_trainables(model, adapter, mp.file_key_to_param)
+        loss, tensors = fl.sgd_step(trainable, key_of, lambda: loss_fn(True), LR)
+        fl.save_tensors(tensors, FIX / "reference" / f"dropout-{name}-sgd.safetensors")
+        doc = {"versions": mf.VERSIONS, "p": P, "seed": SEED, "lr": LR, "loss": loss,
                "loss_without_dropout": plain, "adapter": str(adapter.relative_to(mf.REPO))}
         mf.write_json(FIX / "reference" / f"dropout-{name}.json", doc)
         print(name, doc["loss"], "without dropout", plain)

@@ -496,33 +496,22 @@ def make_config(name, tok):
             mlp_bias=False,
             **common,
         )
+    # what tiny-qwen2 and tiny-qwen3 share
+    qwen = dict(
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        use_sliding_window=False,
+        max_window_layers=2,
+        # as in Qwen2.5-*-Instruct: config bos = <|endoftext|>, although the tokenizer adds no BOS
+        bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tok.eos_token_id,
+        **common,
+    )
     if name == "tiny-qwen2":
-        return Qwen2Config(
-            intermediate_size=160,
-            tie_word_embeddings=True,
-            rope_theta=1e6,
-            rms_norm_eps=1e-6,
-            use_sliding_window=False,
-            max_window_layers=2,
-            # as in Qwen2.5-*-Instruct: config bos = <|endoftext|>, although the tokenizer adds no BOS
-            bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-            eos_token_id=tok.eos_token_id,
-            **common,
-        )
+        return Qwen2Config(intermediate_size=160, **qwen)
     if name == "tiny-qwen3":
-        return Qwen3Config(
-            intermediate_size=128,
-            head_dim=32,
-            tie_word_embeddings=True,
-            rope_theta=1e6,
-            rms_norm_eps=1e-6,
-            use_sliding_window=False,
-            max_window_layers=2,
-            attention_bias=False,
-            bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-            eos_token_id=tok.eos_token_id,
-            **common,
-        )
+        return Qwen3Config(intermediate_size=128, head_dim=32, attention_bias=False, **qwen)
     raise ValueError(name)
 
 

@@ -28,6 +28,7 @@ after it.
 """
 
 import json
+import sys
 from pathlib import Path
 
 import peft
@@ -35,6 +36,9 @@ import torch
 import transformers
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fixturelib as fl  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 FIX = REPO / "tests" / "fixtures"
@@ -57,8 +61,7 @@ CASES = [
 
 def main():
     torch.manual_seed(0)
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    fl.deterministic()
     out = []
     for name, model_name, adapter, prompt, chat, rp in CASES:
         mdir = FIX / "models" / model_name
@@ -75,24 +78,18 @@ def main():
             )
         else:
             ids = tok(prompt)["input_ids"]
-        x = torch.tensor([ids])
         gen = {}
         for use_cache in (True, False):
-            with torch.no_grad():
-                y = model.generate(
-                    input_ids=x,
-                    attention_mask=torch.ones_like(x),
-                    do_sample=False,
-                    max_new_tokens=MAX_NEW_TOKENS,
-                    repetition_penalty=rp,
-                    use_cache=use_cache,
-                    pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
-                )
-            gen[use_cache] = y[0, len(ids):].tolist()
+            gen[use_cache] = fl.greedy(
+                model,
+                ids,
+                max_new_tokens=MAX_NEW_TOKENS,
+                repetition_penalty=rp,
+                use_cache=use_cache,
+                pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
+            )
         assert gen[True] == gen[False], f"{name}: cache changes transformers' ids"
-        eos = model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [eos])
-        stopped = bool(gen[True]) and gen[True][-1] in eos
+        stopped = fl.stopped_at_eos(model, gen[True])
         print(f"{name}: {len(ids)} prompt ids, {len(gen[True])} generated, eos={stopped}")
         out.append(
             {
@@ -117,11 +114,8 @@ def main():
     mdir = FIX / "models" / base["model"]
     model = AutoModelForCausalLM.from_pretrained(mdir, torch_dtype=torch.float32, attn_implementation="eager")
     model.eval()
-    x = torch.tensor([base["prompt_ids"]])
-    with torch.no_grad():
-        y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
-                           max_new_tokens=MAX_NEW_TOKENS, eos_token_id=[stop], pad_token_id=0)
-    stopped = y[0, x.shape[1]:].tolist()
+    stopped = fl.greedy(model, base["prompt_ids"], max_new_tokens=MAX_NEW_TOKENS,
+                        eos_token_id=[stop], pad_token_id=0)
     assert stopped[-1] == stop and len(stopped) == k + 1, (stopped, k)
     print(f"stop at eos: id {stop}, {len(stopped)} ids")
     stop_case = {"case": "llama-plain", "eos_token_id": [stop], "generated_ids": stopped}

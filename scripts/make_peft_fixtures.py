@@ -88,9 +88,9 @@ import torch  # noqa: E402
 import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.utils import get_peft_model_state_dict
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fixturelib as fl  # noqa: E402  (sgd_step, save_tensors, ...)
 import make_fixtures as mf  # noqa: E402  (row_nll, load_model, VERSIONS, PINNED, write_json)
 
 REPO = mf.REPO
@@ -107,15 +107,17 @@ ADAPTERS = {
 MERGE_TOL = 1e-4  # |merged_loss - loss| (f32 weight merge vs. unmerged f32 path)
 
 
-def lora_config(spec):
+def lora_config(spec, **kw):
+    """The adapters' LoraConfig (no dropout, no bias) for spec's r, lora_alpha and target_modules,
+    with `kw` (use_rslora, use_dora) on top."""
     return LoraConfig(
         r=spec["r"],
         lora_alpha=spec["lora_alpha"],
         lora_dropout=0.0,
         target_modules=list(spec["target_modules"]),
         task_type="CAUSAL_LM",
-        use_rslora=spec["use_rslora"],
         bias="none",
+        **kw,
     )
 
 
@@ -173,6 +175,19 @@ def text_loss(model, ref):
     return total / sum(sum(r["targets"]) for r in rows)
 
 
+def text_sgd(model, adapter_dir: Path, ref, lr, key_to_param=None):
+    """One SGD step (lr) on text_loss of `model`, PEFT's trainable model of adapter_dir (whose
+    trainable parameters must be the file's tensors; `key_to_param` as in check_loaded): the loss
+    before and after the step (which must be lower), the step's tensors (fixturelib.sgd_step,
+    under the file's keys) and the file's tensors."""
+    trainable, key_of, sd = fl.adapter_trainables(model, adapter_dir, key_to_param or file_key_to_param)
+    before, tensors = fl.sgd_step(trainable, key_of, lambda: text_loss(model, ref), lr)
+    with torch.no_grad():
+        after = text_loss(model, ref).item()
+    assert after < before, (before, after)
+    return before, after, tensors, sd
+
+
 def load_peft(model_dir: Path, adapter_dir: Path, trainable=False):
     base = mf.load_model(model_dir)
     m = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=trainable)
@@ -188,6 +203,59 @@ def merged_losses(peft_model, ref):
     return eval_losses(merged, ref)
 
 
+def randomize_adapter(model, seed, magnitude_std=None):
+    """Every lora_A / lora_B weight <- INIT_STD * randn and, with magnitude_std, every DoRA
+    magnitude vector *= 1 + magnitude_std * randn (one seeded generator, in named_parameters
+    order): {"ab": how many A / B weights, "m": how many magnitude vectors}."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = {"ab": 0, "m": 0}
+    with torch.no_grad():
+        for pn, p in model.named_parameters():
+            if ".lora_A." in pn or ".lora_B." in pn:
+                p.copy_(INIT_STD * torch.randn(p.shape, generator=gen, dtype=torch.float32))
+                counts["ab"] += 1
+            elif magnitude_std is not None and ".lora_magnitude_vector." in pn:
+                p.mul_(1 + magnitude_std * torch.randn(p.shape, generator=gen, dtype=torch.float32))
+                counts["m"] += 1
+            else:
+                assert ".lora_" not in pn, pn
+    return counts
+
+
+def save_adapter(model, name, out: Path):
+    """PeftModel.save_pretrained into `out`, base_model_name_or_path = name (the model's dir
+    name); the README.md model card it writes is deleted. Returns adapter_config.json."""
+    model.peft_config["default"].base_model_name_or_path = name
+    model.save_pretrained(str(out), safe_serialization=True)
+    (out / "README.md").unlink(missing_ok=True)  # model card boilerplate, not needed
+    return json.loads((out / "adapter_config.json").read_text(encoding="utf-8"))
+
+
+def reload_formats(model_dir: Path, adapter_dir: Path, ref, mem, key_to_param=None, tag=()):
+    """The saved adapter, reloaded by PEFT: its tensors as-is (check_loaded, `key_to_param` as
+    there), the same losses as `mem` (eval_losses of the model it was saved from), merged losses
+    within MERGE_TOL (`tag` heads the assertion messages). Returns (the file's keys, per format
+    loss / reload_loss / merged_loss / nll_sum / n_targets)."""
+    re = load_peft(model_dir, adapter_dir)
+    keys = check_loaded(re, adapter_dir, key_to_param)
+    rel = eval_losses(re, ref)
+    for fmt in mem:
+        assert rel[fmt]["nll_sum"] == mem[fmt]["nll_sum"], (*tag, fmt, rel[fmt], mem[fmt])
+    mrg = merged_losses(re, ref)
+    formats = {}
+    for fmt in mem:
+        d = abs(mrg[fmt]["loss"] - mem[fmt]["loss"])
+        assert d < MERGE_TOL, (*tag, fmt, mem[fmt]["loss"], mrg[fmt]["loss"])
+        formats[fmt] = {
+            "loss": mem[fmt]["loss"],
+            "reload_loss": rel[fmt]["loss"],
+            "merged_loss": mrg[fmt]["loss"],
+            "nll_sum": mem[fmt]["nll_sum"],
+            "n_targets": mem[fmt]["n_targets"],
+        }
+    return keys, formats
+
+
 # --------------------------------------------------------------------------------------
 
 
@@ -195,38 +263,22 @@ def build_adapter(name, model_dir: Path, ref, kind, spec, seed):
     out = FIX / "adapters" / f"{name}-{kind}"
     shutil.rmtree(out, ignore_errors=True)
     base = mf.load_model(model_dir)
-    model = get_peft_model(base, lora_config(spec))
-    gen = torch.Generator().manual_seed(seed)
-    n_lora = 0
-    with torch.no_grad():
-        for pn, p in model.named_parameters():
-            if ".lora_A." in pn or ".lora_B." in pn:
-                p.copy_(INIT_STD * torch.randn(p.shape, generator=gen, dtype=torch.float32))
-                n_lora += 1
-            else:
-                assert ".lora_" not in pn, pn
+    model = get_peft_model(base, lora_config(spec, use_rslora=spec["use_rslora"]))
+    n_lora = randomize_adapter(model, seed)["ab"]
     assert n_lora == 2 * 2 * len(spec["target_modules"]), n_lora  # 2 layers x (A, B) x targets
     model.eval()
     mem = eval_losses(model, ref)
 
-    model.peft_config["default"].base_model_name_or_path = name
-    model.save_pretrained(str(out), safe_serialization=True)
-    (out / "README.md").unlink(missing_ok=True)  # model card boilerplate, not needed
+    cfg = save_adapter(model, name, out)
     files = sorted(p.name for p in out.iterdir())
     assert files == ["adapter_config.json", "adapter_model.safetensors"], files
-    cfg = json.loads((out / "adapter_config.json").read_text(encoding="utf-8"))
     assert cfg["base_model_name_or_path"] == name, cfg["base_model_name_or_path"]
     assert cfg["r"] == spec["r"] and cfg["lora_alpha"] == spec["lora_alpha"]
     assert cfg["use_rslora"] == spec["use_rslora"]
     assert sorted(cfg["target_modules"]) == sorted(spec["target_modules"])
 
     # reload with PEFT: same tensors, same losses (bit-identical computation)
-    re = load_peft(model_dir, out)
-    keys = check_loaded(re, out)
-    rel = eval_losses(re, ref)
-    for fmt in mem:
-        assert rel[fmt]["nll_sum"] == mem[fmt]["nll_sum"], (name, kind, fmt, rel[fmt], mem[fmt])
-    mrg = merged_losses(re, ref)
+    keys, formats = reload_formats(model_dir, out, ref, mem, tag=(name, kind))
 
     scaling = spec["lora_alpha"] / (math.sqrt(spec["r"]) if spec["use_rslora"] else spec["r"])
     res = {
@@ -239,56 +291,28 @@ def build_adapter(name, model_dir: Path, ref, kind, spec, seed):
         "scaling": scaling,
         "target_modules": sorted(spec["target_modules"]),
         "keys": keys,
-        "formats": {},
+        "formats": formats,
     }
-    for fmt in mem:
-        d = abs(mrg[fmt]["loss"] - mem[fmt]["loss"])
-        assert d < MERGE_TOL, (name, kind, fmt, mem[fmt]["loss"], mrg[fmt]["loss"])
-        res["formats"][fmt] = {
-            "loss": mem[fmt]["loss"],
-            "reload_loss": rel[fmt]["loss"],
-            "merged_loss": mrg[fmt]["loss"],
-            "nll_sum": mem[fmt]["nll_sum"],
-            "n_targets": mem[fmt]["n_targets"],
-        }
     return out, res
 
 
 def sgd_step(name, model_dir: Path, adapter_dir: Path, ref):
     model = load_peft(model_dir, adapter_dir, trainable=True)
     model.eval()  # dropout is 0 anyway; keeps the forward identical to the eval path
-    params = dict(model.named_parameters())
-    trainable = {n: p for n, p in params.items() if p.requires_grad}
-    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable), sorted(trainable)
-    sd = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    key_of = {file_key_to_param(k): k for k in sd}
-    assert set(key_of) == set(trainable), set(key_of) ^ set(trainable)
-
-    opt = torch.optim.SGD(list(trainable.values()), lr=SGD_LR)
-    opt.zero_grad(set_to_none=True)
-    loss = text_loss(model, ref)
-    loss.backward()
-    before = loss.item()
+    before, after, tensors, sd = text_sgd(model, adapter_dir, ref, SGD_LR)
+    # the trainable parameters (one a file tensor) are the LoRA A / B weights
+    assert sd and all(".lora_A." in k or ".lora_B." in k for k in sd), sorted(sd)
     assert abs(before - ref["_peft_text_loss"]) < 1e-12, (before, ref["_peft_text_loss"])
-    tensors = {}
-    for pn, p in trainable.items():
-        assert p.grad is not None, pn
-        tensors[f"grad.{key_of[pn]}"] = p.grad.detach().float().clone().contiguous()
-    opt.step()
-    for pn, p in trainable.items():
-        want = sd[key_of[pn]] - SGD_LR * tensors[f"grad.{key_of[pn]}"]
-        assert torch.equal(p.detach(), want), pn
-        tensors[f"after.{key_of[pn]}"] = p.detach().float().clone().contiguous()
+    for k in sd:
+        want = sd[k] - SGD_LR * tensors[f"grad.{k}"]
+        assert torch.equal(tensors[f"after.{k}"], want), k
     # the state dict PEFT would save now uses the same names
     saved = get_peft_model_state_dict(model)
     assert set(saved) == set(sd), set(saved) ^ set(sd)
     for k, v in saved.items():
         assert torch.equal(v, tensors[f"after.{k}"]), k
-    with torch.no_grad():
-        after = text_loss(model, ref).item()
-    assert after < before, (before, after)
     path = FIX / "reference" / f"peft-{name}-sgd.safetensors"
-    save_file(dict(sorted(tensors.items())), str(path), metadata={"format": "pt"})
+    fl.save_tensors(tensors, path)
     return path, {
         "adapter": "peft",
         "lr": SGD_LR,
@@ -389,11 +413,8 @@ def main():
     ap.add_argument("--reference", type=Path, metavar="REF.json")
     args = ap.parse_args()
 
-    for k, v in mf.PINNED.items():
-        if not mf.VERSIONS[k].startswith(v):
-            print(f"WARNING: {k} {mf.VERSIONS[k]} != pinned {v}; fixtures may differ", file=sys.stderr)
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    fl.warn_unpinned(mf.VERSIONS, mf.PINNED, "; fixtures may differ")
+    fl.deterministic()
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     # consequence of the offline lookup above (no target is an embedding layer, so harmless)

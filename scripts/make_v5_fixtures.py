@@ -51,10 +51,10 @@ import torch  # noqa: E402
 import peft  # noqa: E402
 import transformers  # noqa: E402
 from peft import PeftModel  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fixturelib as fl  # noqa: E402
 import make_fixtures as mf  # noqa: E402  (DATASETS, write_json)
 import make_peft_fixtures as mp  # noqa: E402  (eval_losses, text_loss, file_key_to_param)
 
@@ -131,29 +131,10 @@ def peft_reference(name: str, model_dir: Path, ref):
 
     m = PeftModel.from_pretrained(load(model_dir), str(adapter), is_trainable=True)
     m.eval()
-    sd = load_file(str(adapter / "adapter_model.safetensors"))
-    params = dict(m.named_parameters())
-    trainable = {n: p for n, p in params.items() if p.requires_grad}
-    key_of = {mp.file_key_to_param(k): k for k in sd}
-    assert set(key_of) == set(trainable), set(key_of) ^ set(trainable)
-    for pn, k in key_of.items():
-        assert torch.equal(params[pn].detach(), sd[k]), k
-    opt = torch.optim.SGD(list(trainable.values()), lr=SGD_LR)
-    opt.zero_grad(set_to_none=True)
-    loss = mp.text_loss(m, ref)
-    loss.backward()
-    before = loss.item()
-    tensors = {}
-    for pn, p in trainable.items():
-        tensors[f"grad.{key_of[pn]}"] = p.grad.detach().float().clone().contiguous()
-    opt.step()
-    for pn, p in trainable.items():
-        tensors[f"after.{key_of[pn]}"] = p.detach().float().clone().contiguous()
-    with torch.no_grad():
-        after = mp.text_loss(m, ref).item()
-    assert after < before, (before, after)
+    mp.check_loaded(m, adapter)  # the file's tensors, as they are
+    before, after, tensors, _ = mp.text_sgd(m, adapter, ref, SGD_LR)
     path = OUT / "reference" / f"peft-{name}-sgd.safetensors"
-    save_file(dict(sorted(tensors.items())), str(path), metadata={"format": "pt"})
+    fl.save_tensors(tensors, path)
     return {
         "versions": VERSIONS,
         "adapters": {"peft": {"adapter_dir": str(adapter.relative_to(mf.REPO)), "formats": losses}},
@@ -171,20 +152,9 @@ def generate_reference():
         if case["adapter"]:
             model = PeftModel.from_pretrained(model, str(FIX / "adapters" / case["adapter"]))
             model.eval()
-        x = torch.tensor([case["prompt_ids"]])
-        with torch.no_grad():
-            y = model.generate(
-                input_ids=x,
-                attention_mask=torch.ones_like(x),
-                do_sample=False,
-                max_new_tokens=max_new,
-                repetition_penalty=case["repetition_penalty"],
-                pad_token_id=0,
-            )
-        gen = y[0, x.shape[1]:].tolist()
-        eos = model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [eos])
-        c = dict(case, generated_ids=gen, stopped_at_eos=bool(gen) and gen[-1] in eos)
+        gen = fl.greedy(model, case["prompt_ids"], max_new_tokens=max_new,
+                        repetition_penalty=case["repetition_penalty"], pad_token_id=0)
+        c = dict(case, generated_ids=gen, stopped_at_eos=fl.stopped_at_eos(model, gen))
         c["same_as_4_57"] = gen == case["generated_ids"]
         print(f"  generate {case['name']}: {len(gen)} ids, same as 4.57: {c['same_as_4_57']}")
         cases.append(c)
@@ -193,12 +163,9 @@ def generate_reference():
 
 
 def main():
-    for k, v in PINNED.items():
-        if not VERSIONS[k].startswith(v):
-            print(f"WARNING: {k} {VERSIONS[k]} != pinned {v}", file=sys.stderr)
+    fl.warn_unpinned(VERSIONS, PINNED)
     torch.manual_seed(0)
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    fl.deterministic()
     transformers.logging.set_verbosity_error()
     shutil.rmtree(OUT, ignore_errors=True)
     (OUT / "reference").mkdir(parents=True)
