@@ -617,7 +617,7 @@ fn block_keys(i0: usize, i1: usize, t: usize) -> usize {
 /// `dst (m, n) [+]= lhs (m, k) * rhs` (rhs (n, k) used transposed when `rhs_t`, else (k, n)), row
 /// strides given, single-threaded (the caller parallelizes over heads).
 #[allow(clippy::too_many_arguments)]
-fn small_gemm<T: Real>(
+pub(crate) fn small_gemm<T: Real>(
     dst: &mut [T],
     dst_rs: usize,
     read_dst: bool,

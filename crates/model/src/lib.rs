@@ -14,6 +14,7 @@
 //!   choice (greedy, temperature, top-k, top-p, repetition penalty).
 
 pub mod checkpointing;
+pub mod chunked;
 pub mod config;
 pub mod consts;
 #[cfg(feature = "cuda")]

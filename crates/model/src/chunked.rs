@@ -1,0 +1,835 @@
+//! Memory-efficient ("chunked") causal attention: softmax(q kᵀ + mask) v computed one block of
+//! queries at a time, keeping for the backward only the output and each query row's
+//! log-sum-exp, never anything T x T. The backward recomputes each block's probabilities from
+//! q, k and the log-sum-exp (FlashAttention's recurrence, arXiv:2205.14135, with whole key rows
+//! per query block: a block's scores are O(T), so no online rescaling is needed).
+//!
+//! The mask is never a (T, T) tensor either: it is each token's segment id (rows packed
+//! together), causality and an optional sliding window ([`AttentionMask`]); a block reads only
+//! the keys from its first allowed key to its last query.
+//!
+//! Two implementations of the same maths, chosen by device and dtype:
+//! - f32 / f64 on the CPU: one fused kernel, rayon over (batch, kv head) groups, blocks of
+//!   [`CPU_BLOCK`] query rows ([`crate::fused::small_gemm`] for the products);
+//! - anywhere else (CUDA, bf16, f16): Candle tensor ops over blocks of queries, as many rows per
+//!   block as keep a block's f32 scores under [`BLOCK_SCORE_BYTES`] ([`block_rows`]).
+//!
+//! Both are wrapped in one custom op ([`chunked_attention`]) whose backward is the matching
+//! block loop, so the autograd graph holds q, k, v, the output and the log-sum-exp only.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, D};
+use rayon::prelude::*;
+
+use crate::fused::{data, small_gemm, storage_data, supports, uninit, Real};
+
+type R<T> = candle_core::Result<T>;
+
+/// Query rows per block of the CPU kernel (its scores: 64 x keys, per thread).
+pub const CPU_BLOCK: usize = 64;
+
+/// The most a block's f32 scores (B x H x rows x keys) take on the tensor-op path: 64 MiB, a
+/// small fraction of any GPU's memory, while blocks stay large enough to keep the matmuls busy.
+pub const BLOCK_SCORE_BYTES: usize = 64 << 20;
+
+/// Which keys each query may attend to, without a (T, T) tensor: key j is visible to query i
+/// iff j <= i, both are in the same segment, and (with a sliding window w) i - j < w.
+#[derive(Clone, Debug)]
+pub struct AttentionMask {
+    /// (B, T) u32 segment ids, on the device of the attention's tensors.
+    pub segments: Tensor,
+    /// The same ids on the host: block key ranges (and the CPU kernel) read them.
+    pub host: Arc<Vec<Vec<u32>>>,
+    pub window: Option<usize>,
+    /// For each row and position, the first key it may attend to.
+    first: Arc<Vec<Vec<usize>>>,
+}
+
+impl AttentionMask {
+    /// `segments`: B rows of T ids (all zeros for an ordinary batch).
+    pub fn new(segments: &[Vec<u32>], window: Option<usize>, device: &Device) -> R<Self> {
+        let b = segments.len();
+        let t = segments.first().map_or(0, |s| s.len());
+        let flat: Vec<u32> = segments.iter().flatten().copied().collect();
+        let first = segments.iter().map(|s| first_keys(s, window)).collect();
+        Ok(Self {
+            segments: Tensor::from_vec(flat, (b, t), device)?,
+            host: Arc::new(segments.to_vec()),
+            window,
+            first: Arc::new(first),
+        })
+    }
+
+    /// Whether query position `i` of row `b` may read key `j` (j in its key range).
+    fn allowed(&self, b: usize, i: usize, j: usize) -> bool {
+        j <= i && j >= self.first[b][i] && self.host[b][j] == self.host[b][i]
+    }
+
+    /// The keys a block of query positions [p0, p1) reads: from the first key any row of any
+    /// batch entry may attend to, to the block's last position.
+    fn key_range(&self, p0: usize, p1: usize) -> (usize, usize) {
+        let lo = self
+            .first
+            .iter()
+            .map(|f| f[p0..p1].iter().copied().min().unwrap_or(p0))
+            .min()
+            .unwrap_or(p0);
+        (lo, p1)
+    }
+
+    /// The same for one batch row.
+    fn row_key_range(&self, b: usize, p0: usize, p1: usize) -> (usize, usize) {
+        let lo = self.first[b][p0..p1].iter().copied().min().unwrap_or(p0);
+        (lo, p1)
+    }
+
+    /// Additive mask of a block (0 or -inf, f32): queries [p0, p1) x keys [lo, hi), per batch
+    /// row, from the device segment ids. -> (B, 1, 1, p1 - p0, hi - lo)
+    fn block(&self, p0: usize, p1: usize, lo: usize, hi: usize) -> R<Tensor> {
+        let dev = self.segments.device();
+        let b = self.host.len();
+        let sq = self.segments.narrow(1, p0, p1 - p0)?; // (B, m)
+        let sk = self.segments.narrow(1, lo, hi - lo)?; // (B, nk)
+        let same = sq.unsqueeze(2)?.broadcast_eq(&sk.unsqueeze(1)?)?; // (B, m, nk)
+        let i = Tensor::arange(p0 as u32, p1 as u32, dev)?.unsqueeze(1)?; // (m, 1)
+        let j = Tensor::arange(lo as u32, hi as u32, dev)?.unsqueeze(0)?; // (1, nk)
+        let mut ok = i.broadcast_ge(&j)?; // (m, nk): j <= i
+        if let Some(w) = self.window {
+            ok = (ok * i.broadcast_lt(&(j + w as f64)?)?)?; // i - j < w
+        }
+        let ok = same.broadcast_mul(&ok.unsqueeze(0)?)?; // (B, m, nk)
+        let (m, nk) = (p1 - p0, hi - lo);
+        let zeros = Tensor::zeros((b, m, nk), DType::F32, dev)?;
+        let neg = Tensor::full(f32::NEG_INFINITY, (b, m, nk), dev)?;
+        ok.where_cond(&zeros, &neg)?.reshape((b, 1, 1, m, nk))
+    }
+}
+
+/// For each position of a row, the first key it may attend to: the first position of its
+/// segment id, and no earlier than the window allows.
+fn first_keys(seg: &[u32], window: Option<usize>) -> Vec<usize> {
+    let mut first_of: HashMap<u32, usize> = HashMap::new();
+    seg.iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let f = *first_of.entry(*s).or_insert(i);
+            match window {
+                Some(w) => f.max((i + 1).saturating_sub(w)),
+                None => f,
+            }
+        })
+        .collect()
+}
+
+/// softmax(q kᵀ + mask) v, causal with `mask`'s segments and window, nothing T x T kept.
+/// q: (B, KV, n_rep * T, D) carrying the 1/sqrt(D) scale, the n_rep query heads of each kv head
+/// adjacent; k, v: (B, KV, T, D) -> (B, KV, n_rep * T, D).
+pub fn chunked_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+) -> R<Tensor> {
+    attention(q, k, v, mask, None)
+}
+
+/// [`chunked_attention`]; `rows` forces the tensor-op path with blocks of that many positions
+/// (tests run it on the CPU).
+fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    rows: Option<usize>,
+) -> R<Tensor> {
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let (b, kv, r, d) = q.dims4()?;
+    let (kb, kkv, t, kd) = k.dims4()?;
+    if (kb, kkv, kd) != (b, kv, d) || v.shape() != k.shape() || t == 0 || r % t != 0 {
+        candle_core::bail!(
+            "chunked attention: q {:?}, k {:?}, v {:?}",
+            q.shape(),
+            k.shape(),
+            v.shape()
+        );
+    }
+    if mask.host.len() != b || mask.host.iter().any(|s| s.len() != t) {
+        candle_core::bail!("chunked attention: the mask is not {b} rows of {t} ids");
+    }
+    let fused = supports(&q) && k.dtype() == q.dtype() && v.dtype() == q.dtype();
+    let tracked = q.track_op() || k.track_op() || v.track_op();
+    if !fused || rows.is_some() {
+        let n_rep = r / t;
+        let rows = rows.unwrap_or_else(|| block_rows(b, kv * n_rep, t));
+        let (y, lse) = generic_fwd(&q.detach(), &k.detach(), &v.detach(), mask, rows)?;
+        if !tracked {
+            return Ok(y);
+        }
+        let op = ChunkedAttention {
+            mask: mask.clone(),
+            lse: Mutex::new(Some(lse)),
+            y: Some(y),
+            rows,
+        };
+        return q.apply_op3(&k, &v, op);
+    }
+    let op = ChunkedAttention {
+        mask: mask.clone(),
+        lse: Mutex::new(None),
+        y: None,
+        rows: CPU_BLOCK,
+    };
+    q.apply_op3(&k, &v, op)
+}
+
+struct ChunkedAttention {
+    mask: AttentionMask,
+    /// (B, KV, n_rep * T) f32 (tensor-op path) or q's dtype (CPU kernel) log-sum-exp per row,
+    /// taken by the backward.
+    lse: Mutex<Option<Tensor>>,
+    /// The output, computed by the tensor-op path before the op is applied; `None` when the
+    /// CPU kernel computes it in `cpu_fwd`.
+    y: Option<Tensor>,
+    /// Positions per block of the tensor-op path.
+    rows: usize,
+}
+
+impl CustomOp3 for ChunkedAttention {
+    fn name(&self) -> &'static str {
+        "chunked-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        ql: &Layout,
+        k: &CpuStorage,
+        kl: &Layout,
+        v: &CpuStorage,
+        vl: &Layout,
+    ) -> R<(CpuStorage, Shape)> {
+        if let Some(y) = &self.y {
+            let (s, l) = y.storage_and_layout();
+            return match &*s {
+                candle_core::Storage::Cpu(c) => Ok((c.try_clone(l)?, y.shape().clone())),
+                _ => candle_core::bail!("chunked attention: device mismatch"),
+            };
+        }
+        let (b, kv, r, d) = ql.shape().dims4()?;
+        let t = kl.shape().dims4()?.2;
+        let dims = (b, kv, r, t, d);
+        macro_rules! go {
+            ($ty:ty, $var:ident) => {{
+                let (y, lse) = cpu_fwd::<$ty>(
+                    data(q, ql, "chunked attention")?,
+                    data(k, kl, "chunked attention")?,
+                    data(v, vl, "chunked attention")?,
+                    &self.mask,
+                    dims,
+                );
+                let lse = Tensor::from_vec(lse, (b, kv, r), &Device::Cpu)?;
+                *self.lse.lock().expect("lse lock") = Some(lse);
+                CpuStorage::$var(y)
+            }};
+        }
+        let y = match q.dtype() {
+            DType::F32 => go!(f32, F32),
+            DType::F64 => go!(f64, F64),
+            d => candle_core::bail!("chunked attention: dtype {d:?} (f32 / f64 only)"),
+        };
+        Ok((y, ql.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _q: &candle_core::CudaStorage,
+        _ql: &Layout,
+        _k: &candle_core::CudaStorage,
+        _kl: &Layout,
+        _v: &candle_core::CudaStorage,
+        _vl: &Layout,
+    ) -> R<(candle_core::CudaStorage, Shape)> {
+        let Some(y) = &self.y else {
+            candle_core::bail!("chunked attention: the CUDA path computes the output first")
+        };
+        let (s, l) = y.storage_and_layout();
+        match &*s {
+            candle_core::Storage::Cuda(c) => Ok((c.try_clone(l)?, y.shape().clone())),
+            _ => candle_core::bail!("chunked attention: device mismatch"),
+        }
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        y: &Tensor,
+        dy: &Tensor,
+    ) -> R<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let lse = self.lse.lock().expect("lse lock").take().ok_or_else(|| {
+            candle_core::Error::Msg("chunked attention: backward run twice".into())
+        })?;
+        let dy = dy.contiguous()?;
+        let (dq, dk, dv) = if self.y.is_none() {
+            cpu_bwd(q, k, v, y, &dy, &lse, &self.mask)?
+        } else {
+            generic_bwd(q, k, v, y, &dy, &lse, &self.mask, self.rows)?
+        };
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The CPU kernel (f32 / f64).
+
+/// Scores of a block of rows against keys [lo, lo + nk), masked (-inf) where not allowed:
+/// s (m, nk) = q_blk kᵀ.
+#[allow(clippy::too_many_arguments)]
+fn block_scores<T: Real>(
+    s: &mut [T],
+    q: &[T],
+    k: &[T],
+    mask: &AttentionMask,
+    bi: usize,
+    (p0, m): (usize, usize),
+    (lo, nk): (usize, usize),
+    d: usize,
+) {
+    small_gemm(s, nk, false, q, d, &k[lo * d..], d, true, (m, nk, d));
+    for (ri, row) in s.chunks_mut(nk).enumerate() {
+        let p = p0 + ri;
+        for (j, x) in row.iter_mut().enumerate() {
+            if !mask.allowed(bi, p, lo + j) {
+                *x = T::NEG_INF;
+            }
+        }
+    }
+}
+
+/// Forward of one (b, kv) group: q (R, D), k, v (T, D) -> y (R, D), lse (R).
+#[allow(clippy::too_many_arguments)]
+fn group_fwd<T: Real>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    mask: &AttentionMask,
+    bi: usize,
+    y: &mut [T],
+    lse: &mut [T],
+    (t, d): (usize, usize),
+) {
+    let r = q.len() / d;
+    let mut s = uninit::<T>(CPU_BLOCK * t);
+    for rep in (0..r).step_by(t) {
+        for p0 in (0..t).step_by(CPU_BLOCK) {
+            let p1 = (p0 + CPU_BLOCK).min(t);
+            let (m, i0) = (p1 - p0, rep + p0);
+            let (lo, hi) = mask.row_key_range(bi, p0, p1);
+            let nk = hi - lo;
+            let s = &mut s[..m * nk];
+            block_scores(s, &q[i0 * d..], k, mask, bi, (p0, m), (lo, nk), d);
+            for (ri, row) in s.chunks_mut(nk).enumerate() {
+                let mx = row.iter().copied().fold(T::NEG_INF, |a, x| if x > a { x } else { a });
+                let mut sum = T::zero();
+                for x in row.iter_mut() {
+                    *x = (*x - mx).exp();
+                    sum = sum + *x;
+                }
+                let inv = sum.recip();
+                for x in row.iter_mut() {
+                    *x = *x * inv;
+                }
+                lse[i0 + ri] = T::from_f64(mx.to_f64() + sum.to_f64().ln());
+            }
+            small_gemm(
+                &mut y[i0 * d..],
+                d,
+                false,
+                s,
+                nk,
+                &v[lo * d..],
+                d,
+                false,
+                (m, d, nk),
+            ); // P v
+        }
+    }
+}
+
+fn cpu_fwd<T: Real>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    mask: &AttentionMask,
+    (b, kv, r, t, d): (usize, usize, usize, usize, usize),
+) -> (Vec<T>, Vec<T>) {
+    let mut y = uninit::<T>(b * kv * r * d);
+    let mut lse = uninit::<T>(b * kv * r);
+    y.par_chunks_mut(r * d)
+        .zip(lse.par_chunks_mut(r))
+        .enumerate()
+        .for_each(|(g, (y, lse))| {
+            let ts = g * t * d..(g + 1) * t * d;
+            let q = &q[g * r * d..(g + 1) * r * d];
+            group_fwd(q, &k[ts.clone()], &v[ts], mask, g / kv, y, lse, (t, d));
+        });
+    (y, lse)
+}
+
+/// `dst (nk, D) += aᵀ b` for a (m, nk) row-major and b (m, D): the key-side gradients.
+fn add_at_b<T: Real>(dst: &mut [T], a: &[T], b: &[T], (m, nk, d): (usize, usize, usize)) {
+    // SAFETY: dst holds nk rows of d; a is m rows of nk (read transposed through its strides);
+    // b is m rows of d, all by the caller's slicing.
+    assert!(dst.len() >= nk * d && a.len() >= m * nk && b.len() >= m * d);
+    unsafe {
+        gemm::gemm(
+            nk,
+            d,
+            m,
+            dst.as_mut_ptr(),
+            1,
+            d as isize,
+            true,
+            a.as_ptr(),
+            nk as isize,
+            1,
+            b.as_ptr(),
+            1,
+            d as isize,
+            T::one(),
+            T::one(),
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// Backward of one group: dq (R, D) written; dk, dv (T, D) accumulated (zeroed by the caller).
+#[allow(clippy::too_many_arguments)]
+fn group_bwd<T: Real>(
+    (q, k, v, y, dy, lse): (&[T], &[T], &[T], &[T], &[T], &[T]),
+    mask: &AttentionMask,
+    bi: usize,
+    dq: &mut [T],
+    dk: &mut [T],
+    dv: &mut [T],
+    (t, d): (usize, usize),
+) {
+    let r = q.len() / d;
+    let mut p = uninit::<T>(CPU_BLOCK * t);
+    let mut ds = uninit::<T>(CPU_BLOCK * t);
+    for rep in (0..r).step_by(t) {
+        for p0 in (0..t).step_by(CPU_BLOCK) {
+            let p1 = (p0 + CPU_BLOCK).min(t);
+            let (m, i0) = (p1 - p0, rep + p0);
+            let (lo, hi) = mask.row_key_range(bi, p0, p1);
+            let nk = hi - lo;
+            let (p, ds) = (&mut p[..m * nk], &mut ds[..m * nk]);
+            let (qb, dyb) = (&q[i0 * d..(i0 + m) * d], &dy[i0 * d..(i0 + m) * d]);
+            block_scores(p, qb, k, mask, bi, (p0, m), (lo, nk), d);
+            for (ri, row) in p.chunks_mut(nk).enumerate() {
+                let l = lse[i0 + ri];
+                for x in row.iter_mut() {
+                    *x = (*x - l).exp(); // exp(-inf) = 0 where masked
+                }
+            }
+            small_gemm(ds, nk, false, dyb, d, &v[lo * d..], d, true, (m, nk, d)); // dP = dY vᵀ
+            for (ri, (row, prow)) in ds.chunks_mut(nk).zip(p.chunks(nk)).enumerate() {
+                let i = i0 + ri;
+                let di = dy[i * d..(i + 1) * d]
+                    .iter()
+                    .zip(&y[i * d..(i + 1) * d])
+                    .fold(T::zero(), |a, (g, o)| a + *g * *o);
+                for (x, pv) in row.iter_mut().zip(prow) {
+                    *x = *pv * (*x - di); // dS = P (dP - rowsum(dY Y))
+                }
+            }
+            small_gemm(
+                &mut dq[i0 * d..],
+                d,
+                false,
+                ds,
+                nk,
+                &k[lo * d..],
+                d,
+                false,
+                (m, d, nk),
+            ); // dQ = dS k
+            add_at_b(&mut dk[lo * d..hi * d], ds, qb, (m, nk, d)); // dK += dSᵀ q
+            add_at_b(&mut dv[lo * d..hi * d], p, dyb, (m, nk, d)); // dV += Pᵀ dY
+        }
+    }
+}
+
+#[allow(clippy::type_complexity)]
+fn cpu_bwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    y: &Tensor,
+    dy: &Tensor,
+    lse: &Tensor,
+    mask: &AttentionMask,
+) -> R<(Tensor, Tensor, Tensor)> {
+    let (b, kv, r, d) = q.dims4()?;
+    let t = k.dim(2)?;
+    let (q, k, v, y) = (q.contiguous()?, k.contiguous()?, v.contiguous()?, y.contiguous()?);
+    let guards = [
+        q.storage_and_layout(),
+        k.storage_and_layout(),
+        v.storage_and_layout(),
+        y.storage_and_layout(),
+        dy.storage_and_layout(),
+        lse.storage_and_layout(),
+    ];
+    macro_rules! go {
+        ($ty:ty) => {{
+            let mut sl: Vec<&[$ty]> = Vec::with_capacity(6);
+            for (st, l) in &guards {
+                sl.push(storage_data::<$ty>(st, l, "chunked attention")?);
+            }
+            let (q, k, v, y, dy, lse) = (sl[0], sl[1], sl[2], sl[3], sl[4], sl[5]);
+            let mut dq = uninit::<$ty>(q.len());
+            let mut dk = vec![0 as $ty; k.len()];
+            let mut dv = vec![0 as $ty; v.len()];
+            dq.par_chunks_mut(r * d)
+                .zip(dk.par_chunks_mut(t * d).zip(dv.par_chunks_mut(t * d)))
+                .enumerate()
+                .for_each(|(g, (dq, (dk, dv)))| {
+                    let (qs, ts) = (g * r * d..(g + 1) * r * d, g * t * d..(g + 1) * t * d);
+                    let ins = (
+                        &q[qs.clone()],
+                        &k[ts.clone()],
+                        &v[ts],
+                        &y[qs.clone()],
+                        &dy[qs],
+                        &lse[g * r..(g + 1) * r],
+                    );
+                    group_bwd(ins, mask, g / kv, dq, dk, dv, (t, d))
+                });
+            let dev = Device::Cpu;
+            (
+                Tensor::from_vec(dq, (b, kv, r, d), &dev)?,
+                Tensor::from_vec(dk, (b, kv, t, d), &dev)?,
+                Tensor::from_vec(dv, (b, kv, t, d), &dev)?,
+            )
+        }};
+    }
+    Ok(match q.dtype() {
+        DType::F32 => go!(f32),
+        DType::F64 => go!(f64),
+        d => candle_core::bail!("chunked attention: dtype {d:?}"),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tensor-op path (CUDA, bf16 / f16): the same blocks in Candle ops, no graph.
+
+/// Query positions per block on the tensor-op path: a block's f32 scores, B x H x rows x T,
+/// stay under [`BLOCK_SCORE_BYTES`]; a multiple of 16, at least 16, at most T.
+pub fn block_rows(b: usize, heads: usize, t: usize) -> usize {
+    let per_row = (b * heads * t * 4).max(1);
+    ((BLOCK_SCORE_BYTES / per_row) / 16 * 16).clamp(16, t.max(1))
+}
+
+/// The dtype the tensor-op path's softmax and sums run in: f32, or f64 for f64 inputs.
+fn acc(x: &Tensor) -> DType {
+    match x.dtype() {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    }
+}
+
+/// The pieces of one block on the tensor-op path: q rows, k and v over its keys, its mask.
+struct Block {
+    p0: usize,
+    m: usize,
+    lo: usize,
+    nk: usize,
+    /// (B, KV, n_rep * m, D)
+    q: Tensor,
+    /// (B, KV, nk, D)
+    k: Tensor,
+    v: Tensor,
+    /// scores + mask in [`acc`]'s dtype: (B, KV, n_rep, m, nk)
+    s: Tensor,
+}
+
+/// The blocks of query positions [p0, p1) of the tensor-op path, `rows` each.
+fn blocks(t: usize, rows: usize) -> Vec<(usize, usize)> {
+    (0..t)
+        .step_by(rows.max(1))
+        .map(|p0| (p0, (p0 + rows).min(t)))
+        .collect()
+}
+
+fn block(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    (p0, p1): (usize, usize),
+) -> R<Block> {
+    let (b, kv, r, d) = q.dims4()?;
+    let t = k.dim(2)?;
+    let n_rep = r / t;
+    let m = p1 - p0;
+    let (lo, hi) = mask.key_range(p0, p1);
+    let nk = hi - lo;
+    let qb = q
+        .reshape((b, kv, n_rep, t, d))?
+        .narrow(3, p0, m)?
+        .reshape((b, kv, n_rep * m, d))?; // (B, KV, n_rep*m, D), copied
+    let kb = k.narrow(2, lo, nk)?.contiguous()?; // (B, KV, nk, D)
+    let vb = v.narrow(2, lo, nk)?.contiguous()?;
+    let s = qb
+        .matmul(&kb.t()?)? // (B, KV, n_rep*m, nk), in q's dtype as eager attention
+        .to_dtype(acc(q))?
+        .reshape((b, kv, n_rep, m, nk))?
+        .broadcast_add(&mask.block(p0, p1, lo, hi)?.to_dtype(acc(q))?)?;
+    Ok(Block {
+        p0,
+        m,
+        lo,
+        nk,
+        q: qb,
+        k: kb,
+        v: vb,
+        s,
+    })
+}
+
+/// y (B, KV, n_rep * T, D) and lse (B, KV, n_rep * T) in [`acc`]'s dtype.
+fn generic_fwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    rows: usize,
+) -> R<(Tensor, Tensor)> {
+    let (b, kv, r, d) = q.dims4()?;
+    let t = k.dim(2)?;
+    let n_rep = r / t;
+    let mut ys = Vec::new();
+    let mut lses = Vec::new();
+    for range in blocks(t, rows) {
+        let bl = block(q, k, v, mask, range)?;
+        let mx = bl.s.max_keepdim(D::Minus1)?; // (B, KV, n_rep, m, 1)
+        let e = bl.s.broadcast_sub(&mx)?.exp()?;
+        let sum = e.sum_keepdim(D::Minus1)?;
+        let p = e.broadcast_div(&sum)?.to_dtype(v.dtype())?; // softmax in f32, cast back
+        let y = p
+            .reshape((b, kv, n_rep * bl.m, bl.nk))?
+            .matmul(&bl.v)? // (B, KV, n_rep*m, D)
+            .reshape((b, kv, n_rep, bl.m, d))?;
+        ys.push(y);
+        lses.push((mx + sum.log()?)?.squeeze(D::Minus1)?); // (B, KV, n_rep, m)
+    }
+    let y = Tensor::cat(&ys, 3)?.reshape((b, kv, r, d))?;
+    let lse = Tensor::cat(&lses, 3)?.reshape((b, kv, r))?;
+    Ok((y, lse))
+}
+
+#[allow(clippy::type_complexity)]
+fn generic_bwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    y: &Tensor,
+    dy: &Tensor,
+    lse: &Tensor,
+    mask: &AttentionMask,
+    rows: usize,
+) -> R<(Tensor, Tensor, Tensor)> {
+    let (b, kv, r, d) = q.dims4()?;
+    let t = k.dim(2)?;
+    let n_rep = r / t;
+    let (q, k, v) = (q.detach(), k.detach(), v.detach());
+    let dy5 = dy.reshape((b, kv, n_rep, t, d))?;
+    // rowsum(dY Y) in f32: (B, KV, n_rep, T, 1)
+    let di = (dy.to_dtype(acc(&q))? * y.to_dtype(acc(&q))?)?
+        .sum_keepdim(D::Minus1)?
+        .reshape((b, kv, n_rep, t, 1))?;
+    let lse = lse.reshape((b, kv, n_rep, t, 1))?;
+    let dk = Tensor::zeros((b, kv, t, d), acc(&q), q.device())?;
+    let dv = Tensor::zeros((b, kv, t, d), acc(&q), q.device())?;
+    let mut dqs = Vec::new();
+    for range in blocks(t, rows) {
+        let bl = block(&q, &k, &v, mask, range)?;
+        let (m, nk) = (bl.m, bl.nk);
+        let p = bl.s.broadcast_sub(&lse.narrow(3, bl.p0, m)?)?.exp()?; // (B, KV, n_rep, m, nk)
+        let dyb = dy5.narrow(3, bl.p0, m)?.reshape((b, kv, n_rep * m, d))?;
+        let dp = dyb
+            .matmul(&bl.v.t()?)?
+            .to_dtype(acc(&q))?
+            .reshape((b, kv, n_rep, m, nk))?; // dY vᵀ
+        let ds = (p.clone() * dp.broadcast_sub(&di.narrow(3, bl.p0, m)?)?)?
+            .to_dtype(q.dtype())?
+            .reshape((b, kv, n_rep * m, nk))?; // P (dP - rowsum(dY Y))
+        let p = p.to_dtype(q.dtype())?.reshape((b, kv, n_rep * m, nk))?;
+        dqs.push(ds.matmul(&bl.k)?.reshape((b, kv, n_rep, m, d))?); // dS k
+        let dkb = ds.t()?.matmul(&bl.q)?.to_dtype(acc(&q))?; // (B, KV, nk, D): dSᵀ q
+        let dvb = p.t()?.matmul(&dyb)?.to_dtype(acc(&q))?; // Pᵀ dY
+        dk.slice_set(&(dk.narrow(2, bl.lo, nk)? + dkb)?, 2, bl.lo)?;
+        dv.slice_set(&(dv.narrow(2, bl.lo, nk)? + dvb)?, 2, bl.lo)?;
+    }
+    let dq = Tensor::cat(&dqs, 3)?.reshape((b, kv, r, d))?;
+    Ok((dq, dk.to_dtype(k.dtype())?, dv.to_dtype(v.dtype())?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Var;
+
+    /// Row 0 packs three documents (40, 70, 40 tokens), row 1 is one: blocks cross document
+    /// and window boundaries.
+    fn segments(t: usize) -> Vec<Vec<u32>> {
+        let row0 = (0..t)
+            .map(|i| match i {
+                0..40 => 0,
+                40..110 => 1,
+                _ => 2,
+            })
+            .collect();
+        vec![row0, vec![7; t]]
+    }
+
+    /// Value and the gradients of sum(y * w) for q, k, v through `f`.
+    fn run(
+        f: impl Fn(&Tensor, &Tensor, &Tensor) -> R<Tensor>,
+        qkv: &[Var; 3],
+        w: &Tensor,
+    ) -> R<Vec<Tensor>> {
+        let y = f(qkv[0].as_tensor(), qkv[1].as_tensor(), qkv[2].as_tensor())?;
+        let g = (&y * w)?.sum_all()?.backward()?;
+        let mut out = vec![y];
+        for v in qkv {
+            out.push(g.get(v.as_tensor()).expect("a gradient").clone());
+        }
+        Ok(out)
+    }
+
+    fn max_rel(a: &Tensor, b: &Tensor) -> f64 {
+        let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+        let scale = b.abs().unwrap().max_all().unwrap();
+        let (d, s) = (
+            diff.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(),
+            scale.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(),
+        );
+        d / s.max(1e-30)
+    }
+
+    fn inputs(dtype: DType, t: usize) -> R<([Var; 3], Tensor)> {
+        let dev = Device::Cpu;
+        let (b, kv, n_rep, d) = (2, 2, 2, 8);
+        let q = (Tensor::randn(0f32, 1., (b, kv, n_rep * t, d), &dev)? * 0.5)?;
+        let k = Tensor::randn(0f32, 1., (b, kv, t, d), &dev)?;
+        let v = Tensor::randn(0f32, 1., (b, kv, t, d), &dev)?;
+        let w = Tensor::randn(0f32, 1., (b, kv, n_rep * t, d), &dev)?.to_dtype(dtype)?;
+        let var = |x: Tensor| Var::from_tensor(&x.to_dtype(dtype)?);
+        Ok(([var(q)?, var(k)?, var(v)?], w))
+    }
+
+    /// The CPU kernel and the tensor-op path (blocks of 16 and of 64 positions) give eager
+    /// attention's output and gradients (the (T, T) mask of `ops::attention_mask`, HF's eager
+    /// maths) within 1e-5 relative in f32, packed rows, with and without a sliding window.
+    /// Breaking the window on purpose gives 0.77 (CPU kernel, window ignored in `first_keys`)
+    /// and 0.60 (tensor-op path, window dropped from the block mask) in y.
+    #[test]
+    fn matches_eager_attention_values_and_gradients() -> R<()> {
+        let t = 150;
+        let segs = segments(t);
+        for window in [None, Some(20)] {
+            let (qkv, w) = inputs(DType::F32, t)?;
+            let dense = crate::ops::attention_mask(&segs, window, DType::F32, &Device::Cpu)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            let eager = run(
+                |q, k, v| {
+                    let (b, kv, r, _) = q.dims4()?;
+                    let s = q
+                        .matmul(&k.t()?)?
+                        .reshape((b, kv, r / t, t, t))?
+                        .broadcast_add(&dense.unsqueeze(2)?)?;
+                    let e = s.broadcast_sub(&s.max_keepdim(D::Minus1)?.detach())?.exp()?;
+                    let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?; // softmax
+                    p.reshape((b, kv, r, t))?.matmul(v)
+                },
+                &qkv,
+                &w,
+            )?;
+            let mask = AttentionMask::new(&segs, window, &Device::Cpu)?;
+            for rows in [None, Some(16), Some(64)] {
+                let got = run(|q, k, v| attention(q, k, v, &mask, rows), &qkv, &w)?;
+                for (name, (a, b)) in ["y", "dq", "dk", "dv"].iter().zip(got.iter().zip(&eager)) {
+                    let e = max_rel(a, b);
+                    assert!(e < 1e-5, "window {window:?} rows {rows:?} {name}: {e:e}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Finite differences in f64 on a small case (T 70: two CPU blocks; tensor-op blocks of
+    /// 16): the analytic gradient of sum(y * w) within 1e-6 relative of central differences
+    /// (step 1e-5) at sampled entries of q, k and v. A dropped `- rowsum(dY Y)` term is off by
+    /// order 1.
+    #[test]
+    fn gradients_match_finite_differences() -> R<()> {
+        let t = 70;
+        let segs = vec![(0..t).map(|i| (i >= 30) as u32).collect::<Vec<u32>>(); 2];
+        let mask = AttentionMask::new(&segs, Some(25), &Device::Cpu)?;
+        for rows in [None, Some(16)] {
+            let (qkv, w) = inputs(DType::F64, t)?;
+            let f = |q: &Tensor, k: &Tensor, v: &Tensor| attention(q, k, v, &mask, rows);
+            let got = run(f, &qkv, &w)?;
+            let loss = |x: [&Tensor; 3]| -> f64 {
+                let y = attention(x[0], x[1], x[2], &mask, rows).unwrap();
+                (y * &w).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
+            };
+            let base: Vec<Tensor> = qkv.iter().map(|v| v.as_tensor().detach()).collect();
+            for which in 0..3 {
+                let flat = base[which].flatten_all()?.to_vec1::<f64>()?;
+                let grad = got[which + 1].flatten_all()?.to_vec1::<f64>()?;
+                for idx in (0..flat.len()).step_by(flat.len() / 7 + 1) {
+                    let h = 1e-5;
+                    let at = |delta: f64| -> f64 {
+                        let mut x = flat.clone();
+                        x[idx] += delta;
+                        let x = Tensor::from_vec(x, base[which].shape(), &Device::Cpu).unwrap();
+                        let mut ins = [&base[0], &base[1], &base[2]];
+                        ins[which] = &x;
+                        loss(ins)
+                    };
+                    let fd = (at(h) - at(-h)) / (2.0 * h);
+                    let e = (fd - grad[idx]).abs() / fd.abs().max(1e-3);
+                    assert!(e < 1e-6, "rows {rows:?} input {which} [{idx}]: fd {fd} vs {}", grad[idx]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn first_keys_follow_segments_and_window() {
+        assert_eq!(first_keys(&[0, 0, 0, 1, 1, 1], None), vec![0, 0, 0, 3, 3, 3]);
+        assert_eq!(first_keys(&[0, 0, 0, 0, 1, 1], Some(2)), vec![0, 0, 1, 2, 4, 4]);
+    }
+
+    /// The tensor-op path's blocks keep their f32 scores under the budget.
+    #[test]
+    fn block_rows_bound_the_block_scores() {
+        for (b, h, t) in [(1, 32, 4096), (4, 32, 32768), (1, 8, 100)] {
+            let rows = block_rows(b, h, t);
+            assert!((rows % 16 == 0 && rows >= 16) || rows == t, "{rows}");
+            assert!(rows == 16 || b * h * rows * t * 4 <= BLOCK_SCORE_BYTES);
+        }
+    }
+}
