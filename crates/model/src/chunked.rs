@@ -17,7 +17,7 @@
 //! Both are wrapped in one custom op ([`chunked_attention`]) whose backward is the matching
 //! block loop, so the autograd graph holds q, k, v, the output and the log-sum-exp only.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
@@ -49,23 +49,23 @@ pub struct AttentionMask {
 }
 
 impl AttentionMask {
-    /// `segments`: B rows of T ids (all zeros for an ordinary batch).
+    /// `segments`: B rows of T ids (all zeros for an ordinary batch), each id one run of
+    /// consecutive tokens, as packing lays documents out; an id that comes back after another
+    /// is refused (`AttentionImpl::Eager` takes any ids).
     pub fn new(segments: &[Vec<u32>], window: Option<usize>, device: &Device) -> R<Self> {
         let b = segments.len();
         let t = segments.first().map_or(0, |s| s.len());
         let flat: Vec<u32> = segments.iter().flatten().copied().collect();
-        let first = segments.iter().map(|s| first_keys(s, window)).collect();
+        let first = segments
+            .iter()
+            .map(|s| first_keys(s, window))
+            .collect::<R<Vec<_>>>()?;
         Ok(Self {
             segments: Tensor::from_vec(flat, (b, t), device)?,
             host: Arc::new(segments.to_vec()),
             window,
             first: Arc::new(first),
         })
-    }
-
-    /// Whether query position `i` of row `b` may read key `j` (j in its key range).
-    fn allowed(&self, b: usize, i: usize, j: usize) -> bool {
-        j <= i && j >= self.first[b][i] && self.host[b][j] == self.host[b][i]
     }
 
     /// The keys a block of query positions [p0, p1) reads: from the first key any row of any
@@ -108,31 +108,35 @@ impl AttentionMask {
     }
 }
 
-/// For each position of a row, the first key it may attend to: the first position of its
-/// segment id, and no earlier than the window allows.
-fn first_keys(seg: &[u32], window: Option<usize>) -> Vec<usize> {
-    let mut first_of: HashMap<u32, usize> = HashMap::new();
-    seg.iter()
-        .enumerate()
-        .map(|(i, s)| {
-            let f = *first_of.entry(*s).or_insert(i);
-            match window {
-                Some(w) => f.max((i + 1).saturating_sub(w)),
-                None => f,
+/// For each position of a row, the first key it may attend to: the start of its segment's
+/// run, and no earlier than the window allows. Position i then sees exactly keys first..=i.
+fn first_keys(seg: &[u32], window: Option<usize>) -> R<Vec<usize>> {
+    let mut seen: HashSet<u32> = HashSet::new();
+    let mut start = 0;
+    let mut out = Vec::with_capacity(seg.len());
+    for (i, s) in seg.iter().enumerate() {
+        if i > 0 && *s != seg[i - 1] {
+            if seen.contains(s) {
+                candle_core::bail!(
+                    "chunked attention: segment id {s} comes back at position {i}; each packed \
+                     document must be one run of tokens (model.attention = \"eager\" takes any ids)"
+                );
             }
-        })
-        .collect()
+            start = i;
+        }
+        seen.insert(*s);
+        out.push(match window {
+            Some(w) => start.max((i + 1).saturating_sub(w)),
+            None => start,
+        });
+    }
+    Ok(out)
 }
 
 /// softmax(q kᵀ + mask) v, causal with `mask`'s segments and window, nothing T x T kept.
 /// q: (B, KV, n_rep * T, D) carrying the 1/sqrt(D) scale, the n_rep query heads of each kv head
 /// adjacent; k, v: (B, KV, T, D) -> (B, KV, n_rep * T, D).
-pub fn chunked_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: &AttentionMask,
-) -> R<Tensor> {
+pub fn chunked_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMask) -> R<Tensor> {
     attention(q, k, v, mask, None)
 }
 
@@ -301,18 +305,18 @@ fn block_scores<T: Real>(
     d: usize,
 ) {
     small_gemm(s, nk, false, q, d, &k[lo * d..], d, true, (m, nk, d));
+    let first = &mask.first[bi];
     for (ri, row) in s.chunks_mut(nk).enumerate() {
         let p = p0 + ri;
-        for (j, x) in row.iter_mut().enumerate() {
-            if !mask.allowed(bi, p, lo + j) {
-                *x = T::NEG_INF;
-            }
-        }
+        // keys first[p]..=p are visible: -inf before and after
+        let (a, b) = (first[p] - lo, p + 1 - lo);
+        row[..a].fill(T::NEG_INF);
+        row[b..].fill(T::NEG_INF);
     }
 }
 
 /// Forward of one (b, kv) group: q (R, D), k, v (T, D) -> y (R, D), lse (R).
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, clippy::assign_op_pattern)] // `Real` has no `+=`
 fn group_fwd<T: Real>(
     q: &[T],
     k: &[T],
@@ -334,7 +338,10 @@ fn group_fwd<T: Real>(
             let s = &mut s[..m * nk];
             block_scores(s, &q[i0 * d..], k, mask, bi, (p0, m), (lo, nk), d);
             for (ri, row) in s.chunks_mut(nk).enumerate() {
-                let mx = row.iter().copied().fold(T::NEG_INF, |a, x| if x > a { x } else { a });
+                let mx = row
+                    .iter()
+                    .copied()
+                    .fold(T::NEG_INF, |a, x| if x > a { x } else { a });
                 let mut sum = T::zero();
                 for x in row.iter_mut() {
                     *x = (*x - mx).exp();
@@ -411,10 +418,13 @@ fn add_at_b<T: Real>(dst: &mut [T], a: &[T], b: &[T], (m, nk, d): (usize, usize,
     }
 }
 
+/// q, k, v, y, dy, lse of one group.
+type GroupInputs<'a, T> = (&'a [T], &'a [T], &'a [T], &'a [T], &'a [T], &'a [T]);
+
 /// Backward of one group: dq (R, D) written; dk, dv (T, D) accumulated (zeroed by the caller).
 #[allow(clippy::too_many_arguments)]
 fn group_bwd<T: Real>(
-    (q, k, v, y, dy, lse): (&[T], &[T], &[T], &[T], &[T], &[T]),
+    (q, k, v, y, dy, lse): GroupInputs<T>,
     mask: &AttentionMask,
     bi: usize,
     dq: &mut [T],
@@ -480,7 +490,12 @@ fn cpu_bwd(
 ) -> R<(Tensor, Tensor, Tensor)> {
     let (b, kv, r, d) = q.dims4()?;
     let t = k.dim(2)?;
-    let (q, k, v, y) = (q.contiguous()?, k.contiguous()?, v.contiguous()?, y.contiguous()?);
+    let (q, k, v, y) = (
+        q.contiguous()?,
+        k.contiguous()?,
+        v.contiguous()?,
+        y.contiguous()?,
+    );
     let guards = [
         q.storage_and_layout(),
         k.storage_and_layout(),
@@ -637,7 +652,7 @@ fn generic_fwd(
     Ok((y, lse))
 }
 
-#[allow(clippy::type_complexity)]
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 fn generic_bwd(
     q: &Tensor,
     k: &Tensor,
@@ -721,8 +736,15 @@ mod tests {
         let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap();
         let scale = b.abs().unwrap().max_all().unwrap();
         let (d, s) = (
-            diff.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(),
-            scale.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(),
+            diff.to_dtype(DType::F64)
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap(),
+            scale
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap(),
         );
         d / s.max(1e-30)
     }
@@ -758,7 +780,9 @@ mod tests {
                         .matmul(&k.t()?)?
                         .reshape((b, kv, r / t, t, t))?
                         .broadcast_add(&dense.unsqueeze(2)?)?;
-                    let e = s.broadcast_sub(&s.max_keepdim(D::Minus1)?.detach())?.exp()?;
+                    let e = s
+                        .broadcast_sub(&s.max_keepdim(D::Minus1)?.detach())?
+                        .exp()?;
                     let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?; // softmax
                     p.reshape((b, kv, r, t))?.matmul(v)
                 },
@@ -792,7 +816,12 @@ mod tests {
             let got = run(f, &qkv, &w)?;
             let loss = |x: [&Tensor; 3]| -> f64 {
                 let y = attention(x[0], x[1], x[2], &mask, rows).unwrap();
-                (y * &w).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
+                (y * &w)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap()
             };
             let base: Vec<Tensor> = qkv.iter().map(|v| v.as_tensor().detach()).collect();
             for which in 0..3 {
@@ -810,7 +839,11 @@ mod tests {
                     };
                     let fd = (at(h) - at(-h)) / (2.0 * h);
                     let e = (fd - grad[idx]).abs() / fd.abs().max(1e-3);
-                    assert!(e < 1e-6, "rows {rows:?} input {which} [{idx}]: fd {fd} vs {}", grad[idx]);
+                    assert!(
+                        e < 1e-6,
+                        "rows {rows:?} input {which} [{idx}]: fd {fd} vs {}",
+                        grad[idx]
+                    );
                 }
             }
         }
@@ -819,8 +852,14 @@ mod tests {
 
     #[test]
     fn first_keys_follow_segments_and_window() {
-        assert_eq!(first_keys(&[0, 0, 0, 1, 1, 1], None), vec![0, 0, 0, 3, 3, 3]);
-        assert_eq!(first_keys(&[0, 0, 0, 0, 1, 1], Some(2)), vec![0, 0, 1, 2, 4, 4]);
+        assert_eq!(
+            first_keys(&[0, 0, 0, 1, 1, 1], None).unwrap(),
+            vec![0, 0, 0, 3, 3, 3]
+        );
+        let w2 = first_keys(&[0, 0, 0, 0, 1, 1], Some(2)).unwrap();
+        assert_eq!(w2, vec![0, 0, 1, 2, 4, 4]);
+        let e = first_keys(&[0, 0, 1, 0], None).unwrap_err().to_string();
+        assert!(e.contains("segment id 0 comes back at position 3"), "{e}");
     }
 
     /// The tensor-op path's blocks keep their f32 scores under the budget.

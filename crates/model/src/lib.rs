@@ -45,7 +45,7 @@ pub use layout::{LinearSpec, LINEAR_PATHS};
 pub use linear::{Base, Linear, Param};
 pub use load::load;
 pub use loss::{lm_head_nll, Targets};
-pub use model::{CausalLM, LoadOptions};
+pub use model::{AttentionImpl, CausalLM, LoadOptions};
 pub use no_grad::no_grad;
 pub use peft::Lora;
 pub use peft::{

@@ -105,7 +105,7 @@ impl Attention {
         Ok((q, k, v))
     }
 
-    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Mask) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let (q, k, v) = self.qkv(x, cos, sin)?;
@@ -119,7 +119,10 @@ impl Attention {
         // see `qkv`), softmax in f32, cast back.
         // Kept grouped: a reshape to (B, H, T, T) would be a graph node whose backward zeroes
         // and adds a score-sized buffer. The mask is causal (ops::attention_mask).
-        let y = ops::causal_attention(&q, &k, &v, mask)?; // (B, KV, n_rep*T, D)
+        let y = match mask {
+            Mask::Dense(m) => ops::causal_attention(&q, &k, &v, m)?,
+            Mask::Chunked(m) => crate::chunked::chunked_attention(&q, &k, &v, m)?,
+        }; // (B, KV, n_rep*T, D)
         let y = y.reshape((b, h, t, d))?; // (B, H, T, D)
         let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, h * d))?; // (B, T, H*D)
         self.o_proj.forward(&y)
@@ -215,8 +218,7 @@ pub struct RopeMask {
     /// (B, 1, T, D)
     pub cos: Tensor,
     pub sin: Tensor,
-    /// (B, 1, T, T), 0 or -inf
-    pub mask: Tensor,
+    pub mask: Mask,
 }
 
 /// `*ForCausalLM`: embeddings, decoder layers, final norm, LM head (tied or not).
@@ -234,6 +236,27 @@ pub struct CausalLM {
     device: Device,
     /// Activation checkpointing, when on (see [`crate::checkpointing`]).
     checkpointing: Option<Checkpointing>,
+    /// How the training / eval forward computes attention (`model.attention`).
+    pub attention: AttentionImpl,
+}
+
+/// `model.attention`: how the full-sequence forward computes attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionImpl {
+    /// Blocks of queries, nothing T x T kept ([`crate::chunked`]); the default.
+    #[default]
+    Chunked,
+    /// HF's eager attention: the (T, T) mask, scores and probabilities of every layer.
+    Eager,
+}
+
+/// The attention mask of a batch, in the form its [`AttentionImpl`] reads.
+#[derive(Clone)]
+pub enum Mask {
+    /// (B, 1, T, T), 0 or -inf
+    Dense(Tensor),
+    /// Per-token segment ids and the window ([`crate::chunked::AttentionMask`]).
+    Chunked(crate::chunked::AttentionMask),
 }
 
 impl CausalLM {
@@ -364,6 +387,7 @@ impl CausalLM {
             device: dev.clone(),
             config,
             checkpointing: None,
+            attention: AttentionImpl::default(),
         })
     }
 
@@ -414,12 +438,20 @@ impl CausalLM {
         }
         let positions = ops::positions_from_segments(segments, &self.device)?; // (B, T)
         let (cos, sin) = ops::rope_tables(&positions, &self.inv_freq, self.dtype)?;
-        let mask = ops::attention_mask(
-            segments,
-            self.config.sliding_window,
-            self.dtype,
-            &self.device,
-        )?;
+        let window = self.config.sliding_window;
+        let mask = match self.attention {
+            AttentionImpl::Eager => Mask::Dense(ops::attention_mask(
+                segments,
+                window,
+                self.dtype,
+                &self.device,
+            )?),
+            AttentionImpl::Chunked => Mask::Chunked(crate::chunked::AttentionMask::new(
+                segments,
+                window,
+                &self.device,
+            )?),
+        };
         Ok(RopeMask { cos, sin, mask })
     }
 

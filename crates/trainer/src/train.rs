@@ -180,6 +180,7 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
     // lora.init: the adapter a LoRA run continues from (a full fine-tune has none).
     let init = if full { None } else { cfg.lora.init.as_deref() };
     let (mut model, init_spec) = tallow_model::load(model_dir, &opts, init)?;
+    model.attention = cfg.model.attention.into();
     if cfg.train.checkpointing {
         model.set_checkpointing(Some(cfg.train.checkpoint_every));
     }

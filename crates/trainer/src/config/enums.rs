@@ -35,6 +35,27 @@ impl ModelDtype {
 }
 
 choices! {
+    /// `model.attention`: how the forward computes attention (training, eval).
+    #[derive(Default)]
+    pub enum Attention {
+        /// Blocks of queries, nothing T x T kept: activation memory O(T) (the default).
+        #[default]
+        Chunked = "chunked",
+        /// HF's eager attention: every layer keeps its (T, T) scores and probabilities.
+        Eager = "eager",
+    }
+}
+
+impl From<Attention> for tallow_model::AttentionImpl {
+    fn from(a: Attention) -> Self {
+        match a {
+            Attention::Chunked => Self::Chunked,
+            Attention::Eager => Self::Eager,
+        }
+    }
+}
+
+choices! {
     /// `model.quantize`: how the frozen linear weights inside the decoder layers are stored.
     #[derive(Default)]
     pub enum Quantize {

@@ -8,7 +8,9 @@ use toml::{Table, Value};
 use super::choice::quoted;
 use super::suggest::{normalize, suggest_anywhere, suggest_key, suggest_section};
 use super::ALL_LINEAR;
-use super::{ConfigError, Format, Method, ModelDtype, OptimizerKind, Quantize, Schedule};
+use super::{
+    Attention, ConfigError, Format, Method, ModelDtype, OptimizerKind, Quantize, Schedule,
+};
 
 /// The TOML type a key takes.
 #[derive(Debug, Clone, Copy)]
@@ -51,6 +53,7 @@ pub(super) const SECTIONS: [(&str, &[(&str, Kind)]); 4] = [
             ("dtype", Kind::Choice(ModelDtype::NAMES)),
             ("quantize", Kind::Choice(Quantize::NAMES)),
             ("double_quant", Kind::Bool),
+            ("attention", Kind::Choice(Attention::NAMES)),
         ],
     ),
     (

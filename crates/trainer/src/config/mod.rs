@@ -49,7 +49,7 @@ use raw::{path_string, RawConfig};
 pub use crate::data::DEFAULT_MAX_SEQ_LEN;
 pub use crate::optim::OptimizerKind;
 pub use crate::schedule::Schedule;
-pub use enums::{LoraTargets, Method, ModelDtype, Quantize, ALL_LINEAR};
+pub use enums::{Attention, LoraTargets, Method, ModelDtype, Quantize, ALL_LINEAR};
 pub use error::{ConfigError, InvalidValue};
 
 /// The linear layers of a Llama / Qwen decoder layer that LoRA can wrap, in the order of the
@@ -81,6 +81,8 @@ pub struct ModelSection {
     pub quantize: Quantize,
     /// With nf4: quantize the per-block scales too (bitsandbytes double quantization, default true).
     pub double_quant: bool,
+    /// chunked | eager: attention without or with (T, T) activations (default chunked).
+    pub attention: Attention,
 }
 
 /// `[lora]`: the adapters, used when `train.method = "lora"`.

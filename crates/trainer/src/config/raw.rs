@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    ConfigError, DataSection, LoraSection, LoraTargets, Method, ModelDtype, ModelSection,
-    OptimizerKind, Quantize, Schedule, TrainConfig, TrainSection,
+    Attention, ConfigError, DataSection, LoraSection, LoraTargets, Method, ModelDtype,
+    ModelSection, OptimizerKind, Quantize, Schedule, TrainConfig, TrainSection,
 };
 use crate::data::{Format, DEFAULT_MAX_SEQ_LEN};
 
@@ -29,6 +29,7 @@ pub(super) struct RawModel {
     pub dtype: ModelDtype,
     pub quantize: Quantize,
     pub double_quant: bool,
+    pub attention: Attention,
 }
 
 impl Default for RawModel {
@@ -38,6 +39,7 @@ impl Default for RawModel {
             dtype: ModelDtype::default(),
             quantize: Quantize::None,
             double_quant: true,
+            attention: Attention::default(),
         }
     }
 }
@@ -245,6 +247,7 @@ impl RawConfig {
                 dtype: self.model.dtype,
                 quantize: self.model.quantize,
                 double_quant: self.model.double_quant,
+                attention: self.model.attention,
             },
             lora: self.lora.into_section(),
             data: DataSection {
@@ -271,6 +274,7 @@ impl From<&TrainConfig> for RawConfig {
                 dtype: c.model.dtype,
                 quantize: c.model.quantize,
                 double_quant: c.model.double_quant,
+                attention: c.model.attention,
             },
             lora: RawLora {
                 rank: c.lora.rank,
