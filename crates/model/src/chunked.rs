@@ -175,7 +175,8 @@ fn attention(
         let op = ChunkedAttention {
             mask: mask.clone(),
             lse: Mutex::new(Some(lse)),
-            y: Some(y),
+            y: Mutex::new(Some(y)),
+            generic: true,
             rows,
         };
         return q.apply_op3(&k, &v, op);
@@ -183,7 +184,8 @@ fn attention(
     let op = ChunkedAttention {
         mask: mask.clone(),
         lse: Mutex::new(None),
-        y: None,
+        y: Mutex::new(None),
+        generic: false,
         rows: CPU_BLOCK,
     };
     q.apply_op3(&k, &v, op)
@@ -194,9 +196,11 @@ struct ChunkedAttention {
     /// (B, KV, n_rep * T) f32 (tensor-op path) or q's dtype (CPU kernel) log-sum-exp per row,
     /// taken by the backward.
     lse: Mutex<Option<Tensor>>,
-    /// The output, computed by the tensor-op path before the op is applied; `None` when the
-    /// CPU kernel computes it in `cpu_fwd`.
-    y: Option<Tensor>,
+    /// The output, computed by the tensor-op path before the op is applied and taken by the
+    /// forward (so the op does not keep a second copy); `None` with the CPU kernel.
+    y: Mutex<Option<Tensor>>,
+    /// The tensor-op path (else the CPU kernel).
+    generic: bool,
     /// Positions per block of the tensor-op path.
     rows: usize,
 }
@@ -215,7 +219,7 @@ impl CustomOp3 for ChunkedAttention {
         v: &CpuStorage,
         vl: &Layout,
     ) -> R<(CpuStorage, Shape)> {
-        if let Some(y) = &self.y {
+        if let Some(y) = self.y.lock().expect("y lock").take() {
             let (s, l) = y.storage_and_layout();
             return match &*s {
                 candle_core::Storage::Cpu(c) => Ok((c.try_clone(l)?, y.shape().clone())),
@@ -257,7 +261,7 @@ impl CustomOp3 for ChunkedAttention {
         _v: &candle_core::CudaStorage,
         _vl: &Layout,
     ) -> R<(candle_core::CudaStorage, Shape)> {
-        let Some(y) = &self.y else {
+        let Some(y) = self.y.lock().expect("y lock").take() else {
             candle_core::bail!("chunked attention: the CUDA path computes the output first")
         };
         let (s, l) = y.storage_and_layout();
@@ -279,7 +283,7 @@ impl CustomOp3 for ChunkedAttention {
             candle_core::Error::Msg("chunked attention: backward run twice".into())
         })?;
         let dy = dy.contiguous()?;
-        let (dq, dk, dv) = if self.y.is_none() {
+        let (dq, dk, dv) = if !self.generic {
             cpu_bwd(q, k, v, y, &dy, &lse, &self.mask)?
         } else {
             generic_bwd(q, k, v, y, &dy, &lse, &self.mask, self.rows)?

@@ -29,7 +29,7 @@
 use serde::Serialize;
 use tallow_model::DecoderConfig;
 
-use crate::config::{Method, ModelDtype, Quantize, TrainConfig};
+use crate::config::{Attention, Method, ModelDtype, Quantize, TrainConfig};
 use crate::optim::OptimizerKind;
 
 /// Elements of one logits chunk of the LM head.
@@ -202,9 +202,14 @@ pub fn layer_activation_bytes(
     per_token += group(&[&lg, &lu]) + if fused { 1 } else { 2 } * s * m.intermediate_size;
     per_token += linear(&ld, false);
     per_token += s * c; // residual add
-                        // Attention scores (B, H, T, T): q·kᵀ (q carries the 1/sqrt(D) scale), softmax
-                        // probabilities in f32, cast back.
-                        // (fused: the causal attention op keeps only the f32 probabilities)
+    if cfg.model.attention == Attention::Chunked {
+        // Chunked attention (`tallow_model::chunked`) keeps its output (counted above as
+        // probs · v) and one f32 log-sum-exp per head and token: nothing T x T.
+        return (b * t * (per_token + 4 * h)) as u64;
+    }
+    // Eager attention scores (B, H, T, T): q·kᵀ (q carries the 1/sqrt(D) scale), softmax
+    // probabilities in f32, cast back (fused: the causal attention op keeps only the f32
+    // probabilities).
     let per_score = if fused { 4 } else { s + 4 + cast(s) };
     (b * t * per_token + b * h * t * t * per_score) as u64
 }
@@ -214,6 +219,29 @@ pub fn layer_activation_bytes(
 /// its scaled copy, the adapter output, (W x + s B A x), the rescaled sum, the cast back and the
 /// bias add; with dropout also the dropped input in the model dtype, the second base matmul on it
 /// and its f32 copy, and PEFT's two extra (M, out) sums.
+/// One layer's attention transients beyond what the graph keeps, forward and backward.
+/// Eager: the backward's score-sized gradients, f32 (the forward's scores are kept, counted in
+/// [`layer_activation_bytes`]). Chunked (`tallow_model::chunked`): on the CPU each (batch, kv
+/// head) task holds two 64-row blocks of scores; on CUDA a block's scores are at most
+/// `BLOCK_SCORE_BYTES`, about 3 such in the forward (scores, exp, probabilities) and 6 in the
+/// backward (the recomputed ones, dP, dS and their casts), plus f32 dK / dV sums.
+fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, device: &str) -> (u64, u64) {
+    let (b, t) = (cfg.train.micro_batch_size, cfg.data.max_seq_len);
+    let (h, kv, d) = (m.num_attention_heads, m.num_key_value_heads, m.head_dim);
+    let scores = (b * h * t * t * 4) as u64;
+    if cfg.model.attention == Attention::Eager {
+        return (0, 3 * scores);
+    }
+    let fused = device == "cpu" && cfg.model.dtype == ModelDtype::F32;
+    if fused {
+        let per_task = (2 * tallow_model::chunked::CPU_BLOCK * t * 4) as u64;
+        return (per_task * (b * kv) as u64, per_task * (b * kv) as u64);
+    }
+    let rows = tallow_model::chunked::block_rows(b, h, t);
+    let block = (b * h * rows * t * 4) as u64;
+    (3 * block, 6 * block + (2 * b * t * kv * d * 4) as u64)
+}
+
 fn dora_linear(l: &Lin, s: usize, r: usize, dropout: bool, shared: bool) -> usize {
     let cast = |n: usize| if s == 4 { 0 } else { n };
     let mut n = s * l.out + cast(4 * l.out); // base output, in f32
@@ -557,7 +585,6 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // Backward high point: the LM head's backward (a chunk's logits turned into their gradient,
     // and dh for every row in f32), or one layer's attention backward (score-sized
     // gradients in f32) plus a few token-sized gradients.
-    let h = m.num_attention_heads as u64;
     // One layer's backward: score-sized gradients in f32, a few hidden-sized ones, and the
     // feed-forward's (tokens x intermediate): the gradients of the SwiGLU output, of gate and of
     // up, each accumulated by Candle as zeros + add, about six such tensors at once. Measured on
@@ -565,9 +592,8 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // f32 and in bf16 (whose CPU matmuls work in f32). On CUDA the gradients stay in the model
     // dtype: six of them, 6 x s (not measured yet).
     let ffn_grad = if device == "cpu" { 24 } else { 6 * s };
-    let attn_bwd = (b as u64) * h * (t * t) as u64 * 12
-        + tokens * 4 * 4 * c as u64
-        + tokens * ffn_grad * m.intermediate_size as u64;
+    let (scores_fwd, scores_bwd) = attention_transients(m, cfg, device);
+    let attn_bwd = scores_bwd + tokens * 4 * 4 * c as u64 + tokens * ffn_grad * m.intermediate_size as u64;
     let lm_bwd = ce + 8 * tokens * c as u64;
     let rebuilt = if checkpointed > 0 { per_layer } else { 0 };
     // NF4: a weight is dequantized for its matmul, forward and backward, by one op that
@@ -605,7 +631,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     } else {
         0
     };
-    let workspace_forward = (rebuilt + dequantized).max(loss_forward);
+    let workspace_forward = (rebuilt + dequantized + scores_fwd).max(loss_forward);
     // Optimizer: f32 copies of the largest parameter, its gradient and moments while updating.
     // (adamw8bit also dequantizes both moments to f32 and requantizes them.)
     let temporaries = match cfg.train.optimizer {
@@ -631,8 +657,12 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     };
     let mut overhead = 1 << 20;
     overhead += 200 * v as u64; // tokenizer
-    overhead += s * tokens * (2 * m.head_dim as u64) + s * (b * t * t) as u64; // rope + mask
-    let mut what = "tokenizer, data, rotary tables, attention mask".to_string();
+    overhead += s * tokens * (2 * m.head_dim as u64); // rope tables
+    let mut what = "tokenizer, data, rotary tables".to_string();
+    if cfg.model.attention == Attention::Eager {
+        overhead += s * (b * t * t) as u64; // the (B, T, T) mask
+        what += ", attention mask";
+    }
     if device == "cuda" {
         overhead += CUDA_CONTEXT_BYTES;
         what += "; CUDA context + cuBLAS workspace (outside the memory pool)";
@@ -689,6 +719,39 @@ pub struct Plan {
     pub grad_accum_for_largest: Option<usize>,
     /// Every override of the plan, for `--set` (`tallow train --config F --set ...`).
     pub sets: Vec<String>,
+    /// The longest `data.max_seq_len` (a multiple of 64, at most the model's
+    /// `max_position_embeddings`) that fits the budget with the config's own levers; None when
+    /// not even 64 tokens do.
+    pub longest_max_seq_len: Option<usize>,
+}
+
+/// The longest multiple of 64 tokens up to `model.max_position_embeddings` whose predicted
+/// peak fits `budget`, the rest of `cfg` as it is (the peak grows with the length).
+pub fn longest_seq_len(
+    model: &DecoderConfig,
+    cfg: &TrainConfig,
+    device: &'static str,
+    budget: u64,
+) -> Option<usize> {
+    let fits = |blocks: usize| {
+        let mut c = cfg.clone();
+        c.data.max_seq_len = 64 * blocks;
+        estimate(model, &c, device).total_bytes <= budget
+    };
+    if !fits(1) {
+        return None;
+    }
+    // fits(lo), and hi is past the model's limit or does not fit
+    let (mut lo, mut hi) = (1, (model.max_position_embeddings / 64).max(1) + 1);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Some(64 * lo)
 }
 
 /// The levers, in the order users reach for them.
@@ -754,6 +817,7 @@ pub fn plan(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str, budg
         largest_micro_batch: None,
         grad_accum_for_largest: None,
         sets: vec![],
+        longest_max_seq_len: longest_seq_len(model, cfg, device, budget),
     };
     if out.fits {
         let fits_mb = |mb: usize| {
@@ -888,8 +952,8 @@ mod tests {
         // In f32 (no CPU-only half-precision operand copies) CUDA adds the context and the
         // activations its unfused ops keep beyond the CPU's fused kernels (every layer kept:
         // no checkpointing); in bf16 the CPU's f32 operand copies make the CPU's peak higher
-        // than the pool's.
-        let f32 = cfg(&["model.dtype=f32"]);
+        // than the pool's. (Eager attention: its transients are the same on both devices.)
+        let f32 = cfg(&["model.dtype=f32", "model.attention=eager"]);
         let cuda = estimate(&model(), &f32, "cuda");
         let cpu = estimate(&model(), &f32, "cpu");
         let (b, t) = (f32.train.micro_batch_size, f32.data.max_seq_len);
@@ -909,6 +973,48 @@ mod tests {
         let cuda = estimate(&model(), &cfg(&[]), "cuda");
         let cpu = estimate(&model(), &cfg(&[]), "cpu");
         assert!(cuda.total_bytes - cuda.outside_pool_bytes < cpu.total_bytes);
+    }
+
+    /// Chunked attention's saved activations are linear in the sequence length, eager's are not;
+    /// at 4096 tokens the chunked peak is below half the eager one for this model.
+    #[test]
+    fn chunked_attention_activations_are_linear_in_t() {
+        let m = model();
+        for dev in ["cpu", "cuda"] {
+            let c = cfg(&["data.max_seq_len=1024", "model.dtype=f32"]);
+            let e = cfg(&["data.max_seq_len=1024", "model.dtype=f32", "model.attention=eager"]);
+            let fused = dev == "cpu";
+            let at = |cfg: &TrainConfig, t: usize| layer_activation_bytes(&m, cfg, 1, t, fused);
+            assert_eq!(at(&c, 2048), 2 * at(&c, 1024), "{dev}");
+            assert!(at(&e, 2048) > 2 * at(&e, 1024), "{dev}");
+            let peak = |sets: &[&str]| estimate(&m, &cfg(sets), dev).total_bytes;
+            let chunked = peak(&["data.max_seq_len=4096", "train.checkpointing=true"]);
+            let eager = peak(&[
+                "data.max_seq_len=4096",
+                "train.checkpointing=true",
+                "model.attention=eager",
+            ]);
+            assert!(2 * chunked < eager, "{dev}: chunked {chunked} vs eager {eager}");
+        }
+    }
+
+    /// The longest length fits and 64 more tokens do not (or it is the model's limit).
+    #[test]
+    fn longest_seq_len_is_the_edge_of_the_budget() {
+        let m = model();
+        let base = cfg(&["train.checkpointing=true"]);
+        let budget = 3u64 << 30;
+        let n = longest_seq_len(&m, &base, "cpu", budget).expect("some length fits 3 GiB");
+        let peak = |t: usize| {
+            let mut c = base.clone();
+            c.data.max_seq_len = t;
+            estimate(&m, &c, "cpu").total_bytes
+        };
+        assert!(peak(n) <= budget);
+        assert!(n + 64 > m.max_position_embeddings || peak(n + 64) > budget, "{n}");
+        assert_eq!(longest_seq_len(&m, &base, "cpu", 1 << 20), None);
+        let plan = plan(&m, &base, "cpu", budget);
+        assert_eq!(plan.longest_max_seq_len, Some(n));
     }
 
     #[test]
