@@ -657,6 +657,7 @@ impl Dequant {
         use candle_core::cuda_backend::cudarc::driver::CudaView;
         use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
         use candle_core::cuda_backend::WrapErr;
+        use candle_core::Storage;
         /// The contiguous elements of a CUDA tensor.
         fn view<'a, U: candle_core::cuda_backend::CudaDType>(
             st: &'a Storage,
