@@ -9,11 +9,10 @@
 use std::io::{BufRead, IsTerminal, Write};
 
 use anyhow::Result;
-use tallow_model::generate;
 use tallow_text::Message;
 
 use crate::args::ChatArgs;
-use crate::generate::{chat_prompt, load, report, Streamer};
+use crate::generate::{chat_prompt, load, report};
 
 pub fn run(a: ChatArgs) -> Result<()> {
     let s = load(&a.decode)?;
@@ -50,13 +49,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
             _ => {
                 messages.push(Message::new("user", text));
                 let ids = chat_prompt(&s.tok, &messages, "tallow chat")?;
-                let mut streamer = Streamer::new(&s.tok, &s.opts.stop_ids, true);
-                let g = generate(&s.model, &ids, &s.opts, |id| {
-                    streamer
-                        .push(id)
-                        .map_err(|e| tallow_model::ModelError::Invalid(e.to_string()))
-                })?;
-                let reply = streamer.finish()?;
+                let (g, reply) = s.generate_streamed(&ids, true)?;
                 println!();
                 report(ids.len(), &g);
                 messages.push(Message::new("assistant", reply));

@@ -4,7 +4,7 @@
 use anyhow::{Context, Result};
 use tallow_model::DecoderConfig;
 use tallow_trainer::config::TrainConfig;
-use tallow_trainer::estimate::{estimate, plan, Estimate, Plan};
+use tallow_trainer::estimate::{estimate, plan, Component, Estimate, Plan};
 use tallow_trainer::memory::{human_bytes, parse_bytes};
 
 use crate::args::EstimateArgs;
@@ -43,18 +43,16 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     let plan = budget.map(|b| plan(&model, &cfg, device, b));
     if a.json {
         let mut v = serde_json::to_value(&est)?;
-        v["components"] = est
-            .components
-            .iter()
-            .map(|c| (c.name.to_string(), serde_json::json!(c.bytes)))
-            .collect::<serde_json::Map<_, _>>()
-            .into();
-        v["details"] = est
-            .components
-            .iter()
-            .map(|c| (c.name.to_string(), serde_json::json!(c.detail)))
-            .collect::<serde_json::Map<_, _>>()
-            .into();
+        // {component name: value} objects
+        let by_name = |value: &dyn Fn(&Component) -> serde_json::Value| -> serde_json::Value {
+            let pairs = est
+                .components
+                .iter()
+                .map(|c| (c.name.to_string(), value(c)));
+            pairs.collect::<serde_json::Map<_, _>>().into()
+        };
+        v["components"] = by_name(&|c| serde_json::json!(c.bytes));
+        v["details"] = by_name(&|c| serde_json::json!(c.detail));
         if let Some(p) = &plan {
             v["plan"] = serde_json::to_value(p)?;
         }

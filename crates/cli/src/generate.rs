@@ -89,6 +89,24 @@ pub fn load(a: &DecodeArgs) -> Result<Session> {
     Ok(Session { model, tok, opts })
 }
 
+impl Session {
+    /// Generates after `prompt_ids` through a [`Streamer`] (printing the text as it completes
+    /// when `print`): the generation and its whole text.
+    pub fn generate_streamed(
+        &self,
+        prompt_ids: &[u32],
+        print: bool,
+    ) -> Result<(Generation, String)> {
+        let mut streamer = Streamer::new(&self.tok, &self.opts.stop_ids, print);
+        let g = generate(&self.model, prompt_ids, &self.opts, |id| {
+            streamer
+                .push(id)
+                .map_err(|e| tallow_model::ModelError::Invalid(e.to_string()))
+        })?;
+        Ok((g, streamer.finish()?))
+    }
+}
+
 /// Prints generated text as it completes: decodes the whole generated id list each time and
 /// prints the new suffix, holding back a trailing U+FFFD (a character whose bytes are split over
 /// tokens, completed by a later one). Stop ids are not printed.
@@ -207,13 +225,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     if prompt_ids.is_empty() {
         bail!("the prompt encodes to no tokens: give a non-empty --prompt");
     }
-    let mut streamer = Streamer::new(&s.tok, &s.opts.stop_ids, !a.json);
-    let g = generate(&s.model, &prompt_ids, &s.opts, |id| {
-        streamer
-            .push(id)
-            .map_err(|e| tallow_model::ModelError::Invalid(e.to_string()))
-    })?;
-    let text = streamer.finish()?;
+    let (g, text) = s.generate_streamed(&prompt_ids, !a.json)?;
     if a.json {
         let decode_tokens = g.ids.len().saturating_sub(1);
         let out = serde_json::json!({

@@ -199,6 +199,15 @@ impl Hub {
         Some(self.repo_dir(id).join("snapshots").join(commit))
     }
 
+    /// The error for `what` of the repo being needed while offline, with what the cache holds.
+    fn offline_error(&self, id: &HubId, what: String) -> HubError {
+        HubError::Offline {
+            what,
+            cache: self.cache_dir.clone(),
+            cached: self.describe_cache(id),
+        }
+    }
+
     /// What the cache holds for the repo, in words, for error messages.
     pub fn describe_cache(&self, id: &HubId) -> String {
         let dir = self.repo_dir(id);
@@ -251,11 +260,7 @@ impl Hub {
             }
         }
         if self.offline {
-            return Err(HubError::Offline {
-                what: format!("model {id}"),
-                cache: self.cache_dir.clone(),
-                cached: self.describe_cache(id),
-            });
+            return Err(self.offline_error(id, format!("model {id}")));
         }
         self.download(id, &Filter::default(), None)
     }
@@ -269,11 +274,7 @@ impl Hub {
             }
         }
         if self.offline {
-            return Err(HubError::Offline {
-                what: format!("{path} of {id}"),
-                cache: self.cache_dir.clone(),
-                cached: self.describe_cache(id),
-            });
+            return Err(self.offline_error(id, format!("{path} of {id}")));
         }
         let got = self.fetch_file(id, &id.revision, path, None)?;
         if !id.is_commit() {
@@ -293,11 +294,9 @@ impl Hub {
         local_dir: Option<&Path>,
     ) -> Result<PathBuf, HubError> {
         if self.offline {
-            let snap = self.cached_snapshot(id).ok_or_else(|| HubError::Offline {
-                what: format!("{id}"),
-                cache: self.cache_dir.clone(),
-                cached: self.describe_cache(id),
-            })?;
+            let snap = self
+                .cached_snapshot(id)
+                .ok_or_else(|| self.offline_error(id, id.to_string()))?;
             if let Some(dir) = local_dir {
                 copy_tree(&snap, dir, filter)?;
                 return Ok(dir.to_path_buf());

@@ -145,18 +145,9 @@ mod tests {
         // the same key at two device locations: two entries
         let key = ConstKey::new("consts-test.loc");
         let cpu = cached_at(DeviceLocation::Cpu, &dev, key.clone(), ones(2))?;
-        let gpu = cached_at(
-            DeviceLocation::Cuda { gpu_id: 0 },
-            &dev,
-            key.clone(),
-            ones(3),
-        )?;
-        let gpu1 = cached_at(
-            DeviceLocation::Cuda { gpu_id: 1 },
-            &dev,
-            key.clone(),
-            ones(6),
-        )?;
+        let on_gpu =
+            |gpu_id, n| cached_at(DeviceLocation::Cuda { gpu_id }, &dev, key.clone(), ones(n));
+        let (gpu, gpu1) = (on_gpu(0, 3)?, on_gpu(1, 6)?);
         assert_ne!(cpu.id(), gpu.id());
         assert_ne!(gpu.id(), gpu1.id());
         assert_eq!((cpu.dims1()?, gpu.dims1()?, gpu1.dims1()?), (2, 3, 6));

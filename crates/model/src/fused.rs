@@ -123,16 +123,102 @@ fn softmax_bwd_row<T: Real>(row: &mut [T], p: &[T], keys: usize) {
     }
 }
 
-/// Runs `f::<f32>` or `f::<f64>` on the storage's dtype.
-macro_rules! by_dtype {
-    ($s:expr, $op:expr, $f:ident ( $($arg:expr),* )) => {
-        match $s.dtype() {
-            DType::F32 => CpuStorage::F32($f::<f32>($($arg),*)?),
-            DType::F64 => CpuStorage::F64($f::<f64>($($arg),*)?),
-            d => candle_core::bail!("{}: dtype {d:?} (f32 / f64 only)", $op),
+/// What differs from one fused op over `N` CPU inputs of one dtype (f32 / f64) to the next: its
+/// name, the checks of its inputs' shapes, its kernel and its backward. [`Fused`] makes it a
+/// Candle `CustomOp2` / `CustomOp3` (contiguity, the common dtype, the f32 / f64 dispatch).
+trait Kernel<const N: usize>: Send + Sync + 'static {
+    /// The op's name, in its errors ("fused-...").
+    const NAME: &'static str;
+    /// What the kernel reads of the inputs' shapes.
+    type Dims: Copy;
+    /// Checks the inputs' layouts (an error names the mismatch): the kernel's dims and the
+    /// output's shape.
+    fn check(&self, layouts: [&Layout; N]) -> R<(Self::Dims, Shape)>;
+    /// The output's elements from the inputs' contiguous elements.
+    fn kernel<T: Real>(&self, inputs: [&[T]; N], dims: Self::Dims) -> R<Vec<T>>;
+    /// The inputs' gradients (Candle's `bwd`); none by default: the backward ops, applied
+    /// with `apply_op*_no_bwd`, are never differentiated.
+    fn grads(&self, _args: [&Tensor; N], _res: &Tensor, _grad: &Tensor) -> R<[Option<Tensor>; N]> {
+        Err(candle_core::Error::BackwardNotSupported { op: Self::NAME })
+    }
+}
+
+/// A [`Kernel`] as a Candle custom op.
+struct Fused<K>(K);
+
+/// [`Kernel::check`], then [`Kernel::kernel`] on the inputs' dtype: the CPU forward of a
+/// [`Fused`] op.
+fn fused_fwd<K: Kernel<N>, const N: usize>(
+    op: &K,
+    inputs: [(&CpuStorage, &Layout); N],
+) -> R<(CpuStorage, Shape)> {
+    let dtypes = inputs.map(|(s, _)| s.dtype());
+    if dtypes.iter().any(|&d| d != dtypes[0]) {
+        candle_core::bail!("{}: inputs of dtypes {dtypes:?}", K::NAME);
+    }
+    let (dims, shape) = op.check(inputs.map(|(_, l)| l))?;
+    fn slices<'a, T: Real, const N: usize>(
+        inputs: [(&'a CpuStorage, &Layout); N],
+        name: &str,
+    ) -> R<[&'a [T]; N]> {
+        let mut out = [&[][..]; N];
+        for (o, (s, l)) in out.iter_mut().zip(inputs) {
+            *o = data(s, l, name)?;
+        }
+        Ok(out)
+    }
+    let out = match dtypes[0] {
+        DType::F32 => CpuStorage::F32(op.kernel(slices(inputs, K::NAME)?, dims)?),
+        DType::F64 => CpuStorage::F64(op.kernel(slices(inputs, K::NAME)?, dims)?),
+        d => candle_core::bail!("{}: dtype {d:?} (f32 / f64 only)", K::NAME),
+    };
+    Ok((out, shape))
+}
+
+/// `Ok` when `ok`, else the error of inputs whose shapes do not fit, each shape after its
+/// label: "fused-rms-norm: weight [4] for input [2, 3]".
+fn fits(ok: bool, op: &str, shapes: &[(&str, &Shape)]) -> R<()> {
+    if ok {
+        return Ok(());
+    }
+    let shapes: Vec<String> = shapes
+        .iter()
+        .map(|(what, s)| format!("{what} {s:?}"))
+        .collect();
+    candle_core::bail!("{op}: {}", shapes.join(" "))
+}
+
+/// Candle's `CustomOp2` / `CustomOp3` for a [`Fused`] kernel of 2 / 3 inputs (each given as
+/// its storage, layout and gradient names): the name, the CPU forward and the backward, all
+/// from the [`Kernel`].
+macro_rules! custom_op {
+    ($op:ident, $n:literal, $(($s:ident, $l:ident, $d:ident)),+) => {
+        impl<K: Kernel<$n>> $op for Fused<K> {
+            fn name(&self) -> &'static str {
+                K::NAME
+            }
+
+            fn cpu_fwd(&self, $($s: &CpuStorage, $l: &Layout),+) -> R<(CpuStorage, Shape)> {
+                fused_fwd(&self.0, [$(($s, $l)),+])
+            }
+
+            fn bwd(
+                &self,
+                $($s: &Tensor,)+
+                res: &Tensor,
+                grad: &Tensor,
+            ) -> R<($(custom_op!(@grad $d)),+)> {
+                let [$($d),+] = self.0.grads([$($s),+], res, grad)?;
+                Ok(($($d),+))
+            }
         }
     };
+    (@grad $d:ident) => {
+        Option<Tensor>
+    };
 }
+custom_op!(CustomOp2, 2, (a, al, da), (b, bl, db));
+custom_op!(CustomOp3, 3, (a, al, da), (b, bl, db), (c, cl, dc));
 
 /// An output buffer of `n` elements that the kernel then writes in full: not zeroed first (a
 /// zeroed allocation costs a memset, or the kernel's zeroing of fresh pages, per call).
@@ -161,7 +247,7 @@ fn rows_per_task(row: usize) -> usize {
 pub fn masked_softmax(scores: &Tensor, mask: &Tensor) -> R<Tensor> {
     scores
         .contiguous()?
-        .apply_op2(&mask.contiguous()?, MaskedSoftmax)
+        .apply_op2(&mask.contiguous()?, Fused(MaskedSoftmax))
 }
 
 struct MaskedSoftmax;
@@ -189,47 +275,33 @@ fn softmax_fwd<T: Real>(
     Ok(out)
 }
 
-impl CustomOp2 for MaskedSoftmax {
-    fn name(&self) -> &'static str {
-        "fused-masked-softmax"
-    }
+impl Kernel<2> for MaskedSoftmax {
+    const NAME: &'static str = "fused-masked-softmax";
+    /// The scores' (B, X, Y, S) and the mask's T.
+    type Dims = ((usize, usize, usize, usize), usize);
 
-    fn cpu_fwd(
-        &self,
-        s: &CpuStorage,
-        sl: &Layout,
-        m: &CpuStorage,
-        ml: &Layout,
-    ) -> R<(CpuStorage, Shape)> {
+    fn check(&self, [sl, ml]: [&Layout; 2]) -> R<(Self::Dims, Shape)> {
         let dims = sl.shape().dims4()?;
         let (b, _, y, n) = dims;
         let (mb, one, t, mn) = ml.shape().dims4()?;
-        if (mb, one, mn) != (b, 1, n) || t == 0 || y % t != 0 || s.dtype() != m.dtype() {
-            candle_core::bail!(
-                "fused-masked-softmax: mask {:?} {:?} for scores {:?} {:?}",
-                ml.shape(),
-                m.dtype(),
-                sl.shape(),
-                s.dtype()
-            );
-        }
-        let out = by_dtype!(
-            s,
-            "fused-masked-softmax",
-            softmax_fwd(data(s, sl, "softmax")?, data(m, ml, "softmax")?, dims, t)
-        );
-        Ok((out, sl.shape().clone()))
+        let ok = (mb, one, mn) == (b, 1, n) && t > 0 && y % t == 0;
+        let shapes = [("mask", ml.shape()), ("for scores", sl.shape())];
+        fits(ok, Self::NAME, &shapes)?;
+        Ok(((dims, t), sl.shape().clone()))
     }
 
-    fn bwd(
+    fn kernel<T: Real>(&self, [s, m]: [&[T]; 2], (dims, t): Self::Dims) -> R<Vec<T>> {
+        softmax_fwd(s, m, dims, t)
+    }
+
+    fn grads(
         &self,
-        scores: &Tensor,
-        _mask: &Tensor,
+        [scores, _mask]: [&Tensor; 2],
         p: &Tensor,
         dp: &Tensor,
-    ) -> R<(Option<Tensor>, Option<Tensor>)> {
-        let ds = p.apply_op2_no_bwd(&dp.contiguous()?, &SoftmaxBwd)?;
-        Ok((Some(ds.to_dtype(scores.dtype())?), None))
+    ) -> R<[Option<Tensor>; 2]> {
+        let ds = p.apply_op2_no_bwd(&dp.contiguous()?, &Fused(SoftmaxBwd))?;
+        Ok([Some(ds.to_dtype(scores.dtype())?), None])
     }
 }
 
@@ -250,32 +322,20 @@ fn softmax_bwd<T: Real>(p: &[T], dp: &[T], n: usize) -> R<Vec<T>> {
     Ok(out)
 }
 
-impl CustomOp2 for SoftmaxBwd {
-    fn name(&self) -> &'static str {
-        "fused-masked-softmax-bwd"
+impl Kernel<2> for SoftmaxBwd {
+    const NAME: &'static str = "fused-masked-softmax-bwd";
+    /// The row length.
+    type Dims = usize;
+
+    fn check(&self, [pl, dl]: [&Layout; 2]) -> R<(usize, Shape)> {
+        let ok = pl.shape() == dl.shape();
+        fits(ok, Self::NAME, &[("dP", dl.shape()), ("for P", pl.shape())])?;
+        let n = pl.shape().dims().last().copied().unwrap_or(1);
+        Ok((n, pl.shape().clone()))
     }
 
-    fn cpu_fwd(
-        &self,
-        p: &CpuStorage,
-        pl: &Layout,
-        dp: &CpuStorage,
-        dl: &Layout,
-    ) -> R<(CpuStorage, Shape)> {
-        let n = pl.shape().dims().last().copied().unwrap_or(1);
-        if pl.shape() != dl.shape() || p.dtype() != dp.dtype() {
-            candle_core::bail!(
-                "fused-masked-softmax-bwd: dP {:?} for P {:?}",
-                dl.shape(),
-                pl.shape()
-            );
-        }
-        let out = by_dtype!(
-            p,
-            "fused-masked-softmax-bwd",
-            softmax_bwd(data(p, pl, "softmax-bwd")?, data(dp, dl, "softmax-bwd")?, n)
-        );
-        Ok((out, pl.shape().clone()))
+    fn kernel<T: Real>(&self, [p, dp]: [&[T]; 2], n: usize) -> R<Vec<T>> {
+        softmax_bwd(p, dp, n)
     }
 }
 
@@ -285,7 +345,8 @@ impl CustomOp2 for SoftmaxBwd {
 /// x: (..., C), w: (C) -> (..., C), same dtype (f32 / f64). The gradient of w, when w is
 /// trained, comes from the tensor-op formula (LoRA leaves the norms frozen).
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> R<Tensor> {
-    x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps })
+    x.contiguous()?
+        .apply_op2(&w.contiguous()?, Fused(RmsNorm { eps }))
 }
 
 struct RmsNorm {
@@ -315,44 +376,25 @@ fn rms_fwd<T: Real>(x: &[T], w: &[T], eps: f64) -> R<Vec<T>> {
     Ok(out)
 }
 
-impl CustomOp2 for RmsNorm {
-    fn name(&self) -> &'static str {
-        "fused-rms-norm"
-    }
+impl Kernel<2> for RmsNorm {
+    const NAME: &'static str = "fused-rms-norm";
+    type Dims = ();
 
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        xl: &Layout,
-        w: &CpuStorage,
-        wl: &Layout,
-    ) -> R<(CpuStorage, Shape)> {
+    fn check(&self, [xl, wl]: [&Layout; 2]) -> R<((), Shape)> {
         let c = xl.shape().dims().last().copied().unwrap_or(0);
-        if wl.shape().dims() != [c] || x.dtype() != w.dtype() {
-            candle_core::bail!(
-                "fused-rms-norm: weight {:?} {:?} for input {:?} {:?}",
-                wl.shape(),
-                w.dtype(),
-                xl.shape(),
-                x.dtype()
-            );
-        }
-        let out = by_dtype!(
-            x,
-            "fused-rms-norm",
-            rms_fwd(data(x, xl, "rms-norm")?, data(w, wl, "rms-norm")?, self.eps)
-        );
-        Ok((out, xl.shape().clone()))
+        let ok = wl.shape().dims() == [c];
+        let shapes = [("weight", wl.shape()), ("for input", xl.shape())];
+        fits(ok, Self::NAME, &shapes)?;
+        Ok(((), xl.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> R<(Option<Tensor>, Option<Tensor>)> {
-        let dx = x.apply_op3_no_bwd(w, &dy.contiguous()?, &RmsNormBwd { eps: self.eps })?;
+    fn kernel<T: Real>(&self, [x, w]: [&[T]; 2], (): ()) -> R<Vec<T>> {
+        rms_fwd(x, w, self.eps)
+    }
+
+    fn grads(&self, [x, w]: [&Tensor; 2], _y: &Tensor, dy: &Tensor) -> R<[Option<Tensor>; 2]> {
+        let bwd = Fused(RmsNormBwd { eps: self.eps });
+        let dx = x.apply_op3_no_bwd(w, &dy.contiguous()?, &bwd)?;
         let dw = if w.track_op() {
             // sum over rows of dy * xn
             let c = w.elem_count();
@@ -363,7 +405,7 @@ impl CustomOp2 for RmsNorm {
         } else {
             None
         };
-        Ok((Some(dx), dw))
+        Ok([Some(dx), dw])
     }
 }
 
@@ -399,38 +441,18 @@ fn rms_bwd<T: Real>(x: &[T], w: &[T], dy: &[T], eps: f64) -> R<Vec<T>> {
     Ok(out)
 }
 
-impl CustomOp3 for RmsNormBwd {
-    fn name(&self) -> &'static str {
-        "fused-rms-norm-bwd"
+impl Kernel<3> for RmsNormBwd {
+    const NAME: &'static str = "fused-rms-norm-bwd";
+    type Dims = ();
+
+    fn check(&self, [xl, _wl, dl]: [&Layout; 3]) -> R<((), Shape)> {
+        let ok = xl.shape() == dl.shape();
+        fits(ok, Self::NAME, &[("dy", dl.shape()), ("for x", xl.shape())])?;
+        Ok(((), xl.shape().clone()))
     }
 
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        xl: &Layout,
-        w: &CpuStorage,
-        wl: &Layout,
-        dy: &CpuStorage,
-        dl: &Layout,
-    ) -> R<(CpuStorage, Shape)> {
-        if xl.shape() != dl.shape() || x.dtype() != dy.dtype() {
-            candle_core::bail!(
-                "fused-rms-norm-bwd: dy {:?} for x {:?}",
-                dl.shape(),
-                xl.shape()
-            );
-        }
-        let out = by_dtype!(
-            x,
-            "fused-rms-norm-bwd",
-            rms_bwd(
-                data(x, xl, "rms-norm-bwd")?,
-                data(w, wl, "rms-norm-bwd")?,
-                data(dy, dl, "rms-norm-bwd")?,
-                self.eps
-            )
-        );
-        Ok((out, xl.shape().clone()))
+    fn kernel<T: Real>(&self, [x, w, dy]: [&[T]; 3], (): ()) -> R<Vec<T>> {
+        rms_bwd(x, w, dy, self.eps)
     }
 }
 
@@ -441,13 +463,11 @@ impl CustomOp3 for RmsNormBwd {
 /// x (B, T, H, D) contiguous, cos / sin (B, 1, T, D) -> (B, H, T, D). Same dtype (f32 / f64).
 pub fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor, scale: f64) -> R<Tensor> {
     let tables = Tensor::stack(&[cos.contiguous()?, sin.contiguous()?], 0)?.detach(); // (2, B, 1, T, D)
-    x.contiguous()?.apply_op2(
-        &tables,
-        Rope {
-            scale,
-            backward: false,
-        },
-    )
+    let op = Rope {
+        scale,
+        backward: false,
+    };
+    x.contiguous()?.apply_op2(&tables, Fused(op))
 }
 
 /// Forward: x (B, T, H, D) -> (B, H, T, D). Backward (`backward`): dy (B, H, T, D) -> dx
@@ -513,67 +533,45 @@ fn rope_run<T: Real>(
     Ok(out)
 }
 
-impl CustomOp2 for Rope {
-    fn name(&self) -> &'static str {
-        "fused-rope"
-    }
+impl Kernel<2> for Rope {
+    const NAME: &'static str = "fused-rope";
+    /// (B, T, H, D) of the forward's input (the backward's output).
+    type Dims = (usize, usize, usize, usize);
 
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        xl: &Layout,
-        cs: &CpuStorage,
-        cl: &Layout,
-    ) -> R<(CpuStorage, Shape)> {
+    fn check(&self, [xl, cl]: [&Layout; 2]) -> R<(Self::Dims, Shape)> {
         let (b, t, h, d) = if self.backward {
             let (b, h, t, d) = xl.shape().dims4()?;
             (b, t, h, d)
         } else {
             xl.shape().dims4()?
         };
-        if cl.shape().dims() != [2, b, 1, t, d] || x.dtype() != cs.dtype() || d % 2 != 0 {
-            candle_core::bail!(
-                "fused-rope: tables {:?} {:?} for x {:?} {:?}",
-                cl.shape(),
-                cs.dtype(),
-                xl.shape(),
-                x.dtype()
-            );
-        }
-        let out = by_dtype!(
-            x,
-            "fused-rope",
-            rope_run(
-                data(x, xl, "rope")?,
-                data(cs, cl, "rope")?,
-                (b, t, h, d),
-                self.scale,
-                self.backward
-            )
-        );
+        let ok = cl.shape().dims() == [2, b, 1, t, d] && d % 2 == 0;
+        let shapes = [("tables", cl.shape()), ("for x", xl.shape())];
+        fits(ok, Self::NAME, &shapes)?;
         let shape = if self.backward {
             Shape::from((b, t, h, d))
         } else {
             Shape::from((b, h, t, d))
         };
-        Ok((out, shape))
+        Ok(((b, t, h, d), shape))
     }
 
-    fn bwd(
+    fn kernel<T: Real>(&self, [x, cs]: [&[T]; 2], dims: Self::Dims) -> R<Vec<T>> {
+        rope_run(x, cs, dims, self.scale, self.backward)
+    }
+
+    fn grads(
         &self,
-        _x: &Tensor,
-        tables: &Tensor,
+        [_x, tables]: [&Tensor; 2],
         _y: &Tensor,
         dy: &Tensor,
-    ) -> R<(Option<Tensor>, Option<Tensor>)> {
-        let dx = dy.contiguous()?.apply_op2_no_bwd(
-            tables,
-            &Rope {
-                scale: self.scale,
-                backward: true,
-            },
-        )?;
-        Ok((Some(dx), None))
+    ) -> R<[Option<Tensor>; 2]> {
+        let bwd = Rope {
+            scale: self.scale,
+            backward: true,
+        };
+        let dx = dy.contiguous()?.apply_op2_no_bwd(tables, &Fused(bwd))?;
+        Ok([Some(dx), None])
     }
 }
 
@@ -595,7 +593,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> R<
         probs: std::sync::Mutex::new(None),
     };
     q.contiguous()?
-        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+        .apply_op3(&k.contiguous()?, &v.contiguous()?, Fused(op))
 }
 
 struct CausalAttention {
@@ -614,6 +612,54 @@ fn block_keys(i0: usize, i1: usize, t: usize) -> usize {
     }
 }
 
+/// The blocks of [`ATT_BLOCK`] query rows of `r` rows over `t` keys: (first row, end row, keys
+/// read), see [`block_keys`].
+fn att_blocks(r: usize, t: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    (0..r).step_by(ATT_BLOCK).map(move |i0| {
+        let i1 = (i0 + ATT_BLOCK).min(r);
+        (i0, i1, block_keys(i0, i1, t))
+    })
+}
+
+/// `dst (m, n) [+]= lhs (m, k) * rhs (k, n)` with row stride `dst_rs` for dst and the given
+/// (column, row) strides for lhs and rhs, single-threaded (the caller parallelizes over heads).
+///
+/// # Safety
+/// Every element the dimensions and strides reach lies inside its slice.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_strided<T: Real>(
+    dst: &mut [T],
+    dst_rs: usize,
+    read_dst: bool,
+    lhs: &[T],
+    (lhs_cs, lhs_rs): (usize, usize),
+    rhs: &[T],
+    (rhs_cs, rhs_rs): (usize, usize),
+    (m, n, k): (usize, usize, usize),
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst.as_mut_ptr(),
+        1,
+        dst_rs as isize,
+        read_dst,
+        lhs.as_ptr(),
+        lhs_cs as isize,
+        lhs_rs as isize,
+        rhs.as_ptr(),
+        rhs_cs as isize,
+        rhs_rs as isize,
+        T::one(),
+        T::one(),
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    )
+}
+
 /// `dst (m, n) [+]= lhs (m, k) * rhs` (rhs (n, k) used transposed when `rhs_t`, else (k, n)), row
 /// strides given, single-threaded (the caller parallelizes over heads).
 #[allow(clippy::too_many_arguments)]
@@ -626,37 +672,23 @@ pub(crate) fn small_gemm<T: Real>(
     rhs: &[T],
     rhs_rs: usize,
     rhs_t: bool,
-    (m, n, k): (usize, usize, usize),
+    mnk: (usize, usize, usize),
 ) {
-    let (rhs_cs, rhs_rs) = if rhs_t {
-        (rhs_rs as isize, 1)
-    } else {
-        (1, rhs_rs as isize)
-    };
+    let (m, n, k) = mnk;
+    let rhs_strides = if rhs_t { (rhs_rs, 1) } else { (1, rhs_rs) };
     assert!(m == 0 || (dst.len() >= (m - 1) * dst_rs + n && lhs.len() >= (m - 1) * lhs_rs + k));
     // SAFETY: the bounds above hold for dst and lhs; rhs holds n rows (rhs_t) or k rows of
     // rhs_rs elements by the callers' construction (slices of whole (T, D) head matrices).
     unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            dst_rs as isize,
+        gemm_strided(
+            dst,
+            dst_rs,
             read_dst,
-            lhs.as_ptr(),
-            1,
-            lhs_rs as isize,
-            rhs.as_ptr(),
-            rhs_cs,
-            rhs_rs,
-            T::one(),
-            T::one(),
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
+            lhs,
+            (1, lhs_rs),
+            rhs,
+            rhs_strides,
+            mnk,
         )
     }
 }
@@ -673,28 +705,16 @@ fn attention_group<T: Real>(
     t: usize,
     d: usize,
 ) {
-    let r = q.len() / d;
-    for i0 in (0..r).step_by(ATT_BLOCK) {
-        let i1 = (i0 + ATT_BLOCK).min(r);
+    for (i0, i1, keys) in att_blocks(q.len() / d, t) {
         let m = i1 - i0;
-        let keys = block_keys(i0, i1, t);
         let prow = &mut p[i0 * t..i1 * t];
         small_gemm(prow, t, false, &q[i0 * d..], d, k, d, true, (m, keys, d)); // scores
         for (ri, row) in prow.chunks_mut(t).enumerate() {
             let ti = (i0 + ri) % t;
             masked_softmax_row(row, &mask[ti * t..][..t], keys);
         }
-        small_gemm(
-            &mut y[i0 * d..],
-            d,
-            false,
-            prow,
-            t,
-            v,
-            d,
-            false,
-            (m, d, keys),
-        ); // p v
+        let yrow = &mut y[i0 * d..];
+        small_gemm(yrow, d, false, prow, t, v, d, false, (m, d, keys)); // p v
     }
 }
 
@@ -712,56 +732,22 @@ fn attention_group_bwd<T: Real>(
     t: usize,
     d: usize,
 ) {
-    let r = q.len() / d;
     let mut ds = vec![T::zero(); ATT_BLOCK * t];
-    for i0 in (0..r).step_by(ATT_BLOCK) {
-        let i1 = (i0 + ATT_BLOCK).min(r);
+    for (i0, i1, keys) in att_blocks(q.len() / d, t) {
         let m = i1 - i0;
-        let keys = block_keys(i0, i1, t);
         let prow = &p[i0 * t..i1 * t];
         let ds = &mut ds[..m * t];
         small_gemm(ds, t, false, &dy[i0 * d..], d, v, d, true, (m, keys, d)); // dP = dY vᵀ
         for (row, prow) in ds.chunks_mut(t).zip(prow.chunks(t)) {
             softmax_bwd_row(row, prow, keys);
         }
-        small_gemm(
-            &mut dq[i0 * d..],
-            d,
-            false,
-            ds,
-            t,
-            k,
-            d,
-            false,
-            (m, d, keys),
-        ); // dS k
-           // dk += dSᵀ q, dv += Pᵀ dY: (keys, D) = (keys, m) (m, D) with the (m, keys) operand
-           // read transposed through its strides.
+        let dqrow = &mut dq[i0 * d..];
+        small_gemm(dqrow, d, false, ds, t, k, d, false, (m, d, keys)); // dS k
+                                                                       // dk += dSᵀ q, dv += Pᵀ dY: (keys, D) = (keys, m) (m, D) with the (m, keys) operand
+                                                                       // read transposed through its strides.
         let dst = |x: &mut [T], a: &[T], b: &[T]| {
             // SAFETY: x holds `keys` rows of d; a is (m, t) row-major read as (keys, m); b (m, d).
-            unsafe {
-                gemm::gemm(
-                    keys,
-                    d,
-                    m,
-                    x.as_mut_ptr(),
-                    1,
-                    d as isize,
-                    true,
-                    a.as_ptr(),
-                    t as isize,
-                    1,
-                    b.as_ptr(),
-                    1,
-                    d as isize,
-                    T::one(),
-                    T::one(),
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                )
-            }
+            unsafe { gemm_strided(x, d, true, a, (t, 1), b, (1, d), (keys, d, m)) }
         };
         dst(dk, ds, &q[i0 * d..i1 * d]);
         dst(dv, prow, &dy[i0 * d..i1 * d]);
@@ -796,65 +782,69 @@ fn attention_fwd<T: Real>(
     (y, p)
 }
 
-impl CustomOp3 for CausalAttention {
-    fn name(&self) -> &'static str {
-        "fused-causal-attention"
-    }
+/// The backward of [`attention_fwd`] over all (b, kv) head groups: dq (B, KV, R, D), dk, dv
+/// (B, KV, T, D).
+#[allow(clippy::type_complexity)]
+fn attention_bwd<T: Real>(
+    [q, k, v, p, dy]: [&[T]; 5],
+    (_b, _kv, r, t, d): (usize, usize, usize, usize, usize),
+) -> (Vec<T>, Vec<T>, Vec<T>) {
+    let mut dq = uninit::<T>(q.len());
+    let mut dk = vec![T::zero(); k.len()];
+    let mut dv = vec![T::zero(); v.len()];
+    dq.par_chunks_mut(r * d)
+        .zip(dk.par_chunks_mut(t * d).zip(dv.par_chunks_mut(t * d)))
+        .enumerate()
+        .for_each(|(g, (dq, (dk, dv)))| {
+            let (qs, ts, ps) = (
+                g * r * d..(g + 1) * r * d,
+                g * t * d..(g + 1) * t * d,
+                g * r * t..(g + 1) * r * t,
+            );
+            attention_group_bwd(
+                &q[qs.clone()],
+                &k[ts.clone()],
+                &v[ts],
+                &p[ps],
+                &dy[qs],
+                dq,
+                dk,
+                dv,
+                t,
+                d,
+            )
+        });
+    (dq, dk, dv)
+}
 
-    fn cpu_fwd(
-        &self,
-        q: &CpuStorage,
-        ql: &Layout,
-        k: &CpuStorage,
-        kl: &Layout,
-        v: &CpuStorage,
-        vl: &Layout,
-    ) -> R<(CpuStorage, Shape)> {
+impl Kernel<3> for CausalAttention {
+    const NAME: &'static str = "fused-causal-attention";
+    /// (B, KV, R, T, D): R = n_rep * T query rows, T keys.
+    type Dims = (usize, usize, usize, usize, usize);
+
+    fn check(&self, [ql, kl, vl]: [&Layout; 3]) -> R<(Self::Dims, Shape)> {
         let (b, kv, r, d) = ql.shape().dims4()?;
         let (kb, kkv, t, kd) = kl.shape().dims4()?;
-        if (kb, kkv, kd) != (b, kv, d) || vl.shape() != kl.shape() || t == 0 || r % t != 0 {
-            candle_core::bail!(
-                "fused-causal-attention: q {:?}, k {:?}, v {:?}",
-                ql.shape(),
-                kl.shape(),
-                vl.shape()
-            );
+        let ok = (kb, kkv, kd) == (b, kv, d) && vl.shape() == kl.shape() && t > 0 && r % t == 0;
+        let shapes = [("q", ql.shape()), ("k", kl.shape()), ("v", vl.shape())];
+        fits(ok, Self::NAME, &shapes)?;
+        if self.mask.dims4()? != (b, 1, t, t) {
+            candle_core::bail!("{}: mask {:?} for {t} keys", Self::NAME, self.mask.shape());
         }
-        let (ms, ml) = self.mask.storage_and_layout();
-        if ml.shape().dims4()? != (b, 1, t, t) {
-            candle_core::bail!("fused-causal-attention: mask {:?} for {t} keys", ml.shape());
-        }
-        let dims = (b, kv, r, t, d);
-        macro_rules! go {
-            ($ty:ty, $var:ident) => {{
-                let (y, p) = attention_fwd::<$ty>(
-                    data(q, ql, "attention")?,
-                    data(k, kl, "attention")?,
-                    data(v, vl, "attention")?,
-                    storage_data(&ms, &ml, "fused-causal-attention mask")?,
-                    dims,
-                );
-                let p = Tensor::from_vec(p, (b, kv, r, t), &candle_core::Device::Cpu)?;
-                *self.probs.lock().expect("probs lock") = Some(p);
-                CpuStorage::$var(y)
-            }};
-        }
-        let y = match q.dtype() {
-            DType::F32 => go!(f32, F32),
-            DType::F64 => go!(f64, F64),
-            d => candle_core::bail!("fused-causal-attention: dtype {d:?} (f32 / f64 only)"),
-        };
-        Ok((y, ql.shape().clone()))
+        Ok(((b, kv, r, t, d), ql.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> R<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn kernel<T: Real>(&self, [q, k, v]: [&[T]; 3], dims: Self::Dims) -> R<Vec<T>> {
+        let (b, kv, r, t, _) = dims;
+        let (ms, ml) = self.mask.storage_and_layout();
+        let mask = storage_data(&ms, ml, "fused-causal-attention mask")?;
+        let (y, p) = attention_fwd(q, k, v, mask, dims);
+        let p = Tensor::from_vec(p, (b, kv, r, t), &candle_core::Device::Cpu)?;
+        *self.probs.lock().expect("probs lock") = Some(p);
+        Ok(y)
+    }
+
+    fn grads(&self, [q, k, v]: [&Tensor; 3], _y: &Tensor, dy: &Tensor) -> R<[Option<Tensor>; 3]> {
         let p = self
             .probs
             .lock()
@@ -865,47 +855,17 @@ impl CustomOp3 for CausalAttention {
             })?;
         let (b, kv, r, d) = q.dims4()?;
         let t = k.dim(2)?;
+        let dims = (b, kv, r, t, d);
         let dy = dy.contiguous()?;
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-        let guards = [
-            q.storage_and_layout(),
-            k.storage_and_layout(),
-            v.storage_and_layout(),
-            p.storage_and_layout(),
-            dy.storage_and_layout(),
-        ];
+        let guards = [&q, &k, &v, &p, &dy].map(|x| x.storage_and_layout());
         macro_rules! go {
             ($ty:ty) => {{
-                let mut sl: Vec<&[$ty]> = Vec::with_capacity(5);
-                for (st, l) in &guards {
-                    sl.push(storage_data::<$ty>(st, l, "fused-causal-attention")?);
+                let mut sl: [&[$ty]; 5] = [&[]; 5];
+                for (s, (st, l)) in sl.iter_mut().zip(&guards) {
+                    *s = storage_data(st, l, Self::NAME)?;
                 }
-                let (q, k, v, p, dy) = (sl[0], sl[1], sl[2], sl[3], sl[4]);
-                let mut dq = uninit::<$ty>(q.len());
-                let mut dk = vec![0 as $ty; k.len()];
-                let mut dv = vec![0 as $ty; v.len()];
-                dq.par_chunks_mut(r * d)
-                    .zip(dk.par_chunks_mut(t * d).zip(dv.par_chunks_mut(t * d)))
-                    .enumerate()
-                    .for_each(|(g, (dq, (dk, dv)))| {
-                        let (qs, ts, ps) = (
-                            g * r * d..(g + 1) * r * d,
-                            g * t * d..(g + 1) * t * d,
-                            g * r * t..(g + 1) * r * t,
-                        );
-                        attention_group_bwd(
-                            &q[qs.clone()],
-                            &k[ts.clone()],
-                            &v[ts],
-                            &p[ps],
-                            &dy[qs],
-                            dq,
-                            dk,
-                            dv,
-                            t,
-                            d,
-                        )
-                    });
+                let (dq, dk, dv) = attention_bwd(sl, dims);
                 let dev = candle_core::Device::Cpu;
                 (
                     Tensor::from_vec(dq, (b, kv, r, d), &dev)?,
@@ -917,9 +877,9 @@ impl CustomOp3 for CausalAttention {
         let (dq, dk, dv) = match q.dtype() {
             DType::F32 => go!(f32),
             DType::F64 => go!(f64),
-            d => candle_core::bail!("fused-causal-attention: dtype {d:?}"),
+            d => candle_core::bail!("{}: dtype {d:?}", Self::NAME),
         };
-        Ok((Some(dq), Some(dk), Some(dv)))
+        Ok([Some(dq), Some(dk), Some(dv)])
     }
 }
 
@@ -928,7 +888,7 @@ impl CustomOp3 for CausalAttention {
 
 /// silu(g) * u, g and u the same shape and dtype (f32 / f64).
 pub fn swiglu(g: &Tensor, u: &Tensor) -> R<Tensor> {
-    g.contiguous()?.apply_op2(&u.contiguous()?, SwiGlu)
+    g.contiguous()?.apply_op2(&u.contiguous()?, Fused(SwiGlu))
 }
 
 struct SwiGlu;
@@ -953,42 +913,24 @@ fn swiglu_fwd<T: Real>(g: &[T], u: &[T]) -> R<Vec<T>> {
     Ok(out)
 }
 
-impl CustomOp2 for SwiGlu {
-    fn name(&self) -> &'static str {
-        "fused-swiglu"
+impl Kernel<2> for SwiGlu {
+    const NAME: &'static str = "fused-swiglu";
+    type Dims = ();
+
+    fn check(&self, [gl, ul]: [&Layout; 2]) -> R<((), Shape)> {
+        let ok = gl.shape() == ul.shape();
+        let shapes = [("up", ul.shape()), ("for gate", gl.shape())];
+        fits(ok, Self::NAME, &shapes)?;
+        Ok(((), gl.shape().clone()))
     }
 
-    fn cpu_fwd(
-        &self,
-        g: &CpuStorage,
-        gl: &Layout,
-        u: &CpuStorage,
-        ul: &Layout,
-    ) -> R<(CpuStorage, Shape)> {
-        if gl.shape() != ul.shape() || g.dtype() != u.dtype() {
-            candle_core::bail!(
-                "fused-swiglu: up {:?} for gate {:?}",
-                ul.shape(),
-                gl.shape()
-            );
-        }
-        let out = by_dtype!(
-            g,
-            "fused-swiglu",
-            swiglu_fwd(data(g, gl, "swiglu")?, data(u, ul, "swiglu")?)
-        );
-        Ok((out, gl.shape().clone()))
+    fn kernel<T: Real>(&self, [g, u]: [&[T]; 2], (): ()) -> R<Vec<T>> {
+        swiglu_fwd(g, u)
     }
 
-    fn bwd(
-        &self,
-        g: &Tensor,
-        u: &Tensor,
-        _h: &Tensor,
-        dh: &Tensor,
-    ) -> R<(Option<Tensor>, Option<Tensor>)> {
-        let both = g.apply_op3_no_bwd(u, &dh.contiguous()?, &SwiGluBwd)?; // (2, ...): dg, du
-        Ok((Some(both.get(0)?), Some(both.get(1)?)))
+    fn grads(&self, [g, u]: [&Tensor; 2], _h: &Tensor, dh: &Tensor) -> R<[Option<Tensor>; 2]> {
+        let both = g.apply_op3_no_bwd(u, &dh.contiguous()?, &Fused(SwiGluBwd))?; // (2, ...): dg, du
+        Ok([Some(both.get(0)?), Some(both.get(1)?)])
     }
 }
 
@@ -1018,40 +960,21 @@ fn swiglu_bwd<T: Real>(g: &[T], u: &[T], dh: &[T]) -> R<Vec<T>> {
     Ok(out)
 }
 
-impl CustomOp3 for SwiGluBwd {
-    fn name(&self) -> &'static str {
-        "fused-swiglu-bwd"
-    }
+impl Kernel<3> for SwiGluBwd {
+    const NAME: &'static str = "fused-swiglu-bwd";
+    type Dims = ();
 
-    fn cpu_fwd(
-        &self,
-        g: &CpuStorage,
-        gl: &Layout,
-        u: &CpuStorage,
-        ul: &Layout,
-        dh: &CpuStorage,
-        dl: &Layout,
-    ) -> R<(CpuStorage, Shape)> {
-        if gl.shape() != ul.shape() || gl.shape() != dl.shape() {
-            candle_core::bail!(
-                "fused-swiglu-bwd: shapes {:?} {:?} {:?}",
-                gl.shape(),
-                ul.shape(),
-                dl.shape()
-            );
-        }
-        let out = by_dtype!(
-            g,
-            "fused-swiglu-bwd",
-            swiglu_bwd(
-                data(g, gl, "swiglu-bwd")?,
-                data(u, ul, "swiglu-bwd")?,
-                data(dh, dl, "swiglu-bwd")?
-            )
-        );
+    fn check(&self, [gl, ul, dl]: [&Layout; 3]) -> R<((), Shape)> {
+        let ok = gl.shape() == ul.shape() && gl.shape() == dl.shape();
+        let shapes = [("g", gl.shape()), ("u", ul.shape()), ("dh", dl.shape())];
+        fits(ok, Self::NAME, &shapes)?;
         let mut dims = vec![2];
         dims.extend_from_slice(gl.shape().dims());
-        Ok((out, Shape::from(dims)))
+        Ok(((), Shape::from(dims)))
+    }
+
+    fn kernel<T: Real>(&self, [g, u, dh]: [&[T]; 3], (): ()) -> R<Vec<T>> {
+        swiglu_bwd(g, u, dh)
     }
 }
 
@@ -1089,20 +1012,10 @@ mod tests {
             .zip(b)
             .map(|(a, b)| {
                 assert_eq!(a.dims(), b.dims());
-                let a = a
-                    .to_dtype(DType::F64)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f64>()
-                    .unwrap();
-                let b = b
-                    .to_dtype(DType::F64)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f64>()
-                    .unwrap();
+                let [a, b] = [a, b].map(|t| {
+                    let t = t.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+                    t.to_vec1::<f64>().unwrap()
+                });
                 a.iter()
                     .zip(&b)
                     .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))

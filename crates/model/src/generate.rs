@@ -111,21 +111,33 @@ fn chunk_mask(
     Ok(Tensor::from_vec(m, (t, l), device)?.to_dtype(dtype)?)
 }
 
+/// What one cached forward step of t new positions after `past` cached ones gives every layer.
+#[derive(Clone, Copy)]
+struct Step<'a> {
+    /// (B, 1, t, D) rotary tables at the absolute positions P..P+t.
+    cos: &'a Tensor,
+    sin: &'a Tensor,
+    /// (t, L), or None (t = 1: the new query sees every cached key).
+    mask: Option<&'a Tensor>,
+    past: usize,
+    window: Option<usize>,
+}
+
 /// Attention of t new positions against the cache, writing their keys and values into it.
-/// x: (B, t, C), cos/sin: (B, 1, t, D) at the absolute positions P..P+t, mask: (t, L) or None
-/// (t = 1: the new query sees every cached key), caches: (B, KV, S, D) -> (B, t, C)
-#[allow(clippy::too_many_arguments)]
+/// x: (B, t, C), caches (keys, values): (B, KV, S, D) -> (B, t, C)
 fn attention_cached(
     a: &Attention,
     x: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-    mask: Option<&Tensor>,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    past: usize,
-    window: Option<usize>,
+    step: Step,
+    (k_cache, v_cache): (&Tensor, &Tensor),
 ) -> Result<Tensor> {
+    let Step {
+        cos,
+        sin,
+        mask,
+        past,
+        window,
+    } = step;
     let (b, t, _) = x.dims3()?;
     let (h, kv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
     let r = h / kv;
@@ -149,7 +161,8 @@ fn attention_cached(
     // `ops::repeat_kv` lays them out), so the R query heads of one key/value head become rows.
     let q = q.reshape((b, kv, r * t, d))?; // (B, KV, R*t, D), rows ordered (R, t)
     let scores = q.matmul(&keys.t()?)?; // (B, KV, R*t, L'); q carries 1/sqrt(D) (`qkv`)
-                                        // Softmax in f32 and cast back, as the training forward (and HF's eager attention) does.
+
+    // Softmax in f32 and cast back, as the training forward (and HF's eager attention) does.
     let up = ops::upcast(scores.dtype());
     let mut scores = scores.to_dtype(up)?;
     if let Some(m) = mask {
@@ -168,31 +181,13 @@ fn attention_cached(
 
 /// One decoder layer with the cache: [`DecoderLayer::forward`] with cached attention.
 /// x: (B, t, C) -> (B, t, C)
-#[allow(clippy::too_many_arguments)]
 fn layer_cached(
     layer: &DecoderLayer,
     x: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-    mask: Option<&Tensor>,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    past: usize,
-    window: Option<usize>,
+    step: Step,
+    caches: (&Tensor, &Tensor),
 ) -> Result<Tensor> {
-    layer.block(x, |h| {
-        attention_cached(
-            &layer.self_attn,
-            h,
-            cos,
-            sin,
-            mask,
-            k_cache,
-            v_cache,
-            past,
-            window,
-        )
-    })
+    layer.block(x, |h| attention_cached(&layer.self_attn, h, step, caches))
 }
 
 impl CausalLM {
@@ -220,19 +215,16 @@ impl CausalLM {
         } else {
             None
         };
+        let step = Step {
+            cos: &cos,
+            sin: &sin,
+            mask: mask.as_ref(),
+            past,
+            window,
+        };
         let mut x = self.embed(input_ids)?; // (B, t, C)
         for (i, layer) in self.layers.iter().enumerate() {
-            x = layer_cached(
-                layer,
-                &x,
-                &cos,
-                &sin,
-                mask.as_ref(),
-                &cache.k[i],
-                &cache.v[i],
-                past,
-                window,
-            )?;
+            x = layer_cached(layer, &x, step, (&cache.k[i], &cache.v[i]))?;
         }
         cache.len = past + t;
         let last = x.narrow(1, t - 1, 1)?; // (B, 1, C)
@@ -453,14 +445,8 @@ mod tests {
     }
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
+        let d = (a - b).and_then(|d| d.abs()?.max_all()?.to_scalar::<f32>());
+        d.unwrap()
     }
 
     /// The cached forward (prompt in one chunk, then in uneven chunks, then token by token)

@@ -519,15 +519,65 @@ pub struct FrozenMatmul {
     pub w: Tensor,
 }
 
-impl FrozenMatmul {
-    fn bmnk(&self, l: &Layout) -> candle_core::Result<(usize, usize, usize, usize)> {
-        let (m, k) = l.shape().dims2()?;
-        let (n, k2) = self.w.dims2()?;
-        if k != k2 {
-            candle_core::bail!("frozen matmul: input has {k} features, weight expects {k2}");
+/// A backend's storage as it sits in Candle's `Storage` enum: lets one generic forward serve
+/// an op's `cpu_fwd` and `cuda_fwd`.
+pub(crate) trait InStorage: BackendStorage {
+    /// The device, in errors ("the CPU").
+    const DEVICE: &'static str;
+    /// The backend storage inside `s`, when `s` is on this backend.
+    fn of(s: &Storage) -> Option<&Self>;
+}
+
+impl InStorage for CpuStorage {
+    const DEVICE: &'static str = "the CPU";
+    fn of(s: &Storage) -> Option<&Self> {
+        match s {
+            Storage::Cpu(c) => Some(c),
+            _ => None,
         }
-        Ok((1, m, n, k))
     }
+}
+
+impl InStorage for CudaStorage {
+    const DEVICE: &'static str = "the CUDA device";
+    fn of(s: &Storage) -> Option<&Self> {
+        match s {
+            Storage::Cuda(c) => Some(c),
+            _ => None,
+        }
+    }
+}
+
+/// x wᵀ: x (M, K) and w (N, K) storages on one backend -> (M, N), the forward of the matmul
+/// ops (`op` names the op in errors).
+pub(crate) fn matmul_t<S: BackendStorage>(
+    x: &S,
+    xl: &Layout,
+    w: &S,
+    wl: &Layout,
+    op: &str,
+) -> candle_core::Result<(S, Shape)> {
+    let (m, k) = xl.shape().dims2()?;
+    let (n, k2) = wl.shape().dims2()?;
+    if k != k2 {
+        candle_core::bail!("{op}: input has {k} features, weight expects {k2}");
+    }
+    let out = x.matmul(w, (1, m, n, k), xl, &wl.transpose(0, 1)?)?;
+    Ok((out, Shape::from((m, n))))
+}
+
+/// [`matmul_t`] with the weight (N, K) a tensor, which must be on x's device.
+pub(crate) fn matmul_wt<S: InStorage>(
+    x: &S,
+    xl: &Layout,
+    w: &Tensor,
+    op: &str,
+) -> candle_core::Result<(S, Shape)> {
+    let (ws, wl) = w.storage_and_layout();
+    let Some(ws) = S::of(&ws) else {
+        candle_core::bail!("{op}: weight is not on {}", S::DEVICE);
+    };
+    matmul_t(x, xl, ws, wl, op)
 }
 
 impl CustomOp1 for FrozenMatmul {
@@ -537,23 +587,11 @@ impl CustomOp1 for FrozenMatmul {
 
     // x: (M, K) -> (M, N)
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (b, m, n, k) = self.bmnk(l)?;
-        let (ws, wl) = self.w.storage_and_layout();
-        let Storage::Cpu(ws) = &*ws else {
-            candle_core::bail!("frozen matmul: weight is not on the CPU");
-        };
-        let out = s.matmul(ws, (b, m, n, k), l, &wl.transpose(0, 1)?)?;
-        Ok((out, Shape::from((m, n))))
+        matmul_wt(s, l, &self.w, "frozen matmul")
     }
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (b, m, n, k) = self.bmnk(l)?;
-        let (ws, wl) = self.w.storage_and_layout();
-        let Storage::Cuda(ws) = &*ws else {
-            candle_core::bail!("frozen matmul: weight is not on the CUDA device");
-        };
-        let out = s.matmul(ws, (b, m, n, k), l, &wl.transpose(0, 1)?)?;
-        Ok((out, Shape::from((m, n))))
+        matmul_wt(s, l, &self.w, "frozen matmul")
     }
 
     // dX = dY W: (M, N) x (N, K) -> (M, K)
@@ -569,16 +607,6 @@ impl CustomOp1 for FrozenMatmul {
 /// 105M-parameter model, and with checkpointing every recomputed layer stayed alive).
 pub struct TrainableMatmul;
 
-/// (M, N, K) of x (M, K) times w (N, K) transposed.
-fn trainable_mnk(l: &Layout, wl: &Layout) -> candle_core::Result<(usize, usize, usize)> {
-    let (m, k) = l.shape().dims2()?;
-    let (n, k2) = wl.shape().dims2()?;
-    if k != k2 {
-        candle_core::bail!("trainable matmul: input has {k} features, weight expects {k2}");
-    }
-    Ok((m, n, k))
-}
-
 impl CustomOp2 for TrainableMatmul {
     fn name(&self) -> &'static str {
         "trainable-matmul"
@@ -592,9 +620,7 @@ impl CustomOp2 for TrainableMatmul {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (m, n, k) = trainable_mnk(l, wl)?;
-        let out = s.matmul(ws, (1, m, n, k), l, &wl.transpose(0, 1)?)?;
-        Ok((out, Shape::from((m, n))))
+        matmul_t(s, l, ws, wl, "trainable matmul")
     }
 
     fn cuda_fwd(
@@ -604,9 +630,7 @@ impl CustomOp2 for TrainableMatmul {
         ws: &CudaStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (m, n, k) = trainable_mnk(l, wl)?;
-        let out = s.matmul(ws, (1, m, n, k), l, &wl.transpose(0, 1)?)?;
-        Ok((out, Shape::from((m, n))))
+        matmul_t(s, l, ws, wl, "trainable matmul")
     }
 
     // dX = dY W: (M, N) x (N, K); dW = dYᵀ X: (N, M) x (M, K)

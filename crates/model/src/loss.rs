@@ -2,14 +2,13 @@
 //!
 //! The full-vocabulary logits (positions x V, f32) are usually the largest activation of a
 //! fine-tune. [`lm_head_nll`] never holds more than one chunk of them: the forward computes the
-//! loss chunk by chunk outside the autograd graph, and the backward ([`FusedLmHeadNll`])
+//! loss chunk by chunk outside the autograd graph, and the backward ([`nll_bwd`])
 //! recomputes each chunk's logits to form dH = (softmax - onehot) W (and dW only when the head is
 //! trainable). The graph keeps the selected hidden states and a reference to W, nothing of size V.
 //!
 //! Shape legend: N = target positions, C = hidden size, V = vocab.
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CudaStorage, CustomOp2, Layout, Shape, Storage, Tensor};
+use candle_core::Tensor;
 
 use crate::consts::ConstKey;
 use crate::error::{ModelError, Result};
@@ -82,14 +81,16 @@ pub fn lm_head_nll(hidden: &Tensor, head: &Tensor, targets: &Targets) -> Result<
         .reshape((b * t, c))?
         .index_select(&targets.positions, 0)?; // (N, C)
     let value = nll_sum_no_grad(&h.detach(), &head.detach(), &targets.labels)?;
-    if !h.track_op() && !head.track_op() {
-        return Ok(value);
-    }
-    let op = FusedLmHeadNll {
-        labels: targets.labels.clone(),
+    // The backward recomputes the logits chunk by chunk: the graph keeps h, the head and the
+    // labels only.
+    let labels = targets.labels.clone();
+    ops::attach2(
+        "fused-lm-head-nll",
+        &h,
+        head,
         value,
-    };
-    Ok(h.apply_op2(head, op)?)
+        move |h, head, _v, g| nll_bwd(&labels, h, head, g),
+    )
 }
 
 /// The chunked forward. h: (N, C), head: (V, C), labels: (N) -> scalar
@@ -129,109 +130,68 @@ fn cpu_labels(labels: &Tensor, h: &Tensor) -> candle_core::Result<Option<Vec<u32
     }
 }
 
-/// Autograd node for [`lm_head_nll`]: holds the labels and the forward's value; the backward
-/// recomputes logits chunk by chunk.
-struct FusedLmHeadNll {
-    labels: Tensor,
-    value: Tensor,
-}
-
-impl CustomOp2 for FusedLmHeadNll {
-    fn name(&self) -> &'static str {
-        "fused-lm-head-nll"
-    }
-
-    // The value was computed outside the graph; the op only hands it over.
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (s, l) = self.value.storage_and_layout();
-        match &*s {
-            Storage::Cpu(s) => Ok((s.try_clone(l)?, Shape::from(()))),
-            _ => candle_core::bail!("fused lm-head nll: value not on the CPU"),
-        }
-    }
-
-    fn cuda_fwd(
-        &self,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (s, l) = self.value.storage_and_layout();
-        match &*s {
-            Storage::Cuda(s) => Ok((s.try_clone(l)?, Shape::from(()))),
-            _ => candle_core::bail!("fused lm-head nll: value not on the CUDA device"),
-        }
-    }
-
-    // d(sum NLL)/dlogits = softmax(logits) - onehot(label), per position.
-    fn bwd(
-        &self,
-        h: &Tensor,
-        head: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (n, _c) = h.dims2()?;
-        let v = head.dim(0)?;
-        let want_dw = head.track_op();
-        let up = ops::upcast(h.dtype());
-        let h = h.detach();
-        let w = head.detach();
-        let g = grad.to_dtype(up)?; // scalar
-        let key = ConstKey::with("arange.u32", [v as u64]);
-        // (1, V), uploaded once per device and vocabulary size (crate::consts)
-        let vocab = crate::consts::cached(h.device(), key, |d| {
-            Tensor::arange(0u32, v as u32, d)?.unsqueeze(0)
-        })?;
-        let step = chunk_rows(v);
-        let host_labels = cpu_labels(&self.labels, &h)?;
-        // The CPU kernel takes the scale as a number (reading a CPU scalar costs no sync).
-        let g_host = match &host_labels {
-            Some(_) => g.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
-            None => 0.0,
-        };
-        let mut dh = Vec::new();
-        let mut dw: Option<Tensor> = None;
-        for start in (0..n).step_by(step) {
-            let len = step.min(n - start);
-            let hc = h.narrow(0, start, len)?; // (n, C)
-            let logits = hc.matmul(&w.t()?)?.to_dtype(up)?; // (n, V)
-            let dlogits = match &host_labels {
-                // CPU: softmax - onehot, scaled, in the logits' own buffer.
-                Some(y) => {
-                    crate::fused::ce_grad_in_place(&logits, &y[start..start + len], g_host)?;
-                    let d = logits.to_dtype(h.dtype())?; // the same buffer in f32 / f64
-                    drop(logits);
-                    d
-                }
-                None => {
-                    let p = ops::softmax_last_dim(&logits)
-                        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-                    drop(logits);
-                    let labels = self.labels.narrow(0, start, len)?.unsqueeze(1)?; // (n, 1)
-                    let onehot = labels.broadcast_eq(&vocab)?.to_dtype(up)?; // (n, V)
-                    (p - onehot)?.broadcast_mul(&g)?.to_dtype(h.dtype())? // (n, V)
-                }
-            };
-            dh.push(dlogits.matmul(&w)?); // (n, C)
-            if want_dw {
-                let part = dlogits.t()?.matmul(&hc)?; // (V, C)
-                dw = Some(match dw {
-                    Some(acc) => (acc + part)?,
-                    None => part,
-                });
+/// The backward of [`lm_head_nll`]: the gradients of `grad` * sum NLL for h (N, C) and, when
+/// it is trained, the head (V, C), recomputing the logits chunk by chunk.
+/// d(sum NLL)/dlogits = softmax(logits) - onehot(label), per position.
+fn nll_bwd(
+    labels: &Tensor,
+    h: &Tensor,
+    head: &Tensor,
+    grad: &Tensor,
+) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    let (n, _c) = h.dims2()?;
+    let v = head.dim(0)?;
+    let want_dw = head.track_op();
+    let up = ops::upcast(h.dtype());
+    let h = h.detach();
+    let w = head.detach();
+    let g = grad.to_dtype(up)?; // scalar
+    let key = ConstKey::with("arange.u32", [v as u64]);
+    // (1, V), uploaded once per device and vocabulary size (crate::consts)
+    let vocab = crate::consts::cached(h.device(), key, |d| {
+        Tensor::arange(0u32, v as u32, d)?.unsqueeze(0)
+    })?;
+    let step = chunk_rows(v);
+    let host_labels = cpu_labels(labels, &h)?;
+    // The CPU kernel takes the scale as a number (reading a CPU scalar costs no sync).
+    let g_host = match &host_labels {
+        Some(_) => g.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
+        None => 0.0,
+    };
+    let mut dh = Vec::new();
+    let mut dw: Option<Tensor> = None;
+    for start in (0..n).step_by(step) {
+        let len = step.min(n - start);
+        let hc = h.narrow(0, start, len)?; // (n, C)
+        let logits = hc.matmul(&w.t()?)?.to_dtype(up)?; // (n, V)
+        let dlogits = match &host_labels {
+            // CPU: softmax - onehot, scaled, in the logits' own buffer.
+            Some(y) => {
+                crate::fused::ce_grad_in_place(&logits, &y[start..start + len], g_host)?;
+                let d = logits.to_dtype(h.dtype())?; // the same buffer in f32 / f64
+                drop(logits);
+                d
             }
+            None => {
+                let p = ops::softmax_last_dim(&logits)
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                drop(logits);
+                let labels = labels.narrow(0, start, len)?.unsqueeze(1)?; // (n, 1)
+                let onehot = labels.broadcast_eq(&vocab)?.to_dtype(up)?; // (n, V)
+                (p - onehot)?.broadcast_mul(&g)?.to_dtype(h.dtype())? // (n, V)
+            }
+        };
+        dh.push(dlogits.matmul(&w)?); // (n, C)
+        if want_dw {
+            let part = dlogits.t()?.matmul(&hc)?; // (V, C)
+            dw = Some(match dw {
+                Some(acc) => (acc + part)?,
+                None => part,
+            });
         }
-        let dh = Tensor::cat(&dh, 0)?;
-        Ok((Some(dh), dw))
     }
+    let dh = Tensor::cat(&dh, 0)?;
+    Ok((Some(dh), dw))
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@
 //! Shape legend: B = batch, T = time (sequence), H = attention heads, KV = key/value heads,
 //! D = head dim, C = hidden size.
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{CpuStorage, CudaStorage, DType, Device, Layout, Shape, Storage, Tensor, D};
 
 use crate::config::RopeScaling;
 use crate::error::Result;
@@ -124,29 +124,26 @@ pub fn masked_softmax_generic(scores: &Tensor, mask: &Tensor) -> Result<Tensor> 
 // computed on detached inputs (its intermediates freed at once) and put into the graph by an op
 // whose only inputs are the real inputs and whose backward is the closed form.
 
-type Bwd1 = dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Option<Tensor>> + Send + Sync;
-type Bwd2 = dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)>
-    + Send
-    + Sync;
+/// Candle's result, what the ops' callbacks return.
+type R<T> = candle_core::Result<T>;
+
+/// The backward of [`attach1`]: (x, value, d value) -> dx.
+type Bwd1 = dyn Fn(&Tensor, &Tensor, &Tensor) -> R<Option<Tensor>> + Send + Sync;
+/// The backward of [`attach2`]: (x, w, value, d value) -> (dx, dw).
+type Bwd2 =
+    dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> R<(Option<Tensor>, Option<Tensor>)> + Send + Sync;
 
 /// `value` as a function of `x`: bwd(x, value, d_value) -> dx.
 pub(crate) fn attach1(
     name: &'static str,
     x: &Tensor,
     value: Tensor,
-    bwd: impl Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Option<Tensor>>
-        + Send
-        + Sync
-        + 'static,
+    bwd: impl Fn(&Tensor, &Tensor, &Tensor) -> R<Option<Tensor>> + Send + Sync + 'static,
 ) -> Result<Tensor> {
     if !x.track_op() {
         return Ok(value);
     }
-    Ok(x.apply_op1(Attach1 {
-        name,
-        value: std::sync::Mutex::new(Some(value)),
-        bwd: Box::new(bwd),
-    })?)
+    Ok(x.apply_op1(Attach::<Bwd1>::new(name, value, Box::new(bwd)))?)
 }
 
 /// `value` as a function of `(x, w)`: bwd(x, w, value, d_value) -> (dx, dw).
@@ -155,12 +152,7 @@ pub(crate) fn attach2(
     x: &Tensor,
     w: &Tensor,
     value: Tensor,
-    bwd: impl Fn(
-            &Tensor,
-            &Tensor,
-            &Tensor,
-            &Tensor,
-        ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)>
+    bwd: impl Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> R<(Option<Tensor>, Option<Tensor>)>
         + Send
         + Sync
         + 'static,
@@ -168,139 +160,96 @@ pub(crate) fn attach2(
     if !x.track_op() && !w.track_op() {
         return Ok(value);
     }
-    Ok(x.apply_op2(
-        w,
-        Attach2 {
-            name,
-            value: std::sync::Mutex::new(Some(value)),
-            bwd: Box::new(bwd),
-        },
-    )?)
+    Ok(x.apply_op2(w, Attach::<Bwd2>::new(name, value, Box::new(bwd)))?)
 }
 
-struct Attach1 {
+/// The op of [`attach1`] / [`attach2`]: its output is `value`, its backward `bwd` ([`Bwd1`] /
+/// [`Bwd2`]).
+struct Attach<B: ?Sized> {
     name: &'static str,
     value: std::sync::Mutex<Option<Tensor>>,
-    bwd: Box<Bwd1>,
+    bwd: Box<B>,
 }
 
-struct Attach2 {
-    name: &'static str,
-    value: std::sync::Mutex<Option<Tensor>>,
-    bwd: Box<Bwd2>,
-}
-
-/// Hands the precomputed value over as the op's output storage (a copy: Candle ops return
-/// owned storage); the op keeps no reference to it afterwards.
-fn take_value(
-    slot: &std::sync::Mutex<Option<Tensor>>,
-    name: &str,
-) -> candle_core::Result<(candle_core::Storage, candle_core::Shape)> {
-    use candle_core::backend::BackendStorage;
-    let v = slot
-        .lock()
-        .expect("attach lock")
-        .take()
-        .ok_or_else(|| candle_core::Error::Msg(format!("{name}: op applied twice")))?;
-    let (s, l) = v.storage_and_layout();
-    if !l.is_contiguous() || l.start_offset() != 0 {
-        candle_core::bail!("{name}: value must be contiguous");
+impl<B: ?Sized> Attach<B> {
+    fn new(name: &'static str, value: Tensor, bwd: Box<B>) -> Self {
+        let value = std::sync::Mutex::new(Some(value));
+        Self { name, value, bwd }
     }
-    let storage = match &*s {
-        candle_core::Storage::Cpu(c) => candle_core::Storage::Cpu(c.try_clone(l)?),
-        candle_core::Storage::Cuda(c) => candle_core::Storage::Cuda(c.try_clone(l)?),
-        candle_core::Storage::Metal(_) => candle_core::bail!("{name}: Metal is not supported"),
-    };
-    Ok((storage, v.shape().clone()))
-}
 
-macro_rules! attach_fwd {
-    () => {
-        fn cpu_fwd_value(
-            &self,
-        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-            match take_value(&self.value, self.name)? {
-                (candle_core::Storage::Cpu(c), shape) => Ok((c, shape)),
-                _ => candle_core::bail!("{}: value is not on the CPU", self.name),
-            }
+    /// Hands the precomputed value over as the op's output storage (a copy: Candle ops return
+    /// owned storage); the op keeps no reference to it afterwards.
+    fn take_value(&self) -> R<(Storage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let name = self.name;
+        let v = self
+            .value
+            .lock()
+            .expect("attach lock")
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg(format!("{name}: op applied twice")))?;
+        let (s, l) = v.storage_and_layout();
+        if !l.is_contiguous() || l.start_offset() != 0 {
+            candle_core::bail!("{name}: value must be contiguous");
         }
-        fn cuda_fwd_value(
-            &self,
-        ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
-            match take_value(&self.value, self.name)? {
-                (candle_core::Storage::Cuda(c), shape) => Ok((c, shape)),
-                _ => candle_core::bail!("{}: value is not on the CUDA device", self.name),
+        let storage = match &*s {
+            Storage::Cpu(c) => Storage::Cpu(c.try_clone(l)?),
+            Storage::Cuda(c) => Storage::Cuda(c.try_clone(l)?),
+            Storage::Metal(_) => candle_core::bail!("{name}: Metal is not supported"),
+        };
+        Ok((storage, v.shape().clone()))
+    }
+}
+
+/// Candle's `CustomOp1` / `CustomOp2` for an [`Attach`] of 1 / 2 inputs (named by the
+/// forward's unused storage and layout arguments): the output is the value on the CPU or
+/// the CUDA device, the backward is given (it detaches the gradients: a gradient that kept
+/// the ops it was computed with would keep their inputs, activations, alive for as long as
+/// the gradient lives).
+macro_rules! attach_op {
+    ($op:ident for $bwd:ty, $(($s:ident, $l:ident)),+; $($backward:tt)*) => {
+        impl candle_core::$op for Attach<$bwd> {
+            fn name(&self) -> &'static str {
+                self.name
             }
+
+            fn cpu_fwd(&self, $($s: &CpuStorage, $l: &Layout),+) -> R<(CpuStorage, Shape)> {
+                match self.take_value()? {
+                    (Storage::Cpu(c), shape) => Ok((c, shape)),
+                    _ => candle_core::bail!("{}: value is not on the CPU", self.name),
+                }
+            }
+
+            fn cuda_fwd(&self, $($s: &CudaStorage, $l: &Layout),+) -> R<(CudaStorage, Shape)> {
+                match self.take_value()? {
+                    (Storage::Cuda(c), shape) => Ok((c, shape)),
+                    _ => candle_core::bail!("{}: value is not on the CUDA device", self.name),
+                }
+            }
+
+            $($backward)*
         }
     };
 }
 
-impl Attach1 {
-    attach_fwd!();
-}
-
-impl Attach2 {
-    attach_fwd!();
-}
-
-impl candle_core::CustomOp1 for Attach1 {
-    fn name(&self) -> &'static str {
-        self.name
-    }
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        self.cpu_fwd_value()
-    }
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        self.cuda_fwd_value()
-    }
-    fn bwd(&self, x: &Tensor, v: &Tensor, dv: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        // Detached: a gradient that kept the ops it was computed with would keep their inputs
-        // (activations) alive for as long as the gradient lives.
+attach_op!(CustomOp1 for Bwd1, (_x, _xl);
+    fn bwd(&self, x: &Tensor, v: &Tensor, dv: &Tensor) -> R<Option<Tensor>> {
         Ok((self.bwd)(x, v, dv)?.map(|g| g.detach()))
     }
-}
+);
 
-impl candle_core::CustomOp2 for Attach2 {
-    fn name(&self) -> &'static str {
-        self.name
-    }
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-        _: &candle_core::CpuStorage,
-        _: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        self.cpu_fwd_value()
-    }
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &candle_core::Layout,
-        _: &candle_core::CudaStorage,
-        _: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        self.cuda_fwd_value()
-    }
+attach_op!(CustomOp2 for Bwd2, (_x, _xl), (_w, _wl);
     fn bwd(
         &self,
         x: &Tensor,
         w: &Tensor,
         v: &Tensor,
         dv: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw) = (self.bwd)(x, w, v, dv)?; // detached, as in Attach1
+    ) -> R<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw) = (self.bwd)(x, w, v, dv)?;
         Ok((dx.map(|g| g.detach()), dw.map(|g| g.detach())))
     }
-}
+);
 
 /// Log-softmax over the last dim, with the same detached max.
 pub fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {

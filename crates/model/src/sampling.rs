@@ -225,23 +225,18 @@ mod tests {
 
     #[test]
     fn bad_values_name_the_flag() {
-        let p = SamplingParams {
+        let d = SamplingParams::default();
+        let bad_top_p = SamplingParams {
             top_p: 0.0,
-            ..SamplingParams::default()
+            ..d.clone()
         };
-        assert!(Sampler::new(p)
-            .err()
-            .unwrap()
-            .to_string()
-            .contains("--top-p"));
-        let p = SamplingParams {
+        let bad_temperature = SamplingParams {
             temperature: -1.0,
-            ..SamplingParams::default()
+            ..d
         };
-        assert!(Sampler::new(p)
-            .err()
-            .unwrap()
-            .to_string()
-            .contains("--temperature"));
+        for (p, flag) in [(bad_top_p, "--top-p"), (bad_temperature, "--temperature")] {
+            let err = Sampler::new(p).err().unwrap().to_string();
+            assert!(err.contains(flag), "{err}");
+        }
     }
 }

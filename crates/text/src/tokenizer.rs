@@ -390,21 +390,16 @@ mod tests {
         let cfg = r#"{"eos_token": "</s>", "chat_template": [
             {"name": "tool_use", "template": "tools"},
             {"name": "default", "template": "default {{ eos_token }}"}]}"#;
-        let dir = model_dir("tok-tpl-list", Some(cfg));
-        let tok = TextTokenizer::from_model_dir(&dir).unwrap();
-        assert_eq!(
-            tok.chat_template().unwrap().render(&[], false).unwrap(),
-            "default </s>"
-        );
+        // The template a tokenizer_config.json picks, rendered with no messages.
+        let rendered = |name: &str, cfg: &str| {
+            let tok = TextTokenizer::from_model_dir(&model_dir(name, Some(cfg))).unwrap();
+            tok.chat_template().unwrap().render(&[], false).unwrap()
+        };
+        assert_eq!(rendered("tok-tpl-list", cfg), "default </s>");
 
         let cfg = r#"{"chat_template": [{"name": "a", "template": "first"},
                                         {"name": "b", "template": "second"}]}"#;
-        let dir = model_dir("tok-tpl-list-first", Some(cfg));
-        let tok = TextTokenizer::from_model_dir(&dir).unwrap();
-        assert_eq!(
-            tok.chat_template().unwrap().render(&[], false).unwrap(),
-            "first"
-        );
+        assert_eq!(rendered("tok-tpl-list-first", cfg), "first");
     }
 
     #[test]

@@ -121,30 +121,20 @@ pub fn check_compatible(
     dir: &Path,
 ) -> Result<(), TrainError> {
     let mut diffs = Vec::new();
-    if saved.method != now.method {
-        diffs.push(format!("method {} vs {}", saved.method, now.method));
+    // "{what} {saved} vs {now}" for a field that differs, each value shown with `$fmt`.
+    macro_rules! differs {
+        ($what:literal, $field:ident, $fmt:literal) => {
+            if saved.$field != now.$field {
+                let (a, b) = (&saved.$field, &now.$field);
+                diffs.push(format!(concat!($what, " ", $fmt, " vs ", $fmt), a, b));
+            }
+        };
     }
-    if saved.architecture != now.architecture {
-        diffs.push(format!(
-            "architecture {} vs {}",
-            saved.architecture, now.architecture
-        ));
-    }
-    if saved.lora != now.lora {
-        diffs.push(format!("lora {:?} vs {:?}", saved.lora, now.lora));
-    }
-    if saved.optimizer != now.optimizer {
-        diffs.push(format!(
-            "optimizer {} vs {}",
-            saved.optimizer, now.optimizer
-        ));
-    }
-    if saved.quantize != now.quantize {
-        diffs.push(format!(
-            "base quantization {} vs {}",
-            saved.quantize, now.quantize
-        ));
-    }
+    differs!("method", method, "{}");
+    differs!("architecture", architecture, "{}");
+    differs!("lora", lora, "{:?}");
+    differs!("optimizer", optimizer, "{}");
+    differs!("base quantization", quantize, "{}");
     if diffs.is_empty() && saved.trainable != now.trainable {
         let bad = now
             .trainable

@@ -474,6 +474,11 @@ mod tests {
         }
     }
 
+    /// The message of the error that loading `path` gives.
+    fn load_err(path: &Path, tok: &TextTokenizer, opts: &DataOptions) -> String {
+        load_jsonl(path, tok, opts).unwrap_err().to_string()
+    }
+
     /// Writes `lines` as a JSONL file in a fresh temp dir.
     fn jsonl(name: &str, lines: &[&str]) -> PathBuf {
         let path = temp_dir(name).join("data.jsonl");
@@ -531,9 +536,7 @@ mod tests {
             "data-undetected",
             &["", "  ", r#"{"input": "a", "output": "b"}"#],
         );
-        let err = load_jsonl(&path, &tok("data-undetected"), &opts(Format::Auto, 32))
-            .unwrap_err()
-            .to_string();
+        let err = load_err(&path, &tok("data-undetected"), &opts(Format::Auto, 32));
         assert!(err.contains("data.jsonl:3:"), "{err}");
         assert!(err.contains("\"input\", \"output\""), "{err}");
         assert!(
@@ -571,27 +574,22 @@ mod tests {
     #[test]
     fn prompt_completion_targets_start_after_prompt() {
         let tok = tok("data-pc");
-        let row = serde_json::json!({"prompt": "hello world ", "completion": "a b"});
-        assert_eq!(
+        let pc = |row: serde_json::Value| {
             tokenize_row(
                 &row,
                 Format::PromptCompletion,
                 &tok,
-                &opts(Format::Auto, 32)
+                &opts(Format::Auto, 32),
             )
-            .unwrap(),
+            .unwrap()
+        };
+        assert_eq!(
+            pc(serde_json::json!({"prompt": "hello world ", "completion": "a b"})),
             Some(ex(&[BOS, 3, 4, 5, 6, EOS], &[0, 0, 0, 1, 1, 1]))
         );
         // An empty prompt still leaves position 0 untrained.
-        let row = serde_json::json!({"prompt": "", "completion": "a"});
         assert_eq!(
-            tokenize_row(
-                &row,
-                Format::PromptCompletion,
-                &tok,
-                &opts(Format::Auto, 32)
-            )
-            .unwrap(),
+            pc(serde_json::json!({"prompt": "", "completion": "a"})),
             Some(ex(&[BOS, 5, EOS], &[0, 1, 1]))
         );
     }
@@ -666,9 +664,7 @@ mod tests {
                 _ => r#"{"text": "a"}"#,
             };
             let path = jsonl("data-bad", &[good, "", bad]);
-            let err = load_jsonl(&path, &tok, &opts(format, 32))
-                .unwrap_err()
-                .to_string();
+            let err = load_err(&path, &tok, &opts(format, 32));
             assert!(err.contains(&format!("{}:3: ", path.display())), "{err}");
             assert!(err.contains(want), "{err}");
         }
@@ -678,14 +674,10 @@ mod tests {
     fn missing_and_empty_files_name_path() {
         let tok = tok("data-missing");
         let path = temp_dir("data-missing").join("nope.jsonl");
-        let err = load_jsonl(&path, &tok, &opts(Format::Auto, 8))
-            .unwrap_err()
-            .to_string();
+        let err = load_err(&path, &tok, &opts(Format::Auto, 8));
         assert!(err.contains("nope.jsonl"), "{err}");
         let path = jsonl("data-empty", &["", " "]);
-        let err = load_jsonl(&path, &tok, &opts(Format::Auto, 8))
-            .unwrap_err()
-            .to_string();
+        let err = load_err(&path, &tok, &opts(Format::Auto, 8));
         assert!(err.contains("data.jsonl has no rows"), "{err}");
     }
 
@@ -694,9 +686,7 @@ mod tests {
         let dir = model_dir("data-noeos", Some("{}"));
         let tok = TextTokenizer::from_model_dir(&dir).unwrap();
         let path = jsonl("data-noeos", &[r#"{"text": "a"}"#]);
-        let err = load_jsonl(&path, &tok, &opts(Format::Auto, 8))
-            .unwrap_err()
-            .to_string();
+        let err = load_err(&path, &tok, &opts(Format::Auto, 8));
         assert!(err.contains("add_eos = false"), "{err}");
         assert!(
             err.contains("eos_token") && err.contains("tokenizer_config.json"),
@@ -717,9 +707,7 @@ mod tests {
             "data-notpl",
             &[r#"{"messages": [{"role": "user", "content": "a"}]}"#],
         );
-        let err = load_jsonl(&path, &tok, &opts(Format::Auto, 8))
-            .unwrap_err()
-            .to_string();
+        let err = load_err(&path, &tok, &opts(Format::Auto, 8));
         assert!(err.contains("no chat template"), "{err}");
         assert!(err.contains("chat_template.jinja"), "{err}");
         assert!(err.contains(&dir.display().to_string()), "{err}");
@@ -739,9 +727,7 @@ mod tests {
             "data-raise",
             &[r#"{"messages": [{"role": "assistant", "content": "a"}]}"#],
         );
-        let err = load_jsonl(&path, &tok, &opts(Format::Auto, 8))
-            .unwrap_err()
-            .to_string();
+        let err = load_err(&path, &tok, &opts(Format::Auto, 8));
         assert!(err.contains("data.jsonl:1:"), "{err}");
         assert!(err.contains("first must be user"), "{err}");
     }

@@ -19,10 +19,6 @@
 //! The last step a run of `total_steps` takes is `total_steps - 1`, so linear and cosine never
 //! quite reach 0 inside a run. As in HF, cosine's progress is not clamped past `total_steps`.
 
-use std::str::FromStr;
-
-use crate::config::choice::or_list;
-
 crate::config::choice::choices! {
     /// The shape of the learning rate after warmup.
     pub enum Schedule {
@@ -35,19 +31,7 @@ crate::config::choice::choices! {
     }
 }
 
-impl FromStr for Schedule {
-    type Err = String;
-
-    /// The name in any case (`Linear`); an unknown one lists [`Schedule::NAMES`].
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Schedule::from_name(&s.to_ascii_lowercase()).ok_or_else(|| {
-            format!(
-                "unknown learning-rate schedule `{s}`: expected {}",
-                or_list(Schedule::NAMES)
-            )
-        })
-    }
-}
+crate::config::choice::any_case_from_str!(Schedule, "learning-rate schedule");
 
 /// The learning rate of optimizer step `step` (0-based: the step about to be taken) of a run of
 /// `total_steps` steps, the first `warmup_steps` of which warm up linearly from 0.

@@ -44,12 +44,13 @@
 
 use std::sync::{Arc, OnceLock};
 
-use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::dynamic::{dequantize_blockwise, dynamic_map, pad_to, quantize_blockwise, Blockwise8};
 use crate::consts::{cached, ConstKey};
 use crate::error::{ModelError, Result};
+use crate::linear::InStorage;
 use crate::weights::Weights;
 
 /// The NF4 codebook (`bitsandbytes.functional.get_4bit_type("nf4")`), sorted, index 0..15.
@@ -648,7 +649,7 @@ impl Dequant {
         packed: &candle_core::cuda_backend::cudarc::driver::CudaView<u8>,
         dev: &candle_core::cuda_backend::CudaDevice,
         kernel: &str,
-    ) -> candle_core::Result<candle_core::CudaStorage>
+    ) -> candle_core::Result<CudaStorage>
     where
         T: candle_core::cuda_backend::CudaDType
             + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
@@ -656,6 +657,7 @@ impl Dequant {
         use candle_core::cuda_backend::cudarc::driver::CudaView;
         use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
         use candle_core::cuda_backend::WrapErr;
+        use candle_core::Storage;
         /// The contiguous elements of a CUDA tensor.
         fn view<'a, U: candle_core::cuda_backend::CudaDType>(
             st: &'a Storage,
@@ -728,7 +730,7 @@ impl Dequant {
                 unsafe { b.launch(cfg) }.w()?;
             }
         }
-        Ok(candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
 }
 
@@ -779,11 +781,7 @@ impl CustomOp1 for Dequant {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
         let Some((a, b)) = l.contiguous_offsets() else {
             candle_core::bail!("nf4: packed weight must be contiguous u8");
@@ -808,23 +806,18 @@ pub struct Nf4Matmul {
 }
 
 impl Nf4Matmul {
-    fn dims(&self, l: &Layout) -> candle_core::Result<(usize, usize, usize)> {
-        let (m, k) = l.shape().dims2()?;
-        let (n, k2) = self.w.shape;
-        if k != k2 {
-            candle_core::bail!("nf4 matmul: input has {k} features, weight expects {k2}");
-        }
-        Ok((m, n, k))
-    }
-
-    fn check_dtype(&self, got: DType) -> candle_core::Result<()> {
-        if got != self.w.dtype {
+    /// x (M, K) -> x Wᵀ (M, N) on x's backend, W dequantized for the call (tensor ops on the
+    /// device) and dropped on return.
+    fn fwd<S: InStorage>(&self, s: &S, l: &Layout) -> candle_core::Result<(S, Shape)> {
+        if s.dtype() != self.w.dtype {
             candle_core::bail!(
-                "nf4 matmul: input is {got:?}, the weight computes in {:?}",
+                "nf4 matmul: input is {:?}, the weight computes in {:?}",
+                s.dtype(),
                 self.w.dtype
             );
         }
-        Ok(())
+        let w = self.w.dequantize_candle()?; // (N, K)
+        crate::linear::matmul_wt(s, l, &w, "nf4 matmul")
     }
 }
 
@@ -835,33 +828,11 @@ impl CustomOp1 for Nf4Matmul {
 
     // x: (M, K) -> (M, N)
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        let (m, n, k) = self.dims(l)?;
-        self.check_dtype(s.dtype())?;
-        let w = self.w.dequantize_candle()?; // (N, K), dropped on return
-        let (ws, wl) = w.storage_and_layout();
-        let Storage::Cpu(ws) = &*ws else {
-            candle_core::bail!("nf4 matmul: weight is not on the CPU");
-        };
-        let out = s.matmul(ws, (1, m, n, k), l, &wl.transpose(0, 1)?)?;
-        Ok((out, Shape::from((m, n))))
+        self.fwd(s, l)
     }
 
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        let (m, n, k) = self.dims(l)?;
-        self.check_dtype(s.dtype())?;
-        let w = self.w.dequantize_candle()?; // (N, K), tensor ops on the device
-        let (ws, wl) = w.storage_and_layout();
-        let Storage::Cuda(ws) = &*ws else {
-            candle_core::bail!("nf4 matmul: weight is not on the CUDA device");
-        };
-        let out = s.matmul(ws, (1, m, n, k), l, &wl.transpose(0, 1)?)?;
-        Ok((out, Shape::from((m, n))))
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        self.fwd(s, l)
     }
 
     // dX = dY W: (M, N) x (N, K) -> (M, K), W dequantized again.

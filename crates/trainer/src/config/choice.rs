@@ -21,7 +21,8 @@
 /// The enum derives `Debug, Clone, Copy, PartialEq, Eq` (add others, such as `Default`, above
 /// it) and gets `ALL`, `NAMES`, `name()`, `from_name()`, `Display` and a serde `Serialize` /
 /// `Deserialize` that write and read the name (an unknown one is serde's `unknown variant`
-/// error listing `NAMES`). `FromStr` is left to each enum: their error types differ.
+/// error listing `NAMES`). `FromStr` is left to each enum (their error types differ);
+/// [`any_case_from_str!`] writes the usual one.
 macro_rules! choices {
     (
         $(#[$meta:meta])*
@@ -56,6 +57,17 @@ macro_rules! choices {
             /// The value spelled exactly `name`, if any.
             pub fn from_name(name: &str) -> Option<Self> {
                 Self::ALL.iter().copied().find(|v| v.name() == name)
+            }
+
+            /// The value named `name` in any case (`AdamW`), for a `FromStr`; an unknown name
+            /// is the message "unknown {what} `name`: expected" [`Self::NAMES`].
+            pub fn from_name_any_case(name: &str, what: &str) -> Result<Self, String> {
+                Self::from_name(&name.to_ascii_lowercase()).ok_or_else(|| {
+                    format!(
+                        "unknown {what} `{name}`: expected {}",
+                        $crate::config::choice::or_list(Self::NAMES)
+                    )
+                })
             }
         }
 
@@ -94,6 +106,24 @@ macro_rules! choices {
 }
 
 pub(crate) use choices;
+
+/// `FromStr` (error type `String`) for a [`choices!`] enum by its `from_name_any_case`:
+/// `any_case_from_str!(Schedule, "learning-rate schedule");` parses `Cosine` and answers
+/// `nope` with "unknown learning-rate schedule `nope`: expected `constant`, ...".
+macro_rules! any_case_from_str {
+    ($name:ident, $what:literal) => {
+        impl ::std::str::FromStr for $name {
+            type Err = String;
+
+            /// The name in any case; an unknown one lists [`Self::NAMES`].
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                $name::from_name_any_case(s, $what)
+            }
+        }
+    };
+}
+
+pub(crate) use any_case_from_str;
 
 /// `"a", "b", "c"`: names as TOML strings, for "must be one of ..." messages.
 pub fn quoted(names: &[&str]) -> String {
@@ -142,6 +172,14 @@ mod tests {
             );
         }
         assert_eq!(Fruit::from_name("Apple"), None);
+        assert_eq!(
+            Fruit::from_name_any_case("Apple", "fruit"),
+            Ok(Fruit::Apple)
+        );
+        assert_eq!(
+            Fruit::from_name_any_case("pear", "fruit"),
+            Err("unknown fruit `pear`: expected `apple` or `blood_orange`".to_string())
+        );
         let e = serde_json::from_str::<Fruit>("\"pear\"")
             .unwrap_err()
             .to_string();

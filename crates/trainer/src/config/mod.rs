@@ -7,9 +7,10 @@
 //! 1. the file becomes a `toml::Table`; its sections and keys are checked against the key table
 //!    (an unknown one is an error that lists the valid keys and suggests the closest), then each
 //!    `--set section.key=value` is applied to the table;
-//! 2. each section is deserialized into a raw serde struct (`Raw*`, private: plain strings for
-//!    paths, serde defaults, `deny_unknown_fields`); a value of the wrong type is an error naming
-//!    the key and the type it must have;
+//! 2. each section is deserialized (serde defaults, `deny_unknown_fields`): `[model]` and
+//!    `[data]`, which have required keys, into raw structs (`Raw*`, private: plain strings for
+//!    paths), `[lora]` and `[train]` directly into their sections; a value of the wrong type is
+//!    an error naming the key and the type it must have;
 //! 3. the raw structs become a [`TrainConfig`], checked by [`TrainConfig::validate`].
 //!
 //! [`TrainConfig::to_toml_string`] writes the resolved config back (every key, defaults filled
@@ -20,7 +21,8 @@
 //! - `enums.rs`: the config's enums ([`ModelDtype`], [`Quantize`], [`Method`], [`LoraTargets`]);
 //! - `choice.rs`: the `choices!` macro, which gives each enum one list of names that serde,
 //!   parsing, the key table and the messages all read;
-//! - `raw.rs`: the serde mirrors of the sections and every default;
+//! - `raw.rs`: the serde mirrors of `[model]` and `[data]`, the paths' serde forms and every
+//!   default;
 //! - `keys.rs`: the key table (each key's TOML type), other trainers' names for our keys, and
 //!   the unknown-key check;
 //! - `suggest.rs`: "did you mean" by edit distance;
@@ -41,6 +43,7 @@ mod validate;
 
 use std::path::{Path, PathBuf};
 
+use serde::{Deserialize, Serialize};
 use tallow_model::LoraSpec;
 
 use crate::data::{DataOptions, Format};
@@ -85,8 +88,10 @@ pub struct ModelSection {
     pub attention: Attention,
 }
 
-/// `[lora]`: the adapters, used when `train.method = "lora"`.
-#[derive(Debug, Clone, PartialEq)]
+/// `[lora]`: the adapters, used when `train.method = "lora"`. No key is required, so serde
+/// reads it directly (defaults in `raw.rs`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct LoraSection {
     /// r, the inner dimension of B·A (default 16).
     pub rank: usize,
@@ -102,6 +107,7 @@ pub struct LoraSection {
     /// output feature times the direction (W + s B A) / ||W + s B A|| (default false).
     pub dora: bool,
     /// A PEFT adapter dir to start from; rank, alpha and targets then come from it.
+    #[serde(with = "raw::optional_path_str")]
     pub init: Option<PathBuf>,
 }
 
@@ -124,8 +130,10 @@ pub struct DataSection {
     pub pack: bool,
 }
 
-/// `[train]`: the optimization.
-#[derive(Debug, Clone, PartialEq)]
+/// `[train]`: the optimization. No key is required, so serde reads it directly (defaults in
+/// `raw.rs`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct TrainSection {
     /// LoRA or full fine-tuning (default lora).
     pub method: Method,
@@ -159,6 +167,7 @@ pub struct TrainSection {
     /// auto | cpu | cuda | cuda:N (default auto).
     pub device: String,
     /// Where the run writes its resolved config, logs and checkpoints (default runs/example).
+    #[serde(with = "raw::path_str")]
     pub output_dir: PathBuf,
     /// Log every this many optimizer steps (default 1).
     pub log_every: usize,

@@ -1,6 +1,9 @@
 //! The raw config: what serde reads and writes, one struct per section, plain strings for paths
-//! (`""` for an optional path that is not set) and `deny_unknown_fields`. The defaults live here
-//! and only here; [`RawConfig::into_config`] turns the raw structs into the checked sections and
+//! (`""` for an optional path that is not set) and `deny_unknown_fields`. `[model]` and `[data]`
+//! have required keys, so they have raw mirrors here (`RawModel`, `RawData`); `[lora]` and
+//! `[train]` have none and are read as their checked sections (their paths through
+//! [`path_str`] / [`optional_path_str`]). The defaults live here and only here;
+//! [`RawConfig::into_config`] turns the raw structs into the checked sections and
 //! `From<&TrainConfig>` turns them back, for [`TrainConfig::to_toml_string`].
 
 use std::path::{Path, PathBuf};
@@ -17,9 +20,9 @@ use crate::data::{Format, DEFAULT_MAX_SEQ_LEN};
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawConfig {
     pub model: RawModel,
-    pub lora: RawLora,
+    pub lora: LoraSection,
     pub data: RawData,
-    pub train: RawTrain,
+    pub train: TrainSection,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -44,19 +47,7 @@ impl Default for RawModel {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub(super) struct RawLora {
-    pub rank: usize,
-    pub alpha: f64,
-    pub dropout: f64,
-    pub targets: LoraTargets,
-    pub rslora: bool,
-    pub dora: bool,
-    pub init: String,
-}
-
-impl Default for RawLora {
+impl Default for LoraSection {
     fn default() -> Self {
         Self {
             rank: 16,
@@ -65,7 +56,7 @@ impl Default for RawLora {
             targets: LoraTargets::default(),
             rslora: false,
             dora: false,
-            init: String::new(),
+            init: None,
         }
     }
 }
@@ -96,35 +87,7 @@ impl Default for RawData {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub(super) struct RawTrain {
-    pub method: Method,
-    pub micro_batch_size: usize,
-    pub grad_accum: usize,
-    pub max_steps: usize,
-    pub epochs: usize,
-    pub optimizer: OptimizerKind,
-    pub lr: f64,
-    pub weight_decay: f64,
-    pub betas: (f64, f64),
-    pub eps: f64,
-    pub schedule: Schedule,
-    pub warmup_steps: usize,
-    pub max_grad_norm: f64,
-    pub seed: u64,
-    pub device: String,
-    pub output_dir: String,
-    pub log_every: usize,
-    pub eval_every: usize,
-    pub save_every: usize,
-    pub checkpointing: bool,
-    pub checkpoint_every: usize,
-    pub tf32: bool,
-    pub threads: usize,
-}
-
-impl Default for RawTrain {
+impl Default for TrainSection {
     fn default() -> Self {
         Self {
             method: Method::Lora,
@@ -142,7 +105,7 @@ impl Default for RawTrain {
             max_grad_norm: 1.0,
             seed: 42,
             device: "auto".into(),
-            output_dir: "runs/example".into(),
+            output_dir: PathBuf::from("runs/example"),
             log_every: 1,
             eval_every: 0,
             save_every: 0,
@@ -151,18 +114,6 @@ impl Default for RawTrain {
             tf32: true,
             threads: 0,
         }
-    }
-}
-
-impl Default for LoraSection {
-    fn default() -> Self {
-        RawLora::default().into_section()
-    }
-}
-
-impl Default for TrainSection {
-    fn default() -> Self {
-        RawTrain::default().into_section()
     }
 }
 
@@ -175,47 +126,31 @@ pub(super) fn path_string(p: &Path) -> String {
     p.to_string_lossy().into_owned()
 }
 
-impl RawLora {
-    fn into_section(self) -> LoraSection {
-        LoraSection {
-            rank: self.rank,
-            alpha: self.alpha,
-            dropout: self.dropout,
-            targets: self.targets,
-            rslora: self.rslora,
-            dora: self.dora,
-            init: optional_path(self.init),
-        }
+/// `#[serde(with)]` for a path: written as a string (lossily, as [`path_string`]).
+pub(super) mod path_str {
+    use super::*;
+
+    pub fn serialize<S: serde::Serializer>(p: &Path, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&path_string(p))
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<PathBuf, D::Error> {
+        String::deserialize(d).map(PathBuf::from)
     }
 }
 
-impl RawTrain {
-    fn into_section(self) -> TrainSection {
-        TrainSection {
-            method: self.method,
-            micro_batch_size: self.micro_batch_size,
-            grad_accum: self.grad_accum,
-            max_steps: self.max_steps,
-            epochs: self.epochs,
-            optimizer: self.optimizer,
-            lr: self.lr,
-            weight_decay: self.weight_decay,
-            betas: self.betas,
-            eps: self.eps,
-            schedule: self.schedule,
-            warmup_steps: self.warmup_steps,
-            max_grad_norm: self.max_grad_norm,
-            seed: self.seed,
-            device: self.device,
-            output_dir: PathBuf::from(self.output_dir),
-            log_every: self.log_every,
-            eval_every: self.eval_every,
-            save_every: self.save_every,
-            checkpointing: self.checkpointing,
-            checkpoint_every: self.checkpoint_every,
-            tf32: self.tf32,
-            threads: self.threads,
-        }
+/// `#[serde(with)]` for an optional path: `""` when not set (TOML has no null).
+pub(super) mod optional_path_str {
+    use super::*;
+
+    pub fn serialize<S: serde::Serializer>(p: &Option<PathBuf>, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&p.as_deref().map(path_string).unwrap_or_default())
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<PathBuf>, D::Error> {
+        String::deserialize(d).map(optional_path)
     }
 }
 
@@ -249,7 +184,7 @@ impl RawConfig {
                 double_quant: self.model.double_quant,
                 attention: self.model.attention,
             },
-            lora: self.lora.into_section(),
+            lora: self.lora,
             data: DataSection {
                 train: PathBuf::from(train),
                 eval: optional_path(d.eval),
@@ -259,7 +194,7 @@ impl RawConfig {
                 shuffle: d.shuffle,
                 pack: d.pack,
             },
-            train: self.train.into_section(),
+            train: self.train,
         })
     }
 }
@@ -267,7 +202,6 @@ impl RawConfig {
 impl From<&TrainConfig> for RawConfig {
     fn from(c: &TrainConfig) -> Self {
         let opt = |p: &Option<PathBuf>| p.as_deref().map(path_string).unwrap_or_default();
-        let t = &c.train;
         RawConfig {
             model: RawModel {
                 path: Some(path_string(&c.model.path)),
@@ -276,15 +210,7 @@ impl From<&TrainConfig> for RawConfig {
                 double_quant: c.model.double_quant,
                 attention: c.model.attention,
             },
-            lora: RawLora {
-                rank: c.lora.rank,
-                alpha: c.lora.alpha,
-                dropout: c.lora.dropout,
-                targets: c.lora.targets.clone(),
-                rslora: c.lora.rslora,
-                dora: c.lora.dora,
-                init: opt(&c.lora.init),
-            },
+            lora: c.lora.clone(),
             data: RawData {
                 train: Some(path_string(&c.data.train)),
                 eval: opt(&c.data.eval),
@@ -294,31 +220,7 @@ impl From<&TrainConfig> for RawConfig {
                 shuffle: c.data.shuffle,
                 pack: c.data.pack,
             },
-            train: RawTrain {
-                method: t.method,
-                micro_batch_size: t.micro_batch_size,
-                grad_accum: t.grad_accum,
-                max_steps: t.max_steps,
-                epochs: t.epochs,
-                optimizer: t.optimizer,
-                lr: t.lr,
-                weight_decay: t.weight_decay,
-                betas: t.betas,
-                eps: t.eps,
-                schedule: t.schedule,
-                warmup_steps: t.warmup_steps,
-                max_grad_norm: t.max_grad_norm,
-                seed: t.seed,
-                device: t.device.clone(),
-                output_dir: path_string(&t.output_dir),
-                log_every: t.log_every,
-                eval_every: t.eval_every,
-                save_every: t.save_every,
-                checkpointing: t.checkpointing,
-                checkpoint_every: t.checkpoint_every,
-                tf32: t.tf32,
-                threads: t.threads,
-            },
+            train: c.train.clone(),
         }
     }
 }

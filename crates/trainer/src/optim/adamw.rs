@@ -14,10 +14,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Tensor, Var};
 
-use super::{
-    check_grads, check_state_keys, load_param_state, read_moment_step, step_tensor, Optimizer,
-    STEP_KEY,
-};
+use super::{check_grads, load_param_state, read_moment_step, step_tensor, Optimizer, STEP_KEY};
 
 /// AdamW hyperparameters. [`Default`] is torch's: betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -132,8 +129,7 @@ impl Optimizer for AdamW {
         state: &HashMap<String, Tensor>,
     ) -> candle_core::Result<()> {
         const WHAT: [&str; 2] = ["exp_avg", "exp_avg_sq"];
-        check_state_keys("adamw", state, params.len(), &WHAT)?;
-        let (t, has_moments) = read_moment_step("adamw", state, params.len())?;
+        let (t, has_moments) = read_moment_step("adamw", state, params.len(), &WHAT)?;
         if !has_moments {
             // Saved before the first step: nothing but the counter.
             self.t = t;

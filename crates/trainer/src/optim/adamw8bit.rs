@@ -48,10 +48,7 @@ use tallow_model::quant::dynamic::{
 use tallow_model::ModelError;
 
 use super::adamw::{adamw_math, adamw_update, AdamWParams, StepConstants};
-use super::{
-    check_grads, check_state_keys, load_param_state, read_moment_step, step_tensor, Optimizer,
-    STEP_KEY,
-};
+use super::{check_grads, load_param_state, read_moment_step, step_tensor, Optimizer, STEP_KEY};
 
 /// Parameters with fewer elements keep f32 moments (bitsandbytes' `min_8bit_size`).
 pub const MIN_8BIT_ELEMS: usize = 4096;
@@ -387,8 +384,7 @@ impl Optimizer for AdamW8bit {
             "exp_avg_sq.codes",
             "exp_avg_sq.absmax",
         ];
-        check_state_keys("adamw8bit", state, params.len(), &WHAT)?;
-        let (t, has_moments) = read_moment_step("adamw8bit", state, params.len())?;
+        let (t, has_moments) = read_moment_step("adamw8bit", state, params.len(), &WHAT)?;
         if !has_moments {
             self.t = t;
             self.state = None;
@@ -523,6 +519,17 @@ mod tests {
         (params, grads)
     }
 
+    /// Random gradients for `params` at `step` (std 0.01 (step + 1)), in each one's dtype.
+    fn step_grads(params: &[Tensor], step: usize) -> Vec<Tensor> {
+        params
+            .iter()
+            .map(|t| {
+                let g = Tensor::randn(0f32, 0.01 * (step + 1) as f32, t.shape(), t.device());
+                g.unwrap().to_dtype(t.dtype()).unwrap()
+            })
+            .collect()
+    }
+
     fn copy(params: &[Var]) -> Vec<Var> {
         params
             .iter()
@@ -636,20 +643,11 @@ mod tests {
         let shapes: [(usize, usize); 4] = [(64, 128), (300, 71), (96, 64), (16, 16)];
         let init = random_params(&shapes, 2, &dev);
         let pa: Vec<Var> = init.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
-        let pb: Vec<Var> = init
-            .iter()
-            .map(|t| Var::from_tensor(&t.copy().unwrap()).unwrap())
-            .collect();
+        let pb = copy(&pa);
         let mut a = AdamW8bit::new(HP);
         let mut b = AdamW8bit::new(HP).with_generic_quantizer();
         for step in 0..3 {
-            let grads: Vec<Tensor> = init
-                .iter()
-                .map(|t| {
-                    let g = Tensor::randn(0f32, 0.01 * (step + 1) as f32, t.shape(), &dev);
-                    g.unwrap().to_dtype(t.dtype()).unwrap()
-                })
-                .collect();
+            let grads = step_grads(&init, step);
             a.step(&pa, &grads, 1e-3).unwrap();
             b.step(&pb, &grads, 1e-3).unwrap();
             for (i, (x, y)) in pa.iter().zip(&pb).enumerate() {
@@ -718,13 +716,7 @@ mod tests {
         let mut a = AdamW8bit::new(HP);
         let mut each: Vec<AdamW8bit> = (0..4).map(|_| AdamW8bit::new(HP)).collect();
         for step in 0..3 {
-            let grads: Vec<Tensor> = init
-                .iter()
-                .map(|t| {
-                    let g = Tensor::randn(0f32, 0.01 * (step + 1) as f32, t.shape(), &dev);
-                    g.unwrap().to_dtype(t.dtype()).unwrap()
-                })
-                .collect();
+            let grads = step_grads(&init, step);
             if step == 2 {
                 // save and load: the group is rebuilt from per-parameter tensors
                 let saved: HashMap<String, Tensor> = a.state().into_iter().collect();

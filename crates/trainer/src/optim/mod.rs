@@ -16,9 +16,7 @@ pub mod adamw8bit;
 pub mod sgd;
 
 use std::collections::HashMap;
-use std::str::FromStr;
 
-use crate::config::choice::or_list;
 use candle_core::{DType, Device, Tensor, Var};
 
 pub use adamw::{AdamW, AdamWParams};
@@ -68,19 +66,7 @@ crate::config::choice::choices! {
     }
 }
 
-impl FromStr for OptimizerKind {
-    type Err = String;
-
-    /// The name in any case (`AdamW`); an unknown one lists [`OptimizerKind::NAMES`].
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        OptimizerKind::from_name(&s.to_ascii_lowercase()).ok_or_else(|| {
-            format!(
-                "unknown optimizer `{s}`: expected {}",
-                or_list(OptimizerKind::NAMES)
-            )
-        })
-    }
-}
+crate::config::choice::any_case_from_str!(OptimizerKind, "optimizer");
 
 /// Builds an optimizer. `betas` and `eps` are used by AdamW only; `weight_decay` is decoupled
 /// for AdamW (`p -= lr*wd*p`) and coupled for SGD (`g += wd*p`), as in torch. The values are
@@ -150,12 +136,15 @@ pub(crate) fn read_step(state: &HashMap<String, Tensor>) -> candle_core::Result<
 
 /// The step counter of an optimizer with moments, and whether `state` holds any moments (it
 /// holds none when saved before the first step; then the counter must be 0 unless there are no
-/// parameters). Errors if the counter is missing.
+/// parameters), after [`check_state_keys`] with the moments' names `allowed`. Errors if the
+/// counter is missing.
 pub(crate) fn read_moment_step(
     optimizer: &str,
     state: &HashMap<String, Tensor>,
     n_params: usize,
+    allowed: &[&str],
 ) -> candle_core::Result<(u32, bool)> {
+    check_state_keys(optimizer, state, n_params, allowed)?;
     let Some(t) = read_step(state)? else {
         candle_core::bail!("{optimizer} state has no `{STEP_KEY}` tensor");
     };
