@@ -317,7 +317,10 @@ mod tests {
         );
         assert_eq!(parse(&null).unwrap().sliding_window, None);
         // a Llama has no window to set
-        let llama = with(base("LlamaForCausalLM", "llama"), json!({"sliding_window": 8}));
+        let llama = with(
+            base("LlamaForCausalLM", "llama"),
+            json!({"sliding_window": 8}),
+        );
         let e = parse(&llama).unwrap_err().to_string();
         assert!(e.contains("`sliding_window`"), "{e}");
         let bad = with(
