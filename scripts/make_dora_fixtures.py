@@ -21,7 +21,7 @@ Deterministic (fixed seeds, single-threaded CPU torch, deterministic algorithms)
         adapter over the "text" rows: "after.<key>" and "grad.<key>" for every adapter tensor,
         magnitude included.
 
-for M in tiny-llama, tiny-qwen2, tiny-qwen3. Losses are computed as make_peft_fixtures.py does
+for M in tiny-llama, tiny-qwen2, tiny-qwen3, tiny-mistral (make_peft_fixtures.MODELS). Losses are computed as make_peft_fixtures.py does
 (rows separately, f32 model, eager attention, NLL sums in f64).
 
 transformers 5 (the same adapters on the models in the 5.x config layout, tiny-qwen3 there with

@@ -24,6 +24,9 @@ beside them are kept):
     tests/fixtures/models/tiny-qwen2/             Qwen2ForCausalLM, "chatml" tokenizer
     tests/fixtures/models/tiny-qwen3/             Qwen3ForCausalLM, "chatml" tokenizer,
                                                   chat template in chat_template.jinja
+    tests/fixtures/models/tiny-mistral/           MistralForCausalLM, sliding_window 8 (the
+                                                  rows, up to 32 tokens, are longer), "bos"
+                                                  tokenizer with a Mistral [INST] chat template
     tests/fixtures/data/{text,prompt_completion,messages}.jsonl
     tests/fixtures/reference/<model>.json         token ids / targets / losses
     tests/fixtures/reference/<model>.safetensors  per-row logits and text-format gradients
@@ -71,6 +74,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
+    MistralConfig,
     Qwen2Config,
     Qwen3Config,
 )
@@ -184,6 +188,35 @@ LLAMA3_TEMPLATE = (
     "{%- endif %}\n"
 )
 
+# Mistral-7B-Instruct's template (v0.1's role check and layout, v0.3's optional system message
+# and trimmed replies), with the system message put before the FIRST user message (v0.3 puts it
+# before the last one, so a conversation's rendered prefix would not be a prefix of the whole).
+MISTRAL_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}\n"
+    "    {%- set system_message = messages[0]['content'] %}\n"
+    "    {%- set loop_messages = messages[1:] %}\n"
+    "{%- else %}\n"
+    "    {%- set loop_messages = messages %}\n"
+    "{%- endif %}\n"
+    "{{- bos_token }}\n"
+    "{%- for message in loop_messages %}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}\n"
+    "        {{- raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}\n"
+    "    {%- endif %}\n"
+    "    {%- if message['role'] == 'user' %}\n"
+    "        {%- if loop.first and system_message is defined %}\n"
+    "            {{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}\n"
+    "        {%- else %}\n"
+    "            {{- '[INST] ' + message['content'] + '[/INST]' }}\n"
+    "        {%- endif %}\n"
+    "    {%- elif message['role'] == 'assistant' %}\n"
+    "        {{- ' ' + message['content'] | trim + eos_token }}\n"
+    "    {%- else %}\n"
+    "        {{- raise_exception('Only user and assistant roles are supported, with the exception of an initial optional system message!') }}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+)
+
 
 def added_tokens_decoder(tok, specials):
     return {
@@ -281,6 +314,29 @@ def check_tokenizer(tok_dir: Path, kind: str):
         assert s == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>assistant\n", s
         s = t.apply_chat_template([{"role": "system", "content": "S"}] + msgs, tokenize=False)
         assert s.startswith("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n"), s
+    elif kind == "mistral":  # the "bos" tokenizer with MISTRAL_TEMPLATE
+        assert t.bos_token == "<|begin_of_text|>" and t.eos_token == "<|end_of_text|>"
+        ids = t("hello world").input_ids
+        assert ids[0] == t.bos_token_id and ids[1:] == t("hello world", add_special_tokens=False).input_ids
+        s = t.apply_chat_template(
+            [{"role": "system", "content": "Be brief."}] + msgs + [{"role": "user", "content": "Bye"}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        want = "<|begin_of_text|>[INST] Be brief.\n\nHi[/INST] Hello<|end_of_text|>[INST] Bye[/INST]"
+        assert s == want, s
+        for bad, msg in [
+            ([{"role": "assistant", "content": "x"}], "must alternate"),
+            (msgs + [{"role": "assistant", "content": "x"}], "must alternate"),
+            ([{"role": "tool", "content": "x"}, {"role": "user", "content": "x"}], "must alternate"),
+            (msgs + [{"role": "system", "content": "x"}], "must alternate"),
+        ]:
+            try:
+                t.apply_chat_template(bad, tokenize=False)
+            except Exception as e:  # jinja2 TemplateError
+                assert msg in str(e), e
+            else:
+                raise AssertionError(f"template should have raised: {bad}")
     else:
         assert t.bos_token == "<|begin_of_text|>" and t.eos_token == "<|end_of_text|>"
         ids = t("hello world").input_ids
@@ -512,6 +568,18 @@ def make_config(name, tok):
         return Qwen2Config(intermediate_size=160, **qwen)
     if name == "tiny-qwen3":
         return Qwen3Config(intermediate_size=128, head_dim=32, attention_bias=False, **qwen)
+    if name == "tiny-mistral":
+        return MistralConfig(
+            intermediate_size=128,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+            # shorter than the fixture rows (up to MAX_SEQ_LEN = 32 tokens), so the window matters
+            sliding_window=8,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            **common,
+        )
     raise ValueError(name)
 
 
@@ -568,9 +636,17 @@ def build_model(name, tok_kind, tok_dir: Path):
         (out / "chat_template.jinja").write_text(template, encoding="utf-8")
         t2 = AutoTokenizer.from_pretrained(str(out))
         assert t2.chat_template == template, "chat_template.jinja not picked up"
+    if name == "tiny-mistral":
+        # the "bos" tokenizer with Mistral's chat template, in tokenizer_config.json (as Mistral's)
+        tc = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
+        tc["chat_template"] = MISTRAL_TEMPLATE
+        write_json(out / "tokenizer_config.json", tc)
     # config.json is transformers' own; sanity-check a few fields
     c = json.loads((out / "config.json").read_text())
-    assert c["vocab_size"] == len(tok) and c["tie_word_embeddings"] == (name != "tiny-llama")
+    assert c["vocab_size"] == len(tok)
+    assert c["tie_word_embeddings"] == (name not in ("tiny-llama", "tiny-mistral"))
+    if name == "tiny-mistral":
+        assert c["sliding_window"] == 8 and c["sliding_window"] < MAX_SEQ_LEN, c
     # the saved weights reload to the same values
     ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
     m2 = load_model(out)
@@ -671,6 +747,11 @@ Regenerate with `/work/pyref/bin/python scripts/make_fixtures.py`
 See the docstring of scripts/make_fixtures.py for layout, tokenization rules and the
 definition of every reference value.
 
+Models: `tiny-llama`, `tiny-qwen2`, `tiny-qwen3` and `tiny-mistral` (MistralForCausalLM with
+`sliding_window` 8, shorter than the 32-token rows, and the "bos" tokenizer with a Mistral
+`[INST]` chat template). New models go at the end of each script's model list, so the seeds of
+the others do not move.
+
 `reference/generate.json` (transformers' greedy `generate` ids for `tallow generate`) is made by
 `/work/pyref/bin/python scripts/make_generate_fixtures.py`, after the models above.
 
@@ -694,7 +775,7 @@ def main():
 
     # Only what this script writes: the other scripts' fixtures (NF4, PEFT, generate, v5,
     # config keys, saved models, parquet) under the same folders are kept.
-    models = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
+    models = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral")
     for sub in ["tokenizers/chatml", "tokenizers/bos"] + [f"models/{m}" for m in models]:
         shutil.rmtree(FIX / sub, ignore_errors=True)
     for f in [f"data/{fmt}.jsonl" for fmt in DATASETS] + [
@@ -713,11 +794,17 @@ def main():
     for fmt, rows in DATASETS.items():
         write_jsonl(FIX / "data" / f"{fmt}.jsonl", rows)
 
-    models_spec = [("tiny-llama", "bos"), ("tiny-qwen2", "chatml"), ("tiny-qwen3", "chatml")]
+    # (name, tokenizer, kind of check_tokenizer on the model dir)
+    models_spec = [
+        ("tiny-llama", "bos", "bos"),
+        ("tiny-qwen2", "chatml", "chatml"),
+        ("tiny-qwen3", "chatml", "chatml"),
+        ("tiny-mistral", "bos", "mistral"),
+    ]
     summary = []
-    for name, kind in models_spec:
+    for name, kind, check in models_spec:
         mdir, extra = build_model(name, kind, tok_dirs[kind])
-        check_tokenizer(mdir, kind)
+        check_tokenizer(mdir, check)
         ref = make_reference(name, mdir)
         summary.append((name, ref, extra))
 

@@ -56,6 +56,11 @@ CASES = [
     ("qwen3-plain", "tiny-qwen3", None, "hello world", False, 1.0),
     ("qwen3-chat", "tiny-qwen3", None, "Hi! How are you?", True, 1.0),
     ("qwen3-adapter", "tiny-qwen3", "tiny-qwen3-peft", "hello world", False, 1.0),
+    # tiny-mistral's sliding_window is 8: prompt + 24 new tokens pass it, so the KV cache must
+    # drop the keys that left the window (the plain prompt alone is longer than the window)
+    ("mistral-plain", "tiny-mistral", None, "Once upon a time there was a small robot", False, 1.0),
+    ("mistral-chat", "tiny-mistral", None, "What is the capital of France?", True, 1.0),
+    ("mistral-adapter", "tiny-mistral", "tiny-mistral-peft", "The quick brown fox", False, 1.0),
 ]
 
 

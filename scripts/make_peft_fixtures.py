@@ -28,7 +28,7 @@ following are deleted and rewritten (existing fixtures are read, never modified)
     tests/fixtures/reference/peft-<M>.json        losses (see below)
     tests/fixtures/reference/peft-<M>-sgd.safetensors   one plain-SGD step of the "peft" adapter
 
-for M in tiny-llama, tiny-qwen2, tiny-qwen3 (tests/fixtures/models/<M>).
+for M in tiny-llama, tiny-qwen2, tiny-qwen3, tiny-mistral (tests/fixtures/models/<M>).
 
 Adapters: LoraConfig(lora_dropout=0, bias="none", task_type="CAUSAL_LM"). A fresh adapter has
 B = 0 (no effect), so every lora_A / lora_B weight is overwritten with 0.2 * randn (seeded
@@ -95,7 +95,8 @@ import make_fixtures as mf  # noqa: E402  (row_nll, load_model, VERSIONS, PINNED
 
 REPO = mf.REPO
 FIX = mf.FIX
-MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
+# new models go last: each model's seeds follow from its index
+MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"]
 SEED = 20240607 + 7000
 INIT_STD = 0.2
 SGD_LR = 0.5

@@ -42,8 +42,11 @@ REPO = Path(__file__).resolve().parent.parent
 FIX = REPO / "tests" / "fixtures"
 TALLOW = REPO / "target" / "release" / "tallow"
 # (kind, layout root under tests/fixtures ("" = transformers 4.57's, "v5"), model)
-CASES = [("merge", layout, m) for layout in ("", "v5") for m in ("tiny-llama", "tiny-qwen2", "tiny-qwen3")]
-CASES += [("full", "v5", m) for m in ("tiny-llama", "tiny-qwen2", "tiny-qwen3")] + [("full", "", "tiny-llama")]
+MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
+CASES = [("merge", layout, m) for layout in ("", "v5") for m in MODELS]
+CASES += [("full", "v5", m) for m in MODELS] + [("full", "", "tiny-llama")]
+# added later, after the cases above (their order in the file is kept)
+CASES += [("merge", layout, "tiny-mistral") for layout in ("", "v5")] + [("full", "v5", "tiny-mistral")]
 
 # Kept in step with tests/tests/saved_models.rs::full_config.
 FULL_CONFIG = """[model]

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
 
-pub const MODELS: [&str; 3] = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"];
+pub const MODELS: [&str; 4] = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"];
 pub const FORMATS: [&str; 3] = ["text", "prompt_completion", "messages"];
 
 pub fn fixtures() -> PathBuf {

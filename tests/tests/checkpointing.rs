@@ -22,7 +22,12 @@ fn grads(model: &CausalLM, vars: &[(String, Var)], rows: &[(Vec<u32>, Vec<bool>)
             .unsqueeze(0)
             .unwrap();
         let h = model.forward_hidden(&input, None).unwrap();
-        let t = Targets::new(&[ids.clone()], &[tg.clone()], &Device::Cpu).unwrap();
+        let t = Targets::new(
+            std::slice::from_ref(ids),
+            std::slice::from_ref(tg),
+            &Device::Cpu,
+        )
+        .unwrap();
         let nll = lm_head_nll(&h, model.lm_head_weight(), &t).unwrap();
         let mut stores: Vec<GradStore> = vec![nll.backward().unwrap()];
         stores.extend(model.take_checkpoint_grads());

@@ -1,8 +1,9 @@
 //! Parity with HF transformers 4.57.1 (reference numbers from `scripts/make_fixtures.py`), and
 //! with transformers 5 on the same models saved in its config layout
 //! (`scripts/make_v5_fixtures.py`), for tiny
-//! random Llama (llama3 rope scaling, GQA, untied, sharded), Qwen2 (q/k/v bias, tied) and Qwen3
-//! (qk-norm, head_dim != hidden / heads) checkpoints, on rows of all three data formats.
+//! random Llama (llama3 rope scaling, GQA, untied, sharded), Qwen2 (q/k/v bias, tied), Qwen3
+//! (qk-norm, head_dim != hidden / heads) and Mistral (sliding window 8, shorter than the rows)
+//! checkpoints, on rows of all three data formats.
 //!
 //! Tolerances: f32 logits and loss within 1e-4 (absolute). bf16 is compared in `tests/bf16.rs`.
 
@@ -19,7 +20,12 @@ fn nll_and_count(model: &CausalLM, rows: &[(Vec<u32>, Vec<bool>)]) -> (f64, usiz
             .unsqueeze(0)
             .unwrap();
         let h = model.forward_hidden(&input, None).unwrap();
-        let t = Targets::new(&[ids.clone()], &[tg.clone()], &Device::Cpu).unwrap();
+        let t = Targets::new(
+            std::slice::from_ref(ids),
+            std::slice::from_ref(tg),
+            &Device::Cpu,
+        )
+        .unwrap();
         let nll = lm_head_nll(&h, model.lm_head_weight(), &t).unwrap();
         total += nll
             .to_dtype(DType::F64)
@@ -112,7 +118,12 @@ fn f32_parameter_gradients_match_torch_autograd() {
                 .unsqueeze(0)
                 .unwrap();
             let h = model.forward_hidden(&input, None).unwrap();
-            let t = Targets::new(&[ids.clone()], &[tg.clone()], &Device::Cpu).unwrap();
+            let t = Targets::new(
+                std::slice::from_ref(ids),
+                std::slice::from_ref(tg),
+                &Device::Cpu,
+            )
+            .unwrap();
             let nll = lm_head_nll(&h, model.lm_head_weight(), &t).unwrap();
             count += t.count;
             total = Some(match total {
@@ -219,6 +230,48 @@ fn f16_checkpoint_loss_matches_transformers() {
         assert!(
             (loss - want).abs() < 1e-5,
             "tiny-qwen2-f16 {format}: loss {loss} vs transformers {want}"
+        );
+    }
+}
+
+/// Mistral's sliding window decides the fixture's results: tiny-mistral's window (8 tokens) is
+/// shorter than its reference rows (up to 32), `tallow eval` gives transformers' loss on every
+/// format within 1e-4, and the same weights with full attention (`sliding_window` off) miss it
+/// by far more than that (measured: text 0.023, prompt_completion 0.131, messages 0.0095; the
+/// test asks for 5e-3, 50 times the tolerance), so a window that was ignored could not pass.
+#[test]
+fn mistral_rows_are_longer_than_the_sliding_window_and_match_transformers() {
+    let name = "tiny-mistral";
+    let reference = reference_json(name);
+    let mut model = CausalLM::load(
+        &model_dir(name),
+        &LoadOptions::frozen(DType::F32, &Device::Cpu),
+    )
+    .unwrap();
+    let w = model.config.sliding_window;
+    assert_eq!(w, Some(8), "{name}: sliding_window from config.json");
+    for format in FORMATS {
+        let rows = reference_rows(&reference, format);
+        let longest = rows.iter().map(|(ids, _)| ids.len()).max().unwrap();
+        assert!(
+            longest > 8,
+            "{name} {format}: rows of {longest} tokens do not pass the window"
+        );
+        let want = reference["formats"][format]["loss"].as_f64().unwrap();
+        let got = eval_fixture(&model_dir(name), None, format);
+        assert!(
+            (got - want).abs() < 1e-4,
+            "{name} {format}: eval loss {got} vs transformers {want}"
+        );
+        let (nll, count) = nll_and_count(&model, &rows);
+        assert!(((nll / count as f64) - want).abs() < 1e-4);
+        model.config.sliding_window = None;
+        let (nll, count) = nll_and_count(&model, &rows);
+        model.config.sliding_window = w;
+        let full = nll / count as f64;
+        assert!(
+            (full - want).abs() > 5e-3,
+            "{name} {format}: full attention gives {full}, too close to {want} for the test to see the window"
         );
     }
 }

@@ -88,6 +88,7 @@ fn eval_nf4_equals_eval_of_the_round_trip_model() {
         ("tiny-qwen2", false),
         ("tiny-llama", true),
         ("tiny-qwen3", true),
+        ("tiny-mistral", true),
     ] {
         let dir = scratch(&format!("nf4-rt-{model}-{dq}"));
         write_round_trip_model(model, &dir, dq);
