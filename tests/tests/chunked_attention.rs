@@ -12,11 +12,14 @@ use tallow_tests::*;
 
 const TOL: f64 = 1e-5;
 
+/// Token ids, targets and segment ids of each row of a batch.
+type Batch = (Vec<Vec<u32>>, Vec<Vec<bool>>, Vec<Vec<u32>>);
+
 /// Loss and gradients of every weight for one packed + padded batch.
 fn loss_and_grads(
     model: &CausalLM,
     vars: &[(String, Var)],
-    (ids, targets, segments): &(Vec<Vec<u32>>, Vec<Vec<bool>>, Vec<Vec<u32>>),
+    (ids, targets, segments): &Batch,
 ) -> (f64, Vec<Tensor>) {
     let t = ids[0].len();
     let flat: Vec<u32> = ids.iter().flatten().copied().collect();
@@ -46,7 +49,7 @@ fn loss_and_grads(
 
 /// Rows 0 and 1 of the fixture's text rows packed into one row, row 2 (cut to leave at least 3
 /// pad tokens) padded to its length.
-fn packed_batch(model_name: &str) -> (Vec<Vec<u32>>, Vec<Vec<bool>>, Vec<Vec<u32>>) {
+fn packed_batch(model_name: &str) -> Batch {
     let rows = reference_rows(&reference_json(model_name), "text");
     let mut ids = rows[0].0.clone();
     ids.extend(&rows[1].0);

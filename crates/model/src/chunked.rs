@@ -871,7 +871,10 @@ mod tests {
     fn block_rows_bound_the_block_scores() {
         for (b, h, t) in [(1, 32, 4096), (4, 32, 32768), (1, 8, 100)] {
             let rows = block_rows(b, h, t);
-            assert!((rows % 16 == 0 && rows >= 16) || rows == t, "{rows}");
+            assert!(
+                (rows.is_multiple_of(16) && rows >= 16) || rows == t,
+                "{rows}"
+            );
             assert!(rows == 16 || b * h * rows * t * 4 <= BLOCK_SCORE_BYTES);
         }
     }

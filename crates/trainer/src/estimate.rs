@@ -593,7 +593,8 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // dtype: six of them, 6 x s (not measured yet).
     let ffn_grad = if device == "cpu" { 24 } else { 6 * s };
     let (scores_fwd, scores_bwd) = attention_transients(m, cfg, device);
-    let attn_bwd = scores_bwd + tokens * 4 * 4 * c as u64 + tokens * ffn_grad * m.intermediate_size as u64;
+    let attn_bwd =
+        scores_bwd + tokens * 4 * 4 * c as u64 + tokens * ffn_grad * m.intermediate_size as u64;
     let lm_bwd = ce + 8 * tokens * c as u64;
     let rebuilt = if checkpointed > 0 { per_layer } else { 0 };
     // NF4: a weight is dequantized for its matmul, forward and backward, by one op that
@@ -982,7 +983,11 @@ mod tests {
         let m = model();
         for dev in ["cpu", "cuda"] {
             let c = cfg(&["data.max_seq_len=1024", "model.dtype=f32"]);
-            let e = cfg(&["data.max_seq_len=1024", "model.dtype=f32", "model.attention=eager"]);
+            let e = cfg(&[
+                "data.max_seq_len=1024",
+                "model.dtype=f32",
+                "model.attention=eager",
+            ]);
             let fused = dev == "cpu";
             let at = |cfg: &TrainConfig, t: usize| layer_activation_bytes(&m, cfg, 1, t, fused);
             assert_eq!(at(&c, 2048), 2 * at(&c, 1024), "{dev}");
@@ -994,7 +999,10 @@ mod tests {
                 "train.checkpointing=true",
                 "model.attention=eager",
             ]);
-            assert!(2 * chunked < eager, "{dev}: chunked {chunked} vs eager {eager}");
+            assert!(
+                2 * chunked < eager,
+                "{dev}: chunked {chunked} vs eager {eager}"
+            );
         }
     }
 
@@ -1011,7 +1019,10 @@ mod tests {
             estimate(&m, &c, "cpu").total_bytes
         };
         assert!(peak(n) <= budget);
-        assert!(n + 64 > m.max_position_embeddings || peak(n + 64) > budget, "{n}");
+        assert!(
+            n + 64 > m.max_position_embeddings || peak(n + 64) > budget,
+            "{n}"
+        );
         assert_eq!(longest_seq_len(&m, &base, "cpu", 1 << 20), None);
         let plan = plan(&m, &base, "cpu", budget);
         assert_eq!(plan.longest_max_seq_len, Some(n));

@@ -16,6 +16,21 @@ pub struct InvalidValue {
     pub message: String,
 }
 
+/// A value of the wrong TOML type, or a name that is not one of the choices.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{origin}: {}`{key}` must be {expected}, found {found}{}",
+    from_set(.set), did_you_mean(.suggestion)
+)]
+pub struct WrongType {
+    pub origin: String,
+    pub set: Option<String>,
+    pub key: String,
+    pub expected: String,
+    pub found: String,
+    pub suggestion: Option<String>,
+}
+
 /// An error while reading a training config. `origin` is the file (or the name given to
 /// [`super::TrainConfig::from_toml_str`]); `set` is the `--set` argument the problem came from,
 /// if any.
@@ -76,19 +91,10 @@ pub enum ConfigError {
     )]
     NotATable { origin: String, section: String },
 
-    /// A value of the wrong TOML type, or a name that is not one of the choices.
-    #[error(
-        "{origin}: {}`{key}` must be {expected}, found {found}{}",
-        from_set(.set), did_you_mean(.suggestion)
-    )]
-    WrongType {
-        origin: String,
-        set: Option<String>,
-        key: String,
-        expected: String,
-        found: String,
-        suggestion: Option<String>,
-    },
+    /// A value of the wrong TOML type, or a name that is not one of the choices (boxed: the
+    /// largest variant, kept off every `Result` of the config code).
+    #[error(transparent)]
+    WrongType(Box<WrongType>),
 
     /// A required key (`model.path`, `data.train`) that neither the file nor a `--set` gives.
     #[error("{origin}: missing key `{key}`: {hint}")]

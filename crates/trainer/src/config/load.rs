@@ -5,6 +5,7 @@
 use serde::de::DeserializeOwned;
 use toml::{Table, Value};
 
+use super::error::WrongType;
 use super::keys::{check_keys, key_kind, section_keys, section_list, valid_keys, Kind};
 use super::raw::RawConfig;
 use super::suggest::{closest, normalize, suggest_anywhere, suggest_key, suggest_section};
@@ -148,14 +149,14 @@ fn section<T: DeserializeOwned + Default>(
                     _ => None,
                 };
                 let full = format!("{name}.{key}");
-                return ConfigError::WrongType {
+                return ConfigError::WrongType(Box::new(WrongType {
                     origin: origin.to_string(),
                     set: set_of(&full),
                     key: full,
                     expected: kind.expected(),
                     found: describe(value),
                     suggestion,
-                };
+                }));
             }
         }
         // Not reached while each field deserializes on its own; keep serde's message.
