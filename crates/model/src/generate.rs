@@ -24,8 +24,9 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor, D};
 use serde_json::Value as Json;
 
+use crate::chunked::AttentionMask;
 use crate::error::{ModelError, Result};
-use crate::model::{Attention, CausalLM, DecoderLayer};
+use crate::model::{Attention, AttentionImpl, CausalLM, DecoderLayer};
 use crate::ops;
 use crate::sampling::{Sampler, SamplingParams};
 
@@ -119,6 +120,9 @@ struct Step<'a> {
     sin: &'a Tensor,
     /// (t, L), or None (t = 1: the new query sees every cached key).
     mask: Option<&'a Tensor>,
+    /// A prefill (nothing cached yet) with chunked attention: the prompt's attention through
+    /// [`crate::chunked`], no (t, L) mask.
+    chunked: Option<&'a AttentionMask>,
     past: usize,
     window: Option<usize>,
 }
@@ -137,6 +141,7 @@ fn attention_cached(
         mask,
         past,
         window,
+        ..
     } = step;
     let (b, t, _) = x.dims3()?;
     let (h, kv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
@@ -147,6 +152,12 @@ fn attention_cached(
     // Written in place: no new sequence-sized tensor.
     k_cache.slice_set(&k, 2, past)?;
     v_cache.slice_set(&v, 2, past)?;
+    if let Some(m) = step.chunked {
+        let q = q.reshape((b, kv, r * t, d))?; // (B, KV, R*t, D)
+        let y = crate::chunked::chunked_attention(&q, &k, &v.contiguous()?, m)?;
+        let y = y.reshape((b, h, t, d))?.transpose(1, 2)?.contiguous()?; // (B, t, H, D)
+        return a.o_proj.forward(&y.reshape((b, t, h * d))?);
+    }
     let l = past + t;
     // A single query never sees keys that fell out of the sliding window: drop them here, the
     // mask does it for a chunk.
@@ -210,7 +221,15 @@ impl CausalLM {
             .repeat((b, 1))?; // (B, t)
         let (cos, sin) = ops::rope_tables(&positions, &self.inv_freq, self.dtype())?; // (B, 1, t, D)
         let window = self.config.sliding_window;
-        let mask = if t > 1 {
+        // The prompt of an empty cache through chunked attention (nothing t x t); a later chunk
+        // of several positions with the (t, L) mask; one position with none.
+        let prefill = past == 0 && t > 1 && self.attention == AttentionImpl::Chunked;
+        let chunked = if prefill {
+            Some(AttentionMask::new(&vec![vec![0u32; t]; b], window, dev)?)
+        } else {
+            None
+        };
+        let mask = if t > 1 && !prefill {
             Some(chunk_mask(past, t, window, self.dtype(), dev)?)
         } else {
             None
@@ -219,6 +238,7 @@ impl CausalLM {
             cos: &cos,
             sin: &sin,
             mask: mask.as_ref(),
+            chunked: chunked.as_ref(),
             past,
             window,
         };
