@@ -133,10 +133,13 @@ fn estimate_reads_only_config_json_and_its_components_sum_to_the_total() {
         state(&full8) * 10 < state(&full) * 3,
         "adamw8bit < 30% of adamw"
     );
-    // Activations grow with micro-batch x sequence (and the scores with T^2).
+    // Activations grow with micro-batch x sequence: linearly with chunked attention (the
+    // default), and with eager's scores as T^2.
     let long = estimate_json(&config, &["--set", "data.max_seq_len=256"]);
     let a = |v: &serde_json::Value| v["activation_bytes_per_layer"].as_u64().unwrap();
-    assert!(a(&long) > 2 * a(&v));
+    assert_eq!(a(&long), 2 * a(&v));
+    let eager = |t: &str| estimate_json(&config, &["--set", t, "--set", "model.attention=eager"]);
+    assert!(a(&eager("data.max_seq_len=256")) > 2 * a(&eager("data.max_seq_len=128")));
     let mb2 = estimate_json(&config, &["--set", "train.micro_batch_size=2"]);
     assert_eq!(a(&mb2), 2 * a(&v));
 

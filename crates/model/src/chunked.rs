@@ -555,7 +555,9 @@ fn cpu_bwd(
 /// stay under [`BLOCK_SCORE_BYTES`]; a multiple of 16, at least 16, at most T.
 pub fn block_rows(b: usize, heads: usize, t: usize) -> usize {
     let per_row = (b * heads * t * 4).max(1);
-    ((BLOCK_SCORE_BYTES / per_row) / 16 * 16).clamp(16, t.max(1))
+    ((BLOCK_SCORE_BYTES / per_row) / 16 * 16)
+        .max(16)
+        .min(t.max(1))
 }
 
 /// The dtype the tensor-op path's softmax and sums run in: f32, or f64 for f64 inputs.
@@ -869,7 +871,7 @@ mod tests {
     /// The tensor-op path's blocks keep their f32 scores under the budget.
     #[test]
     fn block_rows_bound_the_block_scores() {
-        for (b, h, t) in [(1, 32, 4096), (4, 32, 32768), (1, 8, 100)] {
+        for (b, h, t) in [(1, 32, 4096), (4, 32, 32768), (1, 8, 100), (1, 4, 10)] {
             let rows = block_rows(b, h, t);
             assert!(
                 (rows.is_multiple_of(16) && rows >= 16) || rows == t,
