@@ -24,7 +24,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::fused::{data, small_gemm, storage_data, supports, uninit, Real};
+use crate::fused::{add_at_b, data, small_gemm, storage_data, supports, uninit, Real};
 
 type R<T> = candle_core::Result<T>;
 
@@ -295,6 +295,38 @@ impl CustomOp3 for ChunkedAttention {
 // ---------------------------------------------------------------------------------------------
 // The CPU kernel (f32 / f64).
 
+/// One block of the CPU kernel: query positions p0..p0 + m of one repeat (rows i0..i0 + m of the
+/// group), against keys lo..lo + nk.
+struct CpuBlock {
+    p0: usize,
+    m: usize,
+    i0: usize,
+    lo: usize,
+    nk: usize,
+}
+
+/// The blocks of a group of `r` query rows (n_rep repeats of T positions) in batch row `bi`.
+fn cpu_blocks(
+    mask: &AttentionMask,
+    bi: usize,
+    r: usize,
+    t: usize,
+) -> impl Iterator<Item = CpuBlock> + '_ {
+    (0..r).step_by(t).flat_map(move |rep| {
+        (0..t).step_by(CPU_BLOCK).map(move |p0| {
+            let p1 = (p0 + CPU_BLOCK).min(t);
+            let (lo, hi) = mask.row_key_range(bi, p0, p1);
+            CpuBlock {
+                p0,
+                m: p1 - p0,
+                i0: rep + p0,
+                lo,
+                nk: hi - lo,
+            }
+        })
+    })
+}
+
 /// Scores of a block of rows against keys [lo, lo + nk), masked (-inf) where not allowed:
 /// s (m, nk) = q_blk kᵀ.
 #[allow(clippy::too_many_arguments)]
@@ -331,44 +363,37 @@ fn group_fwd<T: Real>(
     lse: &mut [T],
     (t, d): (usize, usize),
 ) {
-    let r = q.len() / d;
     let mut s = uninit::<T>(CPU_BLOCK * t);
-    for rep in (0..r).step_by(t) {
-        for p0 in (0..t).step_by(CPU_BLOCK) {
-            let p1 = (p0 + CPU_BLOCK).min(t);
-            let (m, i0) = (p1 - p0, rep + p0);
-            let (lo, hi) = mask.row_key_range(bi, p0, p1);
-            let nk = hi - lo;
-            let s = &mut s[..m * nk];
-            block_scores(s, &q[i0 * d..], k, mask, bi, (p0, m), (lo, nk), d);
-            for (ri, row) in s.chunks_mut(nk).enumerate() {
-                let mx = row
-                    .iter()
-                    .copied()
-                    .fold(T::NEG_INF, |a, x| if x > a { x } else { a });
-                let mut sum = T::zero();
-                for x in row.iter_mut() {
-                    *x = (*x - mx).exp();
-                    sum = sum + *x;
-                }
-                let inv = sum.recip();
-                for x in row.iter_mut() {
-                    *x = *x * inv;
-                }
-                lse[i0 + ri] = T::from_f64(mx.to_f64() + sum.to_f64().ln());
+    for CpuBlock { p0, m, i0, lo, nk } in cpu_blocks(mask, bi, q.len() / d, t) {
+        let s = &mut s[..m * nk];
+        block_scores(s, &q[i0 * d..], k, mask, bi, (p0, m), (lo, nk), d);
+        for (ri, row) in s.chunks_mut(nk).enumerate() {
+            let mx = row
+                .iter()
+                .copied()
+                .fold(T::NEG_INF, |a, x| if x > a { x } else { a });
+            let mut sum = T::zero();
+            for x in row.iter_mut() {
+                *x = (*x - mx).exp();
+                sum = sum + *x;
             }
-            small_gemm(
-                &mut y[i0 * d..],
-                d,
-                false,
-                s,
-                nk,
-                &v[lo * d..],
-                d,
-                false,
-                (m, d, nk),
-            ); // P v
+            let inv = sum.recip();
+            for x in row.iter_mut() {
+                *x = *x * inv;
+            }
+            lse[i0 + ri] = T::from_f64(mx.to_f64() + sum.to_f64().ln());
         }
+        small_gemm(
+            &mut y[i0 * d..],
+            d,
+            false,
+            s,
+            nk,
+            &v[lo * d..],
+            d,
+            false,
+            (m, d, nk),
+        ); // P v
     }
 }
 
@@ -392,36 +417,6 @@ fn cpu_fwd<T: Real>(
     (y, lse)
 }
 
-/// `dst (nk, D) += aᵀ b` for a (m, nk) row-major and b (m, D): the key-side gradients.
-fn add_at_b<T: Real>(dst: &mut [T], a: &[T], b: &[T], (m, nk, d): (usize, usize, usize)) {
-    // SAFETY: dst holds nk rows of d; a is m rows of nk (read transposed through its strides);
-    // b is m rows of d, all by the caller's slicing.
-    assert!(dst.len() >= nk * d && a.len() >= m * nk && b.len() >= m * d);
-    unsafe {
-        gemm::gemm(
-            nk,
-            d,
-            m,
-            dst.as_mut_ptr(),
-            1,
-            d as isize,
-            true,
-            a.as_ptr(),
-            nk as isize,
-            1,
-            b.as_ptr(),
-            1,
-            d as isize,
-            T::one(),
-            T::one(),
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        )
-    }
-}
-
 /// q, k, v, y, dy, lse of one group.
 type GroupInputs<'a, T> = (&'a [T], &'a [T], &'a [T], &'a [T], &'a [T], &'a [T]);
 
@@ -436,49 +431,43 @@ fn group_bwd<T: Real>(
     dv: &mut [T],
     (t, d): (usize, usize),
 ) {
-    let r = q.len() / d;
     let mut p = uninit::<T>(CPU_BLOCK * t);
     let mut ds = uninit::<T>(CPU_BLOCK * t);
-    for rep in (0..r).step_by(t) {
-        for p0 in (0..t).step_by(CPU_BLOCK) {
-            let p1 = (p0 + CPU_BLOCK).min(t);
-            let (m, i0) = (p1 - p0, rep + p0);
-            let (lo, hi) = mask.row_key_range(bi, p0, p1);
-            let nk = hi - lo;
-            let (p, ds) = (&mut p[..m * nk], &mut ds[..m * nk]);
-            let (qb, dyb) = (&q[i0 * d..(i0 + m) * d], &dy[i0 * d..(i0 + m) * d]);
-            block_scores(p, qb, k, mask, bi, (p0, m), (lo, nk), d);
-            for (ri, row) in p.chunks_mut(nk).enumerate() {
-                let l = lse[i0 + ri];
-                for x in row.iter_mut() {
-                    *x = (*x - l).exp(); // exp(-inf) = 0 where masked
-                }
+    for CpuBlock { p0, m, i0, lo, nk } in cpu_blocks(mask, bi, q.len() / d, t) {
+        let hi = lo + nk;
+        let (p, ds) = (&mut p[..m * nk], &mut ds[..m * nk]);
+        let (qb, dyb) = (&q[i0 * d..(i0 + m) * d], &dy[i0 * d..(i0 + m) * d]);
+        block_scores(p, qb, k, mask, bi, (p0, m), (lo, nk), d);
+        for (ri, row) in p.chunks_mut(nk).enumerate() {
+            let l = lse[i0 + ri];
+            for x in row.iter_mut() {
+                *x = (*x - l).exp(); // exp(-inf) = 0 where masked
             }
-            small_gemm(ds, nk, false, dyb, d, &v[lo * d..], d, true, (m, nk, d)); // dP = dY vᵀ
-            for (ri, (row, prow)) in ds.chunks_mut(nk).zip(p.chunks(nk)).enumerate() {
-                let i = i0 + ri;
-                let di = dy[i * d..(i + 1) * d]
-                    .iter()
-                    .zip(&y[i * d..(i + 1) * d])
-                    .fold(T::zero(), |a, (g, o)| a + *g * *o);
-                for (x, pv) in row.iter_mut().zip(prow) {
-                    *x = *pv * (*x - di); // dS = P (dP - rowsum(dY Y))
-                }
-            }
-            small_gemm(
-                &mut dq[i0 * d..],
-                d,
-                false,
-                ds,
-                nk,
-                &k[lo * d..],
-                d,
-                false,
-                (m, d, nk),
-            ); // dQ = dS k
-            add_at_b(&mut dk[lo * d..hi * d], ds, qb, (m, nk, d)); // dK += dSᵀ q
-            add_at_b(&mut dv[lo * d..hi * d], p, dyb, (m, nk, d)); // dV += Pᵀ dY
         }
+        small_gemm(ds, nk, false, dyb, d, &v[lo * d..], d, true, (m, nk, d)); // dP = dY vᵀ
+        for (ri, (row, prow)) in ds.chunks_mut(nk).zip(p.chunks(nk)).enumerate() {
+            let i = i0 + ri;
+            let di = dy[i * d..(i + 1) * d]
+                .iter()
+                .zip(&y[i * d..(i + 1) * d])
+                .fold(T::zero(), |a, (g, o)| a + *g * *o);
+            for (x, pv) in row.iter_mut().zip(prow) {
+                *x = *pv * (*x - di); // dS = P (dP - rowsum(dY Y))
+            }
+        }
+        small_gemm(
+            &mut dq[i0 * d..],
+            d,
+            false,
+            ds,
+            nk,
+            &k[lo * d..],
+            d,
+            false,
+            (m, d, nk),
+        ); // dQ = dS k
+        add_at_b(&mut dk[lo * d..hi * d], ds, nk, qb, (m, nk, d)); // dK += dSᵀ q
+        add_at_b(&mut dv[lo * d..hi * d], p, nk, dyb, (m, nk, d)); // dV += Pᵀ dY
     }
 }
 

@@ -743,15 +743,23 @@ fn attention_group_bwd<T: Real>(
         }
         let dqrow = &mut dq[i0 * d..];
         small_gemm(dqrow, d, false, ds, t, k, d, false, (m, d, keys)); // dS k
-                                                                       // dk += dSᵀ q, dv += Pᵀ dY: (keys, D) = (keys, m) (m, D) with the (m, keys) operand
-                                                                       // read transposed through its strides.
-        let dst = |x: &mut [T], a: &[T], b: &[T]| {
-            // SAFETY: x holds `keys` rows of d; a is (m, t) row-major read as (keys, m); b (m, d).
-            unsafe { gemm_strided(x, d, true, a, (t, 1), b, (1, d), (keys, d, m)) }
-        };
-        dst(dk, ds, &q[i0 * d..i1 * d]);
-        dst(dv, prow, &dy[i0 * d..i1 * d]);
+        add_at_b(dk, ds, t, &q[i0 * d..i1 * d], (m, keys, d)); // dK += dSᵀ q
+        add_at_b(dv, prow, t, &dy[i0 * d..i1 * d], (m, keys, d)); // dV += Pᵀ dY
     }
+}
+
+/// `dst (n, d) += aᵀ b` for a (m, n) (row stride `a_rs`) and b (m, d): the key-side gradients of
+/// attention (dK += dSᵀ q, dV += Pᵀ dY), with `a` read transposed through its strides.
+pub(crate) fn add_at_b<T: Real>(
+    dst: &mut [T],
+    a: &[T],
+    a_rs: usize,
+    b: &[T],
+    (m, n, d): (usize, usize, usize),
+) {
+    assert!(m == 0 || (dst.len() >= n * d && a.len() >= (m - 1) * a_rs + n && b.len() >= m * d));
+    // SAFETY: dst holds n rows of d, a m rows of a_rs (n used), b m rows of d: checked above.
+    unsafe { gemm_strided(dst, d, true, a, (a_rs, 1), b, (1, d), (n, d, m)) }
 }
 
 fn attention_fwd<T: Real>(
