@@ -300,6 +300,17 @@ def build_bos(out_dir: Path):
     write_json(out_dir / "tokenizer_config.json", cfg)
 
 
+def expect_template_errors(t, cases):
+    """Each (messages, text) case makes the chat template raise an error containing text."""
+    for bad, msg in cases:
+        try:
+            t.apply_chat_template(bad, tokenize=False)
+        except Exception as e:  # jinja2 TemplateError
+            assert msg in str(e), e
+        else:
+            raise AssertionError(f"template should have raised: {bad}")
+
+
 def check_tokenizer(tok_dir: Path, kind: str):
     t = AutoTokenizer.from_pretrained(str(tok_dir))
     assert type(t).__name__ == "PreTrainedTokenizerFast", type(t)
@@ -325,18 +336,12 @@ def check_tokenizer(tok_dir: Path, kind: str):
         )
         want = "<|begin_of_text|>[INST] Be brief.\n\nHi[/INST] Hello<|end_of_text|>[INST] Bye[/INST]"
         assert s == want, s
-        for bad, msg in [
+        expect_template_errors(t, [
             ([{"role": "assistant", "content": "x"}], "must alternate"),
             (msgs + [{"role": "assistant", "content": "x"}], "must alternate"),
             ([{"role": "tool", "content": "x"}, {"role": "user", "content": "x"}], "must alternate"),
             (msgs + [{"role": "system", "content": "x"}], "must alternate"),
-        ]:
-            try:
-                t.apply_chat_template(bad, tokenize=False)
-            except Exception as e:  # jinja2 TemplateError
-                assert msg in str(e), e
-            else:
-                raise AssertionError(f"template should have raised: {bad}")
+        ])
     else:
         assert t.bos_token == "<|begin_of_text|>" and t.eos_token == "<|end_of_text|>"
         ids = t("hello world").input_ids
@@ -351,16 +356,10 @@ def check_tokenizer(tok_dir: Path, kind: str):
             "<|start_header_id|>assistant<|end_header_id|>\n\n"
         )
         assert s == want, s
-        for bad, msg in [
+        expect_template_errors(t, [
             ([{"role": "tool", "content": "x"}], "Unknown role"),
             (msgs + [{"role": "system", "content": "x"}], "must come first"),
-        ]:
-            try:
-                t.apply_chat_template(bad, tokenize=False)
-            except Exception as e:  # jinja2 TemplateError
-                assert msg in str(e), e
-            else:
-                raise AssertionError("template should have raised")
+        ])
     # special tokens are single ids and decode back; round trip of non-ASCII text
     text = "Grüße, naïve café — 東京!"
     assert t.decode(t(text, add_special_tokens=False).input_ids) == text
