@@ -283,10 +283,18 @@ impl CustomOp3 for ChunkedAttention {
             candle_core::Error::Msg("chunked attention: backward run twice".into())
         })?;
         let dy = dy.contiguous()?;
-        let (dq, dk, dv) = if !self.generic {
-            cpu_bwd(q, k, v, y, &dy, &lse, &self.mask)?
+        let saved = Saved {
+            q,
+            k,
+            v,
+            y,
+            dy: &dy,
+            lse: &lse,
+        };
+        let (dq, dk, dv) = if self.generic {
+            generic_bwd(saved, &self.mask, self.rows)?
         } else {
-            generic_bwd(q, k, v, y, &dy, &lse, &self.mask, self.rows)?
+            cpu_bwd(saved, &self.mask)?
         };
         Ok((Some(dq), Some(dk), Some(dv)))
     }
@@ -471,16 +479,19 @@ fn group_bwd<T: Real>(
     }
 }
 
-#[allow(clippy::type_complexity)]
-fn cpu_bwd(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    y: &Tensor,
-    dy: &Tensor,
-    lse: &Tensor,
-    mask: &AttentionMask,
-) -> R<(Tensor, Tensor, Tensor)> {
+/// What a backward reads: the op's inputs and output, the output's gradient (contiguous) and
+/// the forward's log-sum-exp.
+struct Saved<'a> {
+    q: &'a Tensor,
+    k: &'a Tensor,
+    v: &'a Tensor,
+    y: &'a Tensor,
+    dy: &'a Tensor,
+    lse: &'a Tensor,
+}
+
+fn cpu_bwd(saved: Saved, mask: &AttentionMask) -> R<(Tensor, Tensor, Tensor)> {
+    let Saved { q, k, v, y, dy, lse } = saved;
     let (b, kv, r, d) = q.dims4()?;
     let t = k.dim(2)?;
     let (q, k, v, y) = (
@@ -647,17 +658,8 @@ fn generic_fwd(
     Ok((y, lse))
 }
 
-#[allow(clippy::type_complexity, clippy::too_many_arguments)]
-fn generic_bwd(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    y: &Tensor,
-    dy: &Tensor,
-    lse: &Tensor,
-    mask: &AttentionMask,
-    rows: usize,
-) -> R<(Tensor, Tensor, Tensor)> {
+fn generic_bwd(saved: Saved, mask: &AttentionMask, rows: usize) -> R<(Tensor, Tensor, Tensor)> {
+    let Saved { q, k, v, y, dy, lse } = saved;
     let (b, kv, r, d) = q.dims4()?;
     let t = k.dim(2)?;
     let n_rep = r / t;
