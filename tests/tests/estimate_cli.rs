@@ -220,6 +220,25 @@ fn a_budget_that_fits_gives_the_largest_micro_batch_that_fits() {
     };
     assert!(at(mb) <= 2 << 30, "micro-batch {mb} does not fit");
     assert!(at(mb + 1) > 2 << 30, "micro-batch {} fits too", mb + 1);
+
+    // The longest max_seq_len that fits, in the JSON and in the text.
+    let n = plan["longest_max_seq_len"].as_u64().unwrap();
+    let len = |n: u64| {
+        total(&estimate_json(
+            &config,
+            &["--set", &format!("data.max_seq_len={n}")],
+        ))
+    };
+    assert!(len(n) <= 2 << 30, "{n} tokens do not fit");
+    let r = tallow([
+        "estimate",
+        "--config",
+        config.to_str().unwrap(),
+        "--budget",
+        "2GiB",
+    ]);
+    let want = format!("The longest data.max_seq_len that fits is {n} tokens.");
+    assert!(r.stdout.contains(&want), "{}", r.stdout);
 }
 
 /// A full fine-tune with AdamW on a budget its steady state does not fit: step 1 fits (its

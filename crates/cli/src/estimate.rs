@@ -151,7 +151,7 @@ pub fn describe_plan(p: &Plan, config: &str, user_sets: &[String]) -> String {
             }
             s += ".";
         }
-        return s + "\n";
+        return s + "\n" + &longest_line(p, "");
     }
     if !p.possible {
         return s + &format!(
@@ -179,5 +179,18 @@ pub fn describe_plan(p: &Plan, config: &str, user_sets: &[String]) -> String {
         .chain(&p.sets)
         .map(|x| format!("--set {x}"))
         .collect();
-    s + &format!("run: tallow train --config {config} {}\n", sets.join(" "))
+    s + &longest_line(p, "Without these changes, ")
+        + &format!("run: tallow train --config {config} {}\n", sets.join(" "))
+}
+
+/// The longest `data.max_seq_len` that fits the budget with the config's levers as they are.
+/// `lead` starts the sentence ("Without these changes, "); empty: the line stands alone.
+fn longest_line(p: &Plan, lead: &str) -> String {
+    let what = match p.longest_max_seq_len {
+        Some(n) => format!("the longest data.max_seq_len that fits is {n} tokens"),
+        None => "not even 64 tokens fit".to_string(),
+    };
+    let mut line = format!("{lead}{what}.\n");
+    line[..1].make_ascii_uppercase();
+    line
 }

@@ -491,7 +491,14 @@ struct Saved<'a> {
 }
 
 fn cpu_bwd(saved: Saved, mask: &AttentionMask) -> R<(Tensor, Tensor, Tensor)> {
-    let Saved { q, k, v, y, dy, lse } = saved;
+    let Saved {
+        q,
+        k,
+        v,
+        y,
+        dy,
+        lse,
+    } = saved;
     let (b, kv, r, d) = q.dims4()?;
     let t = k.dim(2)?;
     let (q, k, v, y) = (
@@ -659,7 +666,14 @@ fn generic_fwd(
 }
 
 fn generic_bwd(saved: Saved, mask: &AttentionMask, rows: usize) -> R<(Tensor, Tensor, Tensor)> {
-    let Saved { q, k, v, y, dy, lse } = saved;
+    let Saved {
+        q,
+        k,
+        v,
+        y,
+        dy,
+        lse,
+    } = saved;
     let (b, kv, r, d) = q.dims4()?;
     let t = k.dim(2)?;
     let n_rep = r / t;
