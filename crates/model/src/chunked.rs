@@ -140,6 +140,18 @@ pub fn chunked_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &AttentionMas
     attention(q, k, v, mask, None)
 }
 
+/// [`chunked_attention`] through the tensor-op path with `rows` positions per block, whatever
+/// the device and dtype: what `tallow doctor` compares with the CPU kernel.
+pub fn chunked_attention_tensor_ops(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    rows: usize,
+) -> R<Tensor> {
+    attention(q, k, v, mask, Some(rows.max(1)))
+}
+
 /// [`chunked_attention`]; `rows` forces the tensor-op path with blocks of that many positions
 /// (tests run it on the CPU).
 fn attention(

@@ -140,6 +140,15 @@ const CASES: &[Case] = &[
         run: softmax,
     },
     Case {
+        name: "chunked attention fwd+bwd",
+        on_cpu: "tensor-op path (16-row blocks) against the CPU kernel",
+        f32_tol: 1e-4,
+        generic_on_cpu: true,
+        reference_f64: false,
+        cpu_tol: None,
+        run: chunked_attention,
+    },
+    Case {
         name: "frozen matmul fwd+bwd",
         on_cpu: "plain matmul against the frozen-matmul op",
         f32_tol: 1e-4,
@@ -368,6 +377,27 @@ fn softmax(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
     let p = ops::masked_softmax(&s, &mask).map_err(to_candle)?;
     let mut out = grads_of(&p, &[&s], 6)?;
     out.insert(0, p);
+    Ok(out)
+}
+
+/// Grouped heads (KV 2, 2 queries each), a packed row and a sliding window of 12 over 40
+/// positions: the mask's three rules at once.
+fn chunked_attention(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    use tallow_model::chunked::{self, AttentionMask};
+    let r = &mut rng(13);
+    let (b, kv, n_rep, t, d) = (2, 2, 2, 40, 16);
+    let q = Var::from_tensor(&(input(r, &[b, kv, n_rep * t, d], dev, dt)? * 0.5)?)?;
+    let k = Var::from_tensor(&input(r, &[b, kv, t, d], dev, dt)?)?;
+    let v = Var::from_tensor(&input(r, &[b, kv, t, d], dev, dt)?)?;
+    let segments = vec![vec![0u32; t], [vec![0u32; 15], vec![1u32; 25]].concat()];
+    let mask = AttentionMask::new(&segments, Some(12), dev)?;
+    let y = if generic {
+        chunked::chunked_attention_tensor_ops(&q, &k, &v, &mask, 16)?
+    } else {
+        chunked::chunked_attention(&q, &k, &v, &mask)?
+    };
+    let mut out = grads_of(&y, &[&q, &k, &v], 14)?;
+    out.insert(0, y);
     Ok(out)
 }
 
