@@ -20,6 +20,25 @@ pub fn model_dir(model: &str) -> PathBuf {
     fixtures().join("models").join(model)
 }
 
+/// Fixture `model` on the CPU in `dtype` with every weight a trainable variable (full
+/// fine-tuning), and those variables by name.
+pub fn trainable_model(
+    model: &str,
+    dtype: candle_core::DType,
+) -> (tallow_model::CausalLM, Vec<(String, candle_core::Var)>) {
+    let opts = tallow_model::LoadOptions {
+        train_base: true,
+        ..tallow_model::LoadOptions::frozen(dtype, &Device::Cpu)
+    };
+    let model = tallow_model::CausalLM::load(&model_dir(model), &opts).unwrap();
+    let vars = model
+        .named_params()
+        .into_iter()
+        .map(|(n, p)| (n, p.var().expect("a trainable weight").clone()))
+        .collect();
+    (model, vars)
+}
+
 /// The two `config.json` layouts real checkpoints come in, each with its fixture root:
 /// `tests/fixtures/` was written by transformers 4.57 (`rope_theta`, `rope_scaling`),
 /// `tests/fixtures/v5/` by transformers 5.x (`rope_parameters`; same weights, tiny-qwen3 there

@@ -122,18 +122,7 @@ fn full_fine_tuning_gradients_with_checkpointing_equal_plain_gradients() {
     for model_name in MODELS {
         let reference = reference_json(model_name);
         let rows = reference_rows(&reference, "text");
-        let opts = LoadOptions {
-            dtype: DType::F32,
-            device: Device::Cpu,
-            train_base: true,
-            quantize: None,
-        };
-        let mut model = CausalLM::load(&model_dir(model_name), &opts).unwrap();
-        let vars: Vec<(String, Var)> = model
-            .named_params()
-            .into_iter()
-            .map(|(n, p)| (n, p.var().unwrap().clone()))
-            .collect();
+        let (mut model, vars) = trainable_model(model_name, DType::F32);
         let plain = grads(&model, &vars, &rows);
         model.set_checkpointing(Some(1));
         let ck = grads(&model, &vars, &rows);

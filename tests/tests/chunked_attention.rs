@@ -7,7 +7,7 @@
 //! fails the first windowed case: loss 319.83 vs 318.92 on tiny-llama (2.9e-3 relative).
 
 use candle_core::{DType, Device, Tensor, Var};
-use tallow_model::{lm_head_nll, AttentionImpl, CausalLM, LoadOptions, Targets};
+use tallow_model::{lm_head_nll, AttentionImpl, CausalLM, Targets};
 use tallow_tests::*;
 
 const TOL: f64 = 1e-5;
@@ -73,19 +73,8 @@ fn chunked_attention_gives_eager_loss_and_gradients() {
     for model_name in MODELS {
         let batch = packed_batch(model_name);
         for window in [None, Some(5)] {
-            let opts = LoadOptions {
-                dtype: DType::F32,
-                device: Device::Cpu,
-                train_base: true,
-                quantize: None,
-            };
-            let mut model = CausalLM::load(&model_dir(model_name), &opts).unwrap();
+            let (mut model, vars) = trainable_model(model_name, DType::F32);
             model.config.sliding_window = window;
-            let vars: Vec<(String, Var)> = model
-                .named_params()
-                .into_iter()
-                .map(|(n, p)| (n, p.var().unwrap().clone()))
-                .collect();
             model.attention = AttentionImpl::Eager;
             let (l0, g0) = loss_and_grads(&model, &vars, &batch);
             for checkpointing in [None, Some(1)] {

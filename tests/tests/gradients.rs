@@ -8,20 +8,14 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use tallow_model::ops::rms_norm;
-use tallow_model::{lm_head_nll, CausalLM, LoadOptions, Targets};
+use tallow_model::{lm_head_nll, CausalLM, Targets};
 use tallow_tests::*;
 
 const STEP: f64 = 1e-6;
 const TOL: f64 = 1e-6;
 
 fn load_f64(model: &str) -> CausalLM {
-    let opts = LoadOptions {
-        dtype: DType::F64,
-        device: Device::Cpu,
-        train_base: true,
-        quantize: None,
-    };
-    CausalLM::load(&model_dir(model), &opts).unwrap()
+    trainable_model(model, DType::F64).0
 }
 
 fn scalar(t: &Tensor) -> f64 {

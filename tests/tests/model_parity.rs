@@ -102,13 +102,7 @@ fn f32_parameter_gradients_match_torch_autograd() {
     for model_name in MODELS {
         let reference = reference_json(model_name);
         let tensors = reference_tensors(model_name);
-        let opts = LoadOptions {
-            dtype: DType::F32,
-            device: Device::Cpu,
-            train_base: true,
-            quantize: None,
-        };
-        let model = CausalLM::load(&model_dir(model_name), &opts).unwrap();
+        let (model, _) = trainable_model(model_name, DType::F32);
         let rows = reference_rows(&reference, "text");
         let mut total: Option<Tensor> = None;
         let mut count = 0;
