@@ -41,8 +41,6 @@ pub const BLOCK_SCORE_BYTES: usize = 64 << 20;
 pub struct AttentionMask {
     /// (B, T) u32 segment ids, on the device of the attention's tensors.
     pub segments: Tensor,
-    /// The same ids on the host: block key ranges (and the CPU kernel) read them.
-    pub host: Arc<Vec<Vec<u32>>>,
     pub window: Option<usize>,
     /// For each row and position, the first key it may attend to.
     first: Arc<Vec<Vec<usize>>>,
@@ -62,7 +60,6 @@ impl AttentionMask {
             .collect::<R<Vec<_>>>()?;
         Ok(Self {
             segments: Tensor::from_vec(flat, (b, t), device)?,
-            host: Arc::new(segments.to_vec()),
             window,
             first: Arc::new(first),
         })
@@ -71,10 +68,8 @@ impl AttentionMask {
     /// The keys a block of query positions [p0, p1) reads: from the first key any row of any
     /// batch entry may attend to, to the block's last position.
     fn key_range(&self, p0: usize, p1: usize) -> (usize, usize) {
-        let lo = self
-            .first
-            .iter()
-            .map(|f| f[p0..p1].iter().copied().min().unwrap_or(p0))
+        let lo = (0..self.first.len())
+            .map(|b| self.row_key_range(b, p0, p1).0)
             .min()
             .unwrap_or(p0);
         (lo, p1)
@@ -90,7 +85,7 @@ impl AttentionMask {
     /// row, from the device segment ids. -> (B, 1, 1, p1 - p0, hi - lo)
     fn block(&self, p0: usize, p1: usize, lo: usize, hi: usize) -> R<Tensor> {
         let dev = self.segments.device();
-        let b = self.host.len();
+        let b = self.first.len();
         let sq = self.segments.narrow(1, p0, p1 - p0)?; // (B, m)
         let sk = self.segments.narrow(1, lo, hi - lo)?; // (B, nk)
         let same = sq.unsqueeze(2)?.broadcast_eq(&sk.unsqueeze(1)?)?; // (B, m, nk)
@@ -172,7 +167,7 @@ fn attention(
             v.shape()
         );
     }
-    if mask.host.len() != b || mask.host.iter().any(|s| s.len() != t) {
+    if mask.first.len() != b || mask.first.iter().any(|s| s.len() != t) {
         candle_core::bail!("chunked attention: the mask is not {b} rows of {t} ids");
     }
     let fused = supports(&q) && k.dtype() == q.dtype() && v.dtype() == q.dtype();

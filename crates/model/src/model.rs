@@ -115,10 +115,10 @@ impl Attention {
         let n_rep = h / kv;
         let q = q.reshape((b, kv, n_rep * t, d))?; // (B, H, T, D) -> (B, KV, n_rep*T, D), a view
 
-        // Eager attention, as HF's: scores in the compute dtype (q carries the 1/sqrt(D) scale,
-        // see `qkv`), softmax in f32, cast back.
-        // Kept grouped: a reshape to (B, H, T, T) would be a graph node whose backward zeroes
-        // and adds a score-sized buffer. The mask is causal (ops::attention_mask).
+        // Scores in the compute dtype (q carries the 1/sqrt(D) scale, see `qkv`), softmax in
+        // f32, cast back, as HF's eager attention; kept grouped (a reshape to (B, H, T, T) would
+        // be a graph node whose backward zeroes and adds a score-sized buffer). Chunked (the
+        // default) keeps no (T, T) scores; eager reads the causal mask of ops::attention_mask.
         let y = match mask {
             Mask::Dense(m) => ops::causal_attention(&q, &k, &v, m)?,
             Mask::Chunked(m) => crate::chunked::chunked_attention(&q, &k, &v, m)?,

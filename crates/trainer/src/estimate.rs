@@ -214,22 +214,17 @@ pub fn layer_activation_bytes(
     (b * t * per_token + b * h * t * t * per_score) as u64
 }
 
-/// What a DoRA linear keeps per token (`tallow_model::peft::dora`, tensor ops on every device):
-/// the base output, its f32 copy (bf16 / f16), the adapter input cast and dropped out, x·Aᵀ and
-/// its scaled copy, the adapter output, (W x + s B A x), the rescaled sum, the cast back and the
-/// bias add; with dropout also the dropped input in the model dtype, the second base matmul on it
-/// and its f32 copy, and PEFT's two extra (M, out) sums.
 /// One layer's attention transients beyond what the graph keeps, forward and backward.
 /// Eager: the backward's score-sized gradients, f32 (the forward's scores are kept, counted in
-/// [`layer_activation_bytes`]); the CPU's fused op needs none of them. Chunked (`tallow_model::chunked`): on the CPU each (batch, kv
-/// head) task holds two 64-row blocks of scores; on CUDA a block's scores are at most
-/// `BLOCK_SCORE_BYTES`, about 3 such in the forward (scores, exp, probabilities) and 6 in the
-/// backward (the recomputed ones, dP, dS and their casts), plus f32 dK / dV sums.
-fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, device: &str) -> (u64, u64) {
+/// [`layer_activation_bytes`]); the CPU's fused op needs none of them. Chunked
+/// (`tallow_model::chunked`): on the CPU each (batch, kv head) task holds two 64-row blocks of
+/// scores; on CUDA a block's scores are at most `BLOCK_SCORE_BYTES`, about 3 such in the
+/// forward (scores, exp, probabilities) and 6 in the backward (the recomputed ones, dP, dS and
+/// their casts), plus f32 dK / dV sums.
+fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> (u64, u64) {
     let (b, t) = (cfg.train.micro_batch_size, cfg.data.max_seq_len);
     let (h, kv, d) = (m.num_attention_heads, m.num_key_value_heads, m.head_dim);
     let scores = (b * h * t * t * 4) as u64;
-    let fused = device == "cpu" && cfg.model.dtype == ModelDtype::F32;
     match (cfg.model.attention, fused) {
         // The fused CPU op's backward reads its kept probabilities and holds one 64-row dS
         // block per task (measured at 1-4k tokens: the kept probabilities are the whole
@@ -247,6 +242,11 @@ fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, device: &str) -> (
     (3 * block, 6 * block + (2 * b * t * kv * d * 4) as u64)
 }
 
+/// What a DoRA linear keeps per token (`tallow_model::peft::dora`, tensor ops on every device):
+/// the base output, its f32 copy (bf16 / f16), the adapter input cast and dropped out, x·Aᵀ and
+/// its scaled copy, the adapter output, (W x + s B A x), the rescaled sum, the cast back and the
+/// bias add; with dropout also the dropped input in the model dtype, the second base matmul on it
+/// and its f32 copy, and PEFT's two extra (M, out) sums.
 fn dora_linear(l: &Lin, s: usize, r: usize, dropout: bool, shared: bool) -> usize {
     let cast = |n: usize| if s == 4 { 0 } else { n };
     let mut n = s * l.out + cast(4 * l.out); // base output, in f32
@@ -597,7 +597,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // f32 and in bf16 (whose CPU matmuls work in f32). On CUDA the gradients stay in the model
     // dtype: six of them, 6 x s (not measured yet).
     let ffn_grad = if device == "cpu" { 24 } else { 6 * s };
-    let (scores_fwd, scores_bwd) = attention_transients(m, cfg, device);
+    let (scores_fwd, scores_bwd) = attention_transients(m, cfg, fused);
     let attn_bwd =
         scores_bwd + tokens * 4 * 4 * c as u64 + tokens * ffn_grad * m.intermediate_size as u64;
     let lm_bwd = ce + 8 * tokens * c as u64;
