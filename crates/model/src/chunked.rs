@@ -25,6 +25,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, D
 use rayon::prelude::*;
 
 use crate::fused::{add_at_b, data, small_gemm, storage_data, supports, uninit, Real};
+use crate::linear::InStorage;
 
 type R<T> = candle_core::Result<T>;
 
@@ -212,6 +213,21 @@ struct ChunkedAttention {
     rows: usize,
 }
 
+impl ChunkedAttention {
+    /// The forward of the tensor-op path: a copy of its precomputed output's storage (the op
+    /// then drops the output, so the graph keeps one copy).
+    fn precomputed<S: InStorage>(&self) -> R<(S, Shape)> {
+        let Some(y) = self.y.lock().expect("y lock").take() else {
+            candle_core::bail!("chunked attention: the output was not computed before the op")
+        };
+        let (s, l) = y.storage_and_layout();
+        match S::of(&s) {
+            Some(c) => Ok((c.try_clone(l)?, y.shape().clone())),
+            None => candle_core::bail!("chunked attention: the output is not on {}", S::DEVICE),
+        }
+    }
+}
+
 impl CustomOp3 for ChunkedAttention {
     fn name(&self) -> &'static str {
         "chunked-attention"
@@ -226,12 +242,8 @@ impl CustomOp3 for ChunkedAttention {
         v: &CpuStorage,
         vl: &Layout,
     ) -> R<(CpuStorage, Shape)> {
-        if let Some(y) = self.y.lock().expect("y lock").take() {
-            let (s, l) = y.storage_and_layout();
-            return match &*s {
-                candle_core::Storage::Cpu(c) => Ok((c.try_clone(l)?, y.shape().clone())),
-                _ => candle_core::bail!("chunked attention: device mismatch"),
-            };
+        if self.generic {
+            return self.precomputed();
         }
         let (b, kv, r, d) = ql.shape().dims4()?;
         let t = kl.shape().dims4()?.2;
@@ -268,14 +280,7 @@ impl CustomOp3 for ChunkedAttention {
         _v: &candle_core::CudaStorage,
         _vl: &Layout,
     ) -> R<(candle_core::CudaStorage, Shape)> {
-        let Some(y) = self.y.lock().expect("y lock").take() else {
-            candle_core::bail!("chunked attention: the CUDA path computes the output first")
-        };
-        let (s, l) = y.storage_and_layout();
-        match &*s {
-            candle_core::Storage::Cuda(c) => Ok((c.try_clone(l)?, y.shape().clone())),
-            _ => candle_core::bail!("chunked attention: device mismatch"),
-        }
+        self.precomputed()
     }
 
     fn bwd(
