@@ -1,6 +1,6 @@
 //! Activation checkpointing gives the gradients of the plain forward: LoRA and DoRA (with dropout on, so
 //! the recomputation must redraw the same masks) and full fine-tuning, every layer or every
-//! second layer checkpointed. f32; tolerance 1e-5 relative to the largest gradient entry
+//! second layer checkpointed, the MLP half in token tiles, inputs offloaded. f32; tolerance 1e-5 relative to the largest gradient entry
 //! (the recomputed forward is the same sequence of ops, so differences are float-order only).
 
 use candle_core::backprop::GradStore;
@@ -11,6 +11,18 @@ use tallow_model::{
 use tallow_tests::*;
 
 const TOL: f64 = 1e-5;
+
+/// (every, MLP tile rows, offload): every layer or every second one; the MLP half in one
+/// tile (the hidden size exceeds the fixture rows) or in tiles of 5 / 7 tokens (the last one
+/// partial; LoRA dropout must draw the untiled masks); inputs offloaded (on the CPU the same
+/// code path, links between consecutive checkpointed layers) or not.
+const SETTINGS: [(usize, Option<usize>, bool); 5] = [
+    (1, None, false),
+    (2, None, false),
+    (1, Some(5), false),
+    (1, Some(7), true),
+    (2, Some(5), true),
+];
 
 /// Loss of the text rows as one padded-free batch per row; returns the summed grads of `vars`
 /// (main store plus the checkpointed layers' side stores).
@@ -103,11 +115,13 @@ fn adapter_gradients_with_checkpointing(model_name: &str, dora: bool) {
     }
     set_dropout(&model, Some(1234));
     let plain = grads(&model, &vars, &rows);
-    for every in [1, 2] {
+    for (every, tile, offload) in SETTINGS {
         model.set_checkpointing(Some(every));
+        model.set_checkpoint_tile_rows(tile);
+        model.set_offload_checkpoints(offload);
         let ck = grads(&model, &vars, &rows);
         compare(
-            &format!("{model_name} {kind} every={every}"),
+            &format!("{model_name} {kind} every={every} tile={tile:?} offload={offload}"),
             &vars,
             &plain,
             &ck,
@@ -124,8 +138,17 @@ fn full_fine_tuning_gradients_with_checkpointing_equal_plain_gradients() {
         let rows = reference_rows(&reference, "text");
         let (mut model, vars) = trainable_model(model_name, DType::F32);
         let plain = grads(&model, &vars, &rows);
-        model.set_checkpointing(Some(1));
-        let ck = grads(&model, &vars, &rows);
-        compare(&format!("{model_name} full"), &vars, &plain, &ck);
+        for (every, tile, offload) in SETTINGS {
+            model.set_checkpointing(Some(every));
+            model.set_checkpoint_tile_rows(tile);
+            model.set_offload_checkpoints(offload);
+            let ck = grads(&model, &vars, &rows);
+            compare(
+                &format!("{model_name} full every={every} tile={tile:?} offload={offload}"),
+                &vars,
+                &plain,
+                &ck,
+            );
+        }
     }
 }

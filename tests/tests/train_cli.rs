@@ -550,7 +550,8 @@ fn quickstart_learns_its_skill() {
     assert!(out.join("run/adapter/adapter_model.safetensors").exists());
 }
 
-/// Activation checkpointing on (every layer, and every second layer) and off give the same
+/// Activation checkpointing on (every layer, every second layer, every layer with its inputs
+/// offloaded: on the CPU the same link-chained code path with no saving) and off give the same
 /// adapter after 3 AdamW steps with dropout on (the recomputation redraws the same masks).
 /// Tolerance: 1e-5 relative per tensor (f32; the recomputed layer runs the same ops, so only the
 /// order of gradient sums differs). The run reports per-phase peak memory in metrics.jsonl, and
@@ -562,6 +563,7 @@ fn checkpointing_gives_the_same_adapter_and_a_lower_forward_peak() {
     let plain = scratch("ckpt-off");
     let on = scratch("ckpt-on");
     let every2 = scratch("ckpt-every2");
+    let offload = scratch("ckpt-offload");
     let cp = config(&plain, "tiny-qwen3", lora, steps);
     let co = config(
         &on,
@@ -575,11 +577,21 @@ fn checkpointing_gives_the_same_adapter_and_a_lower_forward_peak() {
         lora,
         &format!("{steps}\ncheckpointing = true\ncheckpoint_every = 2"),
     );
-    for c in [&cp, &co, &c2] {
+    let cf = config(
+        &offload,
+        "tiny-qwen3",
+        lora,
+        &format!("{steps}\ncheckpointing = true\noffload_checkpoints = true"),
+    );
+    for c in [&cp, &co, &c2, &cf] {
         train_ok(&["train", "--config", c.to_str().unwrap(), "--quiet"]);
     }
     let base = adapter(&plain);
-    for (what, dir) in [("every layer", &on), ("every 2nd layer", &every2)] {
+    for (what, dir) in [
+        ("every layer", &on),
+        ("every 2nd layer", &every2),
+        ("every layer, offloaded", &offload),
+    ] {
         let d = max_rel_diff(&adapter(dir), &base);
         assert!(
             d < 1e-5,

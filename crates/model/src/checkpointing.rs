@@ -2,10 +2,12 @@
 //! intermediates from the forward.
 //!
 //! ```text
-//!  forward:   x ──► layer(x.detach()) ──► y.detach()     (graph of the layer dropped at once)
-//!             x ─┬─► attach2 op ──────► y               (graph keeps x only, plus y itself)
+//!  forward:   x ──► layer(x.detach()) without a graph ──► y    (no intermediate kept)
+//!             x ─┬─► attach2 op ──────► y                      (graph keeps x only, plus y)
 //!  anchor var ───┘
-//!  backward:  dy ──► recompute layer(x as a fresh var), backward of sum(y * dy)
+//!  backward:  dy ──► recompute the attention half from x (as a fresh var), with its graph;
+//!                    the MLP half tile by tile over tokens, each tile's backward at once;
+//!                    then the attention half's backward
 //!                    ──► dx (to the outer graph) and the layer's parameter grads (to a side store)
 //! ```
 //!
@@ -15,14 +17,35 @@
 //! The op's second input is one variable of the layer, so that the op is recorded even when
 //! `x` itself does not track gradients (the first layer reads frozen embeddings).
 //!
+//! **Token tiles.** The MLP half (x + mlp(norm(x))) is token-wise and is the largest part of a
+//! rebuilt layer: (tokens, I) tensors, I about 3x the hidden size, and their gradients. The
+//! checkpointed forward and the recompute run it in tiles of [`Checkpointing::tile_rows`] tokens
+//! (the hidden size by default: a tile's (rows, I) tensors are the size of one MLP weight, the
+//! rule of Arctic Long Sequence Training's TiledMLP), so a layer's MLP transients stop growing
+//! with the sequence. Each tile's parameter gradients are summed into the layer's: the same sum
+//! over tokens as one pass, in another order (float rounding only).
+//!
+//! **Offload** ([`Checkpointing::offload`], `train.offload_checkpoints`): the input each
+//! checkpointed layer keeps goes to host memory after its forward and comes back to the device
+//! for its backward. The graph cannot hold a device tensor for it, so consecutive offloaded
+//! layers are chained in the graph by one-element link tensors: layer i's op outputs a link
+//! (its real output goes on to layer i + 1 outside the graph), layer i + 1's op takes that link
+//! as its input, and its backward hands dx to layer i through a shared slot instead of as the
+//! link's gradient (a zero). Candle's backward runs layer i + 1's op before layer i's (the link
+//! orders them), so the slot is always filled first. On the CPU the host copy is the tensor
+//! itself: the same code path, no saving. Candle copies between host and device on the
+//! device's one stream, blocking, into pageable memory (it has no pinned allocation or second
+//! stream), so the copies are not overlapped with compute.
+//!
 //! The recomputation sees the same LoRA dropout masks as the forward: masks are a pure
 //! function of the dropout seed the trainer sets per micro-batch, which is still set when that
-//! micro-batch's backward runs.
+//! micro-batch's backward runs, and of the element's position in the batch, which a tile keeps
+//! through [`crate::dropout::at_row`].
 
 use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 
 use crate::error::Result;
 use crate::model::{DecoderLayer, RopeMask};
@@ -31,13 +54,30 @@ use crate::model::{DecoderLayer, RopeMask};
 pub struct Checkpointing {
     /// Checkpoint layers whose index is a multiple of this.
     pub(crate) every: usize,
+    /// Tokens per tile of the MLP half; None: the hidden size.
+    pub(crate) tile_rows: Option<usize>,
+    /// Keep checkpointed inputs in host memory between the forward and the backward.
+    pub(crate) offload: bool,
     grads: Arc<Mutex<Vec<GradStore>>>,
+}
+
+/// Where a layer's gradient w.r.t. its output goes when the graph carries a link for it.
+type Slot = Arc<Mutex<Option<Tensor>>>;
+
+/// The graph's handle on the previous layer's output when that layer was offloaded: a
+/// one-element tensor and the slot its dx goes to.
+#[derive(Clone)]
+struct Link {
+    token: Tensor,
+    slot: Slot,
 }
 
 impl Checkpointing {
     pub(crate) fn new(every: usize) -> Self {
         Self {
             every,
+            tile_rows: None,
+            offload: false,
             grads: Arc::default(),
         }
     }
@@ -46,42 +86,143 @@ impl Checkpointing {
         std::mem::take(&mut *self.grads.lock().expect("checkpoint grads lock"))
     }
 
-    /// `layer.forward(x)` that keeps only `x` (and the output) alive for the backward.
-    /// x: (B, T, C) -> (B, T, C)
-    pub(crate) fn forward(
+    fn checkpointed(&self, i: usize) -> bool {
+        i % self.every == 0
+    }
+
+    /// The decoder layers over `x`, every `every`-th checkpointed. x: (B, T, C) -> (B, T, C)
+    pub(crate) fn forward_layers(
+        &self,
+        layers: &[DecoderLayer],
+        mut x: Tensor,
+        rope: &RopeMask,
+    ) -> Result<Tensor> {
+        let mut link: Option<Link> = None;
+        for (i, layer) in layers.iter().enumerate() {
+            if !self.checkpointed(i) {
+                debug_assert!(link.is_none(), "a link only leads to a checkpointed layer");
+                x = layer.forward(&x, rope)?;
+                continue;
+            }
+            let next_offloaded = self.offload && i + 1 < layers.len() && self.checkpointed(i + 1);
+            (x, link) = self.forward_one(layer, &x, link.take(), rope, next_offloaded)?;
+        }
+        Ok(x)
+    }
+
+    /// One checkpointed layer: its output, and the link the next layer's op takes instead of
+    /// it when `emit_link` (that layer is checkpointed and offloaded; the output is then
+    /// detached). `link_in`: this layer's input is the previous offloaded layer's output.
+    fn forward_one(
         &self,
         layer: &DecoderLayer,
         x: &Tensor,
+        link_in: Option<Link>,
         rope: &RopeMask,
-    ) -> Result<Tensor> {
-        // The layer's graph lives only inside this expression.
-        let y = layer.forward(&x.detach(), rope)?.contiguous()?.detach();
+        emit_link: bool,
+    ) -> Result<(Tensor, Option<Link>)> {
+        let tile = self.tile_rows.unwrap_or(x.dim(2)?);
+        // Nothing of the layer's graph is built: the backward recomputes it.
+        let y = crate::no_grad::no_grad(|| forward_tiled(layer, &x.detach(), rope, tile))?;
         let anchor = first_var(layer).filter(|_| !crate::no_grad::is_on());
-        let Some(anchor) = anchor.or_else(|| x.track_op().then(|| x.clone())) else {
-            return Ok(y); // nothing to differentiate: no graph at all
+        let device = x.device().clone();
+        // x goes to the host unless the graph must hold it to hand it its gradient (the first
+        // layer's input in full fine-tuning).
+        let offload_x = self.offload && (link_in.is_some() || !x.track_op());
+        // The op's graph input: the link of an offloaded previous layer, a placeholder for an
+        // offloaded x that takes no gradient, else x itself.
+        let graph_in = match &link_in {
+            Some(l) => l.token.clone(),
+            None if offload_x => Tensor::zeros(1, DType::F32, &device)?,
+            None => x.clone(),
+        };
+        let Some(anchor) = anchor.or_else(|| graph_in.track_op().then(|| graph_in.clone())) else {
+            return Ok((y, None)); // nothing to differentiate: no graph at all
+        };
+        // What the backward rebuilds the layer from: a host copy when offloading (the
+        // tensor itself on the CPU), else the graph input x.
+        let host = if offload_x {
+            Some(x.to_device(&Device::Cpu)?)
+        } else {
+            None
+        };
+        let need_dx = link_in.is_some() || x.track_op();
+        let out_slot: Option<Slot> = emit_link.then(Slot::default);
+        let (value, next) = match &out_slot {
+            Some(_) => (Tensor::zeros(1, DType::F32, &device)?, Some(y.detach())),
+            None => (y, None),
         };
         let (layer, rope, grads) = (layer.clone(), rope.clone(), self.grads.clone());
-        crate::ops::attach2(
+        let slot = out_slot.clone();
+        let out = crate::ops::attach2(
             "layer-checkpoint",
-            x,
+            &graph_in,
             &anchor,
-            y,
-            move |x, _anchor, _y, dy| recompute_backward(&layer, &rope, &grads, x, dy),
-        )
+            value,
+            move |graph_in, _anchor, _out, dout| {
+                let map = |e: crate::error::ModelError| candle_core::Error::Msg(e.to_string());
+                let dy = match &slot {
+                    Some(s) => s.lock().expect("checkpoint slot").take().ok_or_else(|| {
+                        candle_core::Error::Msg(
+                            "layer-checkpoint: the next layer's backward has not run".into(),
+                        )
+                    })?,
+                    None => dout.clone(),
+                };
+                let x = match &host {
+                    Some(h) => h.to_device(&device)?,
+                    None => graph_in.clone(),
+                };
+                let (dx, kept) =
+                    recompute_backward(&layer, &rope, tile, &x, need_dx, &dy).map_err(map)?;
+                grads.lock().expect("checkpoint grads lock").push(kept);
+                match &link_in {
+                    Some(l) => {
+                        *l.slot.lock().expect("checkpoint slot") = dx;
+                        Ok((Some(graph_in.zeros_like()?), None))
+                    }
+                    None => Ok((dx, None)),
+                }
+            },
+        )?;
+        Ok(match (next, out_slot) {
+            (Some(y), Some(slot)) => (y, Some(Link { token: out, slot })),
+            _ => (out, None),
+        })
     }
 }
 
-/// The backward of a checkpointed layer: recompute it from its input `x`, backpropagate `dy`,
-/// return dx (when `x` tracks) and push the layer's variable gradients to `grads`.
+/// The layer's forward with its MLP half in tiles of `tile` tokens. x: (B, T, C) -> (B, T, C)
+fn forward_tiled(layer: &DecoderLayer, x: &Tensor, rope: &RopeMask, tile: usize) -> Result<Tensor> {
+    let mid = layer.attention_residual(x, rope)?;
+    let (b, t, c) = mid.dims3()?;
+    let n = b * t;
+    if n <= tile {
+        return layer.mlp_half(&mid);
+    }
+    let flat = mid.reshape((n, c))?; // (B*T, C), a view
+    let mut parts = Vec::with_capacity(n.div_ceil(tile));
+    for start in (0..n).step_by(tile) {
+        let rows = tile.min(n - start);
+        let xt = flat.narrow(0, start, rows)?.unsqueeze(0)?; // (1, rows, C)
+        parts.push(crate::dropout::at_row(start, || layer.mlp_half(&xt))?);
+    }
+    Ok(Tensor::cat(&parts, 1)?.reshape((b, t, c))?)
+}
+
+/// The backward of a checkpointed layer: recompute it from its input `x`, backpropagate `dy`;
+/// dx (when `need_dx`) and the layer's variable gradients.
 fn recompute_backward(
     layer: &DecoderLayer,
     rope: &RopeMask,
-    grads: &Mutex<Vec<GradStore>>,
+    tile: usize,
     x: &Tensor,
+    need_dx: bool,
     dy: &Tensor,
-) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-    let map = |e: crate::error::ModelError| candle_core::Error::Msg(e.to_string());
-    let x_var = if x.track_op() {
+) -> Result<(Option<Tensor>, GradStore)> {
+    let vars = layer_vars(layer);
+    let mut kept = GradStore::default();
+    let x_var = if need_dx {
         Some(Var::from_tensor(&x.detach())?)
     } else {
         None
@@ -89,23 +230,63 @@ fn recompute_backward(
     let x_in = x_var
         .as_ref()
         .map_or_else(|| x.detach(), |v| v.as_tensor().clone());
-    // Recompute, then backpropagate dy: d/dy' of sum(y' * dy) is exactly dy.
-    let y = layer.forward(&x_in, rope).map_err(map)?;
-    let mut store = (y * dy.detach())?.sum_all()?.backward()?;
+    // The attention half with its graph; the MLP half's backward tile by tile gives d(mid).
+    let mid = layer.attention_residual(&x_in, rope)?;
+    let dmid = mlp_half_backward(layer, &mid.detach(), dy, tile, &vars, &mut kept)?;
+    // Backpropagate d(mid): d/dmid' of sum(mid' * dmid) is exactly dmid.
+    let mut store = (mid * dmid)?.sum_all()?.backward()?;
     let dx = x_var.and_then(|v| store.remove(v.as_tensor()));
-    // Keep only the layer's variables: Candle's store also holds gradients of untracked
-    // operands (masks, rotary tables), which must not stay alive for the whole backward.
-    let mut kept = GradStore::default();
-    for v in layer_vars(layer) {
-        if let Some(g) = store.remove(&v) {
+    keep_grads(&mut kept, &mut store, &vars)?;
+    Ok((dx, kept))
+}
+
+/// d(mid) for the MLP half y = mid + mlp(norm(mid)) given dy, one tile of tokens at a time
+/// (each tile's graph built, backpropagated and dropped before the next); the parameter
+/// gradients summed into `kept`. mid, dy: (B, T, C) -> (B, T, C)
+fn mlp_half_backward(
+    layer: &DecoderLayer,
+    mid: &Tensor,
+    dy: &Tensor,
+    tile: usize,
+    vars: &[Tensor],
+    kept: &mut GradStore,
+) -> Result<Tensor> {
+    let (b, t, c) = mid.dims3()?;
+    let n = b * t;
+    let flat = mid.reshape((n, c))?; // (B*T, C)
+    let dflat = dy.reshape((n, c))?;
+    let mut parts = Vec::with_capacity(n.div_ceil(tile));
+    for start in (0..n).step_by(tile) {
+        let rows = tile.min(n - start);
+        let xt = Var::from_tensor(&flat.narrow(0, start, rows)?.unsqueeze(0)?)?; // (1, rows, C)
+        let yt = crate::dropout::at_row(start, || layer.mlp_half(xt.as_tensor()))?;
+        let dyt = dflat.narrow(0, start, rows)?.unsqueeze(0)?;
+        let mut store = (yt * dyt)?.sum_all()?.backward()?;
+        let dxt = store.remove(xt.as_tensor()).ok_or_else(|| {
+            crate::error::ModelError::Invalid("checkpoint: no gradient reached an MLP tile".into())
+        })?;
+        parts.push(dxt);
+        keep_grads(kept, &mut store, vars)?;
+    }
+    Ok(Tensor::cat(&parts, 1)?.reshape((b, t, c))?)
+}
+
+/// Moves the gradients of `vars` from `store` into `kept` (summed with what is there), and
+/// drops the rest: Candle's store also holds gradients of untracked operands (masks, rotary
+/// tables), which must not stay alive for the whole backward.
+fn keep_grads(kept: &mut GradStore, store: &mut GradStore, vars: &[Tensor]) -> Result<()> {
+    for v in vars {
+        if let Some(g) = store.remove(v) {
             // Detached: Candle's weight gradients keep the ops that made them (x^T dY), and with
             // them this layer's recomputed activations, for as long as they live.
-            kept.insert(&v, g.detach());
+            let g = match kept.remove(v) {
+                Some(sum) => (sum + g)?.detach(),
+                None => g.detach(),
+            };
+            kept.insert(v, g);
         }
     }
-    drop(store);
-    grads.lock().expect("checkpoint grads lock").push(kept);
-    Ok((dx, None))
+    Ok(())
 }
 
 /// Every variable of the layer: LoRA A/B, and in full fine-tuning every weight.

@@ -11,6 +11,7 @@
 //!   element-wise kernel (`kernels/tallow.cu`, `tallow_dropout_f32`), bit-equal to the CPU loop
 //!   here (`tallow doctor` checks it).
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
@@ -53,6 +54,16 @@ impl DropoutOp {
     /// 1 / (1 - p), rounded once to f32.
     fn scale(&self) -> f32 {
         (1.0 / (1.0 - self.p as f64)) as f32
+    }
+
+    /// The op whose element `i` is this op's element `i + skip`: masks of a tensor's rows from
+    /// row `skip / in` on, bit-equal to the whole tensor's (mix(seed + (i + 1) γ) with the
+    /// seed moved on by `skip` γ).
+    pub(crate) fn skip(self, skip: usize) -> Self {
+        Self {
+            seed: self.seed.wrapping_add((skip as u64).wrapping_mul(GAMMA)),
+            ..self
+        }
     }
 
     /// Applies the dropout to `x` (any float dtype; made contiguous).
@@ -183,6 +194,30 @@ impl CustomOp1 for DropoutOp {
     fn bwd(&self, _x: &Tensor, _y: &Tensor, dy: &Tensor) -> candle_core::Result<Option<Tensor>> {
         Ok(Some(dy.contiguous()?.apply_op1_no_bwd(self)?))
     }
+}
+
+thread_local! {
+    static FIRST_ROW: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Runs `f` on a tile of a batch's tokens that starts at row `first_row` of the flattened
+/// (B * T, in) inputs: the LoRA dropout masks drawn inside are the whole batch's rows from
+/// `first_row` on, so a layer run in tiles (activation checkpointing's token tiles) draws the
+/// masks of the untiled forward. Per thread and scoped, like [`crate::no_grad::no_grad`].
+pub(crate) fn at_row<R>(first_row: usize, f: impl FnOnce() -> R) -> R {
+    struct Restore(usize);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            FIRST_ROW.with(|r| r.set(self.0));
+        }
+    }
+    let _restore = Restore(FIRST_ROW.with(|r| r.replace(first_row)));
+    f()
+}
+
+/// The first row of the tile this thread is running ([`at_row`]; 0 outside one).
+pub(crate) fn first_row() -> usize {
+    FIRST_ROW.with(|r| r.get())
 }
 
 /// LoRA dropout of one model, switched on per micro-batch by the trainer with a seed derived from

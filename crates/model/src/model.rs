@@ -161,7 +161,13 @@ pub struct DecoderLayer {
 impl DecoderLayer {
     /// x: (B, T, C) -> (B, T, C)
     pub fn forward(&self, x: &Tensor, rope: &RopeMask) -> Result<Tensor> {
-        self.block(x, |h| {
+        self.mlp_half(&self.attention_residual(x, rope)?)
+    }
+
+    /// The training forward's first half, [`DecoderLayer::attention_half`] with the batch's
+    /// rotary tables and mask. x: (B, T, C) -> (B, T, C)
+    pub(crate) fn attention_residual(&self, x: &Tensor, rope: &RopeMask) -> Result<Tensor> {
+        self.attention_half(x, |h| {
             self.self_attn.forward(h, &rope.cos, &rope.sin, &rope.mask)
         })
     }
@@ -174,10 +180,25 @@ impl DecoderLayer {
         x: &Tensor,
         attn: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
+        self.mlp_half(&self.attention_half(x, attn)?)
+    }
+
+    /// The block's first residual half: x + attn(norm(x)). x: (B, T, C) -> (B, T, C)
+    pub(crate) fn attention_half(
+        &self,
+        x: &Tensor,
+        attn: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let h = ops::rms_norm(x, &enter(self.input_layernorm.tensor()), self.eps)?;
-        let x = (x + attn(&h)?)?;
-        let h = ops::rms_norm(&x, &enter(self.post_attention_layernorm.tensor()), self.eps)?;
-        Ok((&x + self.mlp.forward(&h)?)?)
+        Ok((x + attn(&h)?)?)
+    }
+
+    /// The block's second residual half: x + mlp(norm(x)). Token-wise (each row of the output
+    /// reads only its own row), which activation checkpointing uses to run it in tiles of
+    /// tokens. x: (B, T, C) -> (B, T, C)
+    pub(crate) fn mlp_half(&self, x: &Tensor) -> Result<Tensor> {
+        let h = ops::rms_norm(x, &enter(self.post_attention_layernorm.tensor()), self.eps)?;
+        Ok((x + self.mlp.forward(&h)?)?)
     }
 
     /// Every linear layer of this block with its path relative to the layer
@@ -398,6 +419,23 @@ impl CausalLM {
         self.checkpointing = every.map(|e| Checkpointing::new(e.max(1)));
     }
 
+    /// With checkpointing on: keep the checkpointed layers' inputs in host memory between the
+    /// forward and the backward (`train.offload_checkpoints`; no saving on the CPU, where the
+    /// host copy is the tensor itself). See [`crate::checkpointing`].
+    pub fn set_offload_checkpoints(&mut self, on: bool) {
+        if let Some(c) = &mut self.checkpointing {
+            c.offload = on;
+        }
+    }
+
+    /// With checkpointing on: tokens per tile of the checkpointed layers' MLP half (None: the
+    /// hidden size). Tests set small tiles to run several on tiny models.
+    pub fn set_checkpoint_tile_rows(&mut self, rows: Option<usize>) {
+        if let Some(c) = &mut self.checkpointing {
+            c.tile_rows = rows.map(|r| r.max(1));
+        }
+    }
+
     /// The gradients of variables inside checkpointed layers from the backward passes since the
     /// last call (one store per layer and backward). Empty when checkpointing is off.
     pub fn take_checkpoint_grads(&self) -> Vec<candle_core::backprop::GradStore> {
@@ -474,11 +512,13 @@ impl CausalLM {
         let (b, t) = input_ids.dims2()?;
         let rope = self.rope_mask(b, t, segments)?;
         let mut x = self.embed(input_ids)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = match &self.checkpointing {
-                Some(c) if i % c.every == 0 => c.forward(layer, &x, &rope)?,
-                _ => layer.forward(&x, &rope)?,
-            };
+        match &self.checkpointing {
+            Some(c) => x = c.forward_layers(&self.layers, x, &rope)?,
+            None => {
+                for layer in &self.layers {
+                    x = layer.forward(&x, &rope)?;
+                }
+            }
         }
         ops::rms_norm(&x, &enter(self.norm.tensor()), self.config.rms_norm_eps)
     }

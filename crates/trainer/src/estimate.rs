@@ -147,6 +147,31 @@ pub fn layer_activation_bytes(
     t: usize,
     fused: bool,
 ) -> u64 {
+    let halves = layer_halves(m, cfg, fused);
+    halves.attention_bytes(b, t) + (b * t * halves.mlp_per_token) as u64
+}
+
+/// A decoder layer's graph in its two residual halves (`DecoderLayer::attention_half` and
+/// `mlp_half`), which activation checkpointing rebuilds separately (the MLP half in token
+/// tiles).
+struct LayerHalves {
+    /// Bytes per token of x + attn(norm(x)).
+    attention_per_token: usize,
+    /// Bytes per score (B x H x T x T) eager attention keeps; 0 for chunked.
+    per_score: usize,
+    heads: usize,
+    /// Bytes per token of x + mlp(norm(x)).
+    mlp_per_token: usize,
+}
+
+impl LayerHalves {
+    /// The attention half's graph for (b, t) tokens.
+    fn attention_bytes(&self, b: usize, t: usize) -> u64 {
+        (b * t * self.attention_per_token + b * self.heads * t * t * self.per_score) as u64
+    }
+}
+
+fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> LayerHalves {
     let s = dtype_bytes(cfg.model.dtype);
     let cast = |n: usize| if s == 4 { 0 } else { n }; // to_dtype is free when it is a no-op
     let (c, d) = (m.hidden_size, m.head_dim);
@@ -182,36 +207,48 @@ pub fn layer_activation_bytes(
         cast_once + ls.iter().map(|l| linear(l, shared)).sum::<usize>()
     };
     let [lq, lk, lv, lo, lg, lu, ld] = m.layer_linears();
-    let mut per_token = 0;
-    per_token += s * c; // input_layernorm output
-    per_token += group(&[&lq, &lk, &lv]);
+    let mut attn = 0;
+    attn += s * c; // input_layernorm output
+    attn += group(&[&lq, &lk, &lv]);
     if m.qk_norm {
-        per_token += s * (q + kvd); // q_norm, k_norm outputs
+        attn += s * (q + kvd); // q_norm, k_norm outputs
     }
-    per_token += s * (q + 2 * kvd); // transposed q, k, v (fused: the rotary op's outputs, v)
+    attn += s * (q + 2 * kvd); // transposed q, k, v (fused: the rotary op's outputs, v)
     if !fused {
-        per_token += s * (q + kvd); // rotary embedding of q (scaled by 1/sqrt(D)), k
+        attn += s * (q + kvd); // rotary embedding of q (scaled by 1/sqrt(D)), k
     }
     // (grouped-query heads share their kv head in the matmuls: no repeat_kv copies)
-    per_token += s * q; // probs · v
-    per_token += s * q; // transpose back, contiguous
-    per_token += linear(&lo, false);
-    per_token += s * c; // residual add
-    per_token += s * c; // post_attention_layernorm output
-                        // gate, up; silu and silu(gate) * up (fused: one SwiGLU output)
-    per_token += group(&[&lg, &lu]) + if fused { 1 } else { 2 } * s * m.intermediate_size;
-    per_token += linear(&ld, false);
-    per_token += s * c; // residual add
-    if cfg.model.attention == Attention::Chunked {
+    attn += s * q; // probs · v
+    attn += s * q; // transpose back, contiguous
+    attn += linear(&lo, false);
+    attn += s * c; // residual add
+    let mut mlp = 0;
+    mlp += s * c; // post_attention_layernorm output
+                  // gate, up; silu and silu(gate) * up (fused: one SwiGLU output)
+    mlp += group(&[&lg, &lu]) + if fused { 1 } else { 2 } * s * m.intermediate_size;
+    mlp += linear(&ld, false);
+    mlp += s * c; // residual add
+    let per_score = if cfg.model.attention == Attention::Chunked {
         // Chunked attention (`tallow_model::chunked`) keeps its output (counted above as
         // probs · v) and one f32 log-sum-exp per head and token: nothing T x T.
-        return (b * t * (per_token + 4 * h)) as u64;
+        attn += 4 * h;
+        0
+    } else {
+        // Eager attention scores (B, H, T, T): q·kᵀ (q carries the 1/sqrt(D) scale), softmax
+        // probabilities in f32, cast back (fused: the causal attention op keeps only the f32
+        // probabilities).
+        if fused {
+            4
+        } else {
+            s + 4 + cast(s)
+        }
+    };
+    LayerHalves {
+        attention_per_token: attn,
+        per_score,
+        heads: h,
+        mlp_per_token: mlp,
     }
-    // Eager attention scores (B, H, T, T): q·kᵀ (q carries the 1/sqrt(D) scale), softmax
-    // probabilities in f32, cast back (fused: the causal attention op keeps only the f32
-    // probabilities).
-    let per_score = if fused { 4 } else { s + 4 + cast(s) };
-    (b * t * per_token + b * h * t * t * per_score) as u64
 }
 
 /// One layer's attention transients beyond what the graph keeps, forward and backward.
@@ -553,13 +590,30 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let kept_layers = (layers - checkpointed) as u64;
     // Outside the layers: embedding output, final norm, the target rows for the LM head.
     let outside = 3 * s * tokens * c as u64;
+    // One (tokens, C) tensor: what a checkpointed layer keeps.
+    let hidden = s * tokens * c as u64;
+    // Offloaded checkpoint inputs live in host memory (on the CPU the host copy is the
+    // tensor: no saving there).
+    let offloaded = checkpointed > 0 && cfg.train.offload_checkpoints && device != "cpu";
+    let kept_inputs = if offloaded {
+        0
+    } else {
+        checkpointed as u64 * hidden
+    };
     let activations = (
-        kept_layers * per_layer + checkpointed as u64 * s * tokens * c as u64 + outside,
-        if checkpointed > 0 {
+        kept_layers * per_layer + kept_inputs + outside,
+        if offloaded {
+            format!(
+                "{checkpointed} checkpointed layers keep their input in host memory ({} in \
+                 all), {kept_layers} keep {} each; {b} x {t} tokens",
+                mib(checkpointed as u64 * hidden),
+                mib(per_layer)
+            )
+        } else if checkpointed > 0 {
             format!(
                 "{checkpointed} checkpointed layers keep their input ({} each), {kept_layers} \
                  keep {} each; {b} x {t} tokens",
-                mib(s * tokens * c as u64),
+                mib(hidden),
                 mib(per_layer)
             )
         } else {
@@ -601,7 +655,22 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let attn_bwd =
         scores_bwd + tokens * 4 * 4 * c as u64 + tokens * ffn_grad * m.intermediate_size as u64;
     let lm_bwd = ce + 8 * tokens * c as u64;
-    let rebuilt = if checkpointed > 0 { per_layer } else { 0 };
+    // A checkpointed layer (`tallow_model::checkpointing`) is rebuilt in two halves: the
+    // attention half with its graph, then the MLP half tile by tile (tiles of C tokens), each
+    // tile's graph and gradients gone before the next, then the attention half's backward.
+    // Alive throughout: the attention half's graph, dy and d(mid) (plus, offloaded, the input
+    // back from the host and its copy as a variable).
+    let halves = layer_halves(m, cfg, fused);
+    let attention_graph = halves.attention_bytes(b, t);
+    let tile = tokens.min(c as u64);
+    let mlp_tile = tile * (halves.mlp_per_token as u64 + ffn_grad * m.intermediate_size as u64);
+    let back_from_host = if offloaded { hidden } else { 0 };
+    let rebuilt_backward = attention_graph
+        + back_from_host
+        + (2 * hidden + mlp_tile).max(hidden + scores_bwd + tokens * 4 * 4 * c as u64);
+    // The checkpointed forward runs without a graph: at most the attention half's tensors,
+    // then the MLP tiles' and their outputs.
+    let rebuilt_forward = attention_graph.max(2 * hidden + tile * halves.mlp_per_token as u64);
     // NF4: a weight is dequantized for its matmul, forward and backward, by one op that
     // allocates only its output in the compute dtype (`quant::nf4`); a bf16 / f16 matmul on
     // the CPU then reads it as an f32 copy.
@@ -620,7 +689,13 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // each layer's store is freed once added).
     let end_of_backward = var_bytes * tp + acc_before;
     // The LM head's backward comes first, before any layer is rebuilt.
-    let in_flight = lm_bwd.max(rebuilt + attn_bwd + dequantized);
+    let layer_bwd = if checkpointed > 0 {
+        // (a layer kept whole goes back through its own graph, already counted)
+        rebuilt_backward.max(attn_bwd)
+    } else {
+        attn_bwd
+    };
+    let in_flight = lm_bwd.max(layer_bwd + dequantized);
     let layer_grads = if checkpointed > 0 {
         var_bytes * tp / layers.max(1) as u64
     } else {
@@ -637,7 +712,8 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     } else {
         0
     };
-    let workspace_forward = (rebuilt + dequantized + scores_fwd).max(loss_forward);
+    let rebuilt_forward = if checkpointed > 0 { rebuilt_forward } else { 0 };
+    let workspace_forward = (rebuilt_forward + dequantized + scores_fwd).max(loss_forward);
     // Optimizer: f32 copies of the largest parameter, its gradient and moments while updating.
     // (adamw8bit also dequantizes both moments to f32 and requantizes them.)
     let temporaries = match cfg.train.optimizer {
@@ -1017,6 +1093,41 @@ mod tests {
     }
 
     /// The longest length fits and 64 more tokens do not (or it is the model's limit).
+    /// Offloaded checkpoint inputs leave the device's activations on CUDA (all but the one
+    /// brought back for its layer's backward) and change nothing on the CPU; the MLP tiles
+    /// make a checkpointed run's rebuilt layer grow slower than the whole layer's graph.
+    #[test]
+    fn offload_frees_the_checkpointed_inputs_on_cuda_only() {
+        let m = model();
+        let base = [
+            "data.max_seq_len=4096",
+            "train.checkpointing=true",
+            "model.dtype=bf16",
+        ];
+        let with = [&base[..], &["train.offload_checkpoints=true"]].concat();
+        let hidden = 2 * 4096 * m.hidden_size as u64; // bf16 (B x T x C)
+        let layers = m.num_hidden_layers as u64;
+        let act = |e: &Estimate| {
+            e.components
+                .iter()
+                .find(|c| c.name == "activations")
+                .unwrap()
+                .bytes
+        };
+        let (off, on) = (
+            estimate(&m, &cfg(&base), "cuda"),
+            estimate(&m, &cfg(&with), "cuda"),
+        );
+        assert_eq!(act(&off) - act(&on), layers * hidden);
+        assert!(on.total_bytes < off.total_bytes);
+        assert!(off.total_bytes - on.total_bytes <= layers * hidden);
+        let (off, on) = (
+            estimate(&m, &cfg(&base), "cpu"),
+            estimate(&m, &cfg(&with), "cpu"),
+        );
+        assert_eq!(off.total_bytes, on.total_bytes);
+    }
+
     #[test]
     fn longest_seq_len_is_the_edge_of_the_budget() {
         let m = model();

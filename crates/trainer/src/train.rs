@@ -183,6 +183,7 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
     model.attention = cfg.model.attention.into();
     if cfg.train.checkpointing {
         model.set_checkpointing(Some(cfg.train.checkpoint_every));
+        model.set_offload_checkpoints(cfg.train.offload_checkpoints);
     }
     let (params, lora) = if full {
         let params = model

@@ -65,11 +65,15 @@ impl Lora {
     }
 
     /// The dropout op of the current micro-batch while training with p > 0; None otherwise.
+    /// Inside a token tile ([`crate::dropout::at_row`]) it draws that tile's rows of the
+    /// batch's masks.
     pub(crate) fn active_dropout(&self) -> Option<DropoutOp> {
+        let skip = crate::dropout::first_row() * self.a.dim(1).unwrap_or(0);
         self.dropout
             .as_ref()
             .and_then(|d| d.seed())
             .and_then(|s| self.dropout_op(s))
+            .map(|op| op.skip(skip))
     }
 
     fn dropout_op(&self, micro_seed: u64) -> Option<DropoutOp> {

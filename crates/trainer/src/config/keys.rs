@@ -104,6 +104,7 @@ pub(super) const SECTIONS: [(&str, &[(&str, Kind)]); 4] = [
             ("save_every", Kind::Uint),
             ("checkpointing", Kind::Bool),
             ("checkpoint_every", Kind::Uint),
+            ("offload_checkpoints", Kind::Bool),
             ("tf32", Kind::Bool),
             ("threads", Kind::Uint),
         ],

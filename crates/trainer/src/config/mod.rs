@@ -180,6 +180,11 @@ pub struct TrainSection {
     pub checkpointing: bool,
     /// With `checkpointing`: checkpoint every n-th decoder layer (default 1 = all).
     pub checkpoint_every: usize,
+    /// With `checkpointing`: keep the checkpointed layers' inputs in host memory between the
+    /// forward and the backward (default false). On CUDA it frees them from GPU memory (one
+    /// device-to-host copy per layer in the forward, one back in the backward); on the CPU it
+    /// is accepted and has no effect (the same code runs; the host copy is the tensor itself).
+    pub offload_checkpoints: bool,
     /// TF32 tensor cores for f32 matmuls on CUDA (default true): an f32 model's matmuls and
     /// the f32 LoRA A/B products (10-bit mantissa inputs, f32 accumulation, as PyTorch's
     /// `allow_tf32`). bf16 / f16 matmuls are unaffected; no effect on the CPU.

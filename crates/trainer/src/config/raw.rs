@@ -111,6 +111,7 @@ impl Default for TrainSection {
             save_every: 0,
             checkpointing: false,
             checkpoint_every: 1,
+            offload_checkpoints: false,
             tf32: true,
             threads: 0,
         }

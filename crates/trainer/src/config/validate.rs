@@ -166,6 +166,13 @@ fn validate_train_length(t: &TrainSection) -> Checked {
             "must be at least 1, found 0 (1 = checkpoint every decoder layer)",
         );
     }
+    if t.offload_checkpoints && !t.checkpointing {
+        return bad(
+            "train.offload_checkpoints",
+            "offloads the inputs activation checkpointing keeps: set train.checkpointing = true \
+             too, or drop it",
+        );
+    }
     if t.grad_accum < 1 {
         return bad(
             "train.grad_accum",
@@ -316,7 +323,7 @@ mod tests {
     }
 
     /// `--set` values that fail validation, and a part of the message each gives.
-    const CASES: [(&str, &str); 26] = [
+    const CASES: [(&str, &str); 27] = [
         ("lora.rank=0", "`lora.rank` must be at least 1"),
         ("lora.alpha=0", "`lora.alpha` must be > 0"),
         ("lora.dropout=1.0", "`lora.dropout` must be in [0, 1)"),
@@ -335,6 +342,10 @@ mod tests {
         (
             "train.grad_accum=0",
             "`train.grad_accum` must be at least 1",
+        ),
+        (
+            "train.offload_checkpoints=true",
+            "set train.checkpointing = true",
         ),
         (
             "data.max_seq_len=1",
