@@ -242,7 +242,7 @@ const CASES: &[Case] = &[
     },
     Case {
         name: "checkpointed layer gradients",
-        on_cpu: "checkpointing on against off",
+        on_cpu: "checkpointing (offloaded, MLP in 5-token tiles) on against off",
         f32_tol: 1e-4,
         generic_on_cpu: true,
         reference_f64: false,
@@ -657,7 +657,7 @@ fn checkpointed(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
     let spec = tallow_model::LoraSpec {
         rank: 4,
         alpha: 8.0,
-        dropout: 0.0,
+        dropout: 0.1,
         targets: tallow_model::peft::LINEAR_MODULES
             .iter()
             .map(|s| s.to_string())
@@ -666,6 +666,7 @@ fn checkpointed(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
         dora: false,
     };
     tallow_model::attach_lora(&mut model, &spec, 1).map_err(to_candle)?;
+    tallow_model::set_dropout(&model, Some(7));
     // B = 0 at init would make A's gradient zero: give B values.
     let vars = tallow_model::lora_vars(&model);
     let r = &mut rng(19);
@@ -674,9 +675,14 @@ fn checkpointed(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
             v.set(&(input(r, v.dims(), dev, DType::F32)? * 0.1)?)?;
         }
     }
-    // The subject on the CPU uses checkpointing too (`generic`), the reference does not.
+    // The subject on the CPU uses checkpointing too (`generic`), the reference does not. The
+    // subject offloads the layers' inputs (device -> host -> device on a GPU) and runs the MLP
+    // half in 5-token tiles (24 tokens: 5 tiles, the last partial; with dropout on, each tile
+    // must draw its rows of the untiled masks).
     if !dev.is_cpu() || generic {
         model.set_checkpointing(Some(1));
+        model.set_offload_checkpoints(true);
+        model.set_checkpoint_tile_rows(Some(5));
     }
     let ids: Vec<Vec<u32>> = (0..2)
         .map(|_| (0..12).map(|_| r.random_range(0..64u32)).collect())
