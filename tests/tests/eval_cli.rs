@@ -63,6 +63,7 @@ fn batch_size_and_padding_do_not_change_eval() {
                 format: Format::Auto,
                 max_seq_len: 32,
                 add_eos: true,
+                ..Default::default()
             };
             examples.extend(
                 load_jsonl(&data_file(format), &tok, &opts)
@@ -246,6 +247,7 @@ fn parquet_rows_equal_jsonl_rows() {
         format: Format::Auto,
         max_seq_len: 32,
         add_eos: true,
+        ..Default::default()
     };
     for format in FORMATS {
         let jsonl = data_file(format);
@@ -287,5 +289,108 @@ fn parquet_rows_equal_jsonl_rows() {
     assert!(
         e.contains("cannot read parquet file") && e.contains("x.parquet"),
         "{e}"
+    );
+}
+
+/// Alpaca and ShareGPT rows, auto-detected, evaluate exactly as the rows they map to: ShareGPT
+/// (human / gpt / system) as the messages fixture, Alpaca as prompt_completion rows whose prompt
+/// is Stanford Alpaca's template (with and without an input). And a bad ShareGPT role is named
+/// with its file, line and turn.
+#[test]
+fn alpaca_and_sharegpt_rows_evaluate_as_the_rows_they_map_to() {
+    let dir = model_dir("tiny-qwen3");
+    let work = scratch("alpaca-sharegpt");
+    let eval = |path: &std::path::Path, format: &str| {
+        let d = dir.display().to_string();
+        let p = path.display().to_string();
+        eval_loss(&[
+            "eval", "--model", &d, "--data", &p, "--format", format, "--json",
+        ])
+    };
+    // ShareGPT: the messages fixture with ShareGPT's names.
+    let messages = std::fs::read_to_string(data_file("messages")).unwrap();
+    let mut share = String::new();
+    for line in messages.lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let turns: Vec<serde_json::Value> = v["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                let from = match m["role"].as_str().unwrap() {
+                    "user" => "human",
+                    "assistant" => "gpt",
+                    other => other,
+                };
+                serde_json::json!({"from": from, "value": m["content"]})
+            })
+            .collect();
+        share += &format!("{}\n", serde_json::json!({ "conversations": turns }));
+    }
+    let share_path = work.join("sharegpt.jsonl");
+    std::fs::write(&share_path, share).unwrap();
+    let want = eval(&data_file("messages"), "messages");
+    assert_eq!(eval(&share_path, "auto"), want, "sharegpt (auto)");
+    assert_eq!(eval(&share_path, "sharegpt"), want, "sharegpt");
+
+    // Alpaca: the same rows as prompt_completion with the template written out.
+    let rows = [
+        ("Name a colour.", "", "Blue."),
+        ("Add the numbers.", "2 and 3", "5"),
+        ("Translate to French.", "Good morning", "Bonjour"),
+    ];
+    let (mut alpaca, mut pc) = (String::new(), String::new());
+    for (instruction, input, output) in rows {
+        alpaca += &format!(
+            "{}\n",
+            serde_json::json!({"instruction": instruction, "input": input, "output": output})
+        );
+        let prompt = if input.is_empty() {
+            format!(
+                "Below is an instruction that describes a task. Write a response that \
+                 appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n\
+                 ### Response:\n"
+            )
+        } else {
+            format!(
+                "Below is an instruction that describes a task, paired with an input that \
+                 provides further context. Write a response that appropriately completes the \
+                 request.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n\
+                 ### Response:\n"
+            )
+        };
+        pc += &format!(
+            "{}\n",
+            serde_json::json!({"prompt": prompt, "completion": output})
+        );
+    }
+    let (alpaca_path, pc_path) = (work.join("alpaca.jsonl"), work.join("pc.jsonl"));
+    std::fs::write(&alpaca_path, alpaca).unwrap();
+    std::fs::write(&pc_path, pc).unwrap();
+    let want = eval(&pc_path, "prompt_completion");
+    assert_eq!(eval(&alpaca_path, "auto"), want, "alpaca (auto)");
+    assert_eq!(eval(&alpaca_path, "alpaca"), want, "alpaca");
+
+    // A turn from a role tallow does not read: file, line, turn and value named.
+    let bad = work.join("bad.jsonl");
+    std::fs::write(
+        &bad,
+        "{\"conversations\": [{\"from\": \"human\", \"value\": \"hi\"}]}\n\
+         {\"conversations\": [{\"from\": \"function_call\", \"value\": \"{}\"}]}\n",
+    )
+    .unwrap();
+    let r = tallow(&[
+        "eval",
+        "--model",
+        &dir.display().to_string(),
+        "--data",
+        &bad.display().to_string(),
+    ]);
+    assert_ne!(r.code, 0);
+    assert!(
+        r.stderr.contains("bad.jsonl:2:")
+            && r.stderr.contains("conversations[0].from is `function_call`"),
+        "{}",
+        r.stderr
     );
 }

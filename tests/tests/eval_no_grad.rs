@@ -36,6 +36,7 @@ fn evaluation_records_no_graph_and_needs_less_memory_than_a_training_forward() {
         format: Format::Auto,
         max_seq_len: 64,
         add_eos: true,
+        ..Default::default()
     };
     let data = load_jsonl(&quickstart().join("train.jsonl"), &tok, &opts).unwrap();
     let examples: Vec<Example> = data.examples.into_iter().take(32).collect();

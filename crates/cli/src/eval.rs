@@ -29,6 +29,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
         format,
         max_seq_len: a.max_seq_len,
         add_eos: !a.no_eos,
+        ..DataOptions::default()
     };
     let data = load_jsonl(&data_path, &tok, &opts)?;
     if data.examples.is_empty() {

@@ -29,11 +29,18 @@ crate::config::choice::choices! {
         PromptCompletion = "prompt_completion",
         /// `{"messages": [...]}`: rendered with the chat template; only assistant turns are trained.
         Messages = "messages",
+        /// `{"instruction", "input", "output"}` (Stanford Alpaca): the instruction and input
+        /// through [`AlpacaPrompt`] are the prompt, the output the trained completion.
+        Alpaca = "alpaca",
+        /// `{"conversations": [{"from": "human" | "gpt" | "system", "value"}, ...]}`: the
+        /// messages format under ShareGPT's names.
+        Sharegpt = "sharegpt",
     }
 }
 
 impl Format {
-    /// The format a row's keys call for: `text`, then `prompt` + `completion`, then `messages`.
+    /// The format a row's keys call for: `text`, then `prompt` + `completion`, then
+    /// `messages`, then `instruction` + `output` (Alpaca), then `conversations` (ShareGPT).
     fn detect(row: &serde_json::Map<String, Json>) -> Option<Format> {
         if row.contains_key("text") {
             Some(Format::Text)
@@ -41,6 +48,10 @@ impl Format {
             Some(Format::PromptCompletion)
         } else if row.contains_key("messages") {
             Some(Format::Messages)
+        } else if row.contains_key("instruction") && row.contains_key("output") {
+            Some(Format::Alpaca)
+        } else if row.contains_key("conversations") {
+            Some(Format::Sharegpt)
         } else {
             None
         }
@@ -67,9 +78,13 @@ pub struct DataOptions {
     pub format: Format,
     /// Rows are cut to this many tokens; a row left with no target is skipped.
     pub max_seq_len: usize,
-    /// Append the EOS id to text and prompt_completion rows (not doubled when the tokenizer
-    /// already adds it). Messages rows take their end-of-turn tokens from the chat template.
+    /// Append the EOS id to text, prompt_completion and alpaca rows (not doubled when the
+    /// tokenizer already adds it). Messages rows take their end-of-turn tokens from the chat
+    /// template.
     pub add_eos: bool,
+    /// The prompt of an Alpaca row.
+    #[serde(default)]
+    pub alpaca: AlpacaPrompt,
 }
 
 impl Default for DataOptions {
@@ -78,6 +93,49 @@ impl Default for DataOptions {
             format: Format::Auto,
             max_seq_len: DEFAULT_MAX_SEQ_LEN,
             add_eos: true,
+            alpaca: AlpacaPrompt::default(),
+        }
+    }
+}
+
+/// Stanford Alpaca's prompt for a row with an input (`data.alpaca_prompt`).
+pub const ALPACA_PROMPT: &str = "Below is an instruction that describes a task, paired with an \
+input that provides further context. Write a response that appropriately completes the \
+request.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n";
+
+/// Stanford Alpaca's prompt for a row whose input is absent or empty
+/// (`data.alpaca_prompt_no_input`).
+pub const ALPACA_PROMPT_NO_INPUT: &str = "Below is an instruction that describes a task. Write a \
+response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n\
+### Response:\n";
+
+/// How an Alpaca row's `instruction` and `input` become the prompt: `{instruction}` and
+/// `{input}` replaced in `with_input`, or `{instruction}` in `without_input` when the input is
+/// absent or empty (Stanford Alpaca's templates by default, as Axolotl's `alpaca` type).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AlpacaPrompt {
+    pub with_input: String,
+    pub without_input: String,
+}
+
+impl Default for AlpacaPrompt {
+    fn default() -> Self {
+        Self {
+            with_input: ALPACA_PROMPT.into(),
+            without_input: ALPACA_PROMPT_NO_INPUT.into(),
+        }
+    }
+}
+
+impl AlpacaPrompt {
+    /// The prompt of one row.
+    pub fn render(&self, instruction: &str, input: &str) -> String {
+        if input.is_empty() {
+            self.without_input.replace("{instruction}", instruction)
+        } else {
+            self.with_input
+                .replace("{instruction}", instruction)
+                .replace("{input}", input)
         }
     }
 }
@@ -293,8 +351,12 @@ fn check_supported(
     opts: &DataOptions,
 ) -> Result<(), RowError> {
     match format {
-        Format::Messages if tok.chat_template().is_none() => Err(RowError::NoChatTemplate),
-        Format::Text | Format::PromptCompletion if opts.add_eos && tok.eos_id().is_none() => {
+        Format::Messages | Format::Sharegpt if tok.chat_template().is_none() => {
+            Err(RowError::NoChatTemplate)
+        }
+        Format::Text | Format::PromptCompletion | Format::Alpaca
+            if opts.add_eos && tok.eos_id().is_none() =>
+        {
             Err(RowError::NoEos)
         }
         _ => Ok(()),
@@ -325,15 +387,19 @@ pub fn tokenize_row(
         Format::PromptCompletion => {
             let prompt = string_key(row, "prompt", format)?;
             let completion = string_key(row, "completion", format)?;
-            // Encode the joined string (not prompt ids + completion ids) so the boundary token
-            // merges as it would at inference; the prompt's own length marks where targets start.
-            let mut ids = tok.encode(&format!("{prompt}{completion}"), true)?;
-            push_eos(&mut ids, tok, opts)?;
-            let start = tok.encode(prompt, true)?.len().max(1);
-            let targets = (0..ids.len()).map(|i| i >= start).collect();
-            (ids, targets)
+            prompt_completion(prompt, completion, tok, opts)?
         }
-        Format::Messages => messages_example(row, tok)?,
+        Format::Alpaca => {
+            let instruction = string_key(row, "instruction", format)?;
+            let input = match row.get("input") {
+                None | Some(Json::Null) => "",
+                Some(_) => string_key(row, "input", format)?,
+            };
+            let output = string_key(row, "output", format)?;
+            prompt_completion(&opts.alpaca.render(instruction, input), output, tok, opts)?
+        }
+        Format::Messages => messages_example(parse_messages(row)?, tok)?,
+        Format::Sharegpt => messages_example(parse_sharegpt(row)?, tok)?,
         Format::Auto => unreachable!("resolved above"),
     };
 
@@ -346,16 +412,31 @@ pub fn tokenize_row(
     Ok((example.n_targets() > 0).then_some(example))
 }
 
+/// A prompt and its completion: the joined string tokenized once (not prompt ids + completion
+/// ids, so the boundary token merges as it would at inference), EOS appended, the prompt's own
+/// token count marking where targets start.
+fn prompt_completion(
+    prompt: &str,
+    completion: &str,
+    tok: &TextTokenizer,
+    opts: &DataOptions,
+) -> Result<(Vec<u32>, Vec<bool>), RowError> {
+    let mut ids = tok.encode(&format!("{prompt}{completion}"), true)?;
+    push_eos(&mut ids, tok, opts)?;
+    let start = tok.encode(prompt, true)?.len().max(1);
+    let targets = (0..ids.len()).map(|i| i >= start).collect();
+    Ok((ids, targets))
+}
+
 /// Messages row: the rendered conversation, with each assistant turn's tokens as targets.
 ///
 /// Turn `i`'s span is `[a, b)` with `a` = token count of `render(messages[..i], gen_prompt=true)`
 /// (the context plus the assistant header) and `b` = token count of `render(messages[..=i])`, so the
 /// header is not trained and whatever the template puts after the content (e.g. `<|im_end|>`) is.
 fn messages_example(
-    row: &serde_json::Map<String, Json>,
+    messages: Vec<Message>,
     tok: &TextTokenizer,
 ) -> Result<(Vec<u32>, Vec<bool>), RowError> {
-    let messages = parse_messages(row)?;
     let template = tok.chat_template().ok_or(RowError::NoChatTemplate)?;
     let n_tokens = |msgs: &[Message], gen: bool| -> Result<usize, RowError> {
         Ok(tok.encode(&template.render(msgs, gen)?, false)?.len())
@@ -422,6 +503,58 @@ fn parse_messages(row: &serde_json::Map<String, Json>) -> Result<Vec<Message>, R
         .collect()
 }
 
+/// `row["conversations"]` (ShareGPT) as messages: `from` "human" (or "user") is the user,
+/// "gpt" (or "assistant") the assistant, "system" the system; `value` the content. Any other
+/// `from` (tool calls, observations) is refused by name.
+fn parse_sharegpt(row: &serde_json::Map<String, Json>) -> Result<Vec<Message>, RowError> {
+    let list = match row.get("conversations") {
+        None => {
+            return Err(RowError::MissingKey {
+                key: "conversations",
+                format: "sharegpt",
+            })
+        }
+        Some(Json::Array(list)) => list,
+        Some(other) => {
+            return Err(RowError::WrongType {
+                key: "conversations".into(),
+                expected: "a list of {\"from\": str, \"value\": str}",
+                found: json_type(other),
+            })
+        }
+    };
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let field = |name: &str| -> Result<&str, RowError> {
+                match m.get(name) {
+                    Some(Json::String(s)) => Ok(s),
+                    other => Err(RowError::WrongType {
+                        key: format!("conversations[{i}].{name}"),
+                        expected: "a string",
+                        found: other.map_or("nothing (key missing)", json_type),
+                    }),
+                }
+            };
+            let role = match field("from")? {
+                "human" | "user" => "user",
+                "gpt" | "assistant" => "assistant",
+                "system" => "system",
+                other => {
+                    return Err(RowError::ShareGptRole {
+                        at: format!("conversations[{i}].from"),
+                        found: other.to_string(),
+                    })
+                }
+            };
+            Ok(Message {
+                role: role.into(),
+                content: field("value")?.to_string(),
+            })
+        })
+        .collect()
+}
+
 /// `row[key]` as a string; missing or non-string is a row error.
 fn string_key<'a>(
     row: &'a serde_json::Map<String, Json>,
@@ -470,7 +603,7 @@ mod tests {
         DataOptions {
             format,
             max_seq_len,
-            add_eos: true,
+            ..DataOptions::default()
         }
     }
 
@@ -500,6 +633,8 @@ mod tests {
             Format::Text,
             Format::PromptCompletion,
             Format::Messages,
+            Format::Alpaca,
+            Format::Sharegpt,
         ] {
             assert_eq!(f.to_string().parse::<Format>().unwrap(), f);
         }
@@ -522,6 +657,14 @@ mod tests {
             (
                 r#"{"messages": [{"role": "user", "content": "a"}]}"#,
                 Format::Messages,
+            ),
+            (
+                r#"{"instruction": "a", "input": "", "output": "b"}"#,
+                Format::Alpaca,
+            ),
+            (
+                r#"{"conversations": [{"from": "human", "value": "a"}]}"#,
+                Format::Sharegpt,
             ),
         ] {
             let path = jsonl("data-detect", &["", line]);
@@ -697,6 +840,110 @@ mod tests {
             ..opts(Format::Auto, 8)
         };
         assert_eq!(load_jsonl(&path, &tok, &no_eos).unwrap().examples.len(), 1);
+    }
+
+    /// An Alpaca row is the prompt_completion row of its rendered prompt: Stanford's template
+    /// with the input, the no-input one when the input is empty or absent, or the config's.
+    #[test]
+    fn alpaca_rows_are_prompt_completion_through_the_template() {
+        let tok = tok("data-alpaca");
+        let o = opts(Format::Auto, 256);
+        let row = |v: serde_json::Value| tokenize_row(&v, Format::Auto, &tok, &o).unwrap();
+        let pc = |prompt: String| {
+            row(serde_json::json!({"prompt": prompt, "completion": "world"}))
+        };
+        let with_input = ALPACA_PROMPT
+            .replace("{instruction}", "hello")
+            .replace("{input}", "a b");
+        assert!(with_input.contains("### Input:\na b\n\n### Response:\n"));
+        assert_eq!(
+            row(serde_json::json!({"instruction": "hello", "input": "a b", "output": "world"})),
+            pc(with_input)
+        );
+        let without = ALPACA_PROMPT_NO_INPUT.replace("{instruction}", "hello");
+        for input in [serde_json::json!(""), serde_json::Value::Null] {
+            assert_eq!(
+                row(serde_json::json!({"instruction": "hello", "input": input, "output": "world"})),
+                pc(without.clone())
+            );
+        }
+        assert_eq!(
+            row(serde_json::json!({"instruction": "hello", "output": "world"})),
+            pc(without)
+        );
+        let own = DataOptions {
+            alpaca: AlpacaPrompt {
+                with_input: "{instruction} | {input} ->".into(),
+                without_input: "{instruction} ->".into(),
+            },
+            ..o.clone()
+        };
+        let v = serde_json::json!({"instruction": "hello", "input": "a b", "output": "world"});
+        assert_eq!(
+            tokenize_row(&v, Format::Alpaca, &tok, &own).unwrap(),
+            pc("hello | a b ->".into())
+        );
+        // The output is what is trained.
+        let e = row(v).unwrap();
+        let n_out = tok.encode("world", false).unwrap().len();
+        assert_eq!(e.n_targets(), n_out + 1, "output tokens + EOS");
+        let err = tokenize_row(
+            &serde_json::json!({"instruction": "hello", "input": "a"}),
+            Format::Alpaca,
+            &tok,
+            &o,
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(err, "missing key `output` required by format alpaca");
+    }
+
+    /// A ShareGPT row is the messages row of its turns under the usual role names; another
+    /// `from` is refused by name.
+    #[test]
+    fn sharegpt_rows_are_messages_rows() {
+        let tok = tok("data-sharegpt");
+        let o = opts(Format::Auto, 256);
+        let share = serde_json::json!({"conversations": [
+            {"from": "system", "value": "be brief"},
+            {"from": "human", "value": "hello"},
+            {"from": "gpt", "value": "a b"},
+            {"from": "user", "value": "again"},
+            {"from": "assistant", "value": "world"},
+        ]});
+        let msgs = serde_json::json!({"messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "a b"},
+            {"role": "user", "content": "again"},
+            {"role": "assistant", "content": "world"},
+        ]});
+        let got = tokenize_row(&share, Format::Auto, &tok, &o).unwrap().unwrap();
+        assert_eq!(
+            Some(got.clone()),
+            tokenize_row(&msgs, Format::Auto, &tok, &o).unwrap()
+        );
+        assert!(got.n_targets() > 0);
+        let bad = serde_json::json!({"conversations": [
+            {"from": "human", "value": "hello"},
+            {"from": "observation", "value": "{}"},
+        ]});
+        let err = tokenize_row(&bad, Format::Sharegpt, &tok, &o)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("conversations[1].from is `observation`"),
+            "{err}"
+        );
+        let err = tokenize_row(
+            &serde_json::json!({"conversations": [{"from": "human"}]}),
+            Format::Sharegpt,
+            &tok,
+            &o,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("conversations[0].value"), "{err}");
     }
 
     #[test]

@@ -80,8 +80,11 @@ pub enum RowError {
     /// `format = auto` could not tell the format from the row's keys.
     #[error(
         "cannot detect the data format from keys [{keys}]; each row must be one of \
-         {{\"text\": str}}, {{\"prompt\": str, \"completion\": str}} or \
-         {{\"messages\": [{{\"role\": str, \"content\": str}}, ...]}} (or set the format explicitly)"
+         {{\"text\": str}}, {{\"prompt\": str, \"completion\": str}}, \
+         {{\"messages\": [{{\"role\": str, \"content\": str}}, ...]}}, \
+         {{\"instruction\": str, \"input\": str, \"output\": str}} (Alpaca) or \
+         {{\"conversations\": [{{\"from\": str, \"value\": str}}, ...]}} (ShareGPT) (or set the \
+         format explicitly)"
     )]
     UndetectedFormat {
         /// The row's keys, quoted and comma-separated.
@@ -102,6 +105,13 @@ pub enum RowError {
         expected: &'static str,
         found: &'static str,
     },
+
+    /// A ShareGPT turn whose `from` is not a role tallow reads.
+    #[error(
+        "{at} is `{found}`; tallow reads ShareGPT turns from \"human\" (or \"user\"), \"gpt\" \
+         (or \"assistant\") and \"system\" (tool calls and observations are not supported)"
+    )]
+    ShareGptRole { at: String, found: String },
 
     /// add_eos is on but the tokenizer knows no EOS token.
     #[error(

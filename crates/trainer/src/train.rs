@@ -27,7 +27,7 @@ use tallow_text::TextTokenizer;
 use crate::batch::{pack, Batch, Row};
 use crate::checkpoint::{self, CheckpointState, LoraState};
 use crate::config::{Method, Quantize, TrainConfig};
-use crate::data::{load_jsonl, DataOptions, Example};
+use crate::data::{load_jsonl, Example};
 use crate::error::TrainError;
 use crate::eval::evaluate;
 use crate::grads::{clip_grad_norm, GradAccumulator};
@@ -137,11 +137,7 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
         Some(p) => Some(tallow_hub::resolve_data(p).map_err(hub("data.eval"))?),
     };
     let tok = TextTokenizer::from_model_dir(model_dir)?;
-    let data_opts = DataOptions {
-        format: cfg.data.format,
-        max_seq_len: cfg.data.max_seq_len,
-        add_eos: cfg.data.add_eos,
-    };
+    let data_opts = cfg.data.options();
     let train_set = load_jsonl(&train_path, &tok, &data_opts)?;
     if train_set.examples.is_empty() {
         return Err(TrainError::Invalid(format!(

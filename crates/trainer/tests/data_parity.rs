@@ -33,6 +33,7 @@ fn options(reference: &Value, format: Format) -> DataOptions {
         format,
         max_seq_len: reference["max_seq_len"].as_u64().unwrap() as usize,
         add_eos: reference["add_eos"].as_bool().unwrap(),
+        ..Default::default()
     }
 }
 

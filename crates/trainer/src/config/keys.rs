@@ -78,6 +78,8 @@ pub(super) const SECTIONS: [(&str, &[(&str, Kind)]); 4] = [
             ("add_eos", Kind::Bool),
             ("shuffle", Kind::Bool),
             ("pack", Kind::Bool),
+            ("alpaca_prompt", Kind::Str),
+            ("alpaca_prompt_no_input", Kind::Str),
         ],
     ),
     (
@@ -290,14 +292,20 @@ mod tests {
         let expected: Vec<&str> = SECTIONS.iter().map(|(s, _)| *s).collect();
         assert_eq!(sections_written, expected);
         for (section, keys) in SECTIONS {
-            let written: Vec<&str> = text
-                .split(&format!("[{section}]\n"))
-                .nth(1)
-                .unwrap()
-                .lines()
-                .take_while(|l| !l.is_empty() && !l.starts_with('['))
-                .map(|l| l.split(" = ").next().unwrap())
-                .collect();
+            // Key lines, skipping the continuation lines of multi-line strings
+            // (`data.alpaca_prompt`).
+            let mut in_string = false;
+            let mut written: Vec<&str> = Vec::new();
+            let body = text.split(&format!("[{section}]\n")).nth(1).unwrap();
+            for l in body.lines() {
+                if !in_string {
+                    if l.is_empty() || l.starts_with('[') {
+                        break;
+                    }
+                    written.push(l.split(" = ").next().unwrap());
+                }
+                in_string ^= l.matches("\"\"\"").count() % 2 == 1;
+            }
             let listed: Vec<&str> = keys.iter().map(|(k, _)| *k).collect();
             assert_eq!(written, listed, "[{section}]");
             assert_eq!(table[section].as_table().unwrap().len(), keys.len());
@@ -324,7 +332,8 @@ mod tests {
         );
         assert_eq!(
             key_kind("data", "format").unwrap().expected(),
-            "one of \"auto\", \"text\", \"prompt_completion\", \"messages\""
+            "one of \"auto\", \"text\", \"prompt_completion\", \"messages\", \"alpaca\", \
+             \"sharegpt\""
         );
     }
 }

@@ -128,6 +128,9 @@ pub struct DataSection {
     pub shuffle: bool,
     /// Pack rows into `max_seq_len` sequences, attention kept inside each row (default false).
     pub pack: bool,
+    /// The prompt of Alpaca rows (`alpaca_prompt`, `alpaca_prompt_no_input`; Stanford
+    /// Alpaca's by default).
+    pub alpaca: crate::data::AlpacaPrompt,
 }
 
 /// `[train]`: the optimization. No key is required, so serde reads it directly (defaults in
@@ -224,6 +227,7 @@ impl DataSection {
             format: self.format,
             max_seq_len: self.max_seq_len,
             add_eos: self.add_eos,
+            alpaca: self.alpaca.clone(),
         }
     }
 }

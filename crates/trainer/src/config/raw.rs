@@ -71,6 +71,8 @@ pub(super) struct RawData {
     pub add_eos: bool,
     pub shuffle: bool,
     pub pack: bool,
+    pub alpaca_prompt: String,
+    pub alpaca_prompt_no_input: String,
 }
 
 impl Default for RawData {
@@ -83,6 +85,8 @@ impl Default for RawData {
             add_eos: true,
             shuffle: true,
             pack: false,
+            alpaca_prompt: crate::data::ALPACA_PROMPT.into(),
+            alpaca_prompt_no_input: crate::data::ALPACA_PROMPT_NO_INPUT.into(),
         }
     }
 }
@@ -194,6 +198,10 @@ impl RawConfig {
                 add_eos: d.add_eos,
                 shuffle: d.shuffle,
                 pack: d.pack,
+                alpaca: crate::data::AlpacaPrompt {
+                    with_input: d.alpaca_prompt,
+                    without_input: d.alpaca_prompt_no_input,
+                },
             },
             train: self.train,
         })
@@ -220,6 +228,8 @@ impl From<&TrainConfig> for RawConfig {
                 add_eos: c.data.add_eos,
                 shuffle: c.data.shuffle,
                 pack: c.data.pack,
+                alpaca_prompt: c.data.alpaca.with_input.clone(),
+                alpaca_prompt_no_input: c.data.alpaca.without_input.clone(),
             },
             train: c.train.clone(),
         }

@@ -90,7 +90,8 @@ fn defaults() {
         DataOptions {
             format: Format::Auto,
             max_seq_len: 1024,
-            add_eos: true
+            add_eos: true,
+            alpaca: crate::data::AlpacaPrompt::default(),
         }
     );
     assert_eq!(DEFAULT_MAX_SEQ_LEN, 1024, "the default `[data]` documents");

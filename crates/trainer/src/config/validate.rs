@@ -118,6 +118,22 @@ fn validate_data(d: &DataSection) -> Checked {
             ),
         );
     }
+    let placeholders = [
+        ("data.alpaca_prompt", &d.alpaca.with_input, &["{instruction}", "{input}"][..]),
+        ("data.alpaca_prompt_no_input", &d.alpaca.without_input, &["{instruction}"][..]),
+    ];
+    for (key, template, needed) in placeholders {
+        if let Some(missing) = needed.iter().find(|p| !template.contains(*p)) {
+            return bad(
+                key,
+                format!(
+                    "has no {missing}: the template must contain {} (where the row's value \
+                     goes)",
+                    needed.join(" and ")
+                ),
+            );
+        }
+    }
     Ok(())
 }
 
@@ -323,7 +339,7 @@ mod tests {
     }
 
     /// `--set` values that fail validation, and a part of the message each gives.
-    const CASES: [(&str, &str); 27] = [
+    const CASES: [(&str, &str); 29] = [
         ("lora.rank=0", "`lora.rank` must be at least 1"),
         ("lora.alpha=0", "`lora.alpha` must be > 0"),
         ("lora.dropout=1.0", "`lora.dropout` must be in [0, 1)"),
@@ -346,6 +362,14 @@ mod tests {
         (
             "train.offload_checkpoints=true",
             "set train.checkpointing = true",
+        ),
+        (
+            "data.alpaca_prompt=\"Q: {instruction}\"",
+            "`data.alpaca_prompt` has no {input}",
+        ),
+        (
+            "data.alpaca_prompt_no_input=\"Q:\"",
+            "`data.alpaca_prompt_no_input` has no {instruction}",
         ),
         (
             "data.max_seq_len=1",
