@@ -389,7 +389,8 @@ fn alpaca_and_sharegpt_rows_evaluate_as_the_rows_they_map_to() {
     assert_ne!(r.code, 0);
     assert!(
         r.stderr.contains("bad.jsonl:2:")
-            && r.stderr.contains("conversations[0].from is `function_call`"),
+            && r.stderr
+                .contains("conversations[0].from is `function_call`"),
         "{}",
         r.stderr
     );

@@ -833,3 +833,68 @@ fn alpaca_rows_train_as_prompt_completion_through_the_configured_template() {
         r.stderr
     );
 }
+
+/// `train.log = ["jsonl", "tensorboard"]` writes an event file under `output_dir/tensorboard/`
+/// whose records (CRCs checked) hold every logged step's loss, learning rate and grad norm and
+/// the eval losses, equal to metrics.jsonl's (as f32); an unknown sink is refused with the valid
+/// ones and a suggestion.
+#[test]
+fn tensorboard_log_holds_the_metrics_of_the_run() {
+    let dir = scratch("tensorboard");
+    let c = config(
+        &dir,
+        "tiny-llama",
+        "rank = 4",
+        "max_steps = 3\nlr = 1e-2\nmicro_batch_size = 2\neval_every = 2\nlog = [\"jsonl\", \"tensorboard\"]",
+    );
+    train_ok(&["train", "--config", c.to_str().unwrap(), "--quiet"]);
+    let tb = dir.join("run/tensorboard");
+    let files: Vec<_> = std::fs::read_dir(&tb).unwrap().flatten().collect();
+    assert_eq!(files.len(), 1, "one event file per process");
+    let name = files[0].file_name().to_string_lossy().to_string();
+    assert!(name.starts_with("events.out.tfevents."), "{name}");
+    let events =
+        tallow_trainer::tensorboard::read_events(&std::fs::read(files[0].path()).unwrap()).unwrap();
+    let scalar = |tag: &str, step: i64| -> f64 {
+        events
+            .iter()
+            .filter(|e| e.step == step)
+            .flat_map(|e| e.summary.iter().flat_map(|s| &s.value))
+            .find(|v| v.tag == tag)
+            .and_then(|v| v.simple_value)
+            .unwrap_or_else(|| panic!("no {tag} at step {step}")) as f64
+    };
+    let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
+    let (mut steps, mut evals) = (0, 0);
+    for line in metrics.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let step = v["step"].as_i64().unwrap();
+        let f32_of = |k: &str| v[k].as_f64().unwrap() as f32 as f64;
+        if v.get("loss").is_some() {
+            assert_eq!(scalar("train/loss", step), f32_of("loss"));
+            assert_eq!(scalar("train/learning_rate", step), f32_of("lr"));
+            assert_eq!(scalar("train/grad_norm", step), f32_of("grad_norm"));
+            steps += 1;
+        }
+        if v.get("eval_loss").is_some() {
+            assert_eq!(scalar("eval/loss", step), f32_of("eval_loss"));
+            evals += 1;
+        }
+    }
+    assert_eq!((steps, evals), (3, 3), "{metrics}");
+    let r = tallow(&[
+        "train",
+        "--config",
+        c.to_str().unwrap(),
+        "--set",
+        "train.log=[\"jsonl\", \"tensorbord\"]",
+    ]);
+    assert_ne!(r.code, 0);
+    assert!(
+        r.stderr.contains("train.log")
+            && r.stderr.contains("\"tensorboard\"")
+            && r.stderr.contains("did you mean"),
+        "{}",
+        r.stderr
+    );
+}

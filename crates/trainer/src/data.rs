@@ -849,9 +849,7 @@ mod tests {
         let tok = tok("data-alpaca");
         let o = opts(Format::Auto, 256);
         let row = |v: serde_json::Value| tokenize_row(&v, Format::Auto, &tok, &o).unwrap();
-        let pc = |prompt: String| {
-            row(serde_json::json!({"prompt": prompt, "completion": "world"}))
-        };
+        let pc = |prompt: String| row(serde_json::json!({"prompt": prompt, "completion": "world"}));
         let with_input = ALPACA_PROMPT
             .replace("{instruction}", "hello")
             .replace("{input}", "a b");
@@ -918,7 +916,9 @@ mod tests {
             {"role": "user", "content": "again"},
             {"role": "assistant", "content": "world"},
         ]});
-        let got = tokenize_row(&share, Format::Auto, &tok, &o).unwrap().unwrap();
+        let got = tokenize_row(&share, Format::Auto, &tok, &o)
+            .unwrap()
+            .unwrap();
         assert_eq!(
             Some(got.clone()),
             tokenize_row(&msgs, Format::Auto, &tok, &o).unwrap()

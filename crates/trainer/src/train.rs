@@ -37,6 +37,35 @@ use crate::opcount;
 use crate::optim::{self, Optimizer};
 use crate::schedule::lr_at;
 
+/// The TensorBoard scalars of a logged step, under HF Trainer's tags where it has one
+/// (`train/loss`, `train/learning_rate`, `train/grad_norm`); peaks in MiB.
+fn step_scalars(log: &StepLog) -> Vec<(&'static str, f64)> {
+    let mut v = vec![
+        ("train/loss", log.loss),
+        ("train/learning_rate", log.lr),
+        ("train/grad_norm", log.grad_norm),
+        ("train/tokens_per_s", log.tokens_per_s),
+    ];
+    let p = &log.peak_bytes;
+    for (tag, bytes) in [
+        ("memory/peak_forward_mib", p.forward),
+        ("memory/peak_backward_mib", p.backward),
+        ("memory/peak_optimizer_mib", p.optimizer),
+    ] {
+        if let Some(b) = bytes {
+            v.push((tag, b as f64 / (1u64 << 20) as f64));
+        }
+    }
+    v
+}
+
+fn tensorboard_error(path: &Path, e: std::io::Error) -> TrainError {
+    TrainError::Invalid(format!(
+        "{}: writing the TensorBoard event file: {e}",
+        path.display()
+    ))
+}
+
 /// One line of `metrics.jsonl` for an optimizer step.
 #[derive(Debug, Clone, Serialize)]
 pub struct StepLog {
@@ -375,6 +404,8 @@ struct Session<'a> {
     last_checkpoint: Option<PathBuf>,
     /// Peak bytes per phase over all steps of this process.
     run_peaks: PhasePeaks,
+    /// `train.log` has "tensorboard": the event file of this process.
+    tensorboard: Option<crate::tensorboard::EventWriter>,
 }
 
 /// What the forward and backward passes of a step leave for its update (the gradients
@@ -430,6 +461,16 @@ impl<'a> Session<'a> {
         // The resolved config is the first thing written: the run directory says what ran.
         tallow_model::io::write_atomic(&out.join("config.toml"), cfg.to_toml_string().as_bytes())?;
         let metrics = out.join("metrics.jsonl");
+        let mut tensorboard = match t.log.contains(&crate::config::LogSink::Tensorboard) {
+            true => {
+                let dir = out.join("tensorboard");
+                Some(
+                    crate::tensorboard::EventWriter::create(&dir)
+                        .map_err(|e| tensorboard_error(&dir, e))?,
+                )
+            }
+            false => None,
+        };
 
         set_tf32(device, t.tf32);
 
@@ -521,6 +562,10 @@ impl<'a> Session<'a> {
                 &memory.metrics,
                 &serde_json::json!({"step": 0, "eval_loss": l}),
             )?;
+            if let Some(tb) = &mut tensorboard {
+                tb.scalars(0, &[("eval/loss", l)])
+                    .map_err(|e| tensorboard_error(tb.path(), e))?;
+            }
             on_event(Event::Eval { step: 0, loss: l });
         }
 
@@ -555,6 +600,7 @@ impl<'a> Session<'a> {
             eval_loss_end: None,
             last_checkpoint: resumed_from,
             run_peaks: PhasePeaks::default(),
+            tensorboard,
         })
     }
 
@@ -753,6 +799,10 @@ impl<'a> Session<'a> {
         };
         if self.logged(done) {
             append_metrics(&self.memory.metrics, &log)?;
+            if let Some(tb) = &mut self.tensorboard {
+                tb.scalars(done, &step_scalars(&log))
+                    .map_err(|e| tensorboard_error(tb.path(), e))?;
+            }
         }
         on_event(Event::Step(&log));
         self.last_loss = Some(loss);
@@ -777,6 +827,10 @@ impl<'a> Session<'a> {
                     &self.memory.metrics,
                     &serde_json::json!({"step": done, "eval_loss": l}),
                 )?;
+                if let Some(tb) = &mut self.tensorboard {
+                    tb.scalars(done, &[("eval/loss", l)])
+                        .map_err(|e| tensorboard_error(tb.path(), e))?;
+                }
                 on_event(Event::Eval {
                     step: done,
                     loss: l,

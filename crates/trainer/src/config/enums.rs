@@ -69,6 +69,16 @@ choices! {
 }
 
 choices! {
+    /// An entry of `train.log`: where the run's metrics go.
+    pub enum LogSink {
+        /// `output_dir/metrics.jsonl`, one JSON object per logged step and evaluation.
+        Jsonl = "jsonl",
+        /// TensorBoard event files under `output_dir/tensorboard/` ([`crate::tensorboard`]).
+        Tensorboard = "tensorboard",
+    }
+}
+
+choices! {
     /// `train.method`: which weights are trained.
     #[derive(Default)]
     pub enum Method {

@@ -9,7 +9,7 @@ use super::choice::quoted;
 use super::suggest::{normalize, suggest_anywhere, suggest_key, suggest_section};
 use super::ALL_LINEAR;
 use super::{
-    Attention, ConfigError, Format, Method, ModelDtype, OptimizerKind, Quantize, Schedule,
+    Attention, ConfigError, Format, LogSink, Method, ModelDtype, OptimizerKind, Quantize, Schedule,
 };
 
 /// The TOML type a key takes.
@@ -25,6 +25,8 @@ pub(super) enum Kind {
     Targets,
     /// One of these strings: an enum's `NAMES`.
     Choice(&'static [&'static str]),
+    /// A list of these strings.
+    Choices(&'static [&'static str]),
 }
 
 impl Kind {
@@ -40,6 +42,7 @@ impl Kind {
                 format!("\"{ALL_LINEAR}\" or a list of module names, e.g. [\"q_proj\", \"v_proj\"]")
             }
             Kind::Choice(names) => format!("one of {}", quoted(names)),
+            Kind::Choices(names) => format!("a list of {}", quoted(names)),
         }
     }
 }
@@ -102,6 +105,7 @@ pub(super) const SECTIONS: [(&str, &[(&str, Kind)]); 4] = [
             ("device", Kind::Str),
             ("output_dir", Kind::Str),
             ("log_every", Kind::Uint),
+            ("log", Kind::Choices(LogSink::NAMES)),
             ("eval_every", Kind::Uint),
             ("save_every", Kind::Uint),
             ("checkpointing", Kind::Bool),

@@ -146,6 +146,12 @@ fn section<T: DeserializeOwned + Default>(
                     (Kind::Choice(names), Value::String(s)) => {
                         closest(&normalize(s), names.iter().copied()).map(str::to_string)
                     }
+                    (Kind::Choices(names), Value::Array(items)) => items
+                        .iter()
+                        .filter_map(Value::as_str)
+                        .find(|s| !names.contains(s))
+                        .and_then(|s| closest(&normalize(s), names.iter().copied()))
+                        .map(str::to_string),
                     _ => None,
                 };
                 let full = format!("{name}.{key}");

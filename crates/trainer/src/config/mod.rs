@@ -52,7 +52,7 @@ use raw::{path_string, RawConfig};
 pub use crate::data::DEFAULT_MAX_SEQ_LEN;
 pub use crate::optim::OptimizerKind;
 pub use crate::schedule::Schedule;
-pub use enums::{Attention, LoraTargets, Method, ModelDtype, Quantize, ALL_LINEAR};
+pub use enums::{Attention, LogSink, LoraTargets, Method, ModelDtype, Quantize, ALL_LINEAR};
 pub use error::{ConfigError, InvalidValue};
 
 /// The linear layers of a Llama / Qwen decoder layer that LoRA can wrap, in the order of the
@@ -174,6 +174,10 @@ pub struct TrainSection {
     pub output_dir: PathBuf,
     /// Log every this many optimizer steps (default 1).
     pub log_every: usize,
+    /// Where the metrics go (default `["jsonl"]`; `"tensorboard"` adds event files under
+    /// `output_dir/tensorboard/`). `metrics.jsonl` is the run's record (resume, `tallow bench`
+    /// and plots read it), so `"jsonl"` must stay in the list.
+    pub log: Vec<LogSink>,
     /// Evaluate every this many optimizer steps; 0 only at the end when `data.eval` is set.
     pub eval_every: usize,
     /// Save every this many optimizer steps; 0 only at the end.

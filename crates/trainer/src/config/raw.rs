@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    Attention, ConfigError, DataSection, LoraSection, LoraTargets, Method, ModelDtype,
+    Attention, ConfigError, DataSection, LogSink, LoraSection, LoraTargets, Method, ModelDtype,
     ModelSection, OptimizerKind, Quantize, Schedule, TrainConfig, TrainSection,
 };
 use crate::data::{Format, DEFAULT_MAX_SEQ_LEN};
@@ -111,6 +111,7 @@ impl Default for TrainSection {
             device: "auto".into(),
             output_dir: PathBuf::from("runs/example"),
             log_every: 1,
+            log: vec![LogSink::Jsonl],
             eval_every: 0,
             save_every: 0,
             checkpointing: false,

@@ -253,7 +253,7 @@ fn unknown_key_names_file_key_and_suggestion() {
         "configs/x.toml: unknown key `train.learning_rate`; did you mean `train.lr`? valid keys \
          in [train]: method, micro_batch_size, grad_accum, max_steps, epochs, optimizer, lr, \
          weight_decay, betas, eps, schedule, warmup_steps, max_grad_norm, seed, device, \
-         output_dir, log_every, eval_every, save_every, checkpointing, checkpoint_every, \
+         output_dir, log_every, log, eval_every, save_every, checkpointing, checkpoint_every, \
          offload_checkpoints, tf32, threads"
     );
     // A typo, by edit distance.

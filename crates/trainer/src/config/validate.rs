@@ -3,7 +3,7 @@
 
 use super::suggest::closest;
 use super::{
-    DataSection, InvalidValue, LoraSection, Method, ModelSection, OptimizerKind, Quantize,
+    DataSection, InvalidValue, LogSink, LoraSection, Method, ModelSection, OptimizerKind, Quantize,
     TrainConfig, TrainSection, ALL_LINEAR, LORA_TARGETS,
 };
 
@@ -119,8 +119,16 @@ fn validate_data(d: &DataSection) -> Checked {
         );
     }
     let placeholders = [
-        ("data.alpaca_prompt", &d.alpaca.with_input, &["{instruction}", "{input}"][..]),
-        ("data.alpaca_prompt_no_input", &d.alpaca.without_input, &["{instruction}"][..]),
+        (
+            "data.alpaca_prompt",
+            &d.alpaca.with_input,
+            &["{instruction}", "{input}"][..],
+        ),
+        (
+            "data.alpaca_prompt_no_input",
+            &d.alpaca.without_input,
+            &["{instruction}"][..],
+        ),
     ];
     for (key, template, needed) in placeholders {
         if let Some(missing) = needed.iter().find(|p| !template.contains(*p)) {
@@ -180,6 +188,13 @@ fn validate_train_length(t: &TrainSection) -> Checked {
         return bad(
             "train.checkpoint_every",
             "must be at least 1, found 0 (1 = checkpoint every decoder layer)",
+        );
+    }
+    if !t.log.contains(&LogSink::Jsonl) {
+        return bad(
+            "train.log",
+            "must include \"jsonl\": metrics.jsonl is the run's record (resume, tallow bench and \
+             plots read it); add \"tensorboard\" beside it, e.g. [\"jsonl\", \"tensorboard\"]",
         );
     }
     if t.offload_checkpoints && !t.checkpointing {
@@ -339,7 +354,7 @@ mod tests {
     }
 
     /// `--set` values that fail validation, and a part of the message each gives.
-    const CASES: [(&str, &str); 29] = [
+    const CASES: [(&str, &str); 30] = [
         ("lora.rank=0", "`lora.rank` must be at least 1"),
         ("lora.alpha=0", "`lora.alpha` must be > 0"),
         ("lora.dropout=1.0", "`lora.dropout` must be in [0, 1)"),
@@ -358,6 +373,10 @@ mod tests {
         (
             "train.grad_accum=0",
             "`train.grad_accum` must be at least 1",
+        ),
+        (
+            "train.log=[\"tensorboard\"]",
+            "`train.log` must include \"jsonl\"",
         ),
         (
             "train.offload_checkpoints=true",
