@@ -153,7 +153,7 @@ pub fn layer_activation_bytes(
     let (h, kv) = (m.num_attention_heads, m.num_key_value_heads);
     let (q, kvd) = (h * d, kv * d);
     let lora = cfg.train.method == Method::Lora;
-    let targets = cfg.lora.targets();
+    let targets = lora_targets(m, cfg);
     let r = cfg.lora.rank;
     let dropout = lora && cfg.lora.dropout > 0.0;
     // One linear: its output (base matmul, + bias), and with LoRA: x cast to f32 (unless
@@ -181,10 +181,25 @@ pub fn layer_activation_bytes(
         let cast_once = if shared { cast(4 * ls[0].inp) } else { 0 };
         cast_once + ls.iter().map(|l| linear(l, shared)).sum::<usize>()
     };
-    let [lq, lk, lv, lo, lg, lu, ld] = m.layer_linears();
+    let ls = m.layer_linears();
+    // (q, k, v), o, (gate, up), down: Phi-3's fused linears are one-element groups.
+    let (lqkv, lo, lgu, ld) = if m.fused_projections {
+        (vec![&ls[0]], &ls[1], vec![&ls[2]], &ls[3])
+    } else {
+        (vec![&ls[0], &ls[1], &ls[2]], &ls[3], vec![&ls[4], &ls[5]], &ls[6])
+    };
     let mut per_token = 0;
     per_token += s * c; // input_layernorm output
-    per_token += group(&[&lq, &lk, &lv]);
+    per_token += group(&lqkv);
+    if m.fused_projections {
+        // q, k, v copied out of the fused output (a reshape of a narrow), and gate, up copied
+        // out of gate_up_proj's, each kept by the op that reads it
+        per_token += s * (q + 2 * kvd) + 2 * s * m.intermediate_size;
+    }
+    if m.rotary_dim != d {
+        // partial rotary: the rotated dims of q and k copied out, and q's scaled pass-through
+        per_token += s * (h + kv) * m.rotary_dim + s * h * (d - m.rotary_dim);
+    }
     if m.qk_norm {
         per_token += s * (q + kvd); // q_norm, k_norm outputs
     }
@@ -195,12 +210,12 @@ pub fn layer_activation_bytes(
     // (grouped-query heads share their kv head in the matmuls: no repeat_kv copies)
     per_token += s * q; // probs · v
     per_token += s * q; // transpose back, contiguous
-    per_token += linear(&lo, false);
+    per_token += linear(lo, false);
     per_token += s * c; // residual add
     per_token += s * c; // post_attention_layernorm output
                         // gate, up; silu and silu(gate) * up (fused: one SwiGLU output)
-    per_token += group(&[&lg, &lu]) + if fused { 1 } else { 2 } * s * m.intermediate_size;
-    per_token += linear(&ld, false);
+    per_token += group(&lgu) + if fused { 1 } else { 2 } * s * m.intermediate_size;
+    per_token += linear(ld, false);
     per_token += s * c; // residual add
     if cfg.model.attention == Attention::Chunked {
         // Chunked attention (`tallow_model::chunked`) keeps its output (counted above as
@@ -386,12 +401,23 @@ fn grad_detail(cfg: &TrainConfig, phase: &str) -> String {
     }
 }
 
+/// The modules `lora.targets` wraps on this model (`DecoderConfig::resolve_lora_targets`: on
+/// Phi-3 the seven Llama names are its four fused ones); names the model lacks (refused when
+/// training starts) wrap nothing.
+fn lora_targets(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<&'static str> {
+    let names = cfg.lora.targets();
+    m.resolve_lora_targets(&names).unwrap_or_else(|_| {
+        let mods = m.lora_modules();
+        mods.into_iter().filter(|x| names.contains(x)).collect()
+    })
+}
+
 /// Trainable parameters: LoRA factors, or every weight.
 pub fn trainable_params(m: &DecoderConfig, cfg: &TrainConfig) -> u64 {
     match cfg.train.method {
         Method::Full => m.num_params() as u64,
         Method::Lora => {
-            let targets = cfg.lora.targets();
+            let targets = lora_targets(m, cfg);
             let per_layer: usize = m
                 .layer_linears()
                 .iter()
@@ -406,7 +432,7 @@ pub fn trainable_params(m: &DecoderConfig, cfg: &TrainConfig) -> u64 {
 /// Every parameter tensor's element count, for the optimizer state and update temporaries.
 fn param_tensors(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize> {
     let mut v = Vec::new();
-    let targets = cfg.lora.targets();
+    let targets = lora_targets(m, cfg);
     for _ in 0..m.num_hidden_layers {
         for l in m.layer_linears() {
             match cfg.train.method {
@@ -465,7 +491,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let dora = !full && cfg.lora.dora;
     // DoRA keeps ||W_i||² per output row of each adapted linear (f32, computed once).
     let dora_norms = if dora {
-        let targets = cfg.lora.targets();
+        let targets = lora_targets(m, cfg);
         let outs: usize = m
             .layer_linears()
             .iter()
@@ -513,7 +539,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
                     "{} r{} on {}, {tp} parameters in f32",
                     if dora { "DoRA" } else { "LoRA" },
                     cfg.lora.rank,
-                    cfg.lora.targets().join(",")
+                    lora_targets(m, cfg).join(",")
                 ),
             ),
         )
