@@ -147,7 +147,11 @@ impl DecoderConfig {
         // transformers 4.57's Phi3Config takes a `rope_scaling` of exactly `type`,
         // `short_factor` and `long_factor` (its `_rope_scaling_validation`); the original
         // context stays the top-level `original_max_position_embeddings` of the source.
-        let legacy_key = if kind == "longrope" { "type" } else { "rope_type" };
+        let legacy_key = if kind == "longrope" {
+            "type"
+        } else {
+            "rope_type"
+        };
         let mut legacy = params.clone();
         legacy.insert(legacy_key.into(), kind.into());
         params.insert("rope_type".into(), kind.into());
@@ -373,9 +377,11 @@ mod tests {
         let (short, long) = (json!([1.0, 1.1, 1.2, 1.3]), json!([2.0, 3.0, 4.0, 5.0]));
         let v4 = phi3(json!({"rope_theta": 1e4,
             "rope_scaling": {"type": "longrope", "short_factor": short, "long_factor": long}}));
-        let v5 = phi3(json!({"rope_parameters": {"rope_type": "longrope", "type": "longrope",
+        let v5 = phi3(
+            json!({"rope_parameters": {"rope_type": "longrope", "type": "longrope",
             "rope_theta": 1e4, "short_factor": short, "long_factor": long,
-            "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5}}));
+            "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5}}),
+        );
         let su = phi3(json!({"rope_scaling": {"type": "su", "short_factor": short,
             "long_factor": long}}));
         let want = RopeScaling::LongRope {
@@ -388,7 +394,10 @@ mod tests {
             let c = parse(v).unwrap_or_else(|e| panic!("{layout}: {e}"));
             assert_eq!(c.rope_scaling.as_ref(), Some(&want), "{layout}");
             assert_eq!((c.head_dim, c.rotary_dim), (16, 8), "{layout}");
-            assert!(c.fused_projections && c.sliding_window.is_none(), "{layout}");
+            assert!(
+                c.fused_projections && c.sliding_window.is_none(),
+                "{layout}"
+            );
             // what tallow writes reads back the same
             let back = parse(&c.to_hf_json(candle_core::DType::F32)).unwrap();
             assert_eq!(back.rope_scaling.as_ref(), Some(&want), "{layout} written");
@@ -428,33 +437,40 @@ mod tests {
         };
         refused(phi3(json!({"resid_pdrop": 0.1})), &["`resid_pdrop`", "0.1"]);
         refused(
-            phi3(json!({"rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.0],
-                "long_factor": long}})),
+            phi3(
+                json!({"rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.0],
+                "long_factor": long}}),
+            ),
             &["`rope_scaling`", "`short_factor` has 2 entries", "needs 4"],
         );
         refused(
-            phi3(json!({"rope_scaling": {"type": "longrope", "short_factor": short,
-                "long_factor": long, "attention_factor": 1.5}})),
+            phi3(
+                json!({"rope_scaling": {"type": "longrope", "short_factor": short,
+                "long_factor": long, "attention_factor": 1.5}}),
+            ),
             &["`rope_scaling`", "`attention_factor`"],
         );
         refused(
-            phi3(json!({"rope_parameters": {"rope_type": "longrope", "short_factor": short,
-                "long_factor": long, "original_max_position_embeddings": 32}})),
+            phi3(
+                json!({"rope_parameters": {"rope_type": "longrope", "short_factor": short,
+                "long_factor": long, "original_max_position_embeddings": 32}}),
+            ),
             &["`rope_parameters`", "32 here and 16 at the top level"],
         );
         refused(
             phi3(json!({"rope_parameters": {"rope_type": "default",
                 "partial_rotary_factor": 0.75}})),
-            &["`rope_parameters`", "`partial_rotary_factor` 0.75", "0.5 at the top level"],
+            &[
+                "`rope_parameters`",
+                "`partial_rotary_factor` 0.75",
+                "0.5 at the top level",
+            ],
         );
         refused(
             phi3(json!({"partial_rotary_factor": 0.3125})), // 5 of 16 dims
             &["`partial_rotary_factor`", "even"],
         );
-        refused(
-            phi3(json!({"head_dim": 32})),
-            &["`head_dim`", "Phi-3"],
-        );
+        refused(phi3(json!({"head_dim": 32})), &["`head_dim`", "Phi-3"]);
         // LongRoPE and partial rotary are Phi-3's: other families refuse them
         refused(
             with(

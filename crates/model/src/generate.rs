@@ -216,11 +216,11 @@ impl CausalLM {
             )));
         }
         let dev = self.device();
+        // LongRoPE: this call's longest position decides short or long factors, as in the
+        // training forward (`generate` recomputes the cache when a generation crosses over).
         let positions = Tensor::arange(past as u32, (past + t) as u32, dev)?
             .unsqueeze(0)?
             .repeat((b, 1))?; // (B, t)
-        // LongRoPE: this call's longest position decides short or long factors, as in the
-        // training forward (`generate` recomputes the cache when a generation crosses over).
         let (cos, sin) = self.rotary.tables(&positions, past + t, self.dtype())?; // (B, 1, t, Dr)
         let window = self.config.sliding_window;
         // The prompt of an empty cache through chunked attention (nothing t x t); a later chunk
@@ -426,9 +426,10 @@ pub fn generate(
                 // holds at most that many positions (keys rotated with the short factors), the
                 // cache is dropped and everything recomputed with the long factors, as
                 // transformers' Phi3ForCausalLM.prepare_inputs_for_generation does.
-                let recompute = model.rotary.long_after().is_some_and(|orig| {
-                    step > 0 && history.len() > orig && c.len() <= orig
-                });
+                let recompute = model
+                    .rotary
+                    .long_after()
+                    .is_some_and(|orig| step > 0 && history.len() > orig && c.len() <= orig);
                 if recompute {
                     c.reset();
                 }
@@ -486,7 +487,13 @@ mod tests {
     #[test]
     fn cached_logits_match_the_training_forward() {
         let ids: Vec<u32> = vec![5, 17, 99, 3, 250, 8, 41, 77, 12, 199, 64, 2];
-        for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3"] {
+        for name in [
+            "tiny-llama",
+            "tiny-qwen2",
+            "tiny-qwen3",
+            "tiny-mistral",
+            "tiny-phi3",
+        ] {
             let model = fixture_model(name);
             let mut cache = KvCache::new(&model, 1, ids.len()).unwrap();
             // Chunks of 5, 1, 3, then 1 at a time: prefill, a decode step, a chunk after it.

@@ -114,9 +114,7 @@ impl DecoderConfig {
     pub fn resolve_lora_targets<S: AsRef<str>>(&self, targets: &[S]) -> Result<Vec<&'static str>> {
         let mods = self.lora_modules();
         let names: Vec<&str> = targets.iter().map(AsRef::as_ref).collect();
-        let every_llama = LINEAR_PATHS
-            .iter()
-            .all(|p| names.contains(&module_name(p)));
+        let every_llama = LINEAR_PATHS.iter().all(|p| names.contains(&module_name(p)));
         if self.fused_projections && every_llama {
             return Ok(mods);
         }
@@ -250,7 +248,11 @@ mod tests {
             .resolve_lora_targets(&["q_proj", "v_proj"])
             .unwrap_err()
             .to_string();
-        for n in ["`q_proj`", "Phi3ForCausalLM", "qkv_proj, o_proj, gate_up_proj, down_proj"] {
+        for n in [
+            "`q_proj`",
+            "Phi3ForCausalLM",
+            "qkv_proj, o_proj, gate_up_proj, down_proj",
+        ] {
             assert!(e.contains(n), "{n} not in {e}");
         }
         assert!(c.resolve_lora_targets(&["gate_proj"]).is_err());

@@ -1,6 +1,6 @@
 //! The decoder-only causal LM shared by the Llama, Qwen2 and Qwen3 families: written once, with
-//! the family differences (biases, qk-norm, head_dim, rope scaling, tying) taken from
-//! [`DecoderConfig`]. Tensor names follow the HF safetensors keys (`model.layers.0.self_attn.q_proj.weight`).
+//! the family differences (biases, qk-norm, head_dim, rope scaling, tying, Phi-3's fused
+//! projections and partial rotary) taken from [`DecoderConfig`]. Tensor names follow the HF safetensors keys (`model.layers.0.self_attn.q_proj.weight`).
 //!
 //! This is training code: the forward is cache-free, returns every position, and every op has a
 //! backward. Inference with a key/value cache reuses these layers from [`crate::generate`]. Shape legend: B = batch, T = time, C = hidden size, H = heads, KV = key/value heads,
@@ -63,7 +63,9 @@ pub enum QkvProj {
         k_proj: Linear,
         v_proj: Linear,
     },
-    Fused { qkv_proj: Linear },
+    Fused {
+        qkv_proj: Linear,
+    },
 }
 
 /// Multi-head self-attention with grouped-query heads and rotary embedding.
@@ -115,8 +117,8 @@ impl Attention {
                 // One matmul (and one adapter) for the three; split as Phi3Attention slices it.
                 let qkv = qkv_proj.forward(x)?; // (B, T, (H + 2 KV) D)
                 (
-                    qkv.narrow(2, 0, h * d)?,          // (B, T, H D)
-                    qkv.narrow(2, h * d, kv * d)?,     // (B, T, KV D)
+                    qkv.narrow(2, 0, h * d)?,             // (B, T, H D)
+                    qkv.narrow(2, h * d, kv * d)?,        // (B, T, KV D)
                     qkv.narrow(2, (h + kv) * d, kv * d)?, // (B, T, KV D)
                 )
             }

@@ -107,7 +107,9 @@ impl Batch {
         // own, so a LongRoPE model (Phi-3) picks each row's rotary factors by the row's own
         // length (`tallow_model` `Rotary::tables_for_segments`). Real tokens never attend to
         // padding either way (it comes after them).
-        let packed = rows.iter().any(|r| r.segments.iter().any(|&s| s != 0) || r.ids.len() < t);
+        let packed = rows
+            .iter()
+            .any(|r| r.segments.iter().any(|&s| s != 0) || r.ids.len() < t);
         let flat: Vec<u32> = ids.iter().flatten().copied().collect();
         Ok(Self {
             input_ids: Tensor::from_vec(flat, (rows.len(), t), device)?,

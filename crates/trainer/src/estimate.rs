@@ -186,7 +186,12 @@ pub fn layer_activation_bytes(
     let (lqkv, lo, lgu, ld) = if m.fused_projections {
         (vec![&ls[0]], &ls[1], vec![&ls[2]], &ls[3])
     } else {
-        (vec![&ls[0], &ls[1], &ls[2]], &ls[3], vec![&ls[4], &ls[5]], &ls[6])
+        (
+            vec![&ls[0], &ls[1], &ls[2]],
+            &ls[3],
+            vec![&ls[4], &ls[5]],
+            &ls[6],
+        )
     };
     let mut per_token = 0;
     per_token += s * c; // input_layernorm output

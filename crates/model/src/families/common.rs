@@ -279,10 +279,7 @@ pub fn rope(
         return Err(err(format!(
             "this key (transformers 5) and `rope_theta` / `rope_scaling` (transformers 4) \
              disagree: theta {} with {:?} here, theta {} with {:?} there; remove the stale one",
-            new.0,
-            new.1,
-            legacy.0,
-            legacy.1
+            new.0, new.1, legacy.0, legacy.1
         )));
     }
     Ok(new)
@@ -346,7 +343,7 @@ fn rope_object(
     if let Some(f) = obj.get("partial_rotary_factor") {
         match (ctx.extras, f.as_f64()) {
             (Some(_), Some(x)) => partial_rotary_factor = Some(x),
-            (None, Some(x)) if x == 1.0 => {}
+            (None, Some(1.0)) => {}
             _ => {
                 return Err(err(format!(
                     "`partial_rotary_factor` {f} is not supported (tallow rotates the whole head)"
@@ -366,9 +363,7 @@ fn rope_object(
             factor: num("factor")?,
         }),
         // `su` is LongRoPE's older name (transformers' Phi3Config renames it).
-        "longrope" | "su" if ctx.extras.is_some() => {
-            Some(longrope(obj, ctx, &err)?)
-        }
+        "longrope" | "su" if ctx.extras.is_some() => Some(longrope(obj, ctx, &err)?),
         other => {
             return Err(err(format!(
                 "rope type `{other}` is not supported (supported: default, llama3, linear)"
@@ -470,7 +465,7 @@ fn rotary_dim(
         ));
     }
     let dim = (head_dim as f64 * partial) as usize;
-    if dim == 0 || dim % 2 != 0 {
+    if dim == 0 || !dim.is_multiple_of(2) {
         return Err(err(
             "partial_rotary_factor",
             format!(
