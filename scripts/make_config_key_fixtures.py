@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import transformers
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "tests" / "fixtures" / "reference" / "config-keys.json"
@@ -41,6 +41,8 @@ def keys_of(cls):
     full = {k: jsonable(v) for k, v in cls().to_dict().items()}
     major = int(transformers.__version__.split(".")[0])
     rope = {"rope_type": "linear", "factor": 2.0}
+    if cls is Phi3Config:  # Phi3Config takes longrope only (one factor per rotary pair)
+        rope = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
     kw = dict(SMALL)
     if major >= 5:
         kw["rope_parameters"] = dict(rope, rope_theta=1e6)
@@ -58,7 +60,7 @@ def main():
     doc = json.loads(OUT.read_text()) if OUT.exists() else {}
     doc[transformers.__version__] = {
         cls.__name__.replace("Config", "ForCausalLM"): keys_of(cls)
-        for cls in (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
+        for cls in (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Phi3Config)
     }
     OUT.write_text(json.dumps(dict(sorted(doc.items())), indent=1, sort_keys=True) + "\n")
     for v, classes in doc.items():

@@ -21,7 +21,7 @@ Deterministic (fixed seeds, single-threaded CPU torch, deterministic algorithms)
         adapter over the "text" rows: "after.<key>" and "grad.<key>" for every adapter tensor,
         magnitude included.
 
-for M in tiny-llama, tiny-qwen2, tiny-qwen3, tiny-mistral (make_peft_fixtures.MODELS). Losses are computed as make_peft_fixtures.py does
+for M in make_peft_fixtures.MODELS (tiny-phi3 on its fused modules). Losses are computed as make_peft_fixtures.py does
 (rows separately, f32 model, eager attention, NLL sums in f64).
 
 transformers 5 (the same adapters on the models in the 5.x config layout, tiny-qwen3 there with
@@ -77,8 +77,9 @@ SPEC = dict(r=4, lora_alpha=8, target_modules=mp.ALL_TARGETS)
 MERGE_TOL = mp.MERGE_TOL
 
 
-def dora_config():
-    return mp.lora_config(SPEC, use_dora=True)
+def dora_config(name):
+    spec = dict(SPEC, target_modules=mp.targets_for(name, SPEC["target_modules"]))
+    return mp.lora_config(spec, use_dora=True)
 
 
 def file_key_to_param(key: str, adapter_name: str = "default") -> str:
@@ -97,9 +98,9 @@ def build_adapter(name, model_dir: Path, ref, seed):
     out = FIX / "adapters" / f"{name}-peft-dora"
     shutil.rmtree(out, ignore_errors=True)
     base = mf.load_model(model_dir)
-    model = get_peft_model(base, dora_config())
+    model = get_peft_model(base, dora_config(name))
     counts = mp.randomize_adapter(model, seed, MAG_STD)
-    n_mod = 2 * len(SPEC["target_modules"])  # 2 layers x targets
+    n_mod = 2 * len(mp.targets_for(name, SPEC["target_modules"]))  # 2 layers x targets
     assert counts == {"ab": 2 * n_mod, "m": n_mod}, counts
     model.eval()
     mem = mp.eval_losses(model, ref)

@@ -27,6 +27,12 @@ beside them are kept):
     tests/fixtures/models/tiny-mistral/           MistralForCausalLM, sliding_window 8 (the
                                                   rows, up to 32 tokens, are longer), "bos"
                                                   tokenizer with a Mistral [INST] chat template
+    tests/fixtures/tokenizers/phi3/               byte-level BPE with Phi-3's chat specials
+    tests/fixtures/models/tiny-phi3/              Phi3ForCausalLM: fused qkv_proj / gate_up_proj,
+                                                  longrope with original_max_position_embeddings
+                                                  16 (rows of up to 32 tokens use the long
+                                                  factors, shorter ones the short), partial
+                                                  rotary 0.5, "phi3" tokenizer and template
     tests/fixtures/data/{text,prompt_completion,messages}.jsonl
     tests/fixtures/reference/<model>.json         token ids / targets / losses
     tests/fixtures/reference/<model>.safetensors  per-row logits and text-format gradients
@@ -75,6 +81,7 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -218,6 +225,21 @@ MISTRAL_TEMPLATE = (
 )
 
 
+# Phi-3-mini-instruct's chat template (no system-message special casing beyond its own tag, no
+# BOS: the "phi3" tokenizer adds none).
+PHI3_TEMPLATE = (
+    "{%- for message in messages %}\n"
+    "    {%- if message['role'] not in ['system', 'user', 'assistant'] %}\n"
+    "        {{- raise_exception('Unknown role: ' + message['role']) }}\n"
+    "    {%- endif %}\n"
+    "    {{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|assistant|>\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+
 def added_tokens_decoder(tok, specials):
     return {
         str(tok.token_to_id(s)): {
@@ -300,6 +322,29 @@ def build_bos(out_dir: Path):
     write_json(out_dir / "tokenizer_config.json", cfg)
 
 
+def build_phi3(out_dir: Path):
+    # Phi-3's specials: <|endoftext|> (pad, never in the data), <|end|> ends every turn (eos)
+    specials = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    tok = train_bpe(specials, QWEN_REGEX)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    cfg = {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added_tokens_decoder(tok, specials),
+        "bos_token": None,
+        "chat_template": PHI3_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|end|>",
+        "model_max_length": 131072,
+        "pad_token": "<|endoftext|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": None,
+    }
+    write_json(out_dir / "tokenizer_config.json", cfg)
+
+
 def expect_template_errors(t, cases):
     """Each (messages, text) case makes the chat template raise an error containing text."""
     for bad, msg in cases:
@@ -325,6 +370,14 @@ def check_tokenizer(tok_dir: Path, kind: str):
         assert s == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>assistant\n", s
         s = t.apply_chat_template([{"role": "system", "content": "S"}] + msgs, tokenize=False)
         assert s.startswith("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n"), s
+    elif kind == "phi3":
+        assert t.bos_token is None and t.eos_token == "<|end|>" and t.pad_token == "<|endoftext|>"
+        s = t.apply_chat_template(
+            [{"role": "system", "content": "S"}] + msgs, tokenize=False, add_generation_prompt=True
+        )
+        want = "<|system|>\nS<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\nHello<|end|>\n<|assistant|>\n"
+        assert s == want, s
+        expect_template_errors(t, [([{"role": "tool", "content": "x"}], "Unknown role")])
     elif kind == "mistral":  # the "bos" tokenizer with MISTRAL_TEMPLATE
         assert t.bos_token == "<|begin_of_text|>" and t.eos_token == "<|end_of_text|>"
         ids = t("hello world").input_ids
@@ -579,6 +632,33 @@ def make_config(name, tok):
             eos_token_id=tok.eos_token_id,
             **common,
         )
+    if name == "tiny-phi3":
+        hd = common["hidden_size"] // common["num_attention_heads"]  # 16; 8 rotary dims
+        rng = np.random.default_rng(SEED)
+        return Phi3Config(
+            intermediate_size=96,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+            # partial rotary: 8 of each head's 16 dims rotate
+            partial_rotary_factor=0.5,
+            # rows longer than 16 tokens use the long factors, shorter ones the short: both
+            # tables and the attention factor sqrt(1 + ln(256 / 16) / ln(16)) = sqrt(2) are
+            # exercised
+            original_max_position_embeddings=16,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [round(float(x), 3) for x in 1.0 + 0.5 * rng.random(hd // 4)],
+                "long_factor": [round(float(x), 3) for x in 2.0 + 6.0 * rng.random(hd // 4)],
+            },
+            sliding_window=None,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            bos_token_id=None,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            **common,
+        )
     raise ValueError(name)
 
 
@@ -635,6 +715,11 @@ def build_model(name, tok_kind, tok_dir: Path):
         (out / "chat_template.jinja").write_text(template, encoding="utf-8")
         t2 = AutoTokenizer.from_pretrained(str(out))
         assert t2.chat_template == template, "chat_template.jinja not picked up"
+    if name == "tiny-phi3":
+        # fused projections, as Phi3ForCausalLM names them
+        keys = set(model.state_dict())
+        assert "model.layers.0.self_attn.qkv_proj.weight" in keys, keys
+        assert "model.layers.0.mlp.gate_up_proj.weight" in keys, keys
     if name == "tiny-mistral":
         # the "bos" tokenizer with Mistral's chat template, in tokenizer_config.json (as Mistral's)
         tc = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
@@ -643,7 +728,7 @@ def build_model(name, tok_kind, tok_dir: Path):
     # config.json is transformers' own; sanity-check a few fields
     c = json.loads((out / "config.json").read_text())
     assert c["vocab_size"] == len(tok)
-    assert c["tie_word_embeddings"] == (name not in ("tiny-llama", "tiny-mistral"))
+    assert c["tie_word_embeddings"] == (name not in ("tiny-llama", "tiny-mistral", "tiny-phi3"))
     if name == "tiny-mistral":
         assert c["sliding_window"] == 8 and c["sliding_window"] < MAX_SEQ_LEN, c
     # the saved weights reload to the same values
@@ -748,7 +833,10 @@ definition of every reference value.
 
 Models: `tiny-llama`, `tiny-qwen2`, `tiny-qwen3` and `tiny-mistral` (MistralForCausalLM with
 `sliding_window` 8, shorter than the 32-token rows, and the "bos" tokenizer with a Mistral
-`[INST]` chat template). New models go at the end of each script's model list, so the seeds of
+`[INST]` chat template), `tiny-phi3` (Phi3ForCausalLM: fused `qkv_proj` / `gate_up_proj`,
+`longrope` with `original_max_position_embeddings` 16 so rows over 16 tokens use the long
+factors, `partial_rotary_factor` 0.5, the "phi3" tokenizer with Phi-3's `<|user|>` chat
+template). New models go at the end of each script's model list, so the seeds of
 the others do not move.
 
 `reference/generate.json` (transformers' greedy `generate` ids for `tallow generate`) is made by
@@ -774,8 +862,8 @@ def main():
 
     # Only what this script writes: the other scripts' fixtures (NF4, PEFT, generate, v5,
     # config keys, saved models, parquet) under the same folders are kept.
-    models = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral")
-    for sub in ["tokenizers/chatml", "tokenizers/bos"] + [f"models/{m}" for m in models]:
+    models = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3")
+    for sub in ["tokenizers/chatml", "tokenizers/bos", "tokenizers/phi3"] + [f"models/{m}" for m in models]:
         shutil.rmtree(FIX / sub, ignore_errors=True)
     for f in [f"data/{fmt}.jsonl" for fmt in DATASETS] + [
         f"reference/{m}.{ext}" for m in models for ext in ("json", "safetensors")
@@ -784,9 +872,14 @@ def main():
     FIX.mkdir(parents=True, exist_ok=True)
     (FIX / "README.md").write_text(README, encoding="utf-8")
 
-    tok_dirs = {"chatml": FIX / "tokenizers" / "chatml", "bos": FIX / "tokenizers" / "bos"}
+    tok_dirs = {
+        "chatml": FIX / "tokenizers" / "chatml",
+        "bos": FIX / "tokenizers" / "bos",
+        "phi3": FIX / "tokenizers" / "phi3",
+    }
     build_chatml(tok_dirs["chatml"])
     build_bos(tok_dirs["bos"])
+    build_phi3(tok_dirs["phi3"])
     for kind, d in tok_dirs.items():
         check_tokenizer(d, kind)
 
@@ -799,6 +892,7 @@ def main():
         ("tiny-qwen2", "chatml", "chatml"),
         ("tiny-qwen3", "chatml", "chatml"),
         ("tiny-mistral", "bos", "mistral"),
+        ("tiny-phi3", "phi3", "phi3"),
     ]
     summary = []
     for name, kind, check in models_spec:

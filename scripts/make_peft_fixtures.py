@@ -28,7 +28,9 @@ following are deleted and rewritten (existing fixtures are read, never modified)
     tests/fixtures/reference/peft-<M>.json        losses (see below)
     tests/fixtures/reference/peft-<M>-sgd.safetensors   one plain-SGD step of the "peft" adapter
 
-for M in tiny-llama, tiny-qwen2, tiny-qwen3, tiny-mistral (tests/fixtures/models/<M>).
+for M in tiny-llama, tiny-qwen2, tiny-qwen3, tiny-mistral, tiny-phi3 (tests/fixtures/models/<M>).
+tiny-phi3's modules are PEFT's fused names (targets_for): "peft" on qkv_proj, o_proj,
+gate_up_proj, down_proj, "peft-rslora" on qkv_proj.
 
 Adapters: LoraConfig(lora_dropout=0, bias="none", task_type="CAUSAL_LM"). A fresh adapter has
 B = 0 (no effect), so every lora_A / lora_B weight is overwritten with 0.2 * randn (seeded
@@ -96,7 +98,7 @@ import make_fixtures as mf  # noqa: E402  (row_nll, load_model, VERSIONS, PINNED
 REPO = mf.REPO
 FIX = mf.FIX
 # new models go last: each model's seeds follow from its index
-MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"]
+MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3"]
 SEED = 20240607 + 7000
 INIT_STD = 0.2
 SGD_LR = 0.5
@@ -106,6 +108,21 @@ ADAPTERS = {
     "peft-rslora": dict(r=8, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"]),
 }
 MERGE_TOL = 1e-4  # |merged_loss - loss| (f32 weight merge vs. unmerged f32 path)
+# Phi3ForCausalLM fuses q/k/v into qkv_proj and gate/up into gate_up_proj (PEFT's names)
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+         "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def targets_for(name, targets):
+    """The modules of model `name` that `targets` (Llama names) mean: on tiny-phi3 the fused
+    module of each, once."""
+    if name != "tiny-phi3":
+        return list(targets)
+    out = []
+    for t in targets:
+        if FUSED.get(t, t) not in out:
+            out.append(FUSED.get(t, t))
+    return out
 
 
 def lora_config(spec, **kw):
@@ -263,6 +280,7 @@ def reload_formats(model_dir: Path, adapter_dir: Path, ref, mem, key_to_param=No
 def build_adapter(name, model_dir: Path, ref, kind, spec, seed):
     out = FIX / "adapters" / f"{name}-{kind}"
     shutil.rmtree(out, ignore_errors=True)
+    spec = dict(spec, target_modules=targets_for(name, spec["target_modules"]))
     base = mf.load_model(model_dir)
     model = get_peft_model(base, lora_config(spec, use_rslora=spec["use_rslora"]))
     n_lora = randomize_adapter(model, seed)["ab"]

@@ -9,7 +9,13 @@ use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
 
-pub const MODELS: [&str; 4] = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"];
+pub const MODELS: [&str; 5] = [
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-mistral",
+    "tiny-phi3",
+];
 pub const FORMATS: [&str; 3] = ["text", "prompt_completion", "messages"];
 
 pub fn fixtures() -> PathBuf {

@@ -35,8 +35,8 @@ fn every_key_of_each_transformers_config_class_is_read_or_listed() {
     for (version, classes) in sets.as_object().unwrap() {
         assert_eq!(
             classes.as_object().unwrap().len(),
-            4,
-            "{version}: four classes"
+            tallow_model::families::FAMILIES.len(),
+            "{version}: one class per family"
         );
         for (class, entry) in classes.as_object().unwrap() {
             for key in entry["keys"].as_object().unwrap().keys() {
@@ -74,6 +74,9 @@ fn a_full_default_config_loads_and_an_unknown_math_key_is_refused() {
                 ("query_pre_attn_scalar", json!(256)),
                 ("partial_rotary_factor", json!(0.5)),
             ] {
+                if use_of(class, key) == KeyUse::Read {
+                    continue; // Phi-3 reads `partial_rotary_factor` (config.rs tests)
+                }
                 let mut bad = cfg.clone();
                 bad[key] = value;
                 let e = DecoderConfig::from_json_str(&bad.to_string(), path)

@@ -78,8 +78,10 @@ fn one_sgd_step_with_dropout_matches_peft_given_the_same_masks() {
         let loss = step["loss"].as_f64().unwrap();
         let want = reference["loss"].as_f64().unwrap();
         let without = reference["loss_without_dropout"].as_f64().unwrap();
+        // 100x the tolerance below (tiny-phi3's masks move its loss by 2.2e-3, the others' by
+        // more than 1e-2)
         assert!(
-            (want - without).abs() > 1e-2,
+            (want - without).abs() > 1e-3,
             "{model}: the fixture's dropout must move the loss well past the tolerance"
         );
         assert!(

@@ -30,6 +30,20 @@ pub enum RopeScaling {
     },
     /// Positions divided by `factor` (equivalently, every frequency divided by it).
     Linear { factor: f64 },
+    /// Phi-3 / 3.5 / 4-mini LongRoPE (`longrope`, formerly `su`; arXiv:2402.13753): each
+    /// frequency divided by its own factor, `short_factor` while a sequence fits
+    /// `original_max_position_embeddings`, `long_factor` beyond it (transformers'
+    /// `_compute_longrope_parameters` and the `dynamic_rope_update` that picks the list:
+    /// long when max(position_ids) + 1 > original_max_position_embeddings, in 4.57 and 5.x
+    /// alike), and cos / sin multiplied by `attention_factor`
+    /// (sqrt(1 + ln(max_position_embeddings / original) / ln(original)), 1 when that ratio
+    /// is <= 1). One factor per rotary frequency (rotary dim / 2).
+    LongRope {
+        short_factor: Vec<f64>,
+        long_factor: Vec<f64>,
+        original_max_position_embeddings: usize,
+        attention_factor: f64,
+    },
 }
 
 /// Everything the decoder needs, checked. Built only by the family files' `into_config()`.
@@ -54,6 +68,12 @@ pub struct DecoderConfig {
     pub mlp_bias: bool,
     /// Qwen3: RMSNorm over each head of q and k before rotary embedding.
     pub qk_norm: bool,
+    /// Phi-3: q, k, v in one `qkv_proj` and gate, up in one `gate_up_proj` (see
+    /// [`crate::layout`]).
+    pub fused_projections: bool,
+    /// The leading dims of each head that rotary embedding rotates: head_dim, or
+    /// head_dim * `partial_rotary_factor` (Phi-4-mini: 0.75); the rest pass through.
+    pub rotary_dim: usize,
     pub tie_word_embeddings: bool,
     /// Mistral-style sliding-window attention: a token sees at most this many previous tokens.
     pub sliding_window: Option<usize>,
@@ -113,12 +133,49 @@ impl DecoderConfig {
                 );
                 ("llama3", m)
             }
+            Some(RopeScaling::LongRope {
+                short_factor,
+                long_factor,
+                ..
+            }) => {
+                let mut m = serde_json::Map::new();
+                m.insert("short_factor".into(), short_factor.clone().into());
+                m.insert("long_factor".into(), long_factor.clone().into());
+                ("longrope", m)
+            }
         };
+        // transformers 4.57's Phi3Config takes a `rope_scaling` of exactly `type`,
+        // `short_factor` and `long_factor` (its `_rope_scaling_validation`); the original
+        // context stays the top-level `original_max_position_embeddings` of the source.
+        let legacy_key = if kind == "longrope" {
+            "type"
+        } else {
+            "rope_type"
+        };
+        let mut legacy = params.clone();
+        legacy.insert(legacy_key.into(), kind.into());
         params.insert("rope_type".into(), kind.into());
+        if let Some(RopeScaling::LongRope {
+            original_max_position_embeddings,
+            ..
+        }) = &self.rope_scaling
+        {
+            params.insert(
+                "original_max_position_embeddings".into(),
+                (*original_max_position_embeddings).into(),
+            );
+        }
+        if self.rotary_dim != self.head_dim {
+            let f = obj
+                .get("partial_rotary_factor")
+                .cloned()
+                .unwrap_or_else(|| (self.rotary_dim as f64 / self.head_dim as f64).into());
+            params.insert("partial_rotary_factor".into(), f);
+        }
         obj.insert(
             "rope_scaling".into(),
             if self.rope_scaling.is_some() {
-                params.clone().into()
+                legacy.into()
             } else {
                 serde_json::Value::Null
             },
@@ -297,6 +354,132 @@ mod tests {
                 &["`is_encoder_decoder`"],
             );
         }
+    }
+
+    fn phi3(extra: Value) -> Value {
+        with(
+            base("Phi3ForCausalLM", "phi3"),
+            with(
+                json!({"original_max_position_embeddings": 16, "max_position_embeddings": 256,
+                    "partial_rotary_factor": 0.5}),
+                extra,
+            ),
+        )
+    }
+
+    /// Phi-3's LongRoPE, partial rotary and fused projections, read the same from the 4.57
+    /// layout (`rope_scaling` with `type`, top-level original context and partial factor) and
+    /// the 5.x one (`rope_parameters` holding both); the attention factor is transformers'
+    /// sqrt(1 + ln(256 / 16) / ln(16)) = sqrt(2).
+    #[test]
+    fn phi3_longrope_reads_the_same_from_both_layouts() {
+        // head_dim 16, partial 0.5: 8 rotary dims, 4 factors each
+        let (short, long) = (json!([1.0, 1.1, 1.2, 1.3]), json!([2.0, 3.0, 4.0, 5.0]));
+        let v4 = phi3(json!({"rope_theta": 1e4,
+            "rope_scaling": {"type": "longrope", "short_factor": short, "long_factor": long}}));
+        let v5 = phi3(
+            json!({"rope_parameters": {"rope_type": "longrope", "type": "longrope",
+            "rope_theta": 1e4, "short_factor": short, "long_factor": long,
+            "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5}}),
+        );
+        let su = phi3(json!({"rope_scaling": {"type": "su", "short_factor": short,
+            "long_factor": long}}));
+        let want = RopeScaling::LongRope {
+            short_factor: vec![1.0, 1.1, 1.2, 1.3],
+            long_factor: vec![2.0, 3.0, 4.0, 5.0],
+            original_max_position_embeddings: 16,
+            attention_factor: 2f64.sqrt(),
+        };
+        for (layout, v) in [("v4", &v4), ("v5", &v5), ("su", &su)] {
+            let c = parse(v).unwrap_or_else(|e| panic!("{layout}: {e}"));
+            assert_eq!(c.rope_scaling.as_ref(), Some(&want), "{layout}");
+            assert_eq!((c.head_dim, c.rotary_dim), (16, 8), "{layout}");
+            assert!(
+                c.fused_projections && c.sliding_window.is_none(),
+                "{layout}"
+            );
+            // what tallow writes reads back the same
+            let back = parse(&c.to_hf_json(candle_core::DType::F32)).unwrap();
+            assert_eq!(back.rope_scaling.as_ref(), Some(&want), "{layout} written");
+            assert_eq!(back.rotary_dim, 8, "{layout} written");
+        }
+        // 4.57's Phi3Config takes exactly `type`, `short_factor`, `long_factor`
+        let written = parse(&v5).unwrap().to_hf_json(candle_core::DType::F32);
+        let rs = written["rope_scaling"].as_object().unwrap();
+        let mut keys: Vec<&str> = rs.keys().map(String::as_str).collect();
+        keys.sort();
+        assert_eq!(keys, ["long_factor", "short_factor", "type"]);
+        // max_position_embeddings <= original: no attention factor
+        let same = with(v4.clone(), json!({"max_position_embeddings": 16}));
+        match parse(&same).unwrap().rope_scaling {
+            Some(RopeScaling::LongRope {
+                attention_factor, ..
+            }) => assert_eq!(attention_factor, 1.0),
+            other => panic!("{other:?}"),
+        }
+        // no rope scaling: plain rope on the rotary dims; embd_pdrop is ignored
+        let plain = parse(&phi3(json!({"embd_pdrop": 0.1, "sliding_window": 2047}))).unwrap();
+        assert_eq!((plain.rope_scaling, plain.rotary_dim), (None, 8));
+        assert_eq!(plain.sliding_window, Some(2047));
+    }
+
+    #[test]
+    fn phi3_keys_that_change_the_maths_are_refused_by_name() {
+        let (short, long) = (json!([1.0, 1.1, 1.2, 1.3]), json!([2.0, 3.0, 4.0, 5.0]));
+        let refused = |v: Value, needles: &[&str]| {
+            let e = parse(&v)
+                .err()
+                .unwrap_or_else(|| panic!("{v} was accepted"))
+                .to_string();
+            for n in needles {
+                assert!(e.contains(n), "`{n}` not in: {e}");
+            }
+        };
+        refused(phi3(json!({"resid_pdrop": 0.1})), &["`resid_pdrop`", "0.1"]);
+        refused(
+            phi3(
+                json!({"rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.0],
+                "long_factor": long}}),
+            ),
+            &["`rope_scaling`", "`short_factor` has 2 entries", "needs 4"],
+        );
+        refused(
+            phi3(
+                json!({"rope_scaling": {"type": "longrope", "short_factor": short,
+                "long_factor": long, "attention_factor": 1.5}}),
+            ),
+            &["`rope_scaling`", "`attention_factor`"],
+        );
+        refused(
+            phi3(
+                json!({"rope_parameters": {"rope_type": "longrope", "short_factor": short,
+                "long_factor": long, "original_max_position_embeddings": 32}}),
+            ),
+            &["`rope_parameters`", "32 here and 16 at the top level"],
+        );
+        refused(
+            phi3(json!({"rope_parameters": {"rope_type": "default",
+                "partial_rotary_factor": 0.75}})),
+            &[
+                "`rope_parameters`",
+                "`partial_rotary_factor` 0.75",
+                "0.5 at the top level",
+            ],
+        );
+        refused(
+            phi3(json!({"partial_rotary_factor": 0.3125})), // 5 of 16 dims
+            &["`partial_rotary_factor`", "even"],
+        );
+        refused(phi3(json!({"head_dim": 32})), &["`head_dim`", "Phi-3"]);
+        // LongRoPE and partial rotary are Phi-3's: other families refuse them
+        refused(
+            with(
+                base("LlamaForCausalLM", "llama"),
+                json!({"rope_scaling": {"type": "longrope", "short_factor": short,
+                    "long_factor": long}}),
+            ),
+            &["`rope_scaling`", "`longrope`", "default, llama3, linear"],
+        );
     }
 
     #[test]

@@ -216,10 +216,12 @@ impl CausalLM {
             )));
         }
         let dev = self.device();
+        // LongRoPE: this call's longest position decides short or long factors, as in the
+        // training forward (`generate` recomputes the cache when a generation crosses over).
         let positions = Tensor::arange(past as u32, (past + t) as u32, dev)?
             .unsqueeze(0)?
             .repeat((b, 1))?; // (B, t)
-        let (cos, sin) = ops::rope_tables(&positions, &self.inv_freq, self.dtype())?; // (B, 1, t, D)
+        let (cos, sin) = self.rotary.tables(&positions, past + t, self.dtype())?; // (B, 1, t, Dr)
         let window = self.config.sliding_window;
         // The prompt of an empty cache through chunked attention (nothing t x t); a later chunk
         // of several positions with the (t, L) mask; one position with none.
@@ -420,8 +422,19 @@ pub fn generate(
         let logits = match cache.as_mut() {
             // Prefill: the whole prompt; then the last token only.
             Some(c) => {
-                let new = if step == 0 {
-                    prompt
+                // LongRoPE: once prompt + generated passes the original context while the cache
+                // holds at most that many positions (keys rotated with the short factors), the
+                // cache is dropped and everything recomputed with the long factors, as
+                // transformers' Phi3ForCausalLM.prepare_inputs_for_generation does.
+                let recompute = model
+                    .rotary
+                    .long_after()
+                    .is_some_and(|orig| step > 0 && history.len() > orig && c.len() <= orig);
+                if recompute {
+                    c.reset();
+                }
+                let new = if step == 0 || recompute {
+                    &history[..]
                 } else {
                     &history[history.len() - 1..]
                 };
@@ -474,7 +487,13 @@ mod tests {
     #[test]
     fn cached_logits_match_the_training_forward() {
         let ids: Vec<u32> = vec![5, 17, 99, 3, 250, 8, 41, 77, 12, 199, 64, 2];
-        for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"] {
+        for name in [
+            "tiny-llama",
+            "tiny-qwen2",
+            "tiny-qwen3",
+            "tiny-mistral",
+            "tiny-phi3",
+        ] {
             let model = fixture_model(name);
             let mut cache = KvCache::new(&model, 1, ids.len()).unwrap();
             // Chunks of 5, 1, 3, then 1 at a time: prefill, a decode step, a chunk after it.

@@ -6,8 +6,10 @@
 //! once.
 
 use crate::config::DecoderConfig;
+use crate::error::{ModelError, Result};
 
-/// The seven linear layers of a decoder layer, by their path inside it, in HF's order.
+/// The seven linear layers of a Llama-layout decoder layer (Llama, Qwen, Mistral), by their
+/// path inside it, in HF's order.
 pub const LINEAR_PATHS: [&str; 7] = [
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -15,6 +17,15 @@ pub const LINEAR_PATHS: [&str; 7] = [
     "self_attn.o_proj",
     "mlp.gate_proj",
     "mlp.up_proj",
+    "mlp.down_proj",
+];
+
+/// The four linear layers of a Phi-3 decoder layer (`DecoderConfig::fused_projections`):
+/// `qkv_proj` is q, k and v stacked ((H + 2 KV) D rows), `gate_up_proj` gate and up (2 I rows).
+pub const FUSED_LINEAR_PATHS: [&str; 4] = [
+    "self_attn.qkv_proj",
+    "self_attn.o_proj",
+    "mlp.gate_up_proj",
     "mlp.down_proj",
 ];
 
@@ -41,26 +52,86 @@ pub fn module_name(path: &str) -> &str {
 }
 
 impl DecoderConfig {
-    /// The linears of every decoder layer, in [`LINEAR_PATHS`] order.
-    pub fn layer_linears(&self) -> [LinearSpec; 7] {
+    /// The paths of the linears of every decoder layer: [`LINEAR_PATHS`], or Phi-3's
+    /// [`FUSED_LINEAR_PATHS`].
+    pub fn linear_paths(&self) -> &'static [&'static str] {
+        if self.fused_projections {
+            &FUSED_LINEAR_PATHS
+        } else {
+            &LINEAR_PATHS
+        }
+    }
+
+    /// The linears of every decoder layer, in [`DecoderConfig::linear_paths`] order.
+    pub fn layer_linears(&self) -> Vec<LinearSpec> {
         let (c, i) = (self.hidden_size, self.intermediate_size);
         let q = self.num_attention_heads * self.head_dim;
         let kv = self.num_key_value_heads * self.head_dim;
-        let shapes = [
-            (q, c, self.qkv_bias),
-            (kv, c, self.qkv_bias),
-            (kv, c, self.qkv_bias),
-            (c, q, self.o_bias),
-            (i, c, self.mlp_bias),
-            (i, c, self.mlp_bias),
-            (c, i, self.mlp_bias),
-        ];
-        std::array::from_fn(|k| LinearSpec {
-            path: LINEAR_PATHS[k],
-            out: shapes[k].0,
-            inp: shapes[k].1,
-            bias: shapes[k].2,
-        })
+        let shapes: Vec<(usize, usize, bool)> = if self.fused_projections {
+            vec![
+                (q + 2 * kv, c, self.qkv_bias),
+                (c, q, self.o_bias),
+                (2 * i, c, self.mlp_bias),
+                (c, i, self.mlp_bias),
+            ]
+        } else {
+            vec![
+                (q, c, self.qkv_bias),
+                (kv, c, self.qkv_bias),
+                (kv, c, self.qkv_bias),
+                (c, q, self.o_bias),
+                (i, c, self.mlp_bias),
+                (i, c, self.mlp_bias),
+                (c, i, self.mlp_bias),
+            ]
+        };
+        self.linear_paths()
+            .iter()
+            .zip(shapes)
+            .map(|(path, (out, inp, bias))| LinearSpec {
+                path,
+                out,
+                inp,
+                bias,
+            })
+            .collect()
+    }
+
+    /// The module names LoRA can target on this model (PEFT's names): `q_proj`, ... or Phi-3's
+    /// `qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`.
+    pub fn lora_modules(&self) -> Vec<&'static str> {
+        self.linear_paths().iter().map(|p| module_name(p)).collect()
+    }
+
+    /// The modules of this model that LoRA targets `targets` name, in layer order.
+    ///
+    /// Every name must be a linear of this model, with one exception: the seven Llama-layout
+    /// names together (tallow's default `lora.targets`, and what `"all-linear"` expands to)
+    /// mean every linear layer, which on Phi-3 is its four. A partial list naming q/k/v or
+    /// gate/up separately is refused on Phi-3, naming its modules: it has no separate q_proj,
+    /// and a LoRA on the fused `qkv_proj` is a different adapter from one on q alone. PEFT
+    /// itself errors when a target matches no module.
+    pub fn resolve_lora_targets<S: AsRef<str>>(&self, targets: &[S]) -> Result<Vec<&'static str>> {
+        let mods = self.lora_modules();
+        let names: Vec<&str> = targets.iter().map(AsRef::as_ref).collect();
+        let every_llama = LINEAR_PATHS.iter().all(|p| names.contains(&module_name(p)));
+        if self.fused_projections && every_llama {
+            return Ok(mods);
+        }
+        if let Some(bad) = names.iter().find(|n| !mods.contains(n)) {
+            let fused = if self.fused_projections {
+                " (q/k/v are one fused `qkv_proj` and gate/up one `gate_up_proj`, as PEFT names \
+                 them; \"all-linear\" targets all four)"
+            } else {
+                ""
+            };
+            return Err(ModelError::Invalid(format!(
+                "LoRA target `{bad}` is not a linear layer of this {} model; it has {}{fused}",
+                self.arch.hf_class(),
+                mods.join(", ")
+            )));
+        }
+        Ok(mods.into_iter().filter(|m| names.contains(m)).collect())
     }
 
     /// The norm weights of every decoder layer: (path inside the layer, length).
@@ -120,13 +191,70 @@ impl DecoderConfig {
 
 #[cfg(test)]
 mod tests {
-    use crate::layout::{module_name, LINEAR_PATHS};
-    use crate::peft::LINEAR_MODULES;
+    use crate::config::DecoderConfig;
+    use crate::layout::{module_name, FUSED_LINEAR_PATHS, LINEAR_PATHS};
+    use crate::peft::{FUSED_MODULES, KNOWN_MODULES, LINEAR_MODULES};
 
     /// PEFT's target names are the module part of the layout's paths, in the same order.
     #[test]
     fn peft_modules_are_the_layout_linears() {
         let m: Vec<&str> = LINEAR_PATHS.iter().map(|p| module_name(p)).collect();
         assert_eq!(m, LINEAR_MODULES);
+        let f: Vec<&str> = FUSED_LINEAR_PATHS.iter().map(|p| module_name(p)).collect();
+        assert_eq!(f, FUSED_MODULES);
+        for name in LINEAR_MODULES.iter().chain(&FUSED_MODULES) {
+            assert!(KNOWN_MODULES.contains(name), "{name}");
+        }
+    }
+
+    fn phi3() -> DecoderConfig {
+        let text = include_str!("../../../benchmarks/models/phi-3.5-mini-instruct.json");
+        DecoderConfig::from_json_str(text, std::path::Path::new("phi3.json")).unwrap()
+    }
+
+    /// Phi-3's fused shapes: qkv_proj (H + 2 KV) D rows, gate_up_proj 2 I rows; its parameter
+    /// count is Phi-3.5-mini's published 3.82 B.
+    #[test]
+    fn phi3_layout_has_the_fused_projections() {
+        let c = phi3();
+        let l = c.layer_linears();
+        let got: Vec<(&str, usize, usize)> = l.iter().map(|s| (s.path, s.out, s.inp)).collect();
+        assert_eq!(
+            got,
+            vec![
+                ("self_attn.qkv_proj", 3 * 3072, 3072),
+                ("self_attn.o_proj", 3072, 3072),
+                ("mlp.gate_up_proj", 2 * 8192, 3072),
+                ("mlp.down_proj", 3072, 8192),
+            ]
+        );
+        assert_eq!(c.num_params(), 3_821_079_552);
+    }
+
+    /// All seven Llama names (the default, "all-linear") mean Phi-3's four; a partial list of
+    /// unfused names is refused, naming the fused ones.
+    #[test]
+    fn phi3_lora_targets() {
+        let c = phi3();
+        assert_eq!(
+            c.resolve_lora_targets(&LINEAR_MODULES).unwrap(),
+            FUSED_MODULES.to_vec()
+        );
+        assert_eq!(
+            c.resolve_lora_targets(&["down_proj", "qkv_proj"]).unwrap(),
+            vec!["qkv_proj", "down_proj"]
+        );
+        let e = c
+            .resolve_lora_targets(&["q_proj", "v_proj"])
+            .unwrap_err()
+            .to_string();
+        for n in [
+            "`q_proj`",
+            "Phi3ForCausalLM",
+            "qkv_proj, o_proj, gate_up_proj, down_proj",
+        ] {
+            assert!(e.contains(n), "{n} not in {e}");
+        }
+        assert!(c.resolve_lora_targets(&["gate_proj"]).is_err());
     }
 }

@@ -1,6 +1,6 @@
 //! The decoder-only causal LM shared by the Llama, Qwen2 and Qwen3 families: written once, with
-//! the family differences (biases, qk-norm, head_dim, rope scaling, tying) taken from
-//! [`DecoderConfig`]. Tensor names follow the HF safetensors keys (`model.layers.0.self_attn.q_proj.weight`).
+//! the family differences (biases, qk-norm, head_dim, rope scaling, tying, Phi-3's fused
+//! projections and partial rotary) taken from [`DecoderConfig`]. Tensor names follow the HF safetensors keys (`model.layers.0.self_attn.q_proj.weight`).
 //!
 //! This is training code: the forward is cache-free, returns every position, and every op has a
 //! backward. Inference with a key/value cache reuses these layers from [`crate::generate`]. Shape legend: B = batch, T = time, C = hidden size, H = heads, KV = key/value heads,
@@ -12,9 +12,9 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 
 use crate::checkpointing::Checkpointing;
-use crate::config::DecoderConfig;
+use crate::config::{DecoderConfig, RopeScaling};
 use crate::error::{ModelError, Result};
-use crate::layout::{LinearSpec, LINEAR_PATHS};
+use crate::layout::LinearSpec;
 use crate::linear::{adapter_input, Base, Linear, Param};
 use crate::no_grad::enter;
 use crate::ops;
@@ -54,12 +54,24 @@ impl LoadOptions {
     }
 }
 
+/// The query, key and value projections: three linears (Llama, Qwen, Mistral), or one fused
+/// `qkv_proj` whose output is q, then k, then v (Phi-3).
+#[derive(Clone)]
+pub enum QkvProj {
+    Separate {
+        q_proj: Linear,
+        k_proj: Linear,
+        v_proj: Linear,
+    },
+    Fused {
+        qkv_proj: Linear,
+    },
+}
+
 /// Multi-head self-attention with grouped-query heads and rotary embedding.
 #[derive(Clone)]
 pub struct Attention {
-    pub q_proj: Linear,
-    pub k_proj: Linear,
-    pub v_proj: Linear,
+    pub qkv: QkvProj,
     pub o_proj: Linear,
     /// Qwen3: RMSNorm over D on each q / k head.
     pub q_norm: Option<Param>,
@@ -67,6 +79,8 @@ pub struct Attention {
     pub(crate) num_heads: usize,
     pub(crate) num_kv_heads: usize,
     pub(crate) head_dim: usize,
+    /// The leading dims of each head that rotate (`DecoderConfig::rotary_dim`).
+    pub(crate) rotary_dim: usize,
     pub(crate) eps: f64,
 }
 
@@ -74,7 +88,8 @@ impl Attention {
     /// x: (B, T, C), cos/sin: (B, 1, T, D), mask: (B, 1, T, T) -> (B, T, C)
     /// Projections, qk-norm (Qwen3) and rotary embedding of the queries and keys: what the
     /// training forward and the cached (generation) forward share.
-    /// x: (B, T, C), cos/sin: (B, 1, T, D) -> q (B, H, T, D), k and v (B, KV, T, D)
+    /// x: (B, T, C), cos/sin: (B, 1, T, Dr) (Dr = rotary dim) -> q (B, H, T, D), k and v
+    /// (B, KV, T, D)
     pub(crate) fn qkv(
         &self,
         x: &Tensor,
@@ -83,12 +98,34 @@ impl Attention {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
         let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        // x in f32 once for the three adapters (bf16 models), not once per projection.
-        let xa = adapter_input(&[&self.q_proj, &self.k_proj, &self.v_proj], x)?;
-        let xa = xa.as_ref();
-        let q = self.q_proj.forward_with(x, xa)?.reshape((b, t, h, d))?; // (B, T, H, D)
-        let k = self.k_proj.forward_with(x, xa)?.reshape((b, t, kv, d))?; // (B, T, KV, D)
-        let v = self.v_proj.forward_with(x, xa)?.reshape((b, t, kv, d))?;
+        let (q, k, v) = match &self.qkv {
+            QkvProj::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => {
+                // x in f32 once for the three adapters (bf16 models), not once per projection.
+                let xa = adapter_input(&[q_proj, k_proj, v_proj], x)?;
+                let xa = xa.as_ref();
+                (
+                    q_proj.forward_with(x, xa)?,
+                    k_proj.forward_with(x, xa)?,
+                    v_proj.forward_with(x, xa)?,
+                )
+            }
+            QkvProj::Fused { qkv_proj } => {
+                // One matmul (and one adapter) for the three; split as Phi3Attention slices it.
+                let qkv = qkv_proj.forward(x)?; // (B, T, (H + 2 KV) D)
+                (
+                    qkv.narrow(2, 0, h * d)?,             // (B, T, H D)
+                    qkv.narrow(2, h * d, kv * d)?,        // (B, T, KV D)
+                    qkv.narrow(2, (h + kv) * d, kv * d)?, // (B, T, KV D)
+                )
+            }
+        };
+        let q = q.reshape((b, t, h, d))?; // (B, T, H, D)
+        let k = k.reshape((b, t, kv, d))?; // (B, T, KV, D)
+        let v = v.reshape((b, t, kv, d))?;
         let (q, k) = match (&self.q_norm, &self.k_norm) {
             (Some(qn), Some(kn)) => (
                 ops::rms_norm(&q, &enter(qn.tensor()), self.eps)?,
@@ -99,10 +136,27 @@ impl Attention {
         // Heads moved in front of time by the rotary op itself (one pass on the CPU). The
         // attention scale 1/sqrt(D) is folded into q's rotary embedding (no extra tensor), so
         // the graph keeps no unscaled (B, H, T, T) scores.
-        let q = ops::rope_heads(&q, cos, sin, 1.0 / (d as f64).sqrt())?; // (B, H, T, D)
-        let k = ops::rope_heads(&k, cos, sin, 1.0)?; // (B, KV, T, D)
+        let q = self.rope(&q, cos, sin, 1.0 / (d as f64).sqrt())?; // (B, H, T, D)
+        let k = self.rope(&k, cos, sin, 1.0)?; // (B, KV, T, D)
         let v = v.transpose(1, 2)?.contiguous()?; // (B, KV, T, D)
         Ok((q, k, v))
+    }
+
+    /// Rotary embedding of the first `rotary_dim` dims of each head, the rest passed through
+    /// (transformers' `apply_rotary_pos_emb` with a partial table), heads moved in front of
+    /// time, all of it times `scale`.
+    /// x: (B, T, N, D), cos/sin: (B, 1, T, Dr) -> (B, N, T, D)
+    fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, scale: f64) -> Result<Tensor> {
+        let (d, r) = (self.head_dim, self.rotary_dim);
+        if r == d {
+            return ops::rope_heads(x, cos, sin, scale);
+        }
+        let rot = ops::rope_heads(&x.narrow(3, 0, r)?.contiguous()?, cos, sin, scale)?; // (B, N, T, Dr)
+        let mut pass = x.narrow(3, r, d - r)?.transpose(1, 2)?; // (B, N, T, D - Dr)
+        if scale != 1.0 {
+            pass = (pass * scale)?;
+        }
+        Ok(Tensor::cat(&[&rot, &pass], 3)?) // (B, N, T, D)
     }
 
     fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Mask) -> Result<Tensor> {
@@ -129,20 +183,41 @@ impl Attention {
     }
 }
 
+/// The gate and up projections: two linears, or one fused `gate_up_proj` whose output is
+/// gate, then up (Phi-3, as `Phi3MLP` chunks it).
+#[derive(Clone)]
+pub enum GateUpProj {
+    Separate { gate_proj: Linear, up_proj: Linear },
+    Fused { gate_up_proj: Linear },
+}
+
 /// SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
 #[derive(Clone)]
 pub struct Mlp {
-    pub gate_proj: Linear,
-    pub up_proj: Linear,
+    pub gate_up: GateUpProj,
     pub down_proj: Linear,
 }
 
 impl Mlp {
     /// x: (B, T, C) -> (B, T, C), through (B, T, I)
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let xa = adapter_input(&[&self.gate_proj, &self.up_proj], x)?; // one f32 copy of x
-        let g = self.gate_proj.forward_with(x, xa.as_ref())?;
-        let u = self.up_proj.forward_with(x, xa.as_ref())?;
+        let (g, u) = match &self.gate_up {
+            GateUpProj::Separate { gate_proj, up_proj } => {
+                let xa = adapter_input(&[gate_proj, up_proj], x)?; // one f32 copy of x
+                (
+                    gate_proj.forward_with(x, xa.as_ref())?,
+                    up_proj.forward_with(x, xa.as_ref())?,
+                )
+            }
+            GateUpProj::Fused { gate_up_proj } => {
+                let gu = gate_up_proj.forward(x)?; // (B, T, 2 I)
+                let i = gu.dim(2)? / 2;
+                (
+                    gu.narrow(2, 0, i)?.contiguous()?, // (B, T, I), gate
+                    gu.narrow(2, i, i)?.contiguous()?, // (B, T, I), up
+                )
+            }
+        };
         self.down_proj.forward(&ops::swiglu(&g, &u)?)
     }
 }
@@ -201,42 +276,67 @@ impl DecoderLayer {
         Ok((x + self.mlp.forward(&h)?)?)
     }
 
-    /// Every linear layer of this block with its path relative to the layer
-    /// ([`LINEAR_PATHS`], HF's names: `self_attn.q_proj`, ...).
+    /// Every linear layer of this block with its path relative to the layer, in the order of
+    /// `DecoderConfig::layer_linears` (HF's names: `self_attn.q_proj`, ..., or Phi-3's
+    /// `self_attn.qkv_proj`, ...).
     pub fn linears(&self) -> Vec<(&'static str, &Linear)> {
         let (a, m) = (&self.self_attn, &self.mlp);
-        let l = [
-            &a.q_proj,
-            &a.k_proj,
-            &a.v_proj,
-            &a.o_proj,
-            &m.gate_proj,
-            &m.up_proj,
-            &m.down_proj,
-        ];
-        LINEAR_PATHS.into_iter().zip(l).collect()
+        let mut v: Vec<(&'static str, &Linear)> = match &a.qkv {
+            QkvProj::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => vec![
+                ("self_attn.q_proj", q_proj),
+                ("self_attn.k_proj", k_proj),
+                ("self_attn.v_proj", v_proj),
+            ],
+            QkvProj::Fused { qkv_proj } => vec![("self_attn.qkv_proj", qkv_proj)],
+        };
+        v.push(("self_attn.o_proj", &a.o_proj));
+        match &m.gate_up {
+            GateUpProj::Separate { gate_proj, up_proj } => {
+                v.push(("mlp.gate_proj", gate_proj));
+                v.push(("mlp.up_proj", up_proj));
+            }
+            GateUpProj::Fused { gate_up_proj } => v.push(("mlp.gate_up_proj", gate_up_proj)),
+        }
+        v.push(("mlp.down_proj", &m.down_proj));
+        v
     }
 
     /// [`DecoderLayer::linears`], mutable (for attaching adapters).
     pub fn linears_mut(&mut self) -> Vec<(&'static str, &mut Linear)> {
         let (a, m) = (&mut self.self_attn, &mut self.mlp);
-        let l = [
-            &mut a.q_proj,
-            &mut a.k_proj,
-            &mut a.v_proj,
-            &mut a.o_proj,
-            &mut m.gate_proj,
-            &mut m.up_proj,
-            &mut m.down_proj,
-        ];
-        LINEAR_PATHS.into_iter().zip(l).collect()
+        let mut v: Vec<(&'static str, &mut Linear)> = match &mut a.qkv {
+            QkvProj::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => vec![
+                ("self_attn.q_proj", q_proj),
+                ("self_attn.k_proj", k_proj),
+                ("self_attn.v_proj", v_proj),
+            ],
+            QkvProj::Fused { qkv_proj } => vec![("self_attn.qkv_proj", qkv_proj)],
+        };
+        v.push(("self_attn.o_proj", &mut a.o_proj));
+        match &mut m.gate_up {
+            GateUpProj::Separate { gate_proj, up_proj } => {
+                v.push(("mlp.gate_proj", gate_proj));
+                v.push(("mlp.up_proj", up_proj));
+            }
+            GateUpProj::Fused { gate_up_proj } => v.push(("mlp.gate_up_proj", gate_up_proj)),
+        }
+        v.push(("mlp.down_proj", &mut m.down_proj));
+        v
     }
 }
 
 /// The per-batch inputs every layer shares: rotary tables and the additive attention mask.
 #[derive(Clone)]
 pub struct RopeMask {
-    /// (B, 1, T, D)
+    /// (B, 1, T, Dr), Dr = rotary dim
     pub cos: Tensor,
     pub sin: Tensor,
     pub mask: Mask,
@@ -252,13 +352,117 @@ pub struct CausalLM {
     pub norm: Param,
     /// (V, C); None when tied to `embed_tokens`.
     pub lm_head: Option<Param>,
-    pub(crate) inv_freq: Vec<f32>,
+    pub(crate) rotary: Rotary,
     dtype: DType,
     device: Device,
     /// Activation checkpointing, when on (see [`crate::checkpointing`]).
     checkpointing: Option<Checkpointing>,
     /// How the training / eval forward computes attention (`model.attention`).
     pub attention: AttentionImpl,
+}
+
+/// The rotary frequencies of a model, and with LongRoPE the long ones and the scale of cos / sin.
+#[derive(Clone, Debug)]
+pub(crate) struct Rotary {
+    /// Dr / 2 frequencies (with LongRoPE: the short factors').
+    inv_freq: Vec<f32>,
+    /// LongRoPE: (original context, the long factors' frequencies).
+    long: Option<(usize, Vec<f32>)>,
+    /// LongRoPE's attention factor on cos / sin; 1 otherwise.
+    mscale: f64,
+}
+
+impl Rotary {
+    fn new(c: &DecoderConfig) -> Self {
+        let long = match &c.rope_scaling {
+            Some(RopeScaling::LongRope {
+                long_factor,
+                original_max_position_embeddings,
+                attention_factor,
+                ..
+            }) => Some((
+                (*original_max_position_embeddings, *attention_factor),
+                ops::longrope_inv_freq(c.rotary_dim, c.rope_theta, long_factor),
+            )),
+            _ => None,
+        };
+        Self {
+            inv_freq: ops::rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling.as_ref()),
+            mscale: long.as_ref().map_or(1.0, |((_, a), _)| *a),
+            long: long.map(|((n, _), f)| (n, f)),
+        }
+    }
+
+    /// The tables for the positions of one sequence of `seq_len` positions (its largest
+    /// position + 1). With LongRoPE the long factors when seq_len > the original context, else
+    /// the short ones: transformers' `dynamic_rope_update` (4.57 and 5.x alike) decides from
+    /// max(position_ids) + 1 of the forward call.
+    /// positions: (B, T) -> cos, sin: (B, 1, T, Dr)
+    pub(crate) fn tables(
+        &self,
+        positions: &Tensor,
+        seq_len: usize,
+        dtype: DType,
+    ) -> Result<(Tensor, Tensor)> {
+        let inv = match &self.long {
+            Some((original, long)) if seq_len > *original => long,
+            _ => &self.inv_freq,
+        };
+        ops::rope_tables_scaled(positions, inv, self.mscale, dtype)
+    }
+
+    /// The tables of a batch whose rows hold the sequences `segments` marks. With LongRoPE each
+    /// sequence (a run of one segment id) takes the short or long factors by its own length, so
+    /// a row gives what transformers gives it run alone (the parity fixtures' rows), whatever
+    /// it is padded or packed with. (transformers decides once per call from the whole batch's
+    /// max(position_ids) + 1, so its padded or packed batches mix lengths; the trainer marks
+    /// padding as a segment of its own, `tallow_trainer::batch`.)
+    /// positions: (B, T) -> cos, sin: (B, 1, T, Dr)
+    pub(crate) fn tables_for_segments(
+        &self,
+        positions: &Tensor,
+        segments: &[Vec<u32>],
+        dtype: DType,
+    ) -> Result<(Tensor, Tensor)> {
+        let Some((original, _)) = &self.long else {
+            return self.tables(positions, 0, dtype);
+        };
+        // 1 where a token's sequence is longer than the original context, by row.
+        let long: Vec<Vec<f32>> = segments
+            .iter()
+            .map(|row| {
+                row.chunk_by(|a, b| a == b)
+                    .flat_map(|run| {
+                        let flag = if run.len() > *original { 1f32 } else { 0f32 };
+                        std::iter::repeat_n(flag, run.len())
+                    })
+                    .collect()
+            })
+            .collect();
+        let all = |v: f32| long.iter().flatten().all(|&x| x == v);
+        let t = segments.first().map_or(0, Vec::len);
+        if all(0.0) {
+            return self.tables(positions, 0, dtype);
+        }
+        if all(1.0) {
+            return self.tables(positions, original + 1, dtype);
+        }
+        let (cs, ss) = self.tables(positions, 0, dtype)?; // (B, 1, T, Dr)
+        let (cl, sl) = self.tables(positions, original + 1, dtype)?;
+        let flat: Vec<f32> = long.into_iter().flatten().collect();
+        let m = Tensor::from_vec(flat, (segments.len(), 1, t, 1), positions.device())?
+            .to_dtype(dtype)?; // (B, 1, T, 1)
+        let pick = |short: &Tensor, long: &Tensor| -> Result<Tensor> {
+            Ok((short.broadcast_mul(&(1.0 - &m)?)? + long.broadcast_mul(&m)?)?)
+        };
+        Ok((pick(&cs, &cl)?, pick(&ss, &sl)?))
+    }
+
+    /// LongRoPE's original context: a cached generation that grows past it is recomputed with
+    /// the long factors (`crate::generate`).
+    pub(crate) fn long_after(&self) -> Option<usize> {
+        self.long.as_ref().map(|(n, _)| *n)
+    }
 }
 
 /// `model.attention`: how the full-sequence forward computes attention.
@@ -349,19 +553,26 @@ impl CausalLM {
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            // The seven linears in LINEAR_PATHS order (crate::layout).
+            // The linears in `layer_linears` order (crate::layout): seven, or Phi-3's four.
             let mut lins = c
                 .layer_linears()
                 .iter()
                 .map(|s| linear(&format!("{p}.{}", s.path), s))
                 .collect::<Result<Vec<_>>>()?
                 .into_iter();
-            let mut next = || lins.next().expect("seven linears");
+            let mut next = || lins.next().expect("the layout's linears");
             let norm = |n: &str| param(&format!("{p}.{n}"), &[d]);
+            let qkv = if c.fused_projections {
+                QkvProj::Fused { qkv_proj: next() }
+            } else {
+                QkvProj::Separate {
+                    q_proj: next(),
+                    k_proj: next(),
+                    v_proj: next(),
+                }
+            };
             let self_attn = Attention {
-                q_proj: next(),
-                k_proj: next(),
-                v_proj: next(),
+                qkv,
                 o_proj: next(),
                 q_norm: c
                     .qk_norm
@@ -374,11 +585,21 @@ impl CausalLM {
                 num_heads: c.num_attention_heads,
                 num_kv_heads: c.num_key_value_heads,
                 head_dim: d,
+                rotary_dim: c.rotary_dim,
                 eps: c.rms_norm_eps,
             };
+            let gate_up = if c.fused_projections {
+                GateUpProj::Fused {
+                    gate_up_proj: next(),
+                }
+            } else {
+                GateUpProj::Separate {
+                    gate_proj: next(),
+                    up_proj: next(),
+                }
+            };
             let mlp = Mlp {
-                gate_proj: next(),
-                up_proj: next(),
+                gate_up,
                 down_proj: next(),
             };
             layers.push(DecoderLayer {
@@ -399,7 +620,7 @@ impl CausalLM {
             Some(param("lm_head.weight", &[c.vocab_size, hs])?)
         };
         Ok(Self {
-            inv_freq: ops::rope_inv_freq(d, c.rope_theta, c.rope_scaling.as_ref()),
+            rotary: Rotary::new(c),
             embed_tokens,
             layers,
             norm: param("model.norm.weight", &[hs])?,
@@ -475,7 +696,9 @@ impl CausalLM {
             )));
         }
         let positions = ops::positions_from_segments(segments, &self.device)?; // (B, T)
-        let (cos, sin) = ops::rope_tables(&positions, &self.inv_freq, self.dtype)?;
+        let (cos, sin) = self
+            .rotary
+            .tables_for_segments(&positions, segments, self.dtype)?; // (B, 1, T, Dr)
         let window = self.config.sliding_window;
         let mask = match self.attention {
             AttentionImpl::Eager => Mask::Dense(ops::attention_mask(

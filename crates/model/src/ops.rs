@@ -293,13 +293,41 @@ pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: Option<&RopeScaling>)
                 })
                 .collect()
         }
+        // The short factors: transformers' table for sequences within the original context
+        // (the long one is [`longrope_inv_freq`] with `long_factor`).
+        Some(RopeScaling::LongRope { short_factor, .. }) => {
+            return longrope_inv_freq(head_dim, theta, short_factor)
+        }
     };
     scaled.into_iter().map(|f| f as f32).collect()
 }
 
 /// cos and sin tables for the given positions, computed in f32 and cast to `dtype` (as HF does).
 /// positions: (B, T) u32 -> cos, sin: (B, 1, T, D)
+/// LongRoPE frequencies (transformers' `_compute_longrope_parameters`): the default ones of a
+/// `dim`-wide rotary table, each divided by its factor (`factors`: dim / 2 entries).
+pub fn longrope_inv_freq(dim: usize, theta: f64, factors: &[f64]) -> Vec<f32> {
+    (0..dim)
+        .step_by(2)
+        .zip(factors)
+        .map(|(i, f)| (1.0 / (f * theta.powf(i as f64 / dim as f64))) as f32)
+        .collect()
+}
+
+/// [`rope_tables_scaled`] with no scale on cos / sin.
 pub fn rope_tables(positions: &Tensor, inv_freq: &[f32], dtype: DType) -> Result<(Tensor, Tensor)> {
+    rope_tables_scaled(positions, inv_freq, 1.0, dtype)
+}
+
+/// Rotary tables with cos and sin multiplied by `mscale` in f32 before the cast (LongRoPE's
+/// attention factor, as transformers' `Phi3RotaryEmbedding.forward`).
+/// positions: (B, T) -> cos, sin: (B, 1, T, 2 * inv_freq.len())
+pub fn rope_tables_scaled(
+    positions: &Tensor,
+    inv_freq: &[f32],
+    mscale: f64,
+    dtype: DType,
+) -> Result<(Tensor, Tensor)> {
     let device = positions.device();
     let (b, t) = positions.dims2()?;
     let half = inv_freq.len();
@@ -313,8 +341,13 @@ pub fn rope_tables(positions: &Tensor, inv_freq: &[f32], dtype: DType) -> Result
     let pos = positions.to_dtype(DType::F32)?.reshape((b, t, 1))?;
     let freqs = pos.broadcast_mul(&inv)?; // (B, T, D/2)
     let emb = Tensor::cat(&[&freqs, &freqs], D::Minus1)?; // (B, T, D)
-    let cos = emb.cos()?.to_dtype(dtype)?.unsqueeze(1)?; // (B, 1, T, D)
-    let sin = emb.sin()?.to_dtype(dtype)?.unsqueeze(1)?;
+    let (mut cos, mut sin) = (emb.cos()?, emb.sin()?);
+    if mscale != 1.0 {
+        cos = (cos * mscale)?;
+        sin = (sin * mscale)?;
+    }
+    let cos = cos.to_dtype(dtype)?.unsqueeze(1)?; // (B, 1, T, D)
+    let sin = sin.to_dtype(dtype)?.unsqueeze(1)?;
     Ok((cos, sin))
 }
 

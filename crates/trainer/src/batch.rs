@@ -73,7 +73,7 @@ pub struct Batch {
     /// (B, T) u32
     pub input_ids: Tensor,
     pub targets: Targets,
-    /// B rows of T segment ids, when any row is packed.
+    /// B rows of T segment ids, when any row is packed or padded (padding: `u32::MAX`).
     pub segments: Option<Vec<Vec<u32>>>,
     /// Real (non-padding) tokens in the batch.
     pub tokens: usize,
@@ -103,7 +103,13 @@ impl Batch {
             tgt.push(tg);
             segs.push(sg);
         }
-        let packed = rows.iter().any(|r| r.segments.iter().any(|&s| s != 0));
+        // Segment ids go to the model when rows are packed or padded: padding is a segment of its
+        // own, so a LongRoPE model (Phi-3) picks each row's rotary factors by the row's own
+        // length (`tallow_model` `Rotary::tables_for_segments`). Real tokens never attend to
+        // padding either way (it comes after them).
+        let packed = rows
+            .iter()
+            .any(|r| r.segments.iter().any(|&s| s != 0) || r.ids.len() < t);
         let flat: Vec<u32> = ids.iter().flatten().copied().collect();
         Ok(Self {
             input_ids: Tensor::from_vec(flat, (rows.len(), t), device)?,
@@ -143,5 +149,16 @@ mod tests {
         assert_eq!(b.tokens, 7);
         assert_eq!(b.targets.count, 2 + 1 + 1);
         assert!(b.segments.is_some());
+    }
+
+    /// Padding is marked as a segment of its own (rows of one length need no ids).
+    #[test]
+    fn batch_marks_padding() {
+        let (a, b) = (Row::from(&ex(3)), Row::from(&ex(2)));
+        let padded = Batch::from_rows(&[&a, &b], 0, &Device::Cpu).unwrap();
+        let segs = padded.segments.unwrap();
+        assert_eq!(segs, vec![vec![0, 0, 0], vec![0, 0, u32::MAX]]);
+        let even = Batch::from_rows(&[&a, &a], 0, &Device::Cpu).unwrap();
+        assert!(even.segments.is_none());
     }
 }

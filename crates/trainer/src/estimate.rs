@@ -178,7 +178,7 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> LayerHalve
     let (h, kv) = (m.num_attention_heads, m.num_key_value_heads);
     let (q, kvd) = (h * d, kv * d);
     let lora = cfg.train.method == Method::Lora;
-    let targets = cfg.lora.targets();
+    let targets = lora_targets(m, cfg);
     let r = cfg.lora.rank;
     let dropout = lora && cfg.lora.dropout > 0.0;
     // One linear: its output (base matmul, + bias), and with LoRA: x cast to f32 (unless
@@ -206,10 +206,30 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> LayerHalve
         let cast_once = if shared { cast(4 * ls[0].inp) } else { 0 };
         cast_once + ls.iter().map(|l| linear(l, shared)).sum::<usize>()
     };
-    let [lq, lk, lv, lo, lg, lu, ld] = m.layer_linears();
+    let ls = m.layer_linears();
+    // (q, k, v), o, (gate, up), down: Phi-3's fused linears are one-element groups.
+    let (lqkv, lo, lgu, ld) = if m.fused_projections {
+        (vec![&ls[0]], &ls[1], vec![&ls[2]], &ls[3])
+    } else {
+        (
+            vec![&ls[0], &ls[1], &ls[2]],
+            &ls[3],
+            vec![&ls[4], &ls[5]],
+            &ls[6],
+        )
+    };
     let mut attn = 0;
     attn += s * c; // input_layernorm output
-    attn += group(&[&lq, &lk, &lv]);
+    attn += group(&lqkv);
+    if m.fused_projections {
+        // q, k, v copied out of the fused output (a reshape of a narrow), each kept by the op
+        // that reads it
+        attn += s * (q + 2 * kvd);
+    }
+    if m.rotary_dim != d {
+        // partial rotary: the rotated dims of q and k copied out, and q's scaled pass-through
+        attn += s * (h + kv) * m.rotary_dim + s * h * (d - m.rotary_dim);
+    }
     if m.qk_norm {
         attn += s * (q + kvd); // q_norm, k_norm outputs
     }
@@ -220,13 +240,16 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> LayerHalve
     // (grouped-query heads share their kv head in the matmuls: no repeat_kv copies)
     attn += s * q; // probs · v
     attn += s * q; // transpose back, contiguous
-    attn += linear(&lo, false);
+    attn += linear(lo, false);
     attn += s * c; // residual add
     let mut mlp = 0;
     mlp += s * c; // post_attention_layernorm output
-                  // gate, up; silu and silu(gate) * up (fused: one SwiGLU output)
-    mlp += group(&[&lg, &lu]) + if fused { 1 } else { 2 } * s * m.intermediate_size;
-    mlp += linear(&ld, false);
+    if m.fused_projections {
+        mlp += 2 * s * m.intermediate_size; // gate, up copied out of gate_up_proj's output
+    }
+    // gate, up; silu and silu(gate) * up (fused: one SwiGLU output)
+    mlp += group(&lgu) + if fused { 1 } else { 2 } * s * m.intermediate_size;
+    mlp += linear(ld, false);
     mlp += s * c; // residual add
     let per_score = if cfg.model.attention == Attention::Chunked {
         // Chunked attention (`tallow_model::chunked`) keeps its output (counted above as
@@ -423,12 +446,23 @@ fn grad_detail(cfg: &TrainConfig, phase: &str) -> String {
     }
 }
 
+/// The modules `lora.targets` wraps on this model (`DecoderConfig::resolve_lora_targets`: on
+/// Phi-3 the seven Llama names are its four fused ones); names the model lacks (refused when
+/// training starts) wrap nothing.
+fn lora_targets(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<&'static str> {
+    let names = cfg.lora.targets();
+    m.resolve_lora_targets(&names).unwrap_or_else(|_| {
+        let mods = m.lora_modules();
+        mods.into_iter().filter(|x| names.contains(x)).collect()
+    })
+}
+
 /// Trainable parameters: LoRA factors, or every weight.
 pub fn trainable_params(m: &DecoderConfig, cfg: &TrainConfig) -> u64 {
     match cfg.train.method {
         Method::Full => m.num_params() as u64,
         Method::Lora => {
-            let targets = cfg.lora.targets();
+            let targets = lora_targets(m, cfg);
             let per_layer: usize = m
                 .layer_linears()
                 .iter()
@@ -443,7 +477,7 @@ pub fn trainable_params(m: &DecoderConfig, cfg: &TrainConfig) -> u64 {
 /// Every parameter tensor's element count, for the optimizer state and update temporaries.
 fn param_tensors(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize> {
     let mut v = Vec::new();
-    let targets = cfg.lora.targets();
+    let targets = lora_targets(m, cfg);
     for _ in 0..m.num_hidden_layers {
         for l in m.layer_linears() {
             match cfg.train.method {
@@ -502,7 +536,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let dora = !full && cfg.lora.dora;
     // DoRA keeps ||W_i||² per output row of each adapted linear (f32, computed once).
     let dora_norms = if dora {
-        let targets = cfg.lora.targets();
+        let targets = lora_targets(m, cfg);
         let outs: usize = m
             .layer_linears()
             .iter()
@@ -550,7 +584,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
                     "{} r{} on {}, {tp} parameters in f32",
                     if dora { "DoRA" } else { "LoRA" },
                     cfg.lora.rank,
-                    cfg.lora.targets().join(",")
+                    lora_targets(m, cfg).join(",")
                 ),
             ),
         )

@@ -51,7 +51,8 @@ pub fn evaluate(
         let refs: Vec<&Example> = chunk.iter().collect();
         let batch = Batch::new(&refs, pad_id, model.device())?;
         let nll = no_grad(|| {
-            let hidden = model.forward_hidden(&batch.input_ids, None)?; // (B, T, C)
+            // padding marked (a LongRoPE model picks each row's factors by its own length)
+            let hidden = model.forward_hidden(&batch.input_ids, batch.segments.as_deref())?; // (B, T, C)
             let head = no_grad::enter(model.lm_head_weight()); // (V, C)
             lm_head_nll(&hidden, &head, &batch.targets) // () summed over targets
         })?;

@@ -9,7 +9,13 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use tallow_trainer::{load_jsonl, DataOptions, Format, Message, TextTokenizer};
 
-const MODELS: [&str; 4] = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"];
+const MODELS: [&str; 5] = [
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-mistral",
+    "tiny-phi3",
+];
 const FORMATS: [Format; 3] = [Format::Text, Format::PromptCompletion, Format::Messages];
 
 fn fixtures() -> PathBuf {

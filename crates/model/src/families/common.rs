@@ -68,6 +68,26 @@ pub struct FamilyShape {
     pub sliding_window: Option<usize>,
 }
 
+/// What a family adds beyond the Llama layout (`Family::extras`; none by default): Phi-3's
+/// fused projections, its partial rotary embedding and LongRoPE's original context.
+#[derive(Debug, Clone, Default)]
+pub struct FamilyExtras {
+    /// q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj`.
+    pub fused_projections: bool,
+    /// The rotary settings the family reads beyond the shared ones; None: a whole-head rotary
+    /// table of the shared types only (default, llama3, linear).
+    pub rope: Option<RopeExtras>,
+}
+
+/// A family's top-level rotary keys that transformers 5 also keeps in `rope_parameters`.
+#[derive(Debug, Clone, Copy)]
+pub struct RopeExtras {
+    /// `partial_rotary_factor` (top level; 1.0 when absent).
+    pub partial_rotary_factor: f64,
+    /// `original_max_position_embeddings` (top level), LongRoPE's pretraining context.
+    pub original_max_position_embeddings: Option<usize>,
+}
+
 impl CommonKeys {
     /// Checks the shared keys and builds the decoder's config with the family's `shape`.
     /// `family` names it in messages.
@@ -76,6 +96,7 @@ impl CommonKeys {
         arch: Arch,
         family: &str,
         shape: FamilyShape,
+        extras: FamilyExtras,
         path: &Path,
     ) -> Result<DecoderConfig> {
         check_act(&self.hidden_act, path)?;
@@ -89,14 +110,26 @@ impl CommonKeys {
             family,
             path,
         )?;
-        let (rope_theta, rope_scaling) = rope(
+        let max_position_embeddings = self
+            .max_position_embeddings
+            .unwrap_or(shape.max_position_embeddings);
+        let ctx = RopeContext {
+            extras: extras.rope,
+            max_position_embeddings,
+        };
+        let (rope_theta, rope_scaling, partial) = rope(
             self.rope_theta,
             &self.rope_scaling,
             &self.rope_parameters,
             &types,
             DEFAULT_THETA,
+            &ctx,
             path,
         )?;
+        let head_dim = shape
+            .head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads);
+        let rotary_dim = rotary_dim(head_dim, partial, rope_scaling.as_ref(), path)?;
         Ok(DecoderConfig {
             arch,
             vocab_size: self.vocab_size,
@@ -105,19 +138,17 @@ impl CommonKeys {
             num_hidden_layers: self.num_hidden_layers,
             num_attention_heads: self.num_attention_heads,
             num_key_value_heads: kv,
-            head_dim: shape
-                .head_dim
-                .unwrap_or(self.hidden_size / self.num_attention_heads),
+            head_dim,
             rms_norm_eps: self.rms_norm_eps,
             rope_theta,
             rope_scaling,
-            max_position_embeddings: self
-                .max_position_embeddings
-                .unwrap_or(shape.max_position_embeddings),
+            max_position_embeddings,
             qkv_bias: shape.qkv_bias,
             o_bias: shape.o_bias,
             mlp_bias: shape.mlp_bias,
             qk_norm: shape.qk_norm,
+            fused_projections: extras.fused_projections,
+            rotary_dim,
             tie_word_embeddings: self.tie_word_embeddings,
             sliding_window: shape.sliding_window,
             bos_token_id: self.bos_token_id,
@@ -168,17 +199,20 @@ pub const DEFAULT_THETA: f64 = 10000.0;
 ///   (`{"full_attention": {...}, "sliding_attention": {...}}`).
 ///
 /// `layer_types` are the layer types this model has (each one's parameters must agree:
-/// tallow runs one rotary table). When both layouts are present they must agree.
+/// tallow runs one rotary table). When both layouts are present they must agree. Returns the
+/// theta, the scaling and the partial rotary factor (1 unless the family reads one, `ctx`).
 pub fn rope(
     rope_theta: Option<f64>,
     rope_scaling: &Option<serde_json::Value>,
     rope_parameters: &Option<serde_json::Value>,
     layer_types: &[String],
     default_theta: f64,
+    ctx: &RopeContext,
     path: &Path,
-) -> Result<(f64, Option<RopeScaling>)> {
+) -> Result<(f64, Option<RopeScaling>, f64)> {
+    let top_partial = ctx.extras.map_or(1.0, |e| e.partial_rotary_factor);
     let legacy_scaling = match rope_scaling {
-        Some(v) if !v.is_null() => Some(rope_object(v, "rope_scaling", path)?),
+        Some(v) if !v.is_null() => Some(rope_object(v, "rope_scaling", ctx, path)?),
         _ => None,
     };
     let legacy = (
@@ -186,6 +220,7 @@ pub fn rope(
             .or(legacy_scaling.as_ref().and_then(|r| r.theta))
             .unwrap_or(default_theta),
         legacy_scaling.and_then(|r| r.scaling),
+        top_partial,
     );
     let Some(params) = rope_parameters.as_ref().filter(|v| !v.is_null()) else {
         return Ok(legacy);
@@ -199,7 +234,7 @@ pub fn rope(
         o.contains_key("rope_type") || o.contains_key("type") || o.contains_key("rope_theta")
     });
     let parsed = if is_single {
-        rope_object(params, "rope_parameters", path)?
+        rope_object(params, "rope_parameters", ctx, path)?
     } else {
         // One object per layer type: the types this model has must all agree.
         let obj = params
@@ -213,7 +248,7 @@ pub fn rope(
                     obj.keys().cloned().collect::<Vec<_>>().join(", ")
                 ))
             })?;
-            let r = rope_object(v, &format!("rope_parameters.{t}"), path)?;
+            let r = rope_object(v, &format!("rope_parameters.{t}"), ctx, path)?;
             match &seen {
                 Some((first, r0)) if *r0 != r => {
                     return Err(err(format!(
@@ -229,7 +264,16 @@ pub fn rope(
             .ok_or_else(|| err("the model has no layer types".into()))?
     };
     let theta = parsed.theta.or(rope_theta).unwrap_or(default_theta);
-    let new = (theta, parsed.scaling);
+    // transformers 5 reads the fraction inside `rope_parameters` (its config copies the
+    // top-level key there when it saves); 4.57 reads the top-level key.
+    let partial = parsed.partial_rotary_factor.unwrap_or(top_partial);
+    if partial != top_partial {
+        return Err(err(format!(
+            "`partial_rotary_factor` {partial} here and {top_partial} at the top level \
+             (transformers 4 reads that one) disagree; remove the stale one"
+        )));
+    }
+    let new = (theta, parsed.scaling, partial);
     let has_legacy = rope_theta.is_some() || rope_scaling.as_ref().is_some_and(|v| !v.is_null());
     if has_legacy && new != legacy {
         return Err(err(format!(
@@ -247,9 +291,25 @@ pub fn rope(
 pub struct RopeObject {
     pub theta: Option<f64>,
     pub scaling: Option<RopeScaling>,
+    /// `partial_rotary_factor` inside the object (transformers 5), for a family that reads it.
+    pub partial_rotary_factor: Option<f64>,
 }
 
-fn rope_object(v: &serde_json::Value, key: &str, path: &Path) -> Result<RopeObject> {
+/// What [`rope`] needs to know of the config beyond the rotary keys.
+#[derive(Debug, Clone, Copy)]
+pub struct RopeContext {
+    /// The family's own rotary keys (Phi-3); None: whole-head tables of the shared types.
+    pub extras: Option<RopeExtras>,
+    /// LongRoPE's attention factor reads it.
+    pub max_position_embeddings: usize,
+}
+
+fn rope_object(
+    v: &serde_json::Value,
+    key: &str,
+    ctx: &RopeContext,
+    path: &Path,
+) -> Result<RopeObject> {
     let err = |msg: String| ModelError::Config {
         path: path.to_path_buf(),
         key: key.into(),
@@ -278,12 +338,17 @@ fn rope_object(v: &serde_json::Value, key: &str, path: &Path) -> Result<RopeObje
         ),
     };
     // transformers 5 keeps a partial rotary fraction here; the Llama / Qwen layout rotates
-    // the whole head.
+    // the whole head, Phi-3 reads it.
+    let mut partial_rotary_factor = None;
     if let Some(f) = obj.get("partial_rotary_factor") {
-        if f.as_f64() != Some(1.0) {
-            return Err(err(format!(
-                "`partial_rotary_factor` {f} is not supported (tallow rotates the whole head)"
-            )));
+        match (ctx.extras, f.as_f64()) {
+            (Some(_), Some(x)) => partial_rotary_factor = Some(x),
+            (None, Some(1.0)) => {}
+            _ => {
+                return Err(err(format!(
+                    "`partial_rotary_factor` {f} is not supported (tallow rotates the whole head)"
+                )))
+            }
         }
     }
     let scaling = match kind {
@@ -297,13 +362,138 @@ fn rope_object(v: &serde_json::Value, key: &str, path: &Path) -> Result<RopeObje
         "linear" => Some(RopeScaling::Linear {
             factor: num("factor")?,
         }),
+        // `su` is LongRoPE's older name (transformers' Phi3Config renames it).
+        "longrope" | "su" if ctx.extras.is_some() => Some(longrope(obj, ctx, &err)?),
         other => {
             return Err(err(format!(
                 "rope type `{other}` is not supported (supported: default, llama3, linear)"
             )))
         }
     };
-    Ok(RopeObject { theta, scaling })
+    Ok(RopeObject {
+        theta,
+        scaling,
+        partial_rotary_factor,
+    })
+}
+
+/// A `longrope` object: `short_factor` and `long_factor` lists, and the original context, from
+/// the object (transformers 5) or the family's top-level key (4.57). `factor` and
+/// `attention_factor` are refused: 4.57's Phi3Config takes no other keys, and tallow derives
+/// the attention factor as both versions do without them.
+fn longrope(
+    obj: &serde_json::Map<String, serde_json::Value>,
+    ctx: &RopeContext,
+    err: &dyn Fn(String) -> ModelError,
+) -> Result<RopeScaling> {
+    let list = |k: &str| -> Result<Vec<f64>> {
+        obj.get(k)
+            .and_then(|x| x.as_array())
+            .and_then(|a| a.iter().map(|x| x.as_f64()).collect::<Option<Vec<f64>>>())
+            .ok_or_else(|| err(format!("`longrope` scaling needs a list of numbers `{k}`")))
+    };
+    for k in ["factor", "attention_factor"] {
+        if obj.get(k).is_some_and(|v| !v.is_null()) {
+            return Err(err(format!(
+                "`longrope` with `{k}` is not supported: tallow takes the attention factor \
+                 from max_position_embeddings / original_max_position_embeddings, as \
+                 transformers does when the key is absent"
+            )));
+        }
+    }
+    let top = ctx.extras.and_then(|e| e.original_max_position_embeddings);
+    let here = match obj.get("original_max_position_embeddings") {
+        None => None,
+        Some(v) => Some(v.as_u64().ok_or_else(|| {
+            err(format!(
+                "`original_max_position_embeddings` must be a positive integer, found {v}"
+            ))
+        })? as usize),
+    };
+    let original = match (here, top) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(err(format!(
+                "`original_max_position_embeddings` {a} here and {b} at the top level disagree; \
+                 remove the stale one"
+            )))
+        }
+        (Some(a), _) | (None, Some(a)) => a,
+        (None, None) => {
+            return Err(err(
+                "`longrope` scaling needs `original_max_position_embeddings`".into(),
+            ))
+        }
+    };
+    if original < 2 {
+        return Err(err(format!(
+            "`original_max_position_embeddings` {original} must be at least 2"
+        )));
+    }
+    // transformers' `_compute_longrope_parameters`: factor = max / original, and the attention
+    // factor sqrt(1 + ln(factor) / ln(original)) when factor > 1, else 1.
+    let factor = ctx.max_position_embeddings as f64 / original as f64;
+    let attention_factor = if factor <= 1.0 {
+        1.0
+    } else {
+        (1.0 + factor.ln() / (original as f64).ln()).sqrt()
+    };
+    Ok(RopeScaling::LongRope {
+        short_factor: list("short_factor")?,
+        long_factor: list("long_factor")?,
+        original_max_position_embeddings: original,
+        attention_factor,
+    })
+}
+
+/// The rotated dims of a head: int(head_dim * partial), as transformers computes it; even, and
+/// with LongRoPE one short and one long factor per rotated pair.
+fn rotary_dim(
+    head_dim: usize,
+    partial: f64,
+    scaling: Option<&RopeScaling>,
+    path: &Path,
+) -> Result<usize> {
+    let err = |key: &str, msg: String| ModelError::Config {
+        path: path.to_path_buf(),
+        key: key.into(),
+        msg,
+    };
+    if !(partial > 0.0 && partial <= 1.0) {
+        return Err(err(
+            "partial_rotary_factor",
+            format!("{partial} must be in (0, 1]"),
+        ));
+    }
+    let dim = (head_dim as f64 * partial) as usize;
+    if dim == 0 || !dim.is_multiple_of(2) {
+        return Err(err(
+            "partial_rotary_factor",
+            format!(
+                "{partial} of head_dim {head_dim} rotates {dim} dims; tallow needs an even, \
+                 positive number"
+            ),
+        ));
+    }
+    if let Some(RopeScaling::LongRope {
+        short_factor,
+        long_factor,
+        ..
+    }) = scaling
+    {
+        for (k, l) in [("short_factor", short_factor), ("long_factor", long_factor)] {
+            if l.len() != dim / 2 {
+                return Err(err(
+                    "rope_scaling",
+                    format!(
+                        "`{k}` has {} entries; the rotary dim {dim} needs {} (one per pair)",
+                        l.len(),
+                        dim / 2
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(dim)
 }
 
 /// `layer_types` (transformers >= 4.56 writes it for some families, 5.x for most): one entry

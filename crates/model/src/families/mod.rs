@@ -21,10 +21,11 @@ use crate::hf_keys::{check_keys, field_names, KeyPolicy};
 pub mod common;
 pub mod llama;
 pub mod mistral;
+pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;
 
-use common::{CommonKeys, FamilyShape};
+use common::{CommonKeys, FamilyExtras, FamilyShape};
 
 /// The registration: every family tallow reads, one row each.
 pub const FAMILIES: &[Registered] = &[
@@ -32,6 +33,7 @@ pub const FAMILIES: &[Registered] = &[
     register::<mistral::MistralKeys>(),
     register::<qwen2::Qwen2Keys>(),
     register::<qwen3::Qwen3Keys>(),
+    register::<phi3::Phi3Keys>(),
 ];
 
 /// A family's own `config.json` keys (its serde fields), beyond [`CommonKeys`].
@@ -47,6 +49,11 @@ pub trait Family: DeserializeOwned {
     /// Checks the family's keys; the decoder's config is built by
     /// [`CommonKeys::into_config`] from the [`FamilyShape`] this returns.
     fn shape(&self, common: &CommonKeys, path: &Path) -> Result<FamilyShape>;
+    /// What the family adds beyond the Llama layout (fused projections, partial rotary,
+    /// LongRoPE); nothing by default.
+    fn extras(&self) -> FamilyExtras {
+        FamilyExtras::default()
+    }
 }
 
 /// The keys family `F` reads (the common ones and its own) and ignores.
@@ -126,7 +133,7 @@ fn parse<F: Family>(raw: &serde_json::Value, path: &Path) -> Result<DecoderConfi
         class: F::CLASS,
         model_type: F::MODEL_TYPE,
     };
-    common.into_config(arch, F::FAMILY, shape, path)
+    common.into_config(arch, F::FAMILY, shape, own.extras(), path)
 }
 
 /// `quantization_config` of a pre-quantized checkpoint: bitsandbytes 4-bit (nf4) is read

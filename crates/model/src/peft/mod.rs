@@ -73,6 +73,25 @@ pub const LINEAR_MODULES: [&str; 7] = [
     "down_proj",
 ];
 
+/// Phi-3's fused linears, by PEFT's names (the module part of
+/// [`crate::layout::FUSED_LINEAR_PATHS`]).
+pub const FUSED_MODULES: [&str; 4] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"];
+
+/// Every module name LoRA can target on some family (a training config is checked against
+/// these before the model is read; `DecoderConfig::resolve_lora_targets` then checks them
+/// against the model).
+pub const KNOWN_MODULES: [&str; 9] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+];
+
 /// What adapter to attach: PEFT's `LoraConfig` fields that tallow supports.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraSpec {
@@ -143,20 +162,12 @@ pub fn peft_prefix(i: usize, path: &str) -> String {
 /// layers of every decoder layer.
 /// With `spec.dora`, each is a DoRA adapter whose magnitude starts as the row norms of W.
 pub fn attach_lora(model: &mut CausalLM, spec: &LoraSpec, seed: u64) -> Result<()> {
-    for t in &spec.targets {
-        if !LINEAR_MODULES.contains(&t.as_str()) {
-            return Err(ModelError::Invalid(format!(
-                "LoRA target `{t}` is not a linear layer of this {} model; it has {}",
-                model.config.arch.hf_class(),
-                LINEAR_MODULES.join(", ")
-            )));
-        }
-    }
+    let targets = model.config.resolve_lora_targets(&spec.targets)?;
     let device = model.device().clone();
     let mut id = 0u64;
     for layer in model.layers.iter_mut() {
         for (path, lin) in layer.linears_mut() {
-            if !spec.targets.iter().any(|t| t == module_name(path)) {
+            if !targets.contains(&module_name(path)) {
                 lin.adapter = None;
                 continue;
             }
@@ -235,7 +246,8 @@ pub fn save_peft(model: &CausalLM, spec: &LoraSpec, dir: &Path, base_model: &str
         &tensors,
         Some(meta),
     )?;
-    let mut targets = spec.targets.clone();
+    // The model's own names (all seven Llama names on Phi-3 are its four), so PEFT loads it.
+    let mut targets = model.config.resolve_lora_targets(&spec.targets)?;
     targets.sort();
     let cfg = PeftConfig {
         peft_type: "LORA".into(),

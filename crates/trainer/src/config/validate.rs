@@ -4,8 +4,9 @@
 use super::suggest::closest;
 use super::{
     DataSection, InvalidValue, LogSink, LoraSection, Method, ModelSection, OptimizerKind, Quantize,
-    TrainConfig, TrainSection, ALL_LINEAR, LORA_TARGETS,
+    TrainConfig, TrainSection, ALL_LINEAR,
 };
+use tallow_model::peft::KNOWN_MODULES;
 
 type Checked = Result<(), InvalidValue>;
 
@@ -73,9 +74,11 @@ fn validate_lora(l: &LoraSection) -> Checked {
     Ok(())
 }
 
-/// `lora.targets`: not empty, each a linear layer of [`LORA_TARGETS`], none twice.
+/// `lora.targets`: not empty, each a linear layer of some family ([`KNOWN_MODULES`]: the
+/// Llama layout's seven, Phi-3's fused `qkv_proj` and `gate_up_proj`), none twice. Whether the
+/// model has them is checked when it is read (`DecoderConfig::resolve_lora_targets`).
 fn validate_targets(names: &[&str]) -> Checked {
-    let valid = LORA_TARGETS.join(", ");
+    let valid = KNOWN_MODULES.join(", ");
     if names.is_empty() {
         return bad(
             "lora.targets",
@@ -83,8 +86,8 @@ fn validate_targets(names: &[&str]) -> Checked {
         );
     }
     for (i, name) in names.iter().enumerate() {
-        if !LORA_TARGETS.contains(name) {
-            let hint = closest(name, LORA_TARGETS.iter().copied())
+        if !KNOWN_MODULES.contains(name) {
+            let hint = closest(name, KNOWN_MODULES.iter().copied())
                 .map(|c| format!("did you mean `{c}`? "))
                 .unwrap_or_default();
             return bad(
