@@ -871,14 +871,18 @@ pub fn longest_seq_len(
 }
 
 /// The levers, in the order users reach for them.
-const LEVERS: [&str; 6] = [
+const LEVERS: [&str; 7] = [
     "micro-batch 1 + more accumulation",
     "bf16 weights and activations",
     "activation checkpointing",
+    "checkpointed inputs offloaded to host memory",
     "8-bit optimizer state (adamw8bit)",
     "NF4 base weights (QLoRA)",
     "shorter sequences",
 ];
+
+/// The index of "shorter sequences" in [`LEVERS`]: the last resort.
+const SEQ_LEVER: usize = LEVERS.len() - 1;
 
 /// Applies lever `i` to `cfg` when it changes something; the seq lever is applied by the caller.
 fn apply_lever(i: usize, cfg: &TrainConfig) -> Option<(TrainConfig, Vec<String>)> {
@@ -905,11 +909,18 @@ fn apply_lever(i: usize, cfg: &TrainConfig) -> Option<(TrainConfig, Vec<String>)
                 "train.checkpoint_every=1".into(),
             ]
         }
-        3 if t.optimizer == OptimizerKind::AdamW => {
+        // (after checkpointing, which a plan applies first when it takes both; it changes no
+        // number of the run, only adds host copies, so it comes before the 8-bit state and
+        // NF4; it saves nothing on the CPU, so a CPU plan never needs it)
+        3 if t.checkpointing && !t.offload_checkpoints => {
+            t.offload_checkpoints = true;
+            vec!["train.offload_checkpoints=true".into()]
+        }
+        4 if t.optimizer == OptimizerKind::AdamW => {
             t.optimizer = OptimizerKind::AdamW8bit;
             vec!["train.optimizer=adamw8bit".into()]
         }
-        4 if t.method == Method::Lora && c.model.quantize == Quantize::None => {
+        5 if t.method == Method::Lora && c.model.quantize == Quantize::None => {
             c.model.quantize = Quantize::Nf4;
             vec!["model.quantize=nf4".into()]
         }
@@ -966,7 +977,7 @@ pub fn plan(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str, budg
     // fewest levers; among equals, the ones that come earliest in the usual order.
     subsets.sort_by_key(|m| {
         let idx: Vec<u32> = (0..n as u32).filter(|i| m & (1 << i) != 0).collect();
-        (m & (1 << 5) != 0, m.count_ones(), idx)
+        (m & (1 << SEQ_LEVER) != 0, m.count_ones(), idx)
     });
     for m in subsets {
         let mut c = cfg.clone();
@@ -976,7 +987,7 @@ pub fn plan(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str, budg
             if m & (1 << i) == 0 {
                 continue;
             }
-            if i == 5 {
+            if i == SEQ_LEVER {
                 // Halve max_seq_len until it fits (not below 64).
                 let mut len = c.data.max_seq_len / 2;
                 let mut found = None;
@@ -1160,6 +1171,37 @@ mod tests {
             estimate(&m, &cfg(&with), "cpu"),
         );
         assert_eq!(off.total_bytes, on.total_bytes);
+    }
+
+    /// On CUDA, a budget between the checkpointed peak and the offloaded one is met by
+    /// checkpointing + offload (the fewest levers); the CPU plan never offloads.
+    #[test]
+    fn plan_offloads_checkpointed_inputs_on_cuda() {
+        let m = model();
+        let base = cfg(&["data.max_seq_len=8192", "model.dtype=bf16"]);
+        let at = |sets: &[&str]| {
+            estimate(
+                &m,
+                &cfg(&[&["data.max_seq_len=8192", "model.dtype=bf16"], sets].concat()),
+                "cuda",
+            )
+            .total_bytes
+        };
+        let ckpt = at(&["train.checkpointing=true"]);
+        let off = at(&["train.checkpointing=true", "train.offload_checkpoints=true"]);
+        assert!(off < ckpt, "{off} vs {ckpt}");
+        let p = plan(&m, &base, "cuda", (off + ckpt) / 2);
+        assert!(
+            p.sets
+                .contains(&"train.offload_checkpoints=true".to_string()),
+            "{p:?}"
+        );
+        let p = plan(&m, &base, "cpu", 1 << 40);
+        assert!(p.fits);
+        for budget in [2u64 << 30, 1 << 30] {
+            let p = plan(&m, &base, "cpu", budget);
+            assert!(!p.sets.iter().any(|s| s.contains("offload")), "{p:?}");
+        }
     }
 
     #[test]
