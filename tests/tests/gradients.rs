@@ -141,7 +141,13 @@ fn head_block_gradients_match_finite_differences() {
         let eps = model.config.rms_norm_eps;
         let loss = || {
             let h = rms_norm(x.as_tensor(), model.norm.tensor(), eps).unwrap();
-            lm_head_nll(&h, model.lm_head_weight(), &targets).unwrap()
+            lm_head_nll(
+                &h,
+                model.lm_head_weight(),
+                &targets,
+                model.config.variant.final_logit_softcapping,
+            )
+            .unwrap()
         };
         let grads = loss().backward().unwrap();
         let value = || scalar(&loss());

@@ -26,7 +26,13 @@ fn nll_and_count(model: &CausalLM, rows: &[(Vec<u32>, Vec<bool>)]) -> (f64, usiz
             &Device::Cpu,
         )
         .unwrap();
-        let nll = lm_head_nll(&h, model.lm_head_weight(), &t).unwrap();
+        let nll = lm_head_nll(
+            &h,
+            model.lm_head_weight(),
+            &t,
+            model.config.variant.final_logit_softcapping,
+        )
+        .unwrap();
         total += nll
             .to_dtype(DType::F64)
             .unwrap()
@@ -118,7 +124,13 @@ fn f32_parameter_gradients_match_torch_autograd() {
                 &Device::Cpu,
             )
             .unwrap();
-            let nll = lm_head_nll(&h, model.lm_head_weight(), &t).unwrap();
+            let nll = lm_head_nll(
+                &h,
+                model.lm_head_weight(),
+                &t,
+                model.config.variant.final_logit_softcapping,
+            )
+            .unwrap();
             count += t.count;
             total = Some(match total {
                 Some(acc) => (acc + nll).unwrap(),
@@ -188,10 +200,15 @@ fn packed_rows_give_the_same_nll_as_separate_rows() {
         let h = model
             .forward_hidden(&batch.input_ids, batch.segments.as_deref())
             .unwrap();
-        let nll = lm_head_nll(&h, model.lm_head_weight(), &batch.targets)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap() as f64;
+        let nll = lm_head_nll(
+            &h,
+            model.lm_head_weight(),
+            &batch.targets,
+            model.config.variant.final_logit_softcapping,
+        )
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap() as f64;
         assert!(
             (nll - separate).abs() < 1e-4 * separate,
             "{model_name}: packed {nll} vs separate {separate}"

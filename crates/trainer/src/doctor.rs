@@ -392,7 +392,7 @@ fn chunked_attention(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
     let segments = vec![vec![0u32; t], [vec![0u32; 15], vec![1u32; 25]].concat()];
     let mask = AttentionMask::new(&segments, Some(12), dev)?;
     let y = if generic {
-        chunked::chunked_attention_tensor_ops(&q, &k, &v, &mask, 16)?
+        chunked::chunked_attention_tensor_ops(&q, &k, &v, &mask, 16, None)?
     } else {
         chunked::chunked_attention(&q, &k, &v, &mask)?
     };
@@ -531,7 +531,7 @@ fn fused_loss(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
         let picked = rows.gather(&targets.labels.unsqueeze(1)?, 1)?; // (N, 1)
         picked.sum_all()?.neg()?
     } else {
-        lm_head_nll(&h, &head, &targets).map_err(to_candle)?
+        lm_head_nll(&h, &head, &targets, None).map_err(to_candle)?
     };
     let g = loss.backward()?;
     let get = |x: &Var| {
@@ -686,7 +686,13 @@ fn checkpointed(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
     let input_ids = Tensor::from_vec(flat, (2, 12), dev)?;
     let targets = Targets::new(&ids, &tg, dev).map_err(to_candle)?;
     let h = model.forward_hidden(&input_ids, None).map_err(to_candle)?;
-    let loss = (lm_head_nll(&h, model.lm_head_weight(), &targets).map_err(to_candle)?
+    let loss = (lm_head_nll(
+        &h,
+        model.lm_head_weight(),
+        &targets,
+        model.config.variant.final_logit_softcapping,
+    )
+    .map_err(to_candle)?
         / targets.count as f64)?;
     let mut grads = loss.backward()?;
     for g in model.take_checkpoint_grads() {

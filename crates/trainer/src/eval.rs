@@ -53,7 +53,8 @@ pub fn evaluate(
         let nll = no_grad(|| {
             let hidden = model.forward_hidden(&batch.input_ids, None)?; // (B, T, C)
             let head = no_grad::enter(model.lm_head_weight()); // (V, C)
-            lm_head_nll(&hidden, &head, &batch.targets) // () summed over targets
+            let cap = model.config.variant.final_logit_softcapping;
+            lm_head_nll(&hidden, &head, &batch.targets, cap) // () summed over targets
         })?;
         debug_assert!(!nll.track_op(), "evaluation recorded a graph");
         let nll = nll.to_dtype(DType::F64)?;
