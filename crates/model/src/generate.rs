@@ -498,7 +498,13 @@ mod tests {
     #[test]
     fn cached_logits_match_the_training_forward() {
         let ids: Vec<u32> = vec![5, 17, 99, 3, 250, 8, 41, 77, 12, 199, 64, 2];
-        for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"] {
+        for name in [
+            "tiny-llama",
+            "tiny-qwen2",
+            "tiny-qwen3",
+            "tiny-mistral",
+            "tiny-gemma2",
+        ] {
             let model = fixture_model(name);
             let mut cache = KvCache::new(&model, 1, ids.len()).unwrap();
             // Chunks of 5, 1, 3, then 1 at a time: prefill, a decode step, a chunk after it.
