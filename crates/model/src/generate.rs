@@ -522,7 +522,9 @@ mod tests {
                     .unwrap();
                 let want = model.last_logits(&all).unwrap();
                 let full = model.logits(&all).unwrap().narrow(1, fed - 1, 1).unwrap();
-                assert!(max_diff(&want, &full.squeeze(1).unwrap()) < 1e-6);
+                let d = max_diff(&want, &full.squeeze(1).unwrap());
+                // a few f32 ulps: tiny-gemma2's pre-cap logits reach 10-20 (measured 1.2e-6)
+                assert!(d < 4e-6, "{name}: last_logits vs logits {d}");
                 let d = max_diff(&got, &want);
                 assert!(d < 1e-4, "{name}: {fed} positions: max diff {d}");
                 assert_eq!(cache.len(), fed);

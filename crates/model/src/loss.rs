@@ -281,7 +281,7 @@ mod tests {
     fn softcapped_nll_matches_the_formula() -> Result<()> {
         let dev = Device::Cpu;
         let cap = 2.0;
-        let hidden = Var::from_tensor(&(Tensor::randn(0f64, 1., (2, 5, 4), &dev)? * 2.0)?)?;
+        let hidden = Var::from_tensor(&(Tensor::randn(0f64, 1., (2, 5, 4), &dev)? * 3.0)?)?;
         let head = Var::randn(0f64, 1., (7, 4), &dev)?;
         let ids = vec![vec![1u32, 2, 3, 4, 5], vec![6, 0, 1, 0, 0]];
         let tg = vec![
@@ -296,7 +296,7 @@ mod tests {
             .ge(cap)?
             .to_dtype(candle_core::DType::F64)?
             .mean_all()?;
-        assert!(frac.to_scalar::<f64>()? > 0.3, "{frac}");
+        assert!(frac.to_scalar::<f64>()? > 0.2, "{frac}");
         let logits = ((raw / cap)?.tanh()? * cap)?;
         let logp = ops::log_softmax_last_dim(&logits)?.index_select(&targets.positions, 0)?;
         let plain = logp
