@@ -35,8 +35,8 @@ fn every_key_of_each_transformers_config_class_is_read_or_listed() {
     for (version, classes) in sets.as_object().unwrap() {
         assert_eq!(
             classes.as_object().unwrap().len(),
-            4,
-            "{version}: four classes"
+            5,
+            "{version}: Llama, Mistral, Qwen2, Qwen3, Gemma2"
         );
         for (class, entry) in classes.as_object().unwrap() {
             for key in entry["keys"].as_object().unwrap().keys() {
