@@ -598,7 +598,7 @@ impl CausalLM {
     }
 
     /// The final norm. x: (B, T, C) -> (B, T, C)
-    pub(crate) fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+    pub fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
         let c = &self.config;
         norm(x, &self.norm, c.rms_norm_eps, c.variant.norm_plus_one)
     }

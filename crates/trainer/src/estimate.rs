@@ -207,9 +207,8 @@ pub fn layer_activation_bytes(
     per_token += match m.variant.act {
         // silu and silu(gate) * up (fused: one SwiGLU output)
         Activation::Silu => (if fused { 1 } else { 2 }) * s * m.intermediate_size,
-        // Gemma's GeGLU, Candle ops on every device: gelu and gelu(gate) * up, and for bf16 /
-        // f16 the gate cast to f32, its gelu in f32 and the cast back (`ops::geglu`)
-        Activation::GeluTanh => (2 * s + cast(8 + s)) * m.intermediate_size,
+        // Gemma's GeGLU: one op on every device (`ops::geglu`), its output only
+        Activation::GeluTanh => s * m.intermediate_size,
     };
     per_token += linear(&ld, false);
     if sandwich {
