@@ -471,7 +471,7 @@ fn cpu_fwd<T: Real>(
 type GroupInputs<'a, T> = (&'a [T], &'a [T], &'a [T], &'a [T], &'a [T], &'a [T]);
 
 /// Backward of one group: dq (R, D) written; dk, dv (T, D) accumulated (zeroed by the caller).
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, clippy::assign_op_pattern)] // `Real` has no `*=`
 fn group_bwd<T: Real>(
     (q, k, v, y, dy, lse): GroupInputs<T>,
     mask: &AttentionMask,
