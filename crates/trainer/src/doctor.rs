@@ -149,7 +149,7 @@ const CASES: &[Case] = &[
         run: chunked_attention,
     },
     Case {
-        name: "soft-capped chunked attention fwd+bwd",
+        name: "chunked attention softcap fwd+bwd",
         on_cpu: "tensor-op path (16-row blocks) against the CPU kernel",
         f32_tol: 1e-4,
         generic_on_cpu: true,
@@ -396,7 +396,8 @@ fn chunked_attention(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
 }
 
 /// [`chunked_attention`] with Gemma 2's soft-capped scores: q twice as large, cap 1.5, so that
-/// many scores pass the cap and its derivative matters.
+/// many scores pass the cap and its derivative matters (the tensor-op path without it: 13.1
+/// against the CPU kernel, tolerance 1e-4).
 fn chunked_attention_softcap(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
     chunked_attention_with(dev, dt, generic, 1.0, Some(1.5))
 }
