@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import transformers
-from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "tests" / "fixtures" / "reference" / "config-keys.json"
@@ -60,7 +60,7 @@ def main():
     doc = json.loads(OUT.read_text()) if OUT.exists() else {}
     doc[transformers.__version__] = {
         cls.__name__.replace("Config", "ForCausalLM"): keys_of(cls)
-        for cls in (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Phi3Config)
+        for cls in (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Gemma2Config, Phi3Config)
     }
     OUT.write_text(json.dumps(dict(sorted(doc.items())), indent=1, sort_keys=True) + "\n")
     for v, classes in doc.items():

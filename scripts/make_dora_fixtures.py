@@ -100,7 +100,7 @@ def build_adapter(name, model_dir: Path, ref, seed):
     base = mf.load_model(model_dir)
     model = get_peft_model(base, dora_config(name))
     counts = mp.randomize_adapter(model, seed, MAG_STD)
-    n_mod = 2 * len(mp.targets_for(name, SPEC["target_modules"]))  # 2 layers x targets
+    n_mod = base.config.num_hidden_layers * len(mp.targets_for(name, SPEC["target_modules"]))  # layers x targets
     assert counts == {"ab": 2 * n_mod, "m": n_mod}, counts
     model.eval()
     mem = mp.eval_losses(model, ref)
@@ -128,7 +128,11 @@ def build_adapter(name, model_dir: Path, ref, seed):
 def sgd_step(name, model_dir: Path, adapter_dir: Path, ref, out_root=FIX):
     model = mp.load_peft(model_dir, adapter_dir, trainable=True)
     model.eval()
-    before, after, tensors, sd = mp.text_sgd(model, adapter_dir, ref, SGD_LR, file_key_to_param)
+    # lr 0.5 overshoots on tiny-gemma2's DoRA adapter (text loss 7.0049 -> 7.0158): the tests
+    # compare the step's gradients and weights with tallow's, not its effect on the loss
+    before, after, tensors, sd = mp.text_sgd(
+        model, adapter_dir, ref, SGD_LR, file_key_to_param, must_decrease=name != "tiny-gemma2"
+    )
     saved = get_peft_model_state_dict(model)
     assert set(saved) == set(sd), set(saved) ^ set(sd)
     path = out_root / "reference" / f"peft-dora-{name}-sgd.safetensors"

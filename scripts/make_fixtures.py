@@ -27,6 +27,17 @@ beside them are kept):
     tests/fixtures/models/tiny-mistral/           MistralForCausalLM, sliding_window 8 (the
                                                   rows, up to 32 tokens, are longer), "bos"
                                                   tokenizer with a Mistral [INST] chat template
+    tests/fixtures/tokenizers/gemma/              byte-level BPE with Gemma's specials (<pad>,
+                                                  <eos>, <bos>, <start_of_turn>, <end_of_turn>)
+    tests/fixtures/models/tiny-gemma2/            Gemma2ForCausalLM: 4 layers (0, 2 slide with
+                                                  sliding_window 8; 1, 3 global), head_dim 32 !=
+                                                  hidden/heads, query_pre_attn_scalar 64, attn
+                                                  softcap 2 with q/k weights scaled x1.5 (scores
+                                                  pass the cap), final softcap 4 with a larger
+                                                  final norm (logits pass it), random (1 + w)
+                                                  norms, tied embeddings; "gemma" tokenizer with
+                                                  Gemma 2's chat template (no system role: its
+                                                  messages format is refused, the error is kept)
     tests/fixtures/tokenizers/phi3/               byte-level BPE with Phi-3's chat specials
     tests/fixtures/models/tiny-phi3/              Phi3ForCausalLM: fused qkv_proj / gate_up_proj,
                                                   longrope with original_max_position_embeddings
@@ -79,6 +90,7 @@ from tokenizers import pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma2Config,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
@@ -224,6 +236,17 @@ MISTRAL_TEMPLATE = (
     "{%- endfor %}\n"
 )
 
+# google/gemma-2-2b-it's chat template, word for word: no system role, `model` for the
+# assistant, trimmed contents.
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+
 
 # Phi-3-mini-instruct's chat template (no system-message special casing beyond its own tag, no
 # BOS: the "phi3" tokenizer adds none).
@@ -322,6 +345,41 @@ def build_bos(out_dir: Path):
     write_json(out_dir / "tokenizer_config.json", cfg)
 
 
+def build_gemma(out_dir: Path):
+    """Gemma's special tokens (its tokenizer adds <bos>), Gemma 2's chat template."""
+    specials = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+    tok = train_bpe(specials, LLAMA3_REGEX)
+    bos_id = tok.token_to_id("<bos>")
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single="<bos> $A:0",
+                pair="<bos>:0 $A:0 <bos>:1 $B:1",
+                special_tokens=[("<bos>", bos_id)],
+            ),
+        ]
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    cfg = {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "added_tokens_decoder": added_tokens_decoder(tok, specials),
+        "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"],
+        "bos_token": "<bos>",
+        "chat_template": GEMMA2_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<eos>",
+        "model_max_length": 1000000000000000019884624838656,
+        "pad_token": "<pad>",
+        "padding_side": "left",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": None,
+    }
+    write_json(out_dir / "tokenizer_config.json", cfg)
+
+
 def build_phi3(out_dir: Path):
     # Phi-3's specials: <|endoftext|> (pad, never in the data), <|end|> ends every turn (eos)
     specials = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -370,6 +428,23 @@ def check_tokenizer(tok_dir: Path, kind: str):
         assert s == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>assistant\n", s
         s = t.apply_chat_template([{"role": "system", "content": "S"}] + msgs, tokenize=False)
         assert s.startswith("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n"), s
+    elif kind == "gemma":
+        assert t.bos_token == "<bos>" and t.eos_token == "<eos>" and t.pad_token == "<pad>"
+        ids = t("hello world").input_ids
+        assert ids[0] == t.bos_token_id and ids[1:] == t("hello world", add_special_tokens=False).input_ids
+        s = t.apply_chat_template(
+            msgs + [{"role": "user", "content": " Bye "}], tokenize=False, add_generation_prompt=True
+        )
+        want = (
+            "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
+            "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+        )
+        assert s == want, s
+        expect_template_errors(t, [
+            ([{"role": "system", "content": "x"}] + msgs, "System role not supported"),
+            ([{"role": "assistant", "content": "x"}], "must alternate"),
+            (msgs + [{"role": "assistant", "content": "x"}], "must alternate"),
+        ])
     elif kind == "phi3":
         assert t.bos_token is None and t.eos_token == "<|end|>" and t.pad_token == "<|endoftext|>"
         s = t.apply_chat_template(
@@ -532,7 +607,18 @@ def encode_messages(tok, row):
     return ids, targets, full
 
 
+class TemplateRefused(Exception):
+    """The chat template raised on a row (Gemma 2 has no system role): transformers refuses the
+    whole messages file, and so does tallow."""
+
+
 def build_rows(tok, fmt):
+    if fmt == "messages":
+        for row in DATASETS[fmt]:
+            try:
+                tok.apply_chat_template(row["messages"], tokenize=False)
+            except Exception as e:  # jinja2 TemplateError from raise_exception
+                raise TemplateRefused(str(e)) from e
     rows, source_rows, rendered, skipped = [], [], [], 0
     for idx, row in enumerate(DATASETS[fmt]):
         if fmt == "text":
@@ -620,6 +706,33 @@ def make_config(name, tok):
         return Qwen2Config(intermediate_size=160, **qwen)
     if name == "tiny-qwen3":
         return Qwen3Config(intermediate_size=128, head_dim=32, attention_bias=False, **qwen)
+    if name == "tiny-gemma2":
+        return Gemma2Config(
+            vocab_size=v,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,  # layer_types: sliding, full, sliding, full
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,  # != hidden_size / heads (16), as Gemma's 256
+            query_pre_attn_scalar=64,  # scale 1/8, not head_dim ** -0.5
+            max_position_embeddings=256,
+            initializer_range=0.1,
+            # as Google's config.json: both keys, transformers reads hidden_activation only
+            hidden_act="gelu_pytorch_tanh",
+            hidden_activation="gelu_pytorch_tanh",
+            attention_dropout=0.0,
+            dtype="float32",
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+            sliding_window=8,  # shorter than the fixture rows
+            attn_logit_softcapping=2.0,  # low: the scaled q/k (randomize_gemma2) pass it
+            final_logit_softcapping=4.0,  # low: the larger final norm passes it
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
     if name == "tiny-mistral":
         return MistralConfig(
             intermediate_size=128,
@@ -662,6 +775,51 @@ def make_config(name, tok):
     raise ValueError(name)
 
 
+def randomize_gemma2(model, gen):
+    """Make tiny-gemma2's soft-caps bite: q/k weights x1.5 (attention scores well past the cap
+    of 2), the final norm's (1 + w) around 4 (logits past the cap of 4). Returns the fractions of
+    scores and logits beyond their caps on a text row (checked > 10%)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(1.5)
+            layer.self_attn.k_proj.weight.mul_(1.5)
+        w = model.model.norm.weight
+        w.copy_(3.0 + 0.5 * torch.randn(w.shape, generator=gen, dtype=torch.float32))
+
+
+def gemma2_cap_fractions(model, ids):
+    """Fractions of pre-cap attention scores (every layer, causal entries) and logits beyond the
+    caps for one row."""
+    cfg = model.config
+    seen = {"scores": [], "logits": None}
+    hooks = []
+    for layer in model.model.layers:
+        def hook(mod, args, kwargs, out, attn=layer.self_attn):
+            h = kwargs["hidden_states"]
+            cos, sin = kwargs["position_embeddings"]
+            from transformers.models.gemma2.modeling_gemma2 import apply_rotary_pos_emb, repeat_kv
+            shape = (*h.shape[:-1], -1, attn.head_dim)
+            q = attn.q_proj(h).view(shape).transpose(1, 2)
+            k = attn.k_proj(h).view(shape).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            k = repeat_kv(k, attn.num_key_value_groups)
+            s = (q @ k.transpose(2, 3)) * attn.scaling
+            t = s.shape[-1]
+            causal = torch.tril(torch.ones(t, t, dtype=torch.bool))
+            seen["scores"].append(s[..., causal].abs().flatten())
+        hooks.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state
+        raw = model.lm_head(hidden)
+    for h in hooks:
+        h.remove()
+    scores = torch.cat(seen["scores"])
+    return {
+        "scores_over_cap": float((scores > cfg.attn_logit_softcapping).float().mean()),
+        "logits_over_cap": float((raw.abs() > cfg.final_logit_softcapping).float().mean()),
+    }
+
+
 def check_llama3_rope_bands(cfg):
     rs = cfg.rope_scaling
     hd = cfg.hidden_size // cfg.num_attention_heads
@@ -692,6 +850,10 @@ def build_model(name, tok_kind, tok_dir: Path):
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
     gen = torch.Generator().manual_seed(SEED + 1)
     randomize(model, gen)
+    if name == "tiny-gemma2":
+        randomize_gemma2(model, gen)
+        # as google/gemma-2-2b-it's generation_config.json: <eos> and <end_of_turn> stop
+        model.generation_config.eos_token_id = [tok.eos_token_id, tok.convert_tokens_to_ids("<end_of_turn>")]
     model.eval()
     extra = {}
     if name == "tiny-llama":
@@ -728,9 +890,21 @@ def build_model(name, tok_kind, tok_dir: Path):
     # config.json is transformers' own; sanity-check a few fields
     c = json.loads((out / "config.json").read_text())
     assert c["vocab_size"] == len(tok)
-    assert c["tie_word_embeddings"] == (name not in ("tiny-llama", "tiny-mistral", "tiny-phi3"))
+    if name == "tiny-gemma2":
+        # left out: Gemma2Config's default (True) equals PretrainedConfig's, so save_pretrained
+        # drops it (tallow must default to tied for Gemma 2)
+        assert "tie_word_embeddings" not in c, c
+    else:
+        assert c["tie_word_embeddings"] == (name not in ("tiny-llama", "tiny-mistral", "tiny-phi3"))
     if name == "tiny-mistral":
         assert c["sliding_window"] == 8 and c["sliding_window"] < MAX_SEQ_LEN, c
+    if name == "tiny-gemma2":
+        assert c["sliding_window"] == 8 and c["sliding_window"] < MAX_SEQ_LEN, c
+        assert c["layer_types"] == ["sliding_attention", "full_attention"] * 2, c
+        assert c["head_dim"] * c["num_attention_heads"] != c["hidden_size"], c
+        ids = tok(" ".join(r["text"] for r in TEXT_ROWS)).input_ids[:MAX_SEQ_LEN]
+        extra["caps"] = gemma2_cap_fractions(model, ids)
+        assert all(f > 0.1 for f in extra["caps"].values()), extra
     # the saved weights reload to the same values
     ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
     m2 = load_model(out)
@@ -774,7 +948,11 @@ def make_reference(name, model_dir: Path):
     }
     tensors = {}
     for fmt in DATASETS:
-        rows, source_rows, rendered, skipped = build_rows(tok, fmt)
+        try:
+            rows, source_rows, rendered, skipped = build_rows(tok, fmt)
+        except TemplateRefused as e:
+            ref["template_errors"] = {fmt: str(e)}
+            continue
         nlls, ns, nlls_bf = [], [], []
         with torch.no_grad():
             for k, r in enumerate(rows):
@@ -831,12 +1009,16 @@ Regenerate with `/work/pyref/bin/python scripts/make_fixtures.py`
 See the docstring of scripts/make_fixtures.py for layout, tokenization rules and the
 definition of every reference value.
 
-Models: `tiny-llama`, `tiny-qwen2`, `tiny-qwen3` and `tiny-mistral` (MistralForCausalLM with
+Models: `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`, `tiny-mistral` (MistralForCausalLM with
 `sliding_window` 8, shorter than the 32-token rows, and the "bos" tokenizer with a Mistral
-`[INST]` chat template), `tiny-phi3` (Phi3ForCausalLM: fused `qkv_proj` / `gate_up_proj`,
-`longrope` with `original_max_position_embeddings` 16 so rows over 16 tokens use the long
-factors, `partial_rotary_factor` 0.5, the "phi3" tokenizer with Phi-3's `<|user|>` chat
-template). New models go at the end of each script's model list, so the seeds of
+`[INST]` chat template), `tiny-gemma2` (Gemma2ForCausalLM: 4 layers, the even ones sliding
+with window 8, head_dim 32 != hidden/heads, query_pre_attn_scalar 64, soft-caps low enough to
+be hit (attention 2 with q/k scaled up, logits 4), random (1 + w) norms, the "gemma" tokenizer
+with Gemma 2's chat template, which has no system role: `reference/tiny-gemma2.json` has no
+`messages` format, and `template_errors.messages` keeps transformers' error), `tiny-phi3`
+(Phi3ForCausalLM: fused `qkv_proj` / `gate_up_proj`, `longrope` with
+`original_max_position_embeddings` 16 so rows over 16 tokens use the long factors,
+`partial_rotary_factor` 0.5, the "phi3" tokenizer with Phi-3's `<|user|>` chat template). New models go at the end of each script's model list, so the seeds of
 the others do not move.
 
 `reference/generate.json` (transformers' greedy `generate` ids for `tallow generate`) is made by
@@ -862,8 +1044,9 @@ def main():
 
     # Only what this script writes: the other scripts' fixtures (NF4, PEFT, generate, v5,
     # config keys, saved models, parquet) under the same folders are kept.
-    models = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3")
-    for sub in ["tokenizers/chatml", "tokenizers/bos", "tokenizers/phi3"] + [f"models/{m}" for m in models]:
+    models = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-phi3")
+    toks = ["tokenizers/chatml", "tokenizers/bos", "tokenizers/gemma", "tokenizers/phi3"]
+    for sub in toks + [f"models/{m}" for m in models]:
         shutil.rmtree(FIX / sub, ignore_errors=True)
     for f in [f"data/{fmt}.jsonl" for fmt in DATASETS] + [
         f"reference/{m}.{ext}" for m in models for ext in ("json", "safetensors")
@@ -872,13 +1055,10 @@ def main():
     FIX.mkdir(parents=True, exist_ok=True)
     (FIX / "README.md").write_text(README, encoding="utf-8")
 
-    tok_dirs = {
-        "chatml": FIX / "tokenizers" / "chatml",
-        "bos": FIX / "tokenizers" / "bos",
-        "phi3": FIX / "tokenizers" / "phi3",
-    }
+    tok_dirs = {k: FIX / "tokenizers" / k for k in ("chatml", "bos", "gemma", "phi3")}
     build_chatml(tok_dirs["chatml"])
     build_bos(tok_dirs["bos"])
+    build_gemma(tok_dirs["gemma"])
     build_phi3(tok_dirs["phi3"])
     for kind, d in tok_dirs.items():
         check_tokenizer(d, kind)
@@ -892,6 +1072,7 @@ def main():
         ("tiny-qwen2", "chatml", "chatml"),
         ("tiny-qwen3", "chatml", "chatml"),
         ("tiny-mistral", "bos", "mistral"),
+        ("tiny-gemma2", "gemma", "gemma"),
         ("tiny-phi3", "phi3", "phi3"),
     ]
     summary = []

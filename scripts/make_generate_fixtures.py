@@ -66,6 +66,11 @@ CASES = [
     ("phi3-plain", "tiny-phi3", None, "The quick brown fox", False, 1.0),
     ("phi3-chat", "tiny-phi3", None, "What is the capital of France?", True, 1.0),
     ("phi3-adapter", "tiny-phi3", "tiny-phi3-peft", "The quick brown fox", False, 1.0),
+    # tiny-gemma2: sliding (window 8) and global layers, soft-capped scores and logits; the chat
+    # case stops on <end_of_turn> (generation_config eos [<eos>, <end_of_turn>]) if it comes
+    ("gemma2-plain", "tiny-gemma2", None, "Once upon a time there was a small robot", False, 1.0),
+    ("gemma2-chat", "tiny-gemma2", None, "What is the capital of France?", True, 1.0),
+    ("gemma2-adapter", "tiny-gemma2", "tiny-gemma2-peft", "The quick brown fox", False, 1.0),
 ]
 
 

@@ -47,6 +47,7 @@ CASES = [("merge", layout, m) for layout in ("", "v5") for m in MODELS]
 CASES += [("full", "v5", m) for m in MODELS] + [("full", "", "tiny-llama")]
 # added later, after the cases above (their order in the file is kept)
 CASES += [("merge", layout, "tiny-mistral") for layout in ("", "v5")] + [("full", "v5", "tiny-mistral")]
+CASES += [("merge", layout, "tiny-gemma2") for layout in ("", "v5")] + [("full", "v5", "tiny-gemma2")]
 CASES += [("merge", layout, "tiny-phi3") for layout in ("", "v5")] + [("full", "v5", "tiny-phi3")]
 
 # Kept in step with tests/tests/saved_models.rs::full_config.

@@ -20,7 +20,8 @@ Only tests/fixtures/v5/ is deleted and rewritten; the 4.57 fixtures are read, ne
                                                   tiny-qwen3 is switched to linear rope scaling
                                                   (factor 2, theta 1e6) so that a second rope type
                                                   has a 5.x fixture. tiny-mistral keeps its
-                                                  sliding_window (8).
+                                                  sliding_window (8); tiny-gemma2 its
+                                                  layer_types, windows and soft-caps.
     tests/fixtures/v5/reference/<M>.json          rows (the 4.57 reference's ids and targets), and
                                                   per format: nll_sum, n_targets, loss
     tests/fixtures/v5/reference/peft-<M>.json     the 4.57 PEFT adapter tests/fixtures/adapters/
@@ -61,7 +62,7 @@ import make_peft_fixtures as mp  # noqa: E402  (eval_losses, text_loss, file_key
 
 FIX = mf.FIX
 OUT = FIX / "v5"
-MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3"]
+MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-phi3"]
 SGD_LR = 0.5
 PINNED = {"transformers": "5.23.0", "peft": "0.21.2", "torch": "2.8.0"}
 VERSIONS = {

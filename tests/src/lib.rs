@@ -9,14 +9,34 @@ use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
 
-pub const MODELS: [&str; 5] = [
+pub const MODELS: [&str; 6] = [
     "tiny-llama",
     "tiny-qwen2",
     "tiny-qwen3",
     "tiny-mistral",
+    "tiny-gemma2",
     "tiny-phi3",
 ];
 pub const FORMATS: [&str; 3] = ["text", "prompt_completion", "messages"];
+
+/// The formats of [`FORMATS`] that `model`'s reference (`reference/<model>.json`) has: all of
+/// them, except `messages` for a chat template that refuses the fixture's conversations
+/// (tiny-gemma2: Gemma 2's template has no system role; the reference keeps transformers' error
+/// under `template_errors`, checked by the data-parity tests).
+pub fn model_formats(model: &str) -> Vec<&'static str> {
+    let r = reference_json(model);
+    let formats: Vec<&'static str> = FORMATS
+        .into_iter()
+        .filter(|f| r["formats"].get(f).is_some())
+        .collect();
+    for f in FORMATS {
+        assert!(
+            formats.contains(&f) || r["template_errors"].get(f).is_some(),
+            "{model}: no `{f}` in its reference and no template error saying why"
+        );
+    }
+    formats
+}
 
 pub fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures")

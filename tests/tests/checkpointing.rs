@@ -40,7 +40,13 @@ fn grads(model: &CausalLM, vars: &[(String, Var)], rows: &[(Vec<u32>, Vec<bool>)
             &Device::Cpu,
         )
         .unwrap();
-        let nll = lm_head_nll(&h, model.lm_head_weight(), &t).unwrap();
+        let nll = lm_head_nll(
+            &h,
+            model.lm_head_weight(),
+            &t,
+            model.config.variant.final_logit_softcapping,
+        )
+        .unwrap();
         let mut stores: Vec<GradStore> = vec![nll.backward().unwrap()];
         stores.extend(model.take_checkpoint_grads());
         for (sum, (_, v)) in sums.iter_mut().zip(vars) {

@@ -26,7 +26,13 @@ fn loss_and_grads(
     let input = Tensor::from_vec(flat, (ids.len(), t), &Device::Cpu).unwrap();
     let h = model.forward_hidden(&input, Some(segments)).unwrap();
     let tg = Targets::new(ids, targets, &Device::Cpu).unwrap();
-    let nll = lm_head_nll(&h, model.lm_head_weight(), &tg).unwrap();
+    let nll = lm_head_nll(
+        &h,
+        model.lm_head_weight(),
+        &tg,
+        model.config.variant.final_logit_softcapping,
+    )
+    .unwrap();
     let loss = nll
         .to_dtype(DType::F64)
         .unwrap()

@@ -30,7 +30,7 @@ fn dora_adapters_written_by_peft_give_peft_loss() {
     for (layout, root) in layouts() {
         for model in MODELS {
             let reference = json_at(&root, &format!("peft-dora-{model}.json"));
-            for format in FORMATS {
+            for format in model_formats(model) {
                 let want = reference["adapter"]["formats"][format]["loss"]
                     .as_f64()
                     .unwrap();
@@ -68,7 +68,7 @@ fn merged_dora_gives_peft_merged_loss() {
         ]);
         assert_eq!(r.code, 0, "{}", r.stderr);
         let reference = json_at(&fixtures(), &format!("peft-dora-{model}.json"));
-        for format in FORMATS {
+        for format in model_formats(model) {
             let want = reference["adapter"]["formats"][format]["merged_loss"]
                 .as_f64()
                 .unwrap();

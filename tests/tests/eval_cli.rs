@@ -12,7 +12,7 @@ use tallow_trainer::{load_jsonl, DataOptions, Format, TextTokenizer};
 fn eval_matches_transformers_for_every_model_and_format() {
     for model in MODELS {
         let reference = reference_json(model);
-        for format in FORMATS {
+        for format in model_formats(model) {
             let dir = model_dir(model);
             let data = data_file(format);
             let out = eval_json(&[
@@ -58,7 +58,7 @@ fn batch_size_and_padding_do_not_change_eval() {
         let tok = TextTokenizer::from_model_dir(&dir).unwrap();
         let model = CausalLM::load(&dir, &LoadOptions::frozen(DType::F32, &Device::Cpu)).unwrap();
         let mut examples = Vec::new();
-        for format in FORMATS {
+        for format in model_formats(model_name) {
             let opts = DataOptions {
                 format: Format::Auto,
                 max_seq_len: 32,

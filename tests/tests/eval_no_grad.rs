@@ -75,7 +75,13 @@ fn evaluation_records_no_graph_and_needs_less_memory_than_a_training_forward() {
         probe.start_phase();
         let base = probe.current().unwrap();
         let hidden = model.forward_hidden(&batch.input_ids, None).unwrap();
-        let nll = lm_head_nll(&hidden, model.lm_head_weight(), &batch.targets).unwrap();
+        let nll = lm_head_nll(
+            &hidden,
+            model.lm_head_weight(),
+            &batch.targets,
+            model.config.variant.final_logit_softcapping,
+        )
+        .unwrap();
         assert!(
             nll.track_op(),
             "{what}: the training forward must record its ops"

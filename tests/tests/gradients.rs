@@ -1,13 +1,13 @@
 //! Finite-difference checks of every gradient path, block by block, in f64: for a decoder layer
 //! (attention with GQA / bias / qk-norm, rotary embedding, SwiGLU MLP, RMSNorms) of each family,
-//! and for the head block (final RMSNorm + fused chunked LM-head cross-entropy).
+//! and for the head block (final RMSNorm + fused chunked LM-head cross-entropy, Gemma 2 with its
+//! (1 + w) norm and soft-capped logits).
 //!
 //! Central differences with step 1e-6 in f64; analytic and numeric derivatives must agree to
 //! 1e-6 relative (|a - n| <= 1e-6 * max(1, |n|)). A silently cut gradient (a `*_no_bwd` op)
 //! shows up here as a zero or missing analytic gradient.
 
 use candle_core::{DType, Device, Tensor, Var};
-use tallow_model::ops::rms_norm;
 use tallow_model::{lm_head_nll, CausalLM, Targets};
 use tallow_tests::*;
 
@@ -104,7 +104,12 @@ fn decoder_layer_gradients_match_finite_differences() {
             let expected = model.config.layer_linears().len()
                 + 2
                 + if model.config.qkv_bias { 3 } else { 0 }
-                + if model.config.qk_norm { 2 } else { 0 };
+                + if model.config.qk_norm { 2 } else { 0 }
+                + if model.config.variant.sandwich_norms {
+                    2
+                } else {
+                    0
+                };
             assert_eq!(
                 params.len(),
                 expected,
@@ -140,10 +145,16 @@ fn head_block_gradients_match_finite_differences() {
             vec![false, true, false, false],
         ];
         let targets = Targets::new(&ids, &tg, &Device::Cpu).unwrap();
-        let eps = model.config.rms_norm_eps;
         let loss = || {
-            let h = rms_norm(x.as_tensor(), model.norm.tensor(), eps).unwrap();
-            lm_head_nll(&h, model.lm_head_weight(), &targets).unwrap()
+            // the model's final norm (Gemma 2: (1 + w)), then the (soft-capped) loss
+            let h = model.final_norm(x.as_tensor()).unwrap();
+            lm_head_nll(
+                &h,
+                model.lm_head_weight(),
+                &targets,
+                model.config.variant.final_logit_softcapping,
+            )
+            .unwrap()
         };
         let grads = loss().backward().unwrap();
         let value = || scalar(&loss());

@@ -89,6 +89,7 @@ fn eval_nf4_equals_eval_of_the_round_trip_model() {
         ("tiny-llama", true),
         ("tiny-qwen3", true),
         ("tiny-mistral", true),
+        ("tiny-gemma2", true),
         ("tiny-phi3", true), // the fused qkv_proj / gate_up_proj quantized like any linear
     ] {
         let dir = scratch(&format!("nf4-rt-{model}-{dq}"));
@@ -102,11 +103,12 @@ fn eval_nf4_equals_eval_of_the_round_trip_model() {
         );
         let rt = eval_with(&dir, &data, &[]);
         let plain = eval_with(&model_dir(model), &data, &[]);
+        let layers = if model == "tiny-gemma2" { 4 } else { 2 };
         let per_layer = if model == "tiny-phi3" { 4 } else { 7 }; // Phi-3's fused linears
         assert_eq!(
             nf4["nf4_weights"].as_u64(),
-            Some(2 * per_layer),
-            "{model}: 2 layers x {per_layer}"
+            Some(layers * per_layer),
+            "{model}: {layers} layers x {per_layer}"
         );
         assert_eq!(rt["nf4_weights"].as_u64(), Some(0));
         let (a, b, p) = (

@@ -18,7 +18,7 @@ fn adapters_written_by_peft_give_peft_loss() {
                     continue;
                 }
                 let adapter = fixtures().join(format!("adapters/{model}-{kind}"));
-                for format in FORMATS {
+                for format in model_formats(model) {
                     let want = reference["adapters"][kind]["formats"][format]["loss"]
                         .as_f64()
                         .unwrap();

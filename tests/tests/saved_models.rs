@@ -72,7 +72,7 @@ fn merged_and_full_fine_tuned_models_give_the_loss_both_transformers_versions_co
             written, case["config"],
             "{name}: config.json differs from the one transformers 4.57 and 5 were seen to read"
         );
-        for format in FORMATS {
+        for format in model_formats(model) {
             let got = eval_fixture(&saved, None, format);
             for (version, losses) in case["losses"].as_object().unwrap() {
                 let want = losses[format].as_f64().unwrap();

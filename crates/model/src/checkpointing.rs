@@ -291,12 +291,10 @@ fn keep_grads(kept: &mut GradStore, store: &mut GradStore, vars: &[Tensor]) -> R
 
 /// Every variable of the layer: LoRA A/B, and in full fine-tuning every weight.
 fn layer_vars(layer: &DecoderLayer) -> Vec<Tensor> {
-    let a = &layer.self_attn;
-    let mut params = vec![&layer.input_layernorm, &layer.post_attention_layernorm];
-    params.extend(a.q_norm.iter().chain(a.k_norm.iter()));
-    let mut out: Vec<Tensor> = params
+    let mut out: Vec<Tensor> = layer
+        .norms()
         .into_iter()
-        .filter_map(|p| p.var().map(|v| v.as_tensor().clone()))
+        .filter_map(|(_, p)| p.var().map(|v| v.as_tensor().clone()))
         .collect();
     for (_, l) in layer.linears() {
         out.extend(

@@ -46,6 +46,42 @@ pub enum RopeScaling {
     },
 }
 
+/// The MLP's activation (`hidden_act`, Gemma's `hidden_activation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activation {
+    /// SwiGLU: silu(gate) * up (Llama, Mistral, Qwen).
+    #[default]
+    Silu,
+    /// GeGLU with the tanh approximation of gelu (`gelu_pytorch_tanh`, Gemma).
+    GeluTanh,
+}
+
+/// Where a family leaves the Llama layout (Gemma 2); all off (`Default`) for the others.
+/// transformers `modeling_gemma2.py` is the reference for each one.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Variant {
+    pub act: Activation,
+    /// RMSNorm weights stored as an offset from 1: `x_normed * (1 + w)`, the product in f32 and
+    /// then cast (Gemma's `Gemma2RMSNorm`).
+    pub norm_plus_one: bool,
+    /// Four norms per layer: `post_attention_layernorm` normalizes the attention OUTPUT before
+    /// the residual add, and `pre_feedforward_layernorm` / `post_feedforward_layernorm` wrap the
+    /// MLP (Gemma 2).
+    pub sandwich_norms: bool,
+    /// Embeddings multiplied by sqrt(hidden_size), the factor rounded to the compute dtype first
+    /// (`torch.tensor(hidden_size**0.5, dtype=hidden.dtype)`).
+    pub embed_scale: bool,
+    /// Attention scale `query_pre_attn_scalar ** -0.5` instead of `head_dim ** -0.5`.
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Attention scores soft-capped before the mask: `cap * tanh(scores / cap)`.
+    pub attn_logit_softcapping: Option<f64>,
+    /// Logits soft-capped the same way before the loss / sampling.
+    pub final_logit_softcapping: Option<f64>,
+    /// Layers that attend to every earlier token although `sliding_window` is set (Gemma 2's
+    /// `full_attention` layers; the others slide).
+    pub full_attention_layers: Vec<usize>,
+}
+
 /// Everything the decoder needs, checked. Built only by the family files' `into_config()`.
 #[derive(Debug, Clone)]
 pub struct DecoderConfig {
@@ -77,6 +113,8 @@ pub struct DecoderConfig {
     pub tie_word_embeddings: bool,
     /// Mistral-style sliding-window attention: a token sees at most this many previous tokens.
     pub sliding_window: Option<usize>,
+    /// Gemma 2's departures from the Llama layout (none for the other families).
+    pub variant: Variant,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     /// The raw config.json, kept so that saved models carry every key the user had.
@@ -84,6 +122,26 @@ pub struct DecoderConfig {
 }
 
 impl DecoderConfig {
+    /// The sliding window of layer `layer`: `sliding_window`, except on the layers the family
+    /// makes full-attention (Gemma 2's global layers).
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        if self.variant.full_attention_layers.contains(&layer) {
+            None
+        } else {
+            self.sliding_window
+        }
+    }
+
+    /// The attention's scale on q kᵀ: `query_pre_attn_scalar ** -0.5` (Gemma 2) or
+    /// `head_dim ** -0.5`.
+    pub fn attention_scale(&self) -> f64 {
+        1.0 / self
+            .variant
+            .query_pre_attn_scalar
+            .unwrap_or(self.head_dim as f64)
+            .sqrt()
+    }
+
     /// `config.json` for a model tallow writes (merge, full fine-tuning): the source's keys, with
     /// the rotary settings in both layouts (transformers 4 reads `rope_theta` / `rope_scaling`,
     /// transformers 5 prefers `rope_parameters`) and the weights' dtype under both names

@@ -37,6 +37,7 @@ pub trait Real:
     fn exp(self) -> Self;
     fn sqrt(self) -> Self;
     fn recip(self) -> Self;
+    fn tanh(self) -> Self;
     const NEG_INF: Self;
 }
 
@@ -54,6 +55,10 @@ macro_rules! real {
             #[inline]
             fn recip(self) -> Self {
                 1.0 / self
+            }
+            #[inline]
+            fn tanh(self) -> Self {
+                <$t>::tanh(self)
             }
             const NEG_INF: Self = <$t>::NEG_INFINITY;
         }

@@ -136,13 +136,17 @@ impl DecoderConfig {
 
     /// The norm weights of every decoder layer: (path inside the layer, length).
     pub fn layer_norms(&self) -> Vec<(&'static str, usize)> {
-        let mut v = Vec::with_capacity(4);
+        let mut v = Vec::with_capacity(6);
         if self.qk_norm {
             v.push(("self_attn.q_norm.weight", self.head_dim));
             v.push(("self_attn.k_norm.weight", self.head_dim));
         }
         v.push(("input_layernorm.weight", self.hidden_size));
         v.push(("post_attention_layernorm.weight", self.hidden_size));
+        if self.variant.sandwich_norms {
+            v.push(("pre_feedforward_layernorm.weight", self.hidden_size));
+            v.push(("post_feedforward_layernorm.weight", self.hidden_size));
+        }
         v
     }
 

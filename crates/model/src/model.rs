@@ -12,7 +12,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 
 use crate::checkpointing::Checkpointing;
-use crate::config::{DecoderConfig, RopeScaling};
+use crate::config::{Activation, DecoderConfig, RopeScaling};
 use crate::error::{ModelError, Result};
 use crate::layout::LinearSpec;
 use crate::linear::{adapter_input, Base, Linear, Param};
@@ -82,6 +82,10 @@ pub struct Attention {
     /// The leading dims of each head that rotate (`DecoderConfig::rotary_dim`).
     pub(crate) rotary_dim: usize,
     pub(crate) eps: f64,
+    /// The scale on q kᵀ: 1/sqrt(D), or Gemma 2's `query_pre_attn_scalar ** -0.5`.
+    pub(crate) scale: f64,
+    /// Gemma 2: scores soft-capped to (-cap, cap) before the mask.
+    pub(crate) softcap: Option<f64>,
 }
 
 impl Attention {
@@ -134,9 +138,9 @@ impl Attention {
             _ => (q, k),
         };
         // Heads moved in front of time by the rotary op itself (one pass on the CPU). The
-        // attention scale 1/sqrt(D) is folded into q's rotary embedding (no extra tensor), so
-        // the graph keeps no unscaled (B, H, T, T) scores.
-        let q = self.rope(&q, cos, sin, 1.0 / (d as f64).sqrt())?; // (B, H, T, D)
+        // attention scale (1/sqrt(D), or Gemma 2's) is folded into q's rotary embedding (no
+        // extra tensor), so the graph keeps no unscaled (B, H, T, T) scores.
+        let q = self.rope(&q, cos, sin, self.scale)?; // (B, H, T, D)
         let k = self.rope(&k, cos, sin, 1.0)?; // (B, KV, T, D)
         let v = v.transpose(1, 2)?.contiguous()?; // (B, KV, T, D)
         Ok((q, k, v))
@@ -174,8 +178,13 @@ impl Attention {
         // be a graph node whose backward zeroes and adds a score-sized buffer). Chunked (the
         // default) keeps no (T, T) scores; eager reads the causal mask of ops::attention_mask.
         let y = match mask {
-            Mask::Dense(m) => ops::causal_attention(&q, &k, &v, m)?,
-            Mask::Chunked(m) => crate::chunked::chunked_attention(&q, &k, &v, m)?,
+            Mask::Dense(m) => match self.softcap {
+                None => ops::causal_attention(&q, &k, &v, m)?,
+                Some(cap) => ops::causal_attention_capped(&q, &k, &v, m, cap)?,
+            },
+            Mask::Chunked(m) => {
+                crate::chunked::chunked_attention_capped(&q, &k, &v, m, self.softcap)?
+            }
         }; // (B, KV, n_rep*T, D)
         let y = y.reshape((b, h, t, d))?; // (B, H, T, D)
         let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, h * d))?; // (B, T, H*D)
@@ -191,11 +200,12 @@ pub enum GateUpProj {
     Fused { gate_up_proj: Linear },
 }
 
-/// SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
+/// Gated feed-forward: down(act(gate(x)) * up(x)), SwiGLU (silu) or Gemma's GeGLU (gelu tanh).
 #[derive(Clone)]
 pub struct Mlp {
     pub gate_up: GateUpProj,
     pub down_proj: Linear,
+    pub(crate) act: Activation,
 }
 
 impl Mlp {
@@ -218,7 +228,11 @@ impl Mlp {
                 )
             }
         };
-        self.down_proj.forward(&ops::swiglu(&g, &u)?)
+        let a = match self.act {
+            Activation::Silu => ops::swiglu(&g, &u)?,
+            Activation::GeluTanh => ops::geglu(&g, &u)?,
+        };
+        self.down_proj.forward(&a)
     }
 }
 
@@ -230,7 +244,16 @@ pub struct DecoderLayer {
     pub mlp: Mlp,
     pub input_layernorm: Param,
     pub post_attention_layernorm: Param,
+    /// Gemma 2's norms around the MLP (`post_attention_layernorm` then normalizes the
+    /// attention output).
+    pub pre_feedforward_layernorm: Option<Param>,
+    pub post_feedforward_layernorm: Option<Param>,
     pub(crate) eps: f64,
+    /// Gemma's RMSNorm, `x_normed * (1 + w)`.
+    pub(crate) norm_plus_one: bool,
+    /// A full-attention layer of a model whose other layers slide (Gemma 2's global layers):
+    /// it reads [`RopeMask::full`].
+    pub(crate) full_attention: bool,
 }
 
 impl DecoderLayer {
@@ -240,11 +263,39 @@ impl DecoderLayer {
     }
 
     /// The training forward's first half, [`DecoderLayer::attention_half`] with the batch's
-    /// rotary tables and mask. x: (B, T, C) -> (B, T, C)
+    /// rotary tables and this layer's mask (Gemma 2's global layers: the full one).
+    /// x: (B, T, C) -> (B, T, C)
     pub(crate) fn attention_residual(&self, x: &Tensor, rope: &RopeMask) -> Result<Tensor> {
-        self.attention_half(x, |h| {
-            self.self_attn.forward(h, &rope.cos, &rope.sin, &rope.mask)
-        })
+        let mask = match (&rope.full, self.full_attention) {
+            (Some(full), true) => full,
+            _ => &rope.mask,
+        };
+        self.attention_half(x, |h| self.self_attn.forward(h, &rope.cos, &rope.sin, mask))
+    }
+
+    /// RMSNorm with this layer's weight convention. x: (..., C) -> (..., C)
+    fn norm(&self, x: &Tensor, w: &Param) -> Result<Tensor> {
+        norm(x, w, self.eps, self.norm_plus_one)
+    }
+
+    /// The layer's norm weights with their paths inside the layer (HF's names).
+    pub fn norms(&self) -> Vec<(&'static str, &Param)> {
+        let a = &self.self_attn;
+        let mut v = Vec::with_capacity(6);
+        v.extend(a.q_norm.iter().map(|p| ("self_attn.q_norm.weight", p)));
+        v.extend(a.k_norm.iter().map(|p| ("self_attn.k_norm.weight", p)));
+        v.push(("input_layernorm.weight", &self.input_layernorm));
+        v.push((
+            "post_attention_layernorm.weight",
+            &self.post_attention_layernorm,
+        ));
+        if let Some(p) = &self.pre_feedforward_layernorm {
+            v.push(("pre_feedforward_layernorm.weight", p));
+        }
+        if let Some(p) = &self.post_feedforward_layernorm {
+            v.push(("post_feedforward_layernorm.weight", p));
+        }
+        v
     }
 
     /// The pre-norm block around an attention: x + attn(norm(x)), then + mlp(norm(.)). The
@@ -264,15 +315,29 @@ impl DecoderLayer {
         x: &Tensor,
         attn: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
-        let h = ops::rms_norm(x, &enter(self.input_layernorm.tensor()), self.eps)?;
-        Ok((x + attn(&h)?)?)
+        let h = self.norm(x, &self.input_layernorm)?;
+        let a = attn(&h)?;
+        if self.post_feedforward_layernorm.is_some() {
+            // Gemma 2: x + norm(attn(norm(x)))
+            return Ok((x + self.norm(&a, &self.post_attention_layernorm)?)?);
+        }
+        Ok((x + a)?)
     }
 
-    /// The block's second residual half: x + mlp(norm(x)). Token-wise (each row of the output
-    /// reads only its own row), which activation checkpointing uses to run it in tiles of
-    /// tokens. x: (B, T, C) -> (B, T, C)
+    /// The block's second residual half: x + mlp(norm(x)) (Gemma 2: x + norm(mlp(norm(x)))
+    /// with its pre- and post-feed-forward norms). Token-wise (each row of the output reads
+    /// only its own row), which activation checkpointing uses to run it in tiles of tokens.
+    /// x: (B, T, C) -> (B, T, C)
     pub(crate) fn mlp_half(&self, x: &Tensor) -> Result<Tensor> {
-        let h = ops::rms_norm(x, &enter(self.post_attention_layernorm.tensor()), self.eps)?;
+        if let (Some(pre), Some(post)) = (
+            &self.pre_feedforward_layernorm,
+            &self.post_feedforward_layernorm,
+        ) {
+            let h = self.norm(x, pre)?;
+            let m = self.norm(&self.mlp.forward(&h)?, post)?;
+            return Ok((x + m)?);
+        }
+        let h = self.norm(x, &self.post_attention_layernorm)?;
         Ok((x + self.mlp.forward(&h)?)?)
     }
 
@@ -339,7 +404,22 @@ pub struct RopeMask {
     /// (B, 1, T, Dr), Dr = rotary dim
     pub cos: Tensor,
     pub sin: Tensor,
+    /// The mask with the config's sliding window (if any).
     pub mask: Mask,
+    /// Without the window, for the full-attention layers of a model whose other layers slide
+    /// (Gemma 2); None when every layer reads `mask`.
+    pub full: Option<Mask>,
+}
+
+/// RMSNorm of x with weight `w`: Llama's, or Gemma's `(1 + w)` when `plus_one`.
+/// x: (..., C) -> (..., C)
+pub(crate) fn norm(x: &Tensor, w: &Param, eps: f64, plus_one: bool) -> Result<Tensor> {
+    let w = enter(w.tensor());
+    if plus_one {
+        ops::rms_norm_plus_one(x, &w, eps)
+    } else {
+        ops::rms_norm(x, &w, eps)
+    }
 }
 
 /// `*ForCausalLM`: embeddings, decoder layers, final norm, LM head (tied or not).
@@ -587,6 +667,8 @@ impl CausalLM {
                 head_dim: d,
                 rotary_dim: c.rotary_dim,
                 eps: c.rms_norm_eps,
+                scale: c.attention_scale(),
+                softcap: c.variant.attn_logit_softcapping,
             };
             let gate_up = if c.fused_projections {
                 GateUpProj::Fused {
@@ -601,6 +683,13 @@ impl CausalLM {
             let mlp = Mlp {
                 gate_up,
                 down_proj: next(),
+                act: c.variant.act,
+            };
+            let sandwich = |n: &str| -> Result<Option<Param>> {
+                c.variant
+                    .sandwich_norms
+                    .then(|| param(&format!("{p}.{n}.weight"), &[hs]))
+                    .transpose()
             };
             layers.push(DecoderLayer {
                 self_attn,
@@ -610,7 +699,11 @@ impl CausalLM {
                     &format!("{p}.post_attention_layernorm.weight"),
                     &[hs],
                 )?,
+                pre_feedforward_layernorm: sandwich("pre_feedforward_layernorm")?,
+                post_feedforward_layernorm: sandwich("post_feedforward_layernorm")?,
                 eps: c.rms_norm_eps,
+                norm_plus_one: c.variant.norm_plus_one,
+                full_attention: c.sliding_window.is_some() && c.layer_window(i).is_none(),
             });
         }
         let embed_tokens = param("model.embed_tokens.weight", &[c.vocab_size, hs])?;
@@ -699,21 +792,34 @@ impl CausalLM {
         let (cos, sin) = self
             .rotary
             .tables_for_segments(&positions, segments, self.dtype)?; // (B, 1, T, Dr)
-        let window = self.config.sliding_window;
-        let mask = match self.attention {
-            AttentionImpl::Eager => Mask::Dense(ops::attention_mask(
-                segments,
-                window,
-                self.dtype,
-                &self.device,
-            )?),
-            AttentionImpl::Chunked => Mask::Chunked(crate::chunked::AttentionMask::new(
-                segments,
-                window,
-                &self.device,
-            )?),
+        let make = |window: Option<usize>| -> Result<Mask> {
+            Ok(match self.attention {
+                AttentionImpl::Eager => Mask::Dense(ops::attention_mask(
+                    segments,
+                    window,
+                    self.dtype,
+                    &self.device,
+                )?),
+                AttentionImpl::Chunked => Mask::Chunked(crate::chunked::AttentionMask::new(
+                    segments,
+                    window,
+                    &self.device,
+                )?),
+            })
         };
-        Ok(RopeMask { cos, sin, mask })
+        let mask = make(self.config.sliding_window)?;
+        // Gemma 2's global layers: a second mask without the window.
+        let full = if self.layers.iter().any(|l| l.full_attention) {
+            Some(make(None)?)
+        } else {
+            None
+        };
+        Ok(RopeMask {
+            cos,
+            sin,
+            mask,
+            full,
+        })
     }
 
     /// Embeds token ids. input_ids: (B, T) u32 -> (B, T, C)
@@ -721,8 +827,20 @@ impl CausalLM {
         let (b, t) = input_ids.dims2()?;
         let w = enter(self.embed_tokens.tensor());
         let flat = input_ids.flatten_all()?; // (B*T)
-        Ok(w.index_select(&flat, 0)?
-            .reshape((b, t, self.config.hidden_size))?)
+        let x = w
+            .index_select(&flat, 0)?
+            .reshape((b, t, self.config.hidden_size))?;
+        if !self.config.variant.embed_scale {
+            return Ok(x);
+        }
+        // Gemma: x * sqrt(C), the factor first rounded to the compute dtype as transformers'
+        // `torch.tensor(hidden_size**0.5, dtype=hidden.dtype)`.
+        let normalizer = Tensor::new(self.config.hidden_size as f64, &Device::Cpu)?
+            .sqrt()?
+            .to_dtype(self.dtype)?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?;
+        Ok((x * normalizer)?)
     }
 
     /// Final hidden states after the last norm, for every position.
@@ -743,7 +861,21 @@ impl CausalLM {
                 }
             }
         }
-        ops::rms_norm(&x, &enter(self.norm.tensor()), self.config.rms_norm_eps)
+        self.final_norm(&x)
+    }
+
+    /// The final norm. x: (B, T, C) -> (B, T, C)
+    pub fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        let c = &self.config;
+        norm(x, &self.norm, c.rms_norm_eps, c.variant.norm_plus_one)
+    }
+
+    /// `final_logit_softcapping` (Gemma 2) on logits in any shape; the identity otherwise.
+    pub fn cap_logits(&self, logits: Tensor) -> Result<Tensor> {
+        match self.config.variant.final_logit_softcapping {
+            Some(cap) => ops::softcap(&logits, cap),
+            None => Ok(logits),
+        }
     }
 
     /// Full logits, upcast to f32 (f64 for an f64 model). Only for small inputs (tests, debugging):
@@ -751,7 +883,7 @@ impl CausalLM {
     /// input_ids: (B, T) -> (B, T, V)
     pub fn logits(&self, input_ids: &Tensor) -> Result<Tensor> {
         let h = self.forward_hidden(input_ids, None)?;
-        let logits = h.broadcast_matmul(&self.lm_head_weight().t()?)?;
+        let logits = self.cap_logits(h.broadcast_matmul(&self.lm_head_weight().t()?)?)?;
         Ok(logits.to_dtype(ops::upcast(self.dtype))?)
     }
 
@@ -762,7 +894,6 @@ impl CausalLM {
             vec![("model.embed_tokens.weight".into(), &self.embed_tokens)];
         for (i, l) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
-            let a = &l.self_attn;
             for (n, lin) in l.linears() {
                 if let Some(w) = lin.weight.param() {
                     out.push((format!("{p}.{n}.weight"), w));
@@ -771,17 +902,9 @@ impl CausalLM {
                     out.push((format!("{p}.{n}.bias"), b));
                 }
             }
-            if let Some(qn) = &a.q_norm {
-                out.push((format!("{p}.self_attn.q_norm.weight"), qn));
+            for (n, w) in l.norms() {
+                out.push((format!("{p}.{n}"), w));
             }
-            if let Some(kn) = &a.k_norm {
-                out.push((format!("{p}.self_attn.k_norm.weight"), kn));
-            }
-            out.push((format!("{p}.input_layernorm.weight"), &l.input_layernorm));
-            out.push((
-                format!("{p}.post_attention_layernorm.weight"),
-                &l.post_attention_layernorm,
-            ));
         }
         out.push(("model.norm.weight".into(), &self.norm));
         if let Some(h) = &self.lm_head {

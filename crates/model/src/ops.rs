@@ -59,6 +59,66 @@ pub fn rms_norm_generic(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     })
 }
 
+/// Gemma's RMSNorm (`Gemma2RMSNorm`): `x_normed * (1 + w)` with the product in f32 and the
+/// result cast back to x's dtype (Llama's casts before the weight multiply).
+/// x: (..., C), w: (C) -> (..., C)
+pub fn rms_norm_plus_one(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    if crate::fused::supports(x) && w.dtype() == x.dtype() {
+        // f32 / f64: no cast between the two products, so this is [`rms_norm`] with weight
+        // 1 + w (computed in x's dtype, as `1.0 + weight.float()`); the offset's backward is
+        // the identity.
+        return rms_norm(x, &w.affine(1.0, 1.0)?, eps);
+    }
+    let dtype = x.dtype();
+    let up = upcast(dtype);
+    let value = {
+        let xf = x.detach().to_dtype(up)?;
+        let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?
+            .sqrt()?
+            .recip()?; // (..., 1)
+        let w1 = (w.detach().to_dtype(up)? + 1.0)?;
+        xf.broadcast_mul(&r)?
+            .broadcast_mul(&w1)?
+            .to_dtype(dtype)?
+            .contiguous()?
+    };
+    // y = cast(xn * (1 + w)), xn = xf * r:
+    //   dw = sum over rows of dy * xn;  g = dy * (1 + w);  dx = r * (g - xn * mean(g * xn))
+    attach2("rms-norm-plus-one", x, w, value, move |x, w, _y, dy| {
+        let xf = x.to_dtype(up)?;
+        let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?
+            .sqrt()?
+            .recip()?;
+        let xn = xf.broadcast_mul(&r)?;
+        let dyf = dy.to_dtype(up)?;
+        let dw = if w.track_op() {
+            let rows = dy.elem_count() / dy.dim(D::Minus1)?;
+            let prod = (&dyf * &xn)?;
+            Some(prod.reshape((rows, ()))?.sum(0)?.to_dtype(w.dtype())?) // (C)
+        } else {
+            None
+        };
+        let g = dyf.broadcast_mul(&(w.to_dtype(up)? + 1.0)?)?;
+        let dot = (&g * &xn)?.mean_keepdim(D::Minus1)?; // (..., 1)
+        let dx = (g - xn.broadcast_mul(&dot)?)?.broadcast_mul(&r)?;
+        Ok((Some(dx.to_dtype(dtype)?), dw))
+    })
+}
+
+/// Soft-capping (Gemma 2's attention scores and logits): `cap * tanh(x / cap)`, in x's dtype as
+/// transformers computes it; the backward is `dx = dy * (1 - tanh^2)`, with tanh recovered
+/// from the output (y / cap), so nothing but the output is kept.
+/// x: any shape -> the same shape
+pub fn softcap(x: &Tensor, cap: f64) -> Result<Tensor> {
+    let value = ((x.detach() / cap)?.tanh()? * cap)?;
+    attach1("softcap", x, value, move |x, y, dy| {
+        let up = upcast(x.dtype());
+        let t = (y.to_dtype(up)? / cap)?;
+        let d = (1.0 - t.sqr()?)?; // 1 - tanh^2 in [0, 1]
+        Ok(Some((dy.to_dtype(up)? * d)?.to_dtype(x.dtype())?))
+    })
+}
+
 /// The value of [`rms_norm`], HF's order of operations (normalize in f32, cast, scale).
 fn rms_norm_value(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
@@ -409,6 +469,22 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Re
     Ok(probs.matmul(v)?) // (B, KV, n_rep*T, D)
 }
 
+/// [`causal_attention`] with the scores soft-capped before the mask (Gemma 2's eager
+/// attention): softmax(cap * tanh(q kᵀ / cap) + mask) v, the cap in q's dtype, the softmax in
+/// f32. Tensor ops on every device (the CPU's fused eager kernel has no cap).
+pub fn causal_attention_capped(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    cap: f64,
+) -> Result<Tensor> {
+    let scores = softcap(&q.matmul(&k.t()?)?, cap)?; // (B, KV, n_rep*T, T)
+    let mask = mask.to_dtype(scores.dtype())?;
+    let probs = masked_softmax(&scores, &mask)?.to_dtype(v.dtype())?; // f32, cast back
+    Ok(probs.matmul(v)?) // (B, KV, n_rep*T, D)
+}
+
 /// SwiGLU's gate: silu(g) * u, one fused pass on the CPU (and one back), Candle ops elsewhere.
 /// g, u: (..., I) -> (..., I)
 pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
@@ -416,6 +492,54 @@ pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
         return Ok(crate::fused::swiglu(g, u)?);
     }
     Ok((g.silu()? * u)?) // Candle's silu has a backward
+}
+
+/// GeGLU's gate (Gemma): gelu_tanh(g) * u, with gelu's tanh approximation
+/// (`gelu_pytorch_tanh`): gelu(x) = x/2 (1 + tanh(k (x + 0.044715 x³))), k = sqrt(2/pi). The gelu
+/// in f32 for bf16 / f16 inputs and rounded once, as torch computes it, then the product in the
+/// input dtype. The backward is written here: Candle's gelu backward uses 6-digit constants
+/// (1e-6 relative error, seen by the f64 finite-difference test).
+/// g, u: (..., I) -> (..., I)
+pub fn geglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    let dt = g.dtype();
+    let up = upcast(dt);
+    let value = {
+        let (act, _) = gelu_tanh(&g.detach().to_dtype(up)?, false)?;
+        (act.to_dtype(dt)? * u.detach())?.contiguous()?
+    };
+    // y = gelu(g) * u:  dg = dy * u * gelu'(g),  du = dy * gelu(g)
+    attach2("geglu", g, u, value, move |g, u, _y, dy| {
+        let (act, dact) = gelu_tanh(&g.to_dtype(up)?, true)?;
+        let dyf = dy.to_dtype(up)?;
+        let dg = match (g.track_op(), dact) {
+            (true, Some(da)) => Some((&dyf * u.to_dtype(up)?)?.mul(&da)?.to_dtype(dt)?),
+            _ => None,
+        };
+        let du = if u.track_op() {
+            Some((dyf * act.to_dtype(dt)?.to_dtype(up)?)?.to_dtype(dt)?)
+        } else {
+            None
+        };
+        Ok((dg, du))
+    })
+}
+
+/// gelu's tanh approximation of x, and (when `grad`) its derivative
+/// 0.5 (1 + t) + 0.5 x (1 - t²) k (1 + 3 · 0.044715 x²), t = tanh(k (x + 0.044715 x³)).
+fn gelu_tanh(x: &Tensor, grad: bool) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+    const C: f64 = 0.044715;
+    let k = (2.0 / std::f64::consts::PI).sqrt();
+    let x2 = x.sqr()?;
+    let inner = ((x * (&x2 * C)?)? + x)?.affine(k, 0.0)?; // k (x + C x³)
+    let t = inner.tanh()?;
+    let act = ((&t + 1.0)? * x)?.affine(0.5, 0.0)?;
+    if !grad {
+        return Ok((act, None));
+    }
+    let dinner = (x2.affine(3.0 * C, 1.0)?).affine(k, 0.0)?; // k (1 + 3 C x²)
+    let one_minus_t2 = (1.0 - t.sqr()?)?;
+    let d = ((t + 1.0)?.affine(0.5, 0.0)? + (x * one_minus_t2)?.mul(&dinner)?.affine(0.5, 0.0)?)?;
+    Ok((act, Some(d)))
 }
 
 /// The value of [`apply_rope`].

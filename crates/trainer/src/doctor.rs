@@ -149,6 +149,15 @@ const CASES: &[Case] = &[
         run: chunked_attention,
     },
     Case {
+        name: "chunked attention softcap fwd+bwd",
+        on_cpu: "tensor-op path (16-row blocks) against the CPU kernel",
+        f32_tol: 1e-4,
+        generic_on_cpu: true,
+        reference_f64: false,
+        cpu_tol: None,
+        run: chunked_attention_softcap,
+    },
+    Case {
         name: "frozen matmul fwd+bwd",
         on_cpu: "plain matmul against the frozen-matmul op",
         f32_tol: 1e-4,
@@ -383,18 +392,35 @@ fn softmax(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
 /// Grouped heads (KV 2, 2 queries each), a packed row and a sliding window of 12 over 40
 /// positions: the mask's three rules at once.
 fn chunked_attention(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    chunked_attention_with(dev, dt, generic, 0.5, None)
+}
+
+/// [`chunked_attention`] with Gemma 2's soft-capped scores: q twice as large, cap 1.5, so that
+/// many scores pass the cap and its derivative matters (the tensor-op path without it: 13.1
+/// against the CPU kernel, tolerance 1e-4).
+fn chunked_attention_softcap(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    chunked_attention_with(dev, dt, generic, 1.0, Some(1.5))
+}
+
+fn chunked_attention_with(
+    dev: &Device,
+    dt: DType,
+    generic: bool,
+    q_scale: f64,
+    softcap: Option<f64>,
+) -> R<Vec<Tensor>> {
     use tallow_model::chunked::{self, AttentionMask};
     let r = &mut rng(13);
     let (b, kv, n_rep, t, d) = (2, 2, 2, 40, 16);
-    let q = Var::from_tensor(&(input(r, &[b, kv, n_rep * t, d], dev, dt)? * 0.5)?)?;
+    let q = Var::from_tensor(&(input(r, &[b, kv, n_rep * t, d], dev, dt)? * q_scale)?)?;
     let k = Var::from_tensor(&input(r, &[b, kv, t, d], dev, dt)?)?;
     let v = Var::from_tensor(&input(r, &[b, kv, t, d], dev, dt)?)?;
     let segments = vec![vec![0u32; t], [vec![0u32; 15], vec![1u32; 25]].concat()];
     let mask = AttentionMask::new(&segments, Some(12), dev)?;
     let y = if generic {
-        chunked::chunked_attention_tensor_ops(&q, &k, &v, &mask, 16)?
+        chunked::chunked_attention_tensor_ops(&q, &k, &v, &mask, 16, softcap)?
     } else {
-        chunked::chunked_attention(&q, &k, &v, &mask)?
+        chunked::chunked_attention_capped(&q, &k, &v, &mask, softcap)?
     };
     let mut out = grads_of(&y, &[&q, &k, &v], 14)?;
     out.insert(0, y);
@@ -531,7 +557,7 @@ fn fused_loss(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
         let picked = rows.gather(&targets.labels.unsqueeze(1)?, 1)?; // (N, 1)
         picked.sum_all()?.neg()?
     } else {
-        lm_head_nll(&h, &head, &targets).map_err(to_candle)?
+        lm_head_nll(&h, &head, &targets, None).map_err(to_candle)?
     };
     let g = loss.backward()?;
     let get = |x: &Var| {
@@ -692,7 +718,13 @@ fn checkpointed(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
     let input_ids = Tensor::from_vec(flat, (2, 12), dev)?;
     let targets = Targets::new(&ids, &tg, dev).map_err(to_candle)?;
     let h = model.forward_hidden(&input_ids, None).map_err(to_candle)?;
-    let loss = (lm_head_nll(&h, model.lm_head_weight(), &targets).map_err(to_candle)?
+    let loss = (lm_head_nll(
+        &h,
+        model.lm_head_weight(),
+        &targets,
+        model.config.variant.final_logit_softcapping,
+    )
+    .map_err(to_candle)?
         / targets.count as f64)?;
     let mut grads = loss.backward()?;
     for g in model.take_checkpoint_grads() {

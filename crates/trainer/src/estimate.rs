@@ -27,6 +27,7 @@
 //! peaks; `tests/tests/estimate_cli.rs` asserts 10% on a grid of configs.
 
 use serde::Serialize;
+use tallow_model::config::Activation;
 use tallow_model::DecoderConfig;
 
 use crate::config::{Attention, Method, ModelDtype, Quantize, TrainConfig};
@@ -241,15 +242,27 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> LayerHalve
     attn += s * q; // probs · v
     attn += s * q; // transpose back, contiguous
     attn += linear(lo, false);
+    let sandwich = m.variant.sandwich_norms;
+    if sandwich {
+        attn += s * c; // Gemma 2: post_attention_layernorm of the attention output
+    }
     attn += s * c; // residual add
     let mut mlp = 0;
-    mlp += s * c; // post_attention_layernorm output
+    mlp += s * c; // post_attention_layernorm (Gemma 2: pre_feedforward_layernorm) output
     if m.fused_projections {
         mlp += 2 * s * m.intermediate_size; // gate, up copied out of gate_up_proj's output
     }
-    // gate, up; silu and silu(gate) * up (fused: one SwiGLU output)
-    mlp += group(&lgu) + if fused { 1 } else { 2 } * s * m.intermediate_size;
+    mlp += group(&lgu);
+    mlp += match m.variant.act {
+        // silu and silu(gate) * up (fused: one SwiGLU output)
+        Activation::Silu => (if fused { 1 } else { 2 }) * s * m.intermediate_size,
+        // Gemma's GeGLU: one op on every device (`ops::geglu`), its output only
+        Activation::GeluTanh => s * m.intermediate_size,
+    };
     mlp += linear(ld, false);
+    if sandwich {
+        mlp += s * c; // post_feedforward_layernorm output
+    }
     mlp += s * c; // residual add
     let per_score = if cfg.model.attention == Attention::Chunked {
         // Chunked attention (`tallow_model::chunked`) keeps its output (counted above as
@@ -259,11 +272,13 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> LayerHalve
     } else {
         // Eager attention scores (B, H, T, T): q·kᵀ (q carries the 1/sqrt(D) scale), softmax
         // probabilities in f32, cast back (fused: the causal attention op keeps only the f32
-        // probabilities).
-        if fused {
-            4
-        } else {
-            s + 4 + cast(s)
+        // probabilities). Gemma 2's soft-capped scores take the tensor-op path on every device
+        // (`ops::causal_attention_capped`): the scores, their capped copy, the f32
+        // probabilities and their cast.
+        match (m.variant.attn_logit_softcapping, fused) {
+            (Some(_), _) => 2 * s + 4 + cast(s),
+            (None, true) => 4,
+            (None, false) => s + 4 + cast(s),
         }
     };
     LayerHalves {
@@ -285,21 +300,30 @@ fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> (u
     let (b, t) = (cfg.train.micro_batch_size, cfg.data.max_seq_len);
     let (h, kv, d) = (m.num_attention_heads, m.num_key_value_heads, m.head_dim);
     let scores = (b * h * t * t * 4) as u64;
+    // Gemma 2's soft-cap: the cap's derivative (1 - tanh²), one more score-sized buffer per
+    // block on the chunked paths, and in the eager backward.
+    let capped = m.variant.attn_logit_softcapping.is_some();
+    let fused = fused && !(capped && cfg.model.attention == Attention::Eager);
     match (cfg.model.attention, fused) {
         // The fused CPU op's backward reads its kept probabilities and holds one 64-row dS
         // block per task (measured at 1-4k tokens: the kept probabilities are the whole
         // difference from chunked attention).
         (Attention::Eager, true) => return (0, (64 * t * 4 * b * kv) as u64),
-        (Attention::Eager, false) => return (0, 3 * scores),
+        (Attention::Eager, false) => return (0, (3 + capped as u64) * scores),
         (Attention::Chunked, true) => {
-            let per_task = (2 * tallow_model::chunked::CPU_BLOCK * t * 4) as u64;
-            return (per_task * (b * kv) as u64, per_task * (b * kv) as u64);
+            let block = (tallow_model::chunked::CPU_BLOCK * t * 4) as u64;
+            let tasks = (b * kv) as u64;
+            return (2 * block * tasks, (2 + capped as u64) * block * tasks);
         }
         (Attention::Chunked, false) => {}
     }
     let rows = tallow_model::chunked::block_rows(b, h, t);
     let block = (b * h * rows * t * 4) as u64;
-    (3 * block, 6 * block + (2 * b * t * kv * d * 4) as u64)
+    let extra = capped as u64 * block;
+    (
+        3 * block + extra,
+        6 * block + extra + (2 * b * t * kv * d * 4) as u64,
+    )
 }
 
 /// What a DoRA linear keeps per token (`tallow_model::peft::dora`, tensor ops on every device):
@@ -498,10 +522,7 @@ fn param_tensors(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize> {
             }
         }
         if cfg.train.method == Method::Full {
-            v.extend([m.hidden_size, m.hidden_size]);
-            if m.qk_norm {
-                v.extend([m.head_dim, m.head_dim]);
-            }
+            v.extend(m.layer_norms().into_iter().map(|(_, n)| n)); // 2 (Qwen3: 4, Gemma 2: 4)
         }
     }
     if cfg.train.method == Method::Full {
@@ -622,8 +643,9 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
         0
     };
     let kept_layers = (layers - checkpointed) as u64;
-    // Outside the layers: embedding output, final norm, the target rows for the LM head.
-    let outside = 3 * s * tokens * c as u64;
+    // Outside the layers: embedding output (Gemma: and its scaled copy), final norm, the
+    // target rows for the LM head.
+    let outside = (3 + m.variant.embed_scale as u64) * s * tokens * c as u64;
     // One (tokens, C) tensor: what a checkpointed layer keeps.
     let hidden = s * tokens * c as u64;
     // Offloaded checkpoint inputs live in host memory (on the CPU the host copy is the
@@ -674,6 +696,15 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
         (true, false) => logits * 4,
         (false, _) => logits * 12,
     };
+    // Gemma 2's final-logit soft-cap (`tallow_model::loss`): the chunk's logits divided, tanh,
+    // multiplied (in the model dtype, two alive at once) before the cross-entropy; in the
+    // backward the cap's derivative, f32, next to the logits' gradient, and their product.
+    let (cap_fwd, cap_bwd) = match m.variant.final_logit_softcapping {
+        Some(_) => (2 * s * logits, 8 * logits),
+        None => (0, 0),
+    };
+    let ce_bwd = ce + cap_bwd;
+    let ce = ce + cap_fwd;
     let loss_forward = ce;
     // Backward high point: the LM head's backward (a chunk's logits turned into their gradient,
     // and dh for every row in f32), or one layer's attention backward (score-sized
@@ -688,7 +719,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let (scores_fwd, scores_bwd) = attention_transients(m, cfg, fused);
     let attn_bwd =
         scores_bwd + tokens * 4 * 4 * c as u64 + tokens * ffn_grad * m.intermediate_size as u64;
-    let lm_bwd = ce + 8 * tokens * c as u64;
+    let lm_bwd = ce_bwd + 8 * tokens * c as u64;
     // A checkpointed layer (`tallow_model::checkpointing`) is rebuilt in two halves: the
     // attention half with its graph, then the MLP half tile by tile (tiles of C tokens), each
     // tile's graph and gradients gone before the next, then the attention half's backward.

@@ -54,7 +54,8 @@ pub fn evaluate(
             // padding marked (a LongRoPE model picks each row's factors by its own length)
             let hidden = model.forward_hidden(&batch.input_ids, batch.segments.as_deref())?; // (B, T, C)
             let head = no_grad::enter(model.lm_head_weight()); // (V, C)
-            lm_head_nll(&hidden, &head, &batch.targets) // () summed over targets
+            let cap = model.config.variant.final_logit_softcapping;
+            lm_head_nll(&hidden, &head, &batch.targets, cap) // () summed over targets
         })?;
         debug_assert!(!nll.track_op(), "evaluation recorded a graph");
         let nll = nll.to_dtype(DType::F64)?;

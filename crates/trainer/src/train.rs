@@ -646,7 +646,12 @@ impl<'a> Session<'a> {
             probe.start_phase();
             let forward = || -> Result<_, TrainError> {
                 let hidden = model.forward_hidden(&batch.input_ids, batch.segments.as_deref())?; // (B, T, C)
-                let nll = lm_head_nll(&hidden, model.lm_head_weight(), &batch.targets)?; // sum over targets
+                let nll = lm_head_nll(
+                    &hidden,
+                    model.lm_head_weight(),
+                    &batch.targets,
+                    model.config.variant.final_logit_softcapping,
+                )?; // sum over targets
                 let loss = (&nll / step_targets as f64)?; // this micro-batch's share of the step mean
                 Ok((hidden, nll, loss))
             };

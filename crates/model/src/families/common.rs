@@ -6,7 +6,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::config::{Arch, DecoderConfig, RopeScaling};
+use crate::config::{Activation, Arch, DecoderConfig, RopeScaling, Variant};
 use crate::error::{ModelError, Result};
 
 /// The `config.json` keys every family reads, with HF's defaults (a family with another
@@ -36,8 +36,9 @@ pub struct CommonKeys {
     pub layer_types: Option<Vec<String>>,
     #[serde(default)]
     pub attention_dropout: f64,
+    /// Absent: the family's default ([`FamilyShape::tie_word_embeddings`]).
     #[serde(default)]
-    pub tie_word_embeddings: bool,
+    pub tie_word_embeddings: Option<bool>,
     #[serde(default)]
     pub bos_token_id: Option<u32>,
     #[serde(default)]
@@ -66,6 +67,10 @@ pub struct FamilyShape {
     pub mlp_bias: bool,
     pub qk_norm: bool,
     pub sliding_window: Option<usize>,
+    /// HF's default `tie_word_embeddings` for the family (when config.json leaves it out).
+    pub tie_word_embeddings: bool,
+    /// Where the family leaves the Llama layout (`Variant::default()` for a Llama-like one).
+    pub variant: Variant,
 }
 
 /// What a family adds beyond the Llama layout (`Family::extras`; none by default): Phi-3's
@@ -99,7 +104,11 @@ impl CommonKeys {
         extras: FamilyExtras,
         path: &Path,
     ) -> Result<DecoderConfig> {
-        check_act(&self.hidden_act, path)?;
+        // A family with its own activation key (Gemma 2's `hidden_activation`) has checked it;
+        // its modeling code never reads `hidden_act`.
+        if shape.variant.act == Activation::Silu {
+            check_act(&self.hidden_act, path)?;
+        }
         let kv = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
         check_heads(self.hidden_size, self.num_attention_heads, kv, path)?;
         check_attention_dropout(self.attention_dropout, path)?;
@@ -149,8 +158,11 @@ impl CommonKeys {
             qk_norm: shape.qk_norm,
             fused_projections: extras.fused_projections,
             rotary_dim,
-            tie_word_embeddings: self.tie_word_embeddings,
+            tie_word_embeddings: self
+                .tie_word_embeddings
+                .unwrap_or(shape.tie_word_embeddings),
             sliding_window: shape.sliding_window,
+            variant: shape.variant,
             bos_token_id: self.bos_token_id,
             eos_token_ids: self.eos_token_id.into_vec(),
             raw: serde_json::Value::Null,

@@ -44,6 +44,8 @@ impl Family for LlamaKeys {
             mlp_bias: self.mlp_bias,
             qk_norm: false,
             sliding_window: None,
+            tie_word_embeddings: false,
+            variant: Default::default(),
         })
     }
 }

@@ -47,6 +47,8 @@ impl Family for MistralKeys {
             mlp_bias: false,
             qk_norm: false,
             sliding_window: self.sliding_window,
+            tie_word_embeddings: false,
+            variant: Default::default(),
         })
     }
 }

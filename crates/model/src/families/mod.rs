@@ -19,6 +19,7 @@ use crate::error::{ModelError, Result};
 use crate::hf_keys::{check_keys, field_names, KeyPolicy};
 
 pub mod common;
+pub mod gemma2;
 pub mod llama;
 pub mod mistral;
 pub mod phi3;
@@ -33,6 +34,7 @@ pub const FAMILIES: &[Registered] = &[
     register::<mistral::MistralKeys>(),
     register::<qwen2::Qwen2Keys>(),
     register::<qwen3::Qwen3Keys>(),
+    register::<gemma2::Gemma2Keys>(),
     register::<phi3::Phi3Keys>(),
 ];
 

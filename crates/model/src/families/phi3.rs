@@ -77,6 +77,9 @@ impl Family for Phi3Keys {
             mlp_bias: false,
             qk_norm: false,
             sliding_window: self.sliding_window,
+            // Phi3Config's default; Phi-4-mini's config.json sets true
+            tie_word_embeddings: false,
+            variant: Default::default(),
         })
     }
 

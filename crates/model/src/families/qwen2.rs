@@ -40,6 +40,8 @@ impl Family for Qwen2Keys {
             mlp_bias: false,
             qk_norm: false,
             sliding_window: None,
+            tie_word_embeddings: false,
+            variant: Default::default(),
         })
     }
 }

@@ -49,6 +49,8 @@ impl Family for Qwen3Keys {
             mlp_bias: false,
             qk_norm: true,
             sliding_window: None,
+            tie_word_embeddings: false,
+            variant: Default::default(),
         })
     }
 }
