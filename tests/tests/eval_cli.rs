@@ -379,7 +379,7 @@ fn alpaca_and_sharegpt_rows_evaluate_as_the_rows_they_map_to() {
          {\"conversations\": [{\"from\": \"function_call\", \"value\": \"{}\"}]}\n",
     )
     .unwrap();
-    let r = tallow(&[
+    let r = tallow([
         "eval",
         "--model",
         &dir.display().to_string(),

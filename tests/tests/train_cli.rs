@@ -819,7 +819,7 @@ fn alpaca_rows_train_as_prompt_completion_through_the_configured_template() {
         0.0,
         "alpaca rows train as their prompt_completion rows"
     );
-    let r = tallow(&[
+    let r = tallow([
         "train",
         "--config",
         a.join("config.toml").to_str().unwrap(),
@@ -882,7 +882,7 @@ fn tensorboard_log_holds_the_metrics_of_the_run() {
         }
     }
     assert_eq!((steps, evals), (3, 3), "{metrics}");
-    let r = tallow(&[
+    let r = tallow([
         "train",
         "--config",
         c.to_str().unwrap(),

@@ -87,7 +87,7 @@ impl Checkpointing {
     }
 
     fn checkpointed(&self, i: usize) -> bool {
-        i % self.every == 0
+        i.is_multiple_of(self.every)
     }
 
     /// The decoder layers over `x`, every `every`-th checkpointed. x: (B, T, C) -> (B, T, C)

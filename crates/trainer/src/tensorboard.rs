@@ -49,8 +49,9 @@ pub struct SummaryValue {
 
 /// TFRecord's masked CRC-32C.
 pub fn masked_crc(data: &[u8]) -> u32 {
-    let c = crc32c::crc32c(data);
-    ((c >> 15) | (c << 17)).wrapping_add(0xa282_ead8)
+    crc32c::crc32c(data)
+        .rotate_right(15)
+        .wrapping_add(0xa282_ead8)
 }
 
 /// One TFRecord around `data`.
@@ -178,8 +179,10 @@ fn wall_time() -> f64 {
 mod tests {
     use super::*;
 
-    /// CRC-32C's check value (crc32c("123456789") = 0xE3069283), and TFRecord's mask of it.
+    /// CRC-32C's check value (crc32c("123456789") = 0xE3069283), and TFRecord's mask of it
+    /// written as TensorFlow's `crc32c::Mask` writes it.
     #[test]
+    #[allow(clippy::manual_rotate)]
     fn masked_crc_of_the_check_string() {
         assert_eq!(crc32c::crc32c(b"123456789"), 0xE306_9283);
         let c: u32 = 0xE306_9283;
@@ -198,7 +201,8 @@ mod tests {
     fn tensorboards_reader_reads_what_the_writer_writes() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tensorboard");
         let name = "events.out.tfevents.0.fixture.tallow";
-        let steps: Vec<(usize, f64, Vec<(&str, f64)>)> = (1..=3)
+        type Step<'a> = (usize, f64, Vec<(&'a str, f64)>); // (step, wall time, scalars)
+        let steps: Vec<Step> = (1..=3)
             .map(|s| {
                 let s64 = s as f64;
                 (
