@@ -426,3 +426,23 @@ pub fn sgd_step_matches_reference(
     }
     dir.join("run/adapter")
 }
+
+/// Alpaca rows `(instruction, input, output)` as two JSONL texts: the Alpaca rows, and the
+/// prompt_completion rows with the prompt `prompt(instruction, input)` wrote out for each.
+pub fn alpaca_and_prompt_completion(
+    rows: &[(&str, &str, &str)],
+    prompt: impl Fn(&str, &str) -> String,
+) -> (String, String) {
+    let (mut alpaca, mut pc) = (String::new(), String::new());
+    for &(instruction, input, output) in rows {
+        alpaca += &format!(
+            "{}\n",
+            serde_json::json!({"instruction": instruction, "input": input, "output": output})
+        );
+        pc += &format!(
+            "{}\n",
+            serde_json::json!({"prompt": prompt(instruction, input), "completion": output})
+        );
+    }
+    (alpaca, pc)
+}

@@ -339,13 +339,8 @@ fn alpaca_and_sharegpt_rows_evaluate_as_the_rows_they_map_to() {
         ("Add the numbers.", "2 and 3", "5"),
         ("Translate to French.", "Good morning", "Bonjour"),
     ];
-    let (mut alpaca, mut pc) = (String::new(), String::new());
-    for (instruction, input, output) in rows {
-        alpaca += &format!(
-            "{}\n",
-            serde_json::json!({"instruction": instruction, "input": input, "output": output})
-        );
-        let prompt = if input.is_empty() {
+    let (alpaca, pc) = alpaca_and_prompt_completion(&rows, |instruction, input| {
+        if input.is_empty() {
             format!(
                 "Below is an instruction that describes a task. Write a response that \
                  appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n\
@@ -358,12 +353,8 @@ fn alpaca_and_sharegpt_rows_evaluate_as_the_rows_they_map_to() {
                  request.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n\
                  ### Response:\n"
             )
-        };
-        pc += &format!(
-            "{}\n",
-            serde_json::json!({"prompt": prompt, "completion": output})
-        );
-    }
+        }
+    });
     let (alpaca_path, pc_path) = (work.join("alpaca.jsonl"), work.join("pc.jsonl"));
     std::fs::write(&alpaca_path, alpaca).unwrap();
     std::fs::write(&pc_path, pc).unwrap();

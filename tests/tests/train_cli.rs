@@ -769,22 +769,13 @@ fn alpaca_rows_train_as_prompt_completion_through_the_configured_template() {
         ("Say hi.", "", "Hi!"),
         ("Translate.", "Good morning", "Bonjour"),
     ];
-    let (mut alpaca, mut pc) = (String::new(), String::new());
-    for (instruction, input, output) in rows {
-        alpaca += &format!(
-            "{}\n",
-            serde_json::json!({"instruction": instruction, "input": input, "output": output})
-        );
-        let prompt = if input.is_empty() {
+    let (alpaca, pc) = alpaca_and_prompt_completion(&rows, |instruction, input| {
+        if input.is_empty() {
             format!("Q: {instruction}\nA: ")
         } else {
             format!("Q: {instruction} ({input})\nA: ")
-        };
-        pc += &format!(
-            "{}\n",
-            serde_json::json!({"prompt": prompt, "completion": output})
-        );
-    }
+        }
+    });
     let run = |name: &str, data: &str, extra: &str| -> std::path::PathBuf {
         let dir = work.join(name);
         std::fs::create_dir_all(&dir).unwrap();
