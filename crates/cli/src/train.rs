@@ -107,7 +107,16 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if let (Some(a), Some(b)) = (summary.eval_loss_start, summary.eval_loss_end) {
         line += &format!(", eval loss {a:.4} -> {b:.4}");
     }
+    if summary.stopped_early {
+        line += " (stopped early)";
+    }
+    if let Some((step, l)) = summary.best_eval {
+        line += &format!(", best eval loss {l:.4} at step {step}");
+    }
     println!("{line}\noutput: {}", summary.output.display());
+    if let Some(last) = &summary.output_last {
+        println!("last step's output: {}", last.display());
+    }
     let p = &summary.peak_bytes;
     if let (Some(l), Some(f), Some(b), Some(o)) =
         (summary.load_peak_bytes, p.forward, p.backward, p.optimizer)

@@ -10,6 +10,7 @@ use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use tallow_model::io::{replace_dir, save_safetensors, staging_dir, write_atomic};
 
+use crate::best::BestEval;
 use crate::error::TrainError;
 
 /// `state.json` of a checkpoint.
@@ -36,6 +37,10 @@ pub struct CheckpointState {
     pub tokens_seen: u64,
     /// Seconds of training so far (for tokens/s across resumes).
     pub elapsed_s: f64,
+    /// The best evaluation so far and the patience counter (`train.keep_best`, early stopping);
+    /// absent in checkpoints written before them: no evaluation seen.
+    #[serde(default)]
+    pub best_eval: BestEval,
     pub tallow_version: String,
 }
 
@@ -75,17 +80,53 @@ pub fn save(
     Ok(dest)
 }
 
-/// The newest complete checkpoint (`step-N` with the largest N that has a state.json).
-pub fn latest(output_dir: &Path) -> Option<(usize, PathBuf)> {
-    let entries = std::fs::read_dir(checkpoints_dir(output_dir)).ok()?;
-    entries
+/// The complete checkpoints (`step-N` with a state.json), oldest first.
+pub fn all(output_dir: &Path) -> Vec<(usize, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir(checkpoints_dir(output_dir)) else {
+        return Vec::new();
+    };
+    let mut found: Vec<(usize, PathBuf)> = entries
         .filter_map(|e| e.ok())
         .filter_map(|e| {
             let name = e.file_name().into_string().ok()?;
             let n: usize = name.strip_prefix("step-")?.parse().ok()?;
             e.path().join("state.json").exists().then(|| (n, e.path()))
         })
-        .max_by_key(|(n, _)| *n)
+        .collect();
+    found.sort();
+    found
+}
+
+/// The newest complete checkpoint (`step-N` with the largest N that has a state.json).
+pub fn latest(output_dir: &Path) -> Option<(usize, PathBuf)> {
+    all(output_dir).pop()
+}
+
+/// `train.save_total_limit`: removes the oldest checkpoints until `limit` remain, never the one
+/// of step `keep` (the best, with `keep_best`), which is kept besides. Each is renamed out of the
+/// `step-N` namespace before it is deleted, so a run killed mid-removal never leaves a partial
+/// `step-N` for `--resume` to find. Returns the removed dirs.
+pub fn rotate(
+    output_dir: &Path,
+    limit: usize,
+    keep: Option<usize>,
+) -> Result<Vec<PathBuf>, TrainError> {
+    let candidates: Vec<(usize, PathBuf)> = all(output_dir)
+        .into_iter()
+        .filter(|(n, _)| Some(*n) != keep)
+        .collect();
+    let excess = candidates.len().saturating_sub(limit);
+    let mut removed = Vec::new();
+    for (n, dir) in candidates.into_iter().take(excess) {
+        let aside = checkpoints_dir(output_dir).join(format!(".removing-step-{n}"));
+        let _ = std::fs::remove_dir_all(&aside);
+        std::fs::rename(&dir, &aside)
+            .map_err(|e| TrainError::Invalid(format!("{}: {e}", dir.display())))?;
+        std::fs::remove_dir_all(&aside)
+            .map_err(|e| TrainError::Invalid(format!("{}: {e}", aside.display())))?;
+        removed.push(dir);
+    }
+    Ok(removed)
 }
 
 /// A loaded checkpoint.
@@ -154,5 +195,33 @@ pub fn check_compatible(
             dir.display(),
             diffs.join("; ")
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `rotate` keeps the newest `limit` complete checkpoints and the protected one; a dir
+    /// without state.json is not a checkpoint and is neither counted nor removed.
+    #[test]
+    fn rotate_keeps_newest_and_best() {
+        let out = std::env::temp_dir().join(format!("tallow-rotate-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        for n in [1, 2, 3, 10, 20] {
+            let d = checkpoints_dir(&out).join(format!("step-{n}"));
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("state.json"), "{}").unwrap();
+        }
+        std::fs::create_dir_all(checkpoints_dir(&out).join("step-30")).unwrap(); // incomplete
+        let removed = rotate(&out, 2, Some(2)).unwrap();
+        let steps = |v: Vec<(usize, PathBuf)>| v.into_iter().map(|(n, _)| n).collect::<Vec<_>>();
+        assert_eq!(steps(all(&out)), [2, 10, 20]);
+        assert_eq!(removed.len(), 2);
+        assert!(checkpoints_dir(&out).join("step-30").exists());
+        // Numeric order, not by name: step-10 is newer than step-2.
+        rotate(&out, 1, None).unwrap();
+        assert_eq!(steps(all(&out)), [20]);
+        std::fs::remove_dir_all(&out).unwrap();
     }
 }

@@ -6,6 +6,7 @@
 //! loop on them.
 
 pub mod batch;
+pub mod best;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

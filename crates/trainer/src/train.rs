@@ -25,6 +25,7 @@ use tallow_model::{
 use tallow_text::TextTokenizer;
 
 use crate::batch::{pack, Batch, Row};
+use crate::best::BestEval;
 use crate::checkpoint::{self, CheckpointState, LoraState};
 use crate::config::{Method, Quantize, TrainConfig};
 use crate::data::{load_jsonl, Example};
@@ -129,12 +130,19 @@ pub enum Event<'a> {
 /// The outcome of a run.
 #[derive(Debug, Clone)]
 pub struct Summary {
+    /// Optimizer steps done: `total_steps`, or fewer when early stopping ended the run.
     pub steps: usize,
+    /// The run stopped early (`train.early_stopping_patience`).
+    pub stopped_early: bool,
+    /// Step and eval loss of the best evaluation after step 0 (with an eval set).
+    pub best_eval: Option<(usize, f64)>,
     pub last_loss: Option<f64>,
     pub eval_loss_start: Option<f64>,
     pub eval_loss_end: Option<f64>,
-    /// `adapter/` or `model/` in the output dir.
+    /// `adapter/` or `model/` in the output dir (with `keep_best`, the best evaluation's).
     pub output: PathBuf,
+    /// With `keep_best`: `adapter-last/` or `model-last/`, the last step's.
+    pub output_last: Option<PathBuf>,
     pub elapsed_s: f64,
     /// Measured peak bytes of the load phase and, per phase, over all steps of this run.
     pub load_peak_bytes: Option<u64>,
@@ -347,13 +355,18 @@ pub fn train_with_limit(
     // Load data, model, adapters and optimizer; resume; the step-0 metrics and evaluation.
     let mut run = Session::start(cfg, device, resume, memory_limit, on_event)?;
     for step in run.start_step..run.total_steps {
+        // Early stopping ended the run (in this process, or before the checkpoint resumed).
+        if run.stopped_early {
+            break;
+        }
         // Forward + backward over the step's micro-batches, gradients summed on the device.
         let fb = run.forward_backward(step)?;
         // Clip, the step's one host read (loss and gradient norm), the optimizer update.
         let upd = run.update(step, fb)?;
         // The metrics line (logged steps) and the progress event (every step).
         let log = run.log(step, upd, on_event)?;
-        // Evaluate and checkpoint when due; the last step does both.
+        // Evaluate and checkpoint when due; the last step does both, as does a new best eval
+        // with `keep_best` and the eval that stops the run early.
         run.eval_and_checkpoint(&log, on_event)?;
     }
     // The PEFT adapter or the whole model, and the run's summary.
@@ -402,6 +415,12 @@ struct Session<'a> {
     last_loss: Option<f64>,
     eval_loss_end: Option<f64>,
     last_checkpoint: Option<PathBuf>,
+    /// The best evaluation and the patience counter (carried by checkpoints).
+    best_eval: BestEval,
+    /// `train.early_stopping_patience` evaluations went without improvement.
+    stopped_early: bool,
+    /// The last optimizer step done.
+    steps_done: usize,
     /// Peak bytes per phase over all steps of this process.
     run_peaks: PhasePeaks,
     /// `train.log` has "tensorboard": the event file of this process.
@@ -524,6 +543,12 @@ impl<'a> Session<'a> {
             Some(r) => (r.step, r.tokens_seen, r.elapsed_s),
             None => (0, 0, 0.0),
         };
+        let best_eval = resumed
+            .as_ref()
+            .map(|r| r.best_eval.clone())
+            .unwrap_or_default();
+        // A run that stopped early and is resumed with the same patience stays stopped.
+        let stopped_early = best_eval.exhausted(t.early_stopping_patience);
         let resumed_from = resumed.map(|r| r.dir);
 
         // Start: the event, the step-0 metrics line and the first evaluation.
@@ -599,6 +624,9 @@ impl<'a> Session<'a> {
             last_loss: None,
             eval_loss_end: None,
             last_checkpoint: resumed_from,
+            best_eval,
+            stopped_early,
+            steps_done: start_step,
             run_peaks: PhasePeaks::default(),
             tensorboard,
         })
@@ -825,7 +853,9 @@ impl<'a> Session<'a> {
     ) -> Result<(), TrainError> {
         let t = &self.cfg.train;
         let done = log.step;
+        self.steps_done = done;
         let last = done == self.total_steps;
+        let mut new_best = false;
         if (t.eval_every > 0 && done.is_multiple_of(t.eval_every)) || last {
             if let Some(l) = eval_loss(&self.model, &self.eval, t.micro_batch_size, self.pad)? {
                 append_metrics(
@@ -841,13 +871,28 @@ impl<'a> Session<'a> {
                     loss: l,
                 });
                 self.eval_loss_end = Some(l);
+                new_best = self
+                    .best_eval
+                    .observe(done, l, t.early_stopping_threshold)
+                    .new_best;
+                if !last && self.best_eval.exhausted(t.early_stopping_patience) {
+                    self.stopped_early = true;
+                    on_event(Event::Note(early_stop_message(
+                        &self.best_eval,
+                        t.early_stopping_patience,
+                        t.early_stopping_threshold,
+                        done,
+                    )));
+                }
             }
         }
-        if (t.save_every > 0 && done.is_multiple_of(t.save_every)) || last {
+        let save_due = (t.save_every > 0 && done.is_multiple_of(t.save_every)) || last;
+        if save_due || self.stopped_early || (t.keep_best && new_best) {
             let state = CheckpointState {
                 step: done,
                 tokens_seen: self.tokens_seen,
                 elapsed_s: log.elapsed_s,
+                best_eval: self.best_eval.clone(),
                 ..self.identity.clone()
             };
             let trainable: Vec<(String, Tensor)> = self
@@ -861,6 +906,10 @@ impl<'a> Session<'a> {
                 path: &path,
             });
             self.last_checkpoint = Some(path);
+            if t.save_total_limit > 0 {
+                let keep = t.keep_best.then(|| self.best_eval.best_step()).flatten();
+                checkpoint::rotate(&self.out, t.save_total_limit, keep)?;
+            }
         }
         Ok(())
     }
@@ -876,25 +925,38 @@ impl<'a> Session<'a> {
             self.trainable_params
         )));
 
-        let output = match &self.lora {
-            Some(spec) => {
-                let dir = self.out.join("adapter");
-                save_peft(
-                    &self.model,
-                    spec,
-                    &dir,
-                    &self.cfg.model.path.display().to_string(),
-                )?;
-                dir
-            }
-            None => {
-                let dir = self.out.join("model");
-                save_hf_model(&self.model, &self.model_dir, &dir, self.model.dtype())?;
-                dir
-            }
+        // With keep_best: the last step's weights beside, then the best checkpoint's into the
+        // trainable variables for the main output.
+        let name = if self.lora.is_some() {
+            "adapter"
+        } else {
+            "model"
         };
+        let output_last = match (self.cfg.train.keep_best, self.best_eval.best_step()) {
+            (true, Some(best)) => {
+                let last = self.out.join(format!("{name}-last"));
+                self.save_output(&last)?;
+                if best != self.steps_done {
+                    self.load_best(best)?;
+                }
+                on_event(Event::Note(format!(
+                    "keep_best: {}/ holds step {best}'s weights (eval loss {:.4}), {name}-last/ \
+                     step {}'s",
+                    name,
+                    self.best_eval.best.map_or(f64::NAN, |(_, l)| l),
+                    self.steps_done
+                )));
+                Some(last)
+            }
+            _ => None,
+        };
+        let output = self.out.join(name);
+        self.save_output(&output)?;
         Ok(Summary {
-            steps: self.total_steps,
+            steps: self.steps_done,
+            stopped_early: self.stopped_early,
+            best_eval: self.best_eval.best,
+            output_last,
             last_loss: self.last_loss,
             eval_loss_start: self.eval_loss_start,
             eval_loss_end: self.eval_loss_end,
@@ -904,6 +966,52 @@ impl<'a> Session<'a> {
             peak_bytes: self.run_peaks,
         })
     }
+}
+
+impl Session<'_> {
+    /// The PEFT adapter (LoRA runs) or the whole model in HF layout into `dir`.
+    fn save_output(&self, dir: &Path) -> Result<(), TrainError> {
+        match &self.lora {
+            Some(spec) => save_peft(
+                &self.model,
+                spec,
+                dir,
+                &self.cfg.model.path.display().to_string(),
+            ),
+            None => save_hf_model(&self.model, &self.model_dir, dir, self.model.dtype()),
+        }?;
+        Ok(())
+    }
+
+    /// Sets the trainable variables to the checkpoint of step `step` (the best evaluation's,
+    /// which `save_total_limit` never removes).
+    fn load_best(&self, step: usize) -> Result<(), TrainError> {
+        let dir = checkpoint::checkpoints_dir(&self.out).join(format!("step-{step}"));
+        if !dir.join("state.json").exists() {
+            return Err(TrainError::Invalid(format!(
+                "train.keep_best: the best evaluation's checkpoint {} is gone (removed by hand?); \
+                 the last step's weights are in the -last output",
+                dir.display()
+            )));
+        }
+        let ck = checkpoint::load(&dir, self.device)?;
+        for (name, var) in &self.params {
+            let saved = ck.trainable.get(name).ok_or_else(|| {
+                TrainError::Resume(format!("{}: no tensor `{name}`", dir.display()))
+            })?;
+            var.set(&saved.to_dtype(var.dtype())?)?;
+        }
+        Ok(())
+    }
+}
+
+/// What `train.early_stopping_patience` stopping the run says.
+fn early_stop_message(best: &BestEval, patience: usize, threshold: f64, step: usize) -> String {
+    let (best_step, best_loss) = best.best.unwrap_or((0, f64::NAN));
+    format!(
+        "early stopping at step {step}: {patience} evaluation(s) in a row without the eval loss \
+         improving by more than {threshold}; best {best_loss:.4} at step {best_step}"
+    )
 }
 
 /// The mean loss over the eval set (None without one), at the training micro-batch and without
@@ -955,6 +1063,7 @@ fn checkpoint_identity(
         },
         tokens_seen: 0,
         elapsed_s: 0.0,
+        best_eval: BestEval::default(),
         tallow_version: env!("CARGO_PKG_VERSION").into(),
     }
 }
@@ -966,6 +1075,7 @@ struct Resumed {
     step: usize,
     tokens_seen: u64,
     elapsed_s: f64,
+    best_eval: BestEval,
 }
 
 /// Loads the newest checkpoint in `out` (None when there is none), after checking it is one of
@@ -999,6 +1109,7 @@ fn resume_from(
         step: ck.state.step,
         tokens_seen: ck.state.tokens_seen,
         elapsed_s: ck.state.elapsed_s,
+        best_eval: ck.state.best_eval,
     }))
 }
 

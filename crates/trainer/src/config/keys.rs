@@ -108,6 +108,10 @@ pub(super) const SECTIONS: [(&str, &[(&str, Kind)]); 4] = [
             ("log", Kind::Choices(LogSink::NAMES)),
             ("eval_every", Kind::Uint),
             ("save_every", Kind::Uint),
+            ("save_total_limit", Kind::Uint),
+            ("early_stopping_patience", Kind::Uint),
+            ("early_stopping_threshold", Kind::Float),
+            ("keep_best", Kind::Bool),
             ("checkpointing", Kind::Bool),
             ("checkpoint_every", Kind::Uint),
             ("offload_checkpoints", Kind::Bool),
@@ -191,6 +195,9 @@ pub(super) const ALIASES: &[(&str, &str)] = &[
     ("eval_interval", "train.eval_every"),
     ("save_steps", "train.save_every"),
     ("save_interval", "train.save_every"),
+    ("load_best_model_at_end", "train.keep_best"),
+    ("save_best", "train.keep_best"),
+    ("patience", "train.early_stopping_patience"),
 ];
 
 /// Names other trainers use for our sections.

@@ -182,6 +182,21 @@ pub struct TrainSection {
     pub eval_every: usize,
     /// Save every this many optimizer steps; 0 only at the end.
     pub save_every: usize,
+    /// Keep at most this many checkpoints in `output_dir/checkpoints/`, the newest (and, with
+    /// `keep_best`, the best one besides); 0 (default) keeps them all. HF Trainer's
+    /// `save_total_limit`.
+    pub save_total_limit: usize,
+    /// Stop the run after this many evaluations in a row without the eval loss improving on
+    /// the best one by more than `early_stopping_threshold`; 0 (default) never stops early.
+    /// Needs `data.eval` and `eval_every`. HF's `EarlyStoppingCallback`.
+    pub early_stopping_patience: usize,
+    /// The improvement of the eval loss that counts (default 0: any decrease).
+    pub early_stopping_threshold: f64,
+    /// At the end, `adapter/` (or `model/`) holds the weights of the evaluation with the
+    /// lowest eval loss and `adapter-last/` (`model-last/`) the last step's (default false).
+    /// Each new best eval is checkpointed. Needs `data.eval` and `eval_every`. HF's
+    /// `load_best_model_at_end` with `metric_for_best_model = "eval_loss"`.
+    pub keep_best: bool,
     /// Activation checkpointing: keep only decoder-layer inputs in the forward and recompute
     /// each layer in the backward (default false).
     pub checkpointing: bool,

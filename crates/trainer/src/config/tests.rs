@@ -253,8 +253,9 @@ fn unknown_key_names_file_key_and_suggestion() {
         "configs/x.toml: unknown key `train.learning_rate`; did you mean `train.lr`? valid keys \
          in [train]: method, micro_batch_size, grad_accum, max_steps, epochs, optimizer, lr, \
          weight_decay, betas, eps, schedule, warmup_steps, max_grad_norm, seed, device, \
-         output_dir, log_every, log, eval_every, save_every, checkpointing, checkpoint_every, \
-         offload_checkpoints, tf32, threads"
+         output_dir, log_every, log, eval_every, save_every, save_total_limit, \
+         early_stopping_patience, early_stopping_threshold, keep_best, checkpointing, \
+         checkpoint_every, offload_checkpoints, tf32, threads"
     );
     // A typo, by edit distance.
     let e = err(&format!("{MINIMAL}[lora]\nrnak = 8\n"), &[]);
@@ -437,4 +438,18 @@ fn to_toml_round_trip() {
         assert_eq!(back, config, "{text}");
         assert_eq!(back.to_toml_string(), text);
     }
+}
+
+/// docs/config.md, the config reference, names every key of the key table as `section.key`
+/// (a key added without its line there fails here).
+#[test]
+fn config_reference_lists_every_key() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/config.md");
+    let doc = std::fs::read_to_string(path).unwrap();
+    let missing: Vec<String> = SECTIONS
+        .iter()
+        .flat_map(|(section, keys)| keys.iter().map(move |(k, _)| format!("`{section}.{k}`")))
+        .filter(|k| !doc.contains(&format!("| {k} |")))
+        .collect();
+    assert!(missing.is_empty(), "docs/config.md lacks {missing:?}");
 }

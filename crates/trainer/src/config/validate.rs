@@ -25,7 +25,8 @@ impl TrainConfig {
         validate_lora(&self.lora)?;
         validate_data(&self.data)?;
         validate_train(&self.train)?;
-        validate_quantize_with_method(&self.model, &self.train)
+        validate_quantize_with_method(&self.model, &self.train)?;
+        validate_best_with_eval(&self.data, &self.train)
     }
 }
 
@@ -178,6 +179,54 @@ fn validate_train(t: &TrainSection) -> Checked {
     }
     if t.log_every < 1 {
         return bad("train.log_every", "must be at least 1, found 0");
+    }
+    Ok(())
+}
+
+/// `train.early_stopping_patience` and `train.keep_best` compare evaluations made during the
+/// run: they need an eval set and `train.eval_every`.
+fn validate_best_with_eval(d: &DataSection, t: &TrainSection) -> Checked {
+    if !(t.early_stopping_threshold >= 0.0 && t.early_stopping_threshold.is_finite()) {
+        return bad(
+            "train.early_stopping_threshold",
+            format!(
+                "must be >= 0 (the decrease of the eval loss that counts as better), found {}",
+                t.early_stopping_threshold
+            ),
+        );
+    }
+    if t.early_stopping_threshold > 0.0 && t.early_stopping_patience == 0 {
+        return bad(
+            "train.early_stopping_threshold",
+            "has no effect without train.early_stopping_patience: set the patience (e.g. 3 \
+             evaluations) or drop the threshold",
+        );
+    }
+    let users = [
+        (
+            "train.early_stopping_patience",
+            t.early_stopping_patience > 0,
+        ),
+        ("train.keep_best", t.keep_best),
+    ];
+    for (key, on) in users {
+        if !on {
+            continue;
+        }
+        if d.eval.is_none() {
+            return bad(
+                key,
+                "compares eval losses, but there is no eval data: set data.eval to a held-out \
+                 JSONL file, or drop the key",
+            );
+        }
+        if t.eval_every == 0 {
+            return bad(
+                key,
+                "compares the evaluations made during the run, but train.eval_every is 0 (one \
+                 evaluation, at the end): set train.eval_every, e.g. 50",
+            );
+        }
     }
     Ok(())
 }
@@ -357,7 +406,7 @@ mod tests {
     }
 
     /// `--set` values that fail validation, and a part of the message each gives.
-    const CASES: [(&str, &str); 30] = [
+    const CASES: [(&str, &str); 34] = [
         ("lora.rank=0", "`lora.rank` must be at least 1"),
         ("lora.alpha=0", "`lora.alpha` must be > 0"),
         ("lora.dropout=1.0", "`lora.dropout` must be in [0, 1)"),
@@ -384,6 +433,22 @@ mod tests {
         (
             "train.offload_checkpoints=true",
             "set train.checkpointing = true",
+        ),
+        (
+            "train.early_stopping_patience=3",
+            "`train.early_stopping_patience` compares eval losses, but there is no eval data",
+        ),
+        (
+            "train.keep_best=true",
+            "`train.keep_best` compares eval losses, but there is no eval data",
+        ),
+        (
+            "train.early_stopping_threshold=0.01",
+            "`train.early_stopping_threshold` has no effect without",
+        ),
+        (
+            "train.early_stopping_threshold=-1",
+            "`train.early_stopping_threshold` must be >= 0",
         ),
         (
             "data.alpaca_prompt=\"Q: {instruction}\"",
@@ -454,6 +519,30 @@ mod tests {
         for device in ["auto", "cpu", "cuda", "cuda:0", "cuda:12"] {
             parse(MINIMAL, &[&format!("train.device={device}")]).unwrap();
         }
+        // Early stopping and keep_best need evaluations during the run, and then are valid.
+        let with_eval = ["data.eval=e.jsonl", "train.keep_best=true"];
+        let e = err(MINIMAL, &with_eval);
+        contains_all(&e, &["`train.keep_best`", "train.eval_every is 0"]);
+        let e = err(
+            MINIMAL,
+            &["data.eval=e.jsonl", "train.early_stopping_patience=2"],
+        );
+        contains_all(
+            &e,
+            &["`train.early_stopping_patience`", "train.eval_every is 0"],
+        );
+        parse(
+            MINIMAL,
+            &[
+                "data.eval=e.jsonl",
+                "train.eval_every=5",
+                "train.keep_best=true",
+                "train.early_stopping_patience=2",
+                "train.early_stopping_threshold=0.01",
+                "train.save_total_limit=1",
+            ],
+        )
+        .unwrap();
         // Errors from the file itself carry no --set.
         let e = err(&format!("{MINIMAL}[lora]\nrank = 0\n"), &[]);
         assert_eq!(
