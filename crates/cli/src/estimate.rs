@@ -74,9 +74,12 @@ pub fn run(a: EstimateArgs) -> Result<()> {
 
 /// The breakdown as a table, like the memory budgets users write by hand.
 pub fn describe(origin: &str, m: &DecoderConfig, cfg: &TrainConfig, est: &Estimate) -> String {
+    use tallow_trainer::config::Method;
     let method = match cfg.train.method {
-        tallow_trainer::config::Method::Lora => format!("LoRA r{}", cfg.lora.rank),
-        tallow_trainer::config::Method::Full => "full fine-tuning".into(),
+        Method::Lora => format!("LoRA r{}", cfg.lora.rank),
+        Method::Full => "full fine-tuning".into(),
+        Method::Dpo => format!("DPO, LoRA r{}, chosen + rejected per pair", cfg.lora.rank),
+        Method::Orpo => format!("ORPO, LoRA r{}, chosen + rejected per pair", cfg.lora.rank),
     };
     let mut s = format!(
         "{origin}: {} ({} layers, hidden {}, vocab {}), {method}, {}{}, {} optimizer, \

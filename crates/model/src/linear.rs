@@ -97,6 +97,14 @@ pub struct Linear {
 }
 
 impl Linear {
+    /// The adapter the forward applies: None without one, or inside
+    /// [`crate::peft::adapters_off`].
+    fn active_adapter(&self) -> Option<&Adapter> {
+        self.adapter
+            .as_ref()
+            .filter(|_| crate::peft::adapters_active())
+    }
+
     /// The adapter's LoRA matrices (DoRA has them too); None without an adapter.
     pub fn lora(&self) -> Option<&Lora> {
         self.adapter.as_ref().map(Adapter::lora)
@@ -130,7 +138,7 @@ impl Linear {
     /// throughout, a frozen dense or NF4 base, a frozen or no bias. None elsewhere.
     fn forward_fused(&self, x: &Tensor) -> Result<Option<Tensor>> {
         // DoRA rescales the output by a norm of the whole weight: tensor ops (forward_unfused).
-        let Some(Adapter::Lora(lora)) = &self.adapter else {
+        let Some(Adapter::Lora(lora)) = self.active_adapter() else {
             return Ok(None);
         };
         let dt = x.dtype();
@@ -180,7 +188,7 @@ impl Linear {
             Some(xl) => xl.reshape((m, k)), // (M, in), already f32
             None => Ok(x2.clone()),
         };
-        let y = match &self.adapter {
+        let y = match self.active_adapter() {
             None => add_bias(base, bias.as_ref())?,
             Some(Adapter::Lora(lora)) => {
                 let y = add_bias(base, bias.as_ref())?;

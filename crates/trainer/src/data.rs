@@ -35,6 +35,9 @@ crate::config::choice::choices! {
         /// `{"conversations": [{"from": "human" | "gpt" | "system", "value"}, ...]}`: the
         /// messages format under ShareGPT's names.
         Sharegpt = "sharegpt",
+        /// `{"prompt", "chosen", "rejected"}`, strings or TRL's conversational lists: a
+        /// preference pair for `train.method = "dpo" | "orpo"` ([`crate::preference`]).
+        Preference = "preference",
     }
 }
 
@@ -46,6 +49,8 @@ impl Format {
             Some(Format::Text)
         } else if row.contains_key("prompt") && row.contains_key("completion") {
             Some(Format::PromptCompletion)
+        } else if row.contains_key("chosen") || row.contains_key("rejected") {
+            Some(Format::Preference)
         } else if row.contains_key("messages") {
             Some(Format::Messages)
         } else if row.contains_key("instruction") && row.contains_key("output") {
@@ -85,6 +90,9 @@ pub struct DataOptions {
     /// The prompt of an Alpaca row.
     #[serde(default)]
     pub alpaca: AlpacaPrompt,
+    /// Preference rows: keep only the last this many prompt tokens (0: all).
+    #[serde(default)]
+    pub max_prompt_len: usize,
 }
 
 impl Default for DataOptions {
@@ -94,6 +102,7 @@ impl Default for DataOptions {
             max_seq_len: DEFAULT_MAX_SEQ_LEN,
             add_eos: true,
             alpaca: AlpacaPrompt::default(),
+            max_prompt_len: 0,
         }
     }
 }
@@ -308,6 +317,14 @@ impl<'a> RowSink<'a> {
             })?;
         }
         self.n_rows += 1;
+        if self.format == Format::Preference {
+            // A pair: chosen then rejected, side by side in `examples`.
+            match preference_pair(&row, self.tok, self.opts).map_err(PushError::Row)? {
+                Some((chosen, rejected)) => self.examples.extend([chosen, rejected]),
+                None => self.skipped += 1,
+            }
+            return Ok(());
+        }
         match tokenize_row(&row, self.format, self.tok, self.opts).map_err(PushError::Row)? {
             Some(example) => self.examples.push(example),
             None => self.skipped += 1,
@@ -354,6 +371,7 @@ fn check_supported(
         Format::Messages | Format::Sharegpt if tok.chat_template().is_none() => {
             Err(RowError::NoChatTemplate)
         }
+        Format::Preference if opts.add_eos && tok.eos_id().is_none() => Err(RowError::NoEos),
         Format::Text | Format::PromptCompletion | Format::Alpaca
             if opts.add_eos && tok.eos_id().is_none() =>
         {
@@ -400,6 +418,14 @@ pub fn tokenize_row(
         }
         Format::Messages => messages_example(parse_messages(row)?, tok)?,
         Format::Sharegpt => messages_example(parse_sharegpt(row)?, tok)?,
+        Format::Preference => {
+            return Err(RowError::MethodMismatch(
+                "a preference row (prompt / chosen / rejected) is a pair, not one sequence: \
+                 train on it with train.method = \"dpo\" or \"orpo\", or evaluate it with \
+                 `tallow eval --format preference`"
+                    .into(),
+            ))
+        }
         Format::Auto => unreachable!("resolved above"),
     };
 
@@ -457,19 +483,130 @@ fn messages_example(
     Ok((ids, targets))
 }
 
+/// A preference row as two examples, chosen then rejected, each the prompt's tokens (not
+/// trained) followed by the completion's (trained), tokenized as TRL's `DPOTrainer` does:
+/// prompt and completion tokenized apart without special tokens (so no BOS: TRL's choice for
+/// decoder-only models), EOS appended to each completion (`data.add_eos`). Conversational rows (`prompt` a list of messages ending with a
+/// user turn, `chosen` / `rejected` lists with the assistant's turn) are rendered first as TRL's
+/// `maybe_apply_chat_template`: the prompt with the generation header, each completion as the
+/// text the template adds after the prompt. Truncation: the prompt keeps its last
+/// `max_prompt_len` tokens (when set), then each completion is cut to fit `max_seq_len`; a
+/// prompt that leaves no room is `Ok(None)` (skipped and counted).
+fn preference_pair(
+    value: &Json,
+    tok: &TextTokenizer,
+    opts: &DataOptions,
+) -> Result<Option<(Example, Example)>, RowError> {
+    let row = value
+        .as_object()
+        .ok_or(RowError::NotObject(json_type(value)))?;
+    let f = Format::Preference;
+    for key in ["prompt", "chosen", "rejected"] {
+        if !row.contains_key(key) {
+            return Err(RowError::MissingKey {
+                key,
+                format: f.name(),
+            });
+        }
+    }
+    let (prompt, chosen, rejected) = match &row["prompt"] {
+        Json::String(_) => (
+            string_key(row, "prompt", f)?.to_string(),
+            string_key(row, "chosen", f)?.to_string(),
+            string_key(row, "rejected", f)?.to_string(),
+        ),
+        Json::Array(_) => {
+            let template = tok.chat_template().ok_or(RowError::NoChatTemplate)?;
+            let prompt = message_list(row, "prompt")?;
+            if let Some(last) = prompt.last().filter(|m| m.role != "user") {
+                return Err(RowError::PromptLastRole {
+                    role: last.role.clone(),
+                });
+            }
+            let prompt_text = template.render(&prompt, true)?;
+            let joined = |key: &'static str| -> Result<String, RowError> {
+                let mut all = prompt.clone();
+                all.extend(message_list(row, key)?);
+                Ok(template.render(&all, false)?)
+            };
+            let (pc, pr) = (joined("chosen")?, joined("rejected")?);
+            // The prompt is the part the prompt-plus-chosen text shares with it (a template may
+            // render the generation header differently), as TRL does.
+            let common = prompt_text
+                .char_indices()
+                .zip(pc.chars())
+                .find(|((_, a), b)| a != b)
+                .map_or(prompt_text.len().min(pc.len()), |((i, _), _)| i);
+            let prompt = prompt_text[..common].to_string();
+            let rejected = pr.get(common..).unwrap_or_default().to_string();
+            (prompt, pc[common..].to_string(), rejected)
+        }
+        other => {
+            return Err(RowError::WrongType {
+                key: "prompt".into(),
+                expected: "a string or a list of {\"role\", \"content\"} messages",
+                found: json_type(other),
+            })
+        }
+    };
+    if chosen == rejected {
+        return Err(RowError::IdenticalPair);
+    }
+    let mut prompt_ids = tok.encode(&prompt, false)?;
+    if opts.max_prompt_len > 0 && prompt_ids.len() > opts.max_prompt_len {
+        prompt_ids.drain(..prompt_ids.len() - opts.max_prompt_len);
+    }
+    if prompt_ids.len() >= opts.max_seq_len {
+        return Ok(None);
+    }
+    let room = opts.max_seq_len - prompt_ids.len();
+    let example = |completion: &str| -> Result<Example, RowError> {
+        let mut c = tok.encode(completion, false)?;
+        // TRL appends EOS to every completion, even one whose template text already ends
+        // with it.
+        if opts.add_eos {
+            c.push(tok.eos_id().ok_or(RowError::NoEos)?);
+        }
+        c.truncate(room);
+        let mut ids = prompt_ids.clone();
+        let mut targets = vec![false; ids.len()];
+        ids.extend_from_slice(&c);
+        targets.extend(std::iter::repeat_n(true, c.len()));
+        targets[0] = false; // nothing predicts the first token
+        Ok(Example { ids, targets })
+    };
+    let (c, r) = (example(&chosen)?, example(&rejected)?);
+    if c.n_targets() == 0 || r.n_targets() == 0 {
+        return Ok(None);
+    }
+    Ok(Some((c, r)))
+}
+
 /// `row["messages"]` as a list of `{role, content}` with string values.
 fn parse_messages(row: &serde_json::Map<String, Json>) -> Result<Vec<Message>, RowError> {
-    let list = match row.get("messages") {
+    message_list(row, "messages")
+}
+
+/// `row[key]` as a list of `{role, content}` with string values.
+fn message_list(
+    row: &serde_json::Map<String, Json>,
+    key: &'static str,
+) -> Result<Vec<Message>, RowError> {
+    let list = match row.get(key) {
         None => {
             return Err(RowError::MissingKey {
-                key: "messages",
-                format: "messages",
+                key,
+                format: if key == "messages" {
+                    "messages"
+                } else {
+                    "preference"
+                },
             })
         }
         Some(Json::Array(list)) => list,
         Some(other) => {
             return Err(RowError::WrongType {
-                key: "messages".into(),
+                key: key.into(),
                 expected: "a list of {\"role\": str, \"content\": str}",
                 found: json_type(other),
             })
@@ -482,7 +619,7 @@ fn parse_messages(row: &serde_json::Map<String, Json>) -> Result<Vec<Message>, R
                 match m.get(name) {
                     Some(Json::String(s)) => Ok(s.clone()),
                     other => Err(RowError::WrongType {
-                        key: format!("messages[{i}].{name}"),
+                        key: format!("{key}[{i}].{name}"),
                         expected: "a string",
                         found: other.map_or("nothing (key missing)", json_type),
                     }),
@@ -490,7 +627,7 @@ fn parse_messages(row: &serde_json::Map<String, Json>) -> Result<Vec<Message>, R
             };
             if !m.is_object() {
                 return Err(RowError::WrongType {
-                    key: format!("messages[{i}]"),
+                    key: format!("{key}[{i}]"),
                     expected: "an object {\"role\": str, \"content\": str}",
                     found: json_type(m),
                 });

@@ -113,6 +113,23 @@ pub enum RowError {
     )]
     ShareGptRole { at: String, found: String },
 
+    /// A preference row whose chosen and rejected completions are the same.
+    #[error(
+        "`chosen` and `rejected` are identical, so the pair prefers nothing; fix or drop the row"
+    )]
+    IdenticalPair,
+
+    /// A conversational preference prompt that does not end with a user turn.
+    #[error(
+        "the `prompt` messages end with a `{role}` turn; a preference prompt must end with a \
+         user turn (the chosen and rejected lists hold the assistant's answer)"
+    )]
+    PromptLastRole { role: String },
+
+    /// Preference pairs where single sequences are expected, or the other way round.
+    #[error("{0}")]
+    MethodMismatch(String),
+
     /// add_eos is on but the tokenizer knows no EOS token.
     #[error(
         "add_eos is set but the tokenizer has no EOS token; set add_eos = false, or add \

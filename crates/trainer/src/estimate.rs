@@ -178,7 +178,7 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> LayerHalve
     let (c, d) = (m.hidden_size, m.head_dim);
     let (h, kv) = (m.num_attention_heads, m.num_key_value_heads);
     let (q, kvd) = (h * d, kv * d);
-    let lora = cfg.train.method == Method::Lora;
+    let lora = cfg.train.method.adapters();
     let targets = lora_targets(m, cfg);
     let r = cfg.lora.rank;
     let dropout = lora && cfg.lora.dropout > 0.0;
@@ -297,7 +297,7 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> LayerHalve
 /// forward (scores, exp, probabilities) and 6 in the backward (the recomputed ones, dP, dS and
 /// their casts), plus f32 dK / dV sums.
 fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> (u64, u64) {
-    let (b, t) = (cfg.train.micro_batch_size, cfg.data.max_seq_len);
+    let (b, t) = (rows_per_micro_batch(cfg), cfg.data.max_seq_len);
     let (h, kv, d) = (m.num_attention_heads, m.num_key_value_heads, m.head_dim);
     let scores = (b * h * t * t * 4) as u64;
     // Gemma 2's soft-cap: the cap's derivative (1 - tanh²), one more score-sized buffer per
@@ -437,7 +437,7 @@ pub fn estimate(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str) 
         }
     }
     components.push(c("overhead", parts.overhead.0, parts.overhead.1.clone()));
-    let b = cfg.train.micro_batch_size;
+    let b = rows_per_micro_batch(cfg);
     let t = cfg.data.max_seq_len;
     Estimate {
         total_bytes,
@@ -481,11 +481,18 @@ fn lora_targets(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<&'static str> {
     })
 }
 
+/// Sequences in one forward: `micro_batch_size`, twice that for the preference methods (a
+/// pair's chosen and rejected sequences run in one batch, as TRL's concatenated forward).
+pub fn rows_per_micro_batch(cfg: &TrainConfig) -> usize {
+    let pairs = if cfg.train.method.preference() { 2 } else { 1 };
+    cfg.train.micro_batch_size * pairs
+}
+
 /// Trainable parameters: LoRA factors, or every weight.
 pub fn trainable_params(m: &DecoderConfig, cfg: &TrainConfig) -> u64 {
     match cfg.train.method {
         Method::Full => m.num_params() as u64,
-        Method::Lora => {
+        Method::Lora | Method::Dpo | Method::Orpo => {
             let targets = lora_targets(m, cfg);
             let per_layer: usize = m
                 .layer_linears()
@@ -511,14 +518,14 @@ fn param_tensors(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize> {
                         v.push(l.out);
                     }
                 }
-                Method::Lora if targets.contains(&l.module()) => {
+                _ if targets.contains(&l.module()) => {
                     v.push(cfg.lora.rank * l.inp);
                     v.push(cfg.lora.rank * l.out);
                     if cfg.lora.dora {
                         v.push(l.out); // the magnitude
                     }
                 }
-                Method::Lora => {}
+                _ => {}
             }
         }
         if cfg.train.method == Method::Full {
@@ -538,7 +545,8 @@ fn param_tensors(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize> {
 fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let s = dtype_bytes(cfg.model.dtype) as u64;
     let full = cfg.train.method == Method::Full;
-    let (b, t) = (cfg.train.micro_batch_size, cfg.data.max_seq_len);
+    // Preference methods run a pair's chosen and rejected sequences in one batch.
+    let (b, t) = (rows_per_micro_batch(cfg), cfg.data.max_seq_len);
     let (c, v, layers) = (m.hidden_size, m.vocab_size, m.num_hidden_layers);
     let nf4 = cfg.model.quantize == Quantize::Nf4;
 
@@ -951,7 +959,7 @@ fn apply_lever(i: usize, cfg: &TrainConfig) -> Option<(TrainConfig, Vec<String>)
             t.optimizer = OptimizerKind::AdamW8bit;
             vec!["train.optimizer=adamw8bit".into()]
         }
-        5 if t.method == Method::Lora && c.model.quantize == Quantize::None => {
+        5 if t.method.adapters() && c.model.quantize == Quantize::None => {
             c.model.quantize = Quantize::Nf4;
             vec!["model.quantize=nf4".into()]
         }

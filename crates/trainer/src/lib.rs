@@ -19,6 +19,7 @@ pub mod host;
 pub mod memory;
 pub mod opcount;
 pub mod optim;
+pub mod preference;
 pub mod schedule;
 pub mod tensorboard;
 pub mod threads;

@@ -28,6 +28,7 @@ use crate::batch::{pack, Batch, Row};
 use crate::best::BestEval;
 use crate::checkpoint::{self, CheckpointState, LoraState};
 use crate::config::{Method, Quantize, TrainConfig};
+use crate::data::Format;
 use crate::data::{load_jsonl, Example};
 use crate::error::TrainError;
 use crate::eval::evaluate;
@@ -36,17 +37,25 @@ use crate::host;
 use crate::memory::{PhasePeaks, Probe};
 use crate::opcount;
 use crate::optim::{self, Optimizer};
+use crate::preference::{self, Metrics, Objective, PairBatch};
 use crate::schedule::lr_at;
 
 /// The TensorBoard scalars of a logged step, under HF Trainer's tags where it has one
 /// (`train/loss`, `train/learning_rate`, `train/grad_norm`); peaks in MiB.
-fn step_scalars(log: &StepLog) -> Vec<(&'static str, f64)> {
-    let mut v = vec![
+fn step_scalars(log: &StepLog) -> Vec<(String, f64)> {
+    let mut v: Vec<(String, f64)> = [
         ("train/loss", log.loss),
         ("train/learning_rate", log.lr),
         ("train/grad_norm", log.grad_norm),
         ("train/tokens_per_s", log.tokens_per_s),
-    ];
+    ]
+    .iter()
+    .map(|(t, x)| (t.to_string(), *x))
+    .collect();
+    // Preference runs: TRL's tags (`train/rewards/accuracies`, ...).
+    for (name, x) in log.preference.iter().flatten() {
+        v.push((format!("train/{name}"), *x));
+    }
     let p = &log.peak_bytes;
     for (tag, bytes) in [
         ("memory/peak_forward_mib", p.forward),
@@ -54,7 +63,7 @@ fn step_scalars(log: &StepLog) -> Vec<(&'static str, f64)> {
         ("memory/peak_optimizer_mib", p.optimizer),
     ] {
         if let Some(b) = bytes {
-            v.push((tag, b as f64 / (1u64 << 20) as f64));
+            v.push((tag.to_string(), b as f64 / (1u64 << 20) as f64));
         }
     }
     v
@@ -98,6 +107,10 @@ pub struct StepLog {
     /// The same for the backward passes: Candle's gradient formulas, layers recomputed by
     /// activation checkpointing, and summing the gradients into the step's buffers.
     pub ops_backward: u64,
+    /// Preference runs: TRL's metrics of the step (`rewards/chosen`, `rewards/accuracies`, ...,
+    /// [`crate::preference::METRIC_NAMES`]), written as keys of the line.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub preference: Option<BTreeMap<&'static str, f64>>,
 }
 
 /// What the run reports as it goes (the CLI turns these into a progress bar and messages).
@@ -160,6 +173,9 @@ struct Setup {
     rows: Vec<Row>,
     eval: Vec<Example>,
     pad: u32,
+    /// Rows of data.train / data.eval dropped at load (no target token left after
+    /// truncation; a preference prompt that leaves no room).
+    skipped: (usize, usize),
 }
 
 fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
@@ -174,8 +190,9 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
         Some(p) => Some(tallow_hub::resolve_data(p).map_err(hub("data.eval"))?),
     };
     let tok = TextTokenizer::from_model_dir(model_dir)?;
-    let data_opts = cfg.data.options();
+    let data_opts = cfg.data_options();
     let train_set = load_jsonl(&train_path, &tok, &data_opts)?;
+    check_method_and_format(cfg, "data.train", train_set.format)?;
     if train_set.examples.is_empty() {
         return Err(TrainError::Invalid(format!(
             "{}: no row has a target token left after truncation to {} tokens ({} skipped)",
@@ -184,9 +201,13 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
             train_set.skipped
         )));
     }
-    let eval = match &eval_path {
-        None => vec![],
-        Some(p) => load_jsonl(p, &tok, &data_opts)?.examples,
+    let (eval, eval_skipped) = match &eval_path {
+        None => (vec![], 0),
+        Some(p) => {
+            let set = load_jsonl(p, &tok, &data_opts)?;
+            check_method_and_format(cfg, "data.eval", set.format)?;
+            (set.examples, set.skipped)
+        }
     };
     let rows = if cfg.data.pack {
         pack(&train_set.examples, cfg.data.max_seq_len)
@@ -255,7 +276,27 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
         rows,
         eval,
         pad,
+        skipped: (train_set.skipped, eval_skipped),
     })
+}
+
+/// Preference pairs train only with `train.method = "dpo" | "orpo"`, and those need pairs.
+fn check_method_and_format(cfg: &TrainConfig, key: &str, format: Format) -> Result<(), TrainError> {
+    let method = cfg.train.method;
+    match (method.preference(), format == Format::Preference) {
+        (true, false) => Err(TrainError::Invalid(format!(
+            "train.method = \"{}\" trains on preference pairs, but {key} has {} rows: give \
+             rows with \"prompt\", \"chosen\" and \"rejected\" (strings, or lists of \
+             messages), or set train.method = \"lora\"",
+            method.name(),
+            format.name()
+        ))),
+        (false, true) => Err(TrainError::Invalid(format!(
+            "{key} holds preference pairs (prompt / chosen / rejected): set train.method = \
+             \"dpo\" or \"orpo\" to train on them"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// The rows of optimizer step `step`: epochs of `rows_per_step`-sized slices of a per-epoch
@@ -425,13 +466,23 @@ struct Session<'a> {
     run_peaks: PhasePeaks,
     /// `train.log` has "tensorboard": the event file of this process.
     tensorboard: Option<crate::tensorboard::EventWriter>,
+    /// `train.method = "dpo" | "orpo"`: the objective (None: supervised).
+    objective: Option<Objective>,
+    /// `preference.precompute_ref`: each train row's reference log-prob sum.
+    reference_cache: Option<Vec<f32>>,
 }
 
 /// What the forward and backward passes of a step leave for its update (the gradients
 /// themselves are in [`Session::acc`]).
 struct ForwardBackward {
-    /// The step's summed target-token NLL, still on the device.
+    /// The step's summed target-token NLL (supervised), or its loss (preference), still on the
+    /// device.
     nll_sum: Tensor,
+    /// What `nll_sum` is divided by for the step's loss: its target tokens, or 1.
+    loss_divisor: f64,
+    /// Preference runs: the step's metric sums on the device, with its pairs and ORPO NLL
+    /// tokens.
+    preference: Option<(Tensor, usize, usize)>,
     tally: StepTally,
 }
 
@@ -440,6 +491,7 @@ struct Updated {
     loss: f64,
     grad_norm: f64,
     lr: f64,
+    preference: Option<BTreeMap<&'static str, f64>>,
     tally: StepTally,
 }
 
@@ -503,11 +555,33 @@ impl<'a> Session<'a> {
             rows,
             eval,
             pad,
+            skipped,
         } = memory.check(setup(cfg, device), "load", 0, &None)?;
+        let unit = if cfg.train.method.preference() {
+            "pairs"
+        } else {
+            "rows"
+        };
+        for (key, n) in [("data.train", skipped.0), ("data.eval", skipped.1)] {
+            if n > 0 {
+                on_event(Event::Note(format!(
+                    "{key}: {n} {unit} skipped: nothing left to train after cutting to \
+                     data.max_seq_len = {} tokens",
+                    cfg.data.max_seq_len
+                )));
+            }
+        }
         let vars: Vec<Var> = params.iter().map(|(_, v)| v.clone()).collect();
         let mut opt: Box<dyn Optimizer> = optim::build(t.optimizer, t.betas, t.eps, t.weight_decay);
         let rows_per_step = t.micro_batch_size * t.grad_accum;
-        let plan = Schedule::new(rows.len(), rows_per_step, cfg.data.shuffle, t.seed);
+        // Preference runs schedule pairs (rows 2i and 2i + 1), the others rows.
+        let objective = Objective::of(cfg);
+        let units = if objective.is_some() {
+            rows.len() / 2
+        } else {
+            rows.len()
+        };
+        let plan = Schedule::new(units, rows_per_step, cfg.data.shuffle, t.seed);
         let total_steps = if t.max_steps > 0 {
             t.max_steps
         } else {
@@ -565,11 +639,22 @@ impl<'a> Session<'a> {
             load_live_bytes,
             memory: memory.probe.what(),
         });
-        let eval_loss_start = if start_step == 0 {
-            eval_loss(&model, &eval, t.micro_batch_size, pad)?
+        // preference.precompute_ref: the reference log-probs of every train row, once.
+        let reference_cache = match objective {
+            Some(o) if o.needs_reference() && cfg.preference.precompute_ref => {
+                let mut note = |n: String| on_event(Event::Note(n));
+                Some(preference::reference_cache(
+                    cfg, &model, &rows, pad, &mut note,
+                )?)
+            }
+            _ => None,
+        };
+        let eval_start = if start_step == 0 {
+            eval_loss(&model, &eval, t.micro_batch_size, pad, objective)?
         } else {
             None
         };
+        let eval_loss_start = eval_start.as_ref().map(|e| e.loss);
         if resumed_from.is_none() {
             append_metrics(
                 &memory.metrics,
@@ -582,16 +667,12 @@ impl<'a> Session<'a> {
                 }),
             )?;
         }
-        if let Some(l) = eval_loss_start {
-            append_metrics(
-                &memory.metrics,
-                &serde_json::json!({"step": 0, "eval_loss": l}),
-            )?;
-            if let Some(tb) = &mut tensorboard {
-                tb.scalars(0, &[("eval/loss", l)])
-                    .map_err(|e| tensorboard_error(tb.path(), e))?;
-            }
-            on_event(Event::Eval { step: 0, loss: l });
+        if let Some(e) = &eval_start {
+            record_eval(&memory.metrics, &mut tensorboard, 0, e)?;
+            on_event(Event::Eval {
+                step: 0,
+                loss: e.loss,
+            });
         }
 
         let started = Instant::now();
@@ -629,6 +710,8 @@ impl<'a> Session<'a> {
             steps_done: start_step,
             run_peaks: PhasePeaks::default(),
             tensorboard,
+            objective,
+            reference_cache,
         })
     }
 
@@ -646,6 +729,9 @@ impl<'a> Session<'a> {
     /// stream sync on CUDA; under `--memory-limit` one more per pass, its check); the others
     /// make no probe call.
     fn forward_backward(&mut self, step: usize) -> Result<ForwardBackward, TrainError> {
+        if let Some(objective) = self.objective {
+            return self.forward_backward_pairs(step, objective);
+        }
         let t = &self.cfg.train;
         let started = Instant::now();
         // A step that measures its memory: logged, or checked against --memory-limit. The
@@ -723,6 +809,141 @@ impl<'a> Session<'a> {
 
         Ok(ForwardBackward {
             nll_sum: nll_sum.expect("a step has at least one micro-batch"),
+            loss_divisor: step_targets as f64,
+            preference: None,
+            tally: StepTally {
+                started,
+                measure,
+                probes_before,
+                reads_before,
+                tokens: step_tokens,
+                target_tokens: step_targets,
+                peaks,
+                ops_forward,
+                ops_backward,
+            },
+        })
+    }
+
+    /// [`Session::forward_backward`] of a preference run: each micro-batch of m pairs is one
+    /// forward of 2m rows (chosen, then rejected); DPO's reference log-probs come from the
+    /// cache (`precompute_ref`) or from a forward of the same batch with the adapters off and
+    /// no graph, inside the forward phase. The loss shares ([`preference::micro_loss`]) are
+    /// normalized by the step's pairs (and ORPO's NLL by its chosen tokens); the metric sums
+    /// stay on the device for the step's one read.
+    fn forward_backward_pairs(
+        &mut self,
+        step: usize,
+        objective: Objective,
+    ) -> Result<ForwardBackward, TrainError> {
+        let t = &self.cfg.train;
+        let started = Instant::now();
+        let measure = self.memory.limit.is_some() || self.logged(step + 1);
+        let probe = self.memory.probe.on_step(measure);
+        let probes_before = crate::memory::probes();
+        let reads_before = host::reads();
+        let (mut ops_forward, mut ops_backward) = (0, 0);
+        let pair_ids = self.plan.rows(step);
+        let step_pairs: Vec<(&Row, &Row)> = pair_ids
+            .iter()
+            .map(|&i| (&self.rows[2 * i], &self.rows[2 * i + 1]))
+            .collect();
+        let step_targets: usize = step_pairs
+            .iter()
+            .map(|(c, r)| c.n_targets() + r.n_targets())
+            .sum();
+        let step_tokens: usize = step_pairs
+            .iter()
+            .map(|(c, r)| c.ids.len() + r.ids.len())
+            .sum();
+        let n_pairs = step_pairs.len();
+        let chosen_tokens = preference::chosen_tokens(step_pairs.iter().copied());
+        let mut loss_sum: Option<Tensor> = None;
+        let mut sums: Option<Tensor> = None;
+        let mut peaks = PhasePeaks::default();
+        let model = &self.model;
+        for (m, (micro, ids)) in step_pairs
+            .chunks(t.micro_batch_size)
+            .zip(pair_ids.chunks(t.micro_batch_size))
+            .enumerate()
+        {
+            set_dropout(model, Some(dropout_seed(t.seed, step, m)));
+            let pb = PairBatch::new(micro, self.pad, self.device)?;
+            probe.start_phase();
+            let forward = || -> Result<_, TrainError> {
+                let reference = match (&self.reference_cache, objective.needs_reference()) {
+                    (_, false) => None,
+                    (Some(cache), true) => {
+                        // (2m): the chosen rows' cached values, then the rejected rows'.
+                        let v: Vec<f32> = ids
+                            .iter()
+                            .map(|&i| cache[2 * i])
+                            .chain(ids.iter().map(|&i| cache[2 * i + 1]))
+                            .collect();
+                        Some(Tensor::from_vec(v, 2 * ids.len(), self.device)?)
+                    }
+                    (None, true) => Some(preference::reference_logps(model, &pb)?),
+                };
+                let b = &pb.batch;
+                let hidden = model.forward_hidden(&b.input_ids, b.segments.as_deref())?; // (2m, T, C)
+                let ml = preference::micro_loss(
+                    &objective,
+                    model,
+                    &hidden,
+                    &pb,
+                    reference.as_ref(),
+                    n_pairs,
+                    chosen_tokens,
+                )?;
+                Ok((hidden, ml))
+            };
+            let ops = opcount::mark();
+            let (hidden, ml) =
+                self.memory
+                    .check(forward(), "forward", step + 1, &self.last_checkpoint)?;
+            ops_forward += opcount::since(ops);
+            let forward_peak = probe.peak();
+            probe.start_phase();
+            let backward = |acc: &mut GradAccumulator| -> Result<(), TrainError> {
+                acc.add(&ml.loss.backward()?)?;
+                for store in model.take_checkpoint_grads() {
+                    acc.add(&store)?;
+                }
+                Ok(())
+            };
+            let ops = opcount::mark();
+            self.memory.check(
+                backward(&mut self.acc),
+                "backward",
+                step + 1,
+                &self.last_checkpoint,
+            )?;
+            ops_backward += opcount::since(ops);
+            let value = ml.loss.detach();
+            loss_sum = Some(match loss_sum {
+                Some(acc) => acc.add(&value)?,
+                None => value,
+            });
+            sums = Some(match sums {
+                Some(acc) => acc.add(&ml.sums)?,
+                None => ml.sums.clone(),
+            });
+            drop((hidden, ml));
+            peaks = peaks.merge(&PhasePeaks {
+                forward: forward_peak,
+                backward: probe.peak(),
+                optimizer: None,
+            });
+        }
+        set_dropout(model, None);
+        Ok(ForwardBackward {
+            nll_sum: loss_sum.expect("a step has at least one micro-batch"),
+            loss_divisor: 1.0,
+            preference: Some((
+                sums.expect("a step has at least one micro-batch"),
+                n_pairs,
+                chosen_tokens,
+            )),
             tally: StepTally {
                 started,
                 measure,
@@ -745,7 +966,12 @@ impl<'a> Session<'a> {
     /// taking the gradients and of the update).
     fn update(&mut self, step: usize, fb: ForwardBackward) -> Result<Updated, TrainError> {
         let t = &self.cfg.train;
-        let ForwardBackward { nll_sum, mut tally } = fb;
+        let ForwardBackward {
+            nll_sum,
+            loss_divisor,
+            preference,
+            mut tally,
+        } = fb;
         let probe = self.memory.probe.on_step(tally.measure);
         probe.start_phase();
         let taken = self.acc.take().map_err(TrainError::from);
@@ -753,18 +979,29 @@ impl<'a> Session<'a> {
             .memory
             .check(taken, "optimizer", step + 1, &self.last_checkpoint)?;
         let grad_norm = clip_grad_norm(&mut grads, t.max_grad_norm)?;
-        // The one host read of the step: its loss and gradient norm together.
-        let both = Tensor::stack(
-            &[
-                nll_sum.to_dtype(DType::F64)?,
-                grad_norm
-                    .to_device(nll_sum.device())?
-                    .to_dtype(DType::F64)?,
-            ],
-            0,
-        )?;
-        let read = host::read(&both)?;
-        let (loss, grad_norm) = (read[0] / tally.target_tokens as f64, read[1]);
+        // The one host read of the step: its loss and gradient norm together (and a preference
+        // run's metric sums).
+        let mut parts = vec![
+            nll_sum.to_dtype(DType::F64)?.reshape(1)?,
+            grad_norm
+                .to_device(nll_sum.device())?
+                .to_dtype(DType::F64)?
+                .reshape(1)?,
+        ];
+        if let Some((sums, _, _)) = &preference {
+            parts.push(sums.clone());
+        }
+        let read = host::read(&Tensor::cat(&parts, 0)?)?;
+        let (loss, grad_norm) = (read[0] / loss_divisor, read[1]);
+        let preference = match (&preference, self.objective) {
+            (Some((_, pairs, tokens)), Some(obj)) => Some(
+                Metrics::from_sums(&obj, &read[2..], *pairs, *tokens)
+                    .values
+                    .into_iter()
+                    .collect(),
+            ),
+            _ => None,
+        };
         for (what, value) in [("loss", loss), ("gradient norm", grad_norm)] {
             if !value.is_finite() {
                 return Err(TrainError::NonFinite {
@@ -789,6 +1026,7 @@ impl<'a> Session<'a> {
             loss,
             grad_norm,
             lr,
+            preference,
             tally,
         })
     }
@@ -806,6 +1044,7 @@ impl<'a> Session<'a> {
             loss,
             grad_norm,
             lr,
+            preference,
             tally,
         } = upd;
         let probe = self.memory.probe.on_step(tally.measure);
@@ -829,11 +1068,15 @@ impl<'a> Session<'a> {
             memory_probes: crate::memory::probes() - tally.probes_before,
             ops_forward: tally.ops_forward,
             ops_backward: tally.ops_backward,
+            preference,
         };
         if self.logged(done) {
             append_metrics(&self.memory.metrics, &log)?;
             if let Some(tb) = &mut self.tensorboard {
-                tb.scalars(done, &step_scalars(&log))
+                let scalars = step_scalars(&log);
+                let tags: Vec<(&str, f64)> =
+                    scalars.iter().map(|(t, x)| (t.as_str(), *x)).collect();
+                tb.scalars(done, &tags)
                     .map_err(|e| tensorboard_error(tb.path(), e))?;
             }
         }
@@ -857,15 +1100,16 @@ impl<'a> Session<'a> {
         let last = done == self.total_steps;
         let mut new_best = false;
         if (t.eval_every > 0 && done.is_multiple_of(t.eval_every)) || last {
-            if let Some(l) = eval_loss(&self.model, &self.eval, t.micro_batch_size, self.pad)? {
-                append_metrics(
-                    &self.memory.metrics,
-                    &serde_json::json!({"step": done, "eval_loss": l}),
-                )?;
-                if let Some(tb) = &mut self.tensorboard {
-                    tb.scalars(done, &[("eval/loss", l)])
-                        .map_err(|e| tensorboard_error(tb.path(), e))?;
-                }
+            let outcome = eval_loss(
+                &self.model,
+                &self.eval,
+                t.micro_batch_size,
+                self.pad,
+                self.objective,
+            )?;
+            if let Some(e) = outcome {
+                let l = e.loss;
+                record_eval(&self.memory.metrics, &mut self.tensorboard, done, &e)?;
                 on_event(Event::Eval {
                     step: done,
                     loss: l,
@@ -1014,21 +1258,62 @@ fn early_stop_message(best: &BestEval, patience: usize, threshold: f64, step: us
     )
 }
 
+/// An evaluation during training: the loss and, for a preference run, TRL's metrics.
+struct EvalOutcome {
+    loss: f64,
+    preference: Vec<(&'static str, f64)>,
+}
+
 /// The mean loss over the eval set (None without one), at the training micro-batch and without
 /// a graph ([`crate::eval`]): it needs less memory than the training forward that already ran at
-/// this batch size. One host read.
+/// this batch size. A preference run evaluates its objective on the eval pairs
+/// ([`preference::evaluate`], the reference with the adapters off). One host read.
 fn eval_loss(
     model: &CausalLM,
     eval: &[Example],
     micro_batch_size: usize,
     pad: u32,
-) -> Result<Option<f64>, TrainError> {
+    objective: Option<Objective>,
+) -> Result<Option<EvalOutcome>, TrainError> {
     if eval.is_empty() {
         return Ok(None);
     }
-    Ok(Some(
-        evaluate(model, eval, micro_batch_size, pad, |_| {})?.loss,
-    ))
+    Ok(Some(match objective {
+        None => EvalOutcome {
+            loss: evaluate(model, eval, micro_batch_size, pad, |_| {})?.loss,
+            preference: vec![],
+        },
+        Some(obj) => {
+            let (loss, metrics) = preference::evaluate(&obj, model, eval, micro_batch_size, pad)?;
+            EvalOutcome {
+                loss,
+                preference: metrics.values,
+            }
+        }
+    }))
+}
+
+/// An evaluation's metrics line (`eval_loss`, and TRL's `eval_rewards/accuracies`, ...) and
+/// TensorBoard scalars (`eval/loss`, `eval/rewards/accuracies`, ...).
+fn record_eval(
+    metrics: &Path,
+    tensorboard: &mut Option<crate::tensorboard::EventWriter>,
+    step: usize,
+    e: &EvalOutcome,
+) -> Result<(), TrainError> {
+    let mut line = serde_json::json!({"step": step, "eval_loss": e.loss});
+    let mut scalars = vec![("eval/loss".to_string(), e.loss)];
+    for (name, x) in &e.preference {
+        line[format!("eval_{name}")] = serde_json::json!(x);
+        scalars.push((format!("eval/{name}"), *x));
+    }
+    append_metrics(metrics, &line)?;
+    if let Some(tb) = tensorboard {
+        let tags: Vec<(&str, f64)> = scalars.iter().map(|(t, x)| (t.as_str(), *x)).collect();
+        tb.scalars(step, &tags)
+            .map_err(|e| tensorboard_error(tb.path(), e))?;
+    }
+    Ok(())
 }
 
 /// What a checkpoint of this run must match to be resumed: method, architecture, model path,

@@ -26,6 +26,29 @@ pub mod lora;
 pub use dora::Dora;
 pub use lora::{lora_a_init, mix_seed, Dropout, Lora};
 
+thread_local! {
+    static ADAPTERS_OFF: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with every adapter of every model switched off on this thread: each linear computes
+/// its base `x W^T (+ b)` only, as PEFT's `disable_adapter()` context. DPO's reference is the
+/// same weights with the adapters off. Scoped: restored when `f` returns or unwinds.
+pub fn adapters_off<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ADAPTERS_OFF.with(|off| off.set(self.0));
+        }
+    }
+    let _restore = Restore(ADAPTERS_OFF.with(|off| off.replace(true)));
+    f()
+}
+
+/// Whether adapters apply on this thread (false inside [`adapters_off`]).
+pub fn adapters_active() -> bool {
+    !ADAPTERS_OFF.with(|off| off.get())
+}
+
 /// The adapter a linear layer may carry.
 #[derive(Clone)]
 pub enum Adapter {

@@ -87,6 +87,36 @@ choices! {
         Lora = "lora",
         /// Every weight of the model.
         Full = "full",
+        /// Direct Preference Optimization (Rafailov et al. 2023) on LoRA / DoRA adapters, the
+        /// reference being the same weights with the adapters off ([`crate::preference`]).
+        Dpo = "dpo",
+        /// Odds Ratio Preference Optimization (Hong et al. 2024) on LoRA / DoRA adapters: no
+        /// reference model.
+        Orpo = "orpo",
+    }
+}
+
+impl Method {
+    /// Whether the run trains adapters (`[lora]`) on a frozen base: every method but `full`.
+    pub fn adapters(self) -> bool {
+        self != Method::Full
+    }
+
+    /// Whether the run trains on preference pairs (`dpo`, `orpo`).
+    pub fn preference(self) -> bool {
+        matches!(self, Method::Dpo | Method::Orpo)
+    }
+}
+
+choices! {
+    /// `preference.loss`: DPO's loss on the reward margin, as TRL's `loss_type`.
+    #[derive(Default)]
+    pub enum PreferenceLoss {
+        /// -log sigmoid(beta * margin), with `label_smoothing` (the DPO paper's; the default).
+        #[default]
+        Sigmoid = "sigmoid",
+        /// (margin - 1 / (2 beta))^2 on per-token mean log-probs (IPO, Azar et al. 2023).
+        Ipo = "ipo",
     }
 }
 
@@ -169,7 +199,7 @@ mod tests {
         }
         assert_eq!(ModelDtype::default(), ModelDtype::Bf16);
         assert_eq!(Quantize::NAMES, ["none", "nf4"]);
-        assert_eq!(Method::NAMES, ["lora", "full"]);
+        assert_eq!(Method::NAMES, ["lora", "full", "dpo", "orpo"]);
         assert_eq!(
             (Quantize::default(), Method::default()),
             (Quantize::None, Method::Lora)

@@ -9,7 +9,8 @@ use super::choice::quoted;
 use super::suggest::{normalize, suggest_anywhere, suggest_key, suggest_section};
 use super::ALL_LINEAR;
 use super::{
-    Attention, ConfigError, Format, LogSink, Method, ModelDtype, OptimizerKind, Quantize, Schedule,
+    Attention, ConfigError, Format, LogSink, Method, ModelDtype, OptimizerKind, PreferenceLoss,
+    Quantize, Schedule,
 };
 
 /// The TOML type a key takes.
@@ -48,7 +49,7 @@ impl Kind {
 }
 
 /// Every section and its keys, in the order [`super::TrainConfig::to_toml_string`] writes them.
-pub(super) const SECTIONS: [(&str, &[(&str, Kind)]); 4] = [
+pub(super) const SECTIONS: [(&str, &[(&str, Kind)]); 5] = [
     (
         "model",
         &[
@@ -117,6 +118,17 @@ pub(super) const SECTIONS: [(&str, &[(&str, Kind)]); 4] = [
             ("offload_checkpoints", Kind::Bool),
             ("tf32", Kind::Bool),
             ("threads", Kind::Uint),
+        ],
+    ),
+    (
+        "preference",
+        &[
+            ("beta", Kind::Float),
+            ("loss", Kind::Choice(PreferenceLoss::NAMES)),
+            ("label_smoothing", Kind::Float),
+            ("lambda", Kind::Float),
+            ("precompute_ref", Kind::Bool),
+            ("max_prompt_len", Kind::Uint),
         ],
     ),
 ];
@@ -195,6 +207,13 @@ pub(super) const ALIASES: &[(&str, &str)] = &[
     ("eval_interval", "train.eval_every"),
     ("save_steps", "train.save_every"),
     ("save_interval", "train.save_every"),
+    ("dpo_beta", "preference.beta"),
+    ("rpo_alpha", "preference.beta"),
+    ("loss_type", "preference.loss"),
+    ("max_prompt_length", "preference.max_prompt_len"),
+    ("orpo_alpha", "preference.lambda"),
+    ("rl", "train.method"),
+    ("rl_beta", "preference.beta"),
     ("load_best_model_at_end", "train.keep_best"),
     ("save_best", "train.keep_best"),
     ("patience", "train.early_stopping_patience"),
@@ -344,7 +363,7 @@ mod tests {
         assert_eq!(
             key_kind("data", "format").unwrap().expected(),
             "one of \"auto\", \"text\", \"prompt_completion\", \"messages\", \"alpaca\", \
-             \"sharegpt\""
+             \"sharegpt\", \"preference\""
         );
     }
 }

@@ -44,6 +44,7 @@ pub(super) fn from_toml_str(
         lora: section(&table, "lora", origin, &set_of)?,
         data: section(&table, "data", origin, &set_of)?,
         train: section(&table, "train", origin, &set_of)?,
+        preference: section(&table, "preference", origin, &set_of)?,
     };
     let config = raw.into_config(origin)?;
     config.validate().map_err(|invalid| ConfigError::Invalid {

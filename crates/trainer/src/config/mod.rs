@@ -52,7 +52,9 @@ use raw::{path_string, RawConfig};
 pub use crate::data::DEFAULT_MAX_SEQ_LEN;
 pub use crate::optim::OptimizerKind;
 pub use crate::schedule::Schedule;
-pub use enums::{Attention, LogSink, LoraTargets, Method, ModelDtype, Quantize, ALL_LINEAR};
+pub use enums::{
+    Attention, LogSink, LoraTargets, Method, ModelDtype, PreferenceLoss, Quantize, ALL_LINEAR,
+};
 pub use error::{ConfigError, InvalidValue};
 
 /// The linear layers of a Llama / Qwen decoder layer that LoRA can wrap, in the order of the
@@ -71,6 +73,32 @@ pub struct TrainConfig {
     pub lora: LoraSection,
     pub data: DataSection,
     pub train: TrainSection,
+    pub preference: PreferenceSection,
+}
+
+/// `[preference]`: the objective of `train.method = "dpo" | "orpo"` (TRL's `DPOConfig` /
+/// `ORPOConfig` names where they exist). No key is required, so serde reads it directly
+/// (defaults in `raw.rs`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PreferenceSection {
+    /// DPO's beta: the strength of the pull towards the reference (default 0.1).
+    pub beta: f64,
+    /// DPO's loss: sigmoid | ipo (default sigmoid).
+    pub loss: PreferenceLoss,
+    /// With the sigmoid loss: the assumed probability that a pair's labels are flipped
+    /// (conservative DPO / cDPO; default 0).
+    pub label_smoothing: f64,
+    /// ORPO's lambda, the weight of the odds-ratio term against the NLL (TRL's `beta` of
+    /// `ORPOConfig`; default 0.1).
+    pub lambda: f64,
+    /// DPO: compute the reference log-probs once over the data before training and cache them
+    /// in `output_dir/reference-logps.safetensors` (default false: computed in each step with
+    /// the adapters off).
+    pub precompute_ref: bool,
+    /// Keep only the last this many tokens of a prompt (TRL's `max_prompt_length`); 0 (default)
+    /// keeps it whole. Completions are then cut to fit `data.max_seq_len`.
+    pub max_prompt_len: usize,
 }
 
 /// `[model]`: the base model.
@@ -247,11 +275,21 @@ impl DataSection {
             max_seq_len: self.max_seq_len,
             add_eos: self.add_eos,
             alpaca: self.alpaca.clone(),
+            max_prompt_len: 0,
         }
     }
 }
 
 impl TrainConfig {
+    /// The options of [`crate::load_jsonl`] for this run: `[data]`'s, with the preference
+    /// section's prompt cut.
+    pub fn data_options(&self) -> DataOptions {
+        DataOptions {
+            max_prompt_len: self.preference.max_prompt_len,
+            ..self.data.options()
+        }
+    }
+
     /// A config with every default and the two required paths.
     pub fn new(model_path: impl Into<PathBuf>, train_data: impl Into<PathBuf>) -> Self {
         let mut raw = RawConfig::default();

@@ -12,7 +12,8 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     Attention, ConfigError, DataSection, LogSink, LoraSection, LoraTargets, Method, ModelDtype,
-    ModelSection, OptimizerKind, Quantize, Schedule, TrainConfig, TrainSection,
+    ModelSection, OptimizerKind, PreferenceLoss, PreferenceSection, Quantize, Schedule,
+    TrainConfig, TrainSection,
 };
 use crate::data::{Format, DEFAULT_MAX_SEQ_LEN};
 
@@ -23,6 +24,7 @@ pub(super) struct RawConfig {
     pub lora: LoraSection,
     pub data: RawData,
     pub train: TrainSection,
+    pub preference: PreferenceSection,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -43,6 +45,19 @@ impl Default for RawModel {
             quantize: Quantize::None,
             double_quant: true,
             attention: Attention::default(),
+        }
+    }
+}
+
+impl Default for PreferenceSection {
+    fn default() -> Self {
+        Self {
+            beta: 0.1,
+            loss: PreferenceLoss::Sigmoid,
+            label_smoothing: 0.0,
+            lambda: 0.1,
+            precompute_ref: false,
+            max_prompt_len: 0,
         }
     }
 }
@@ -209,6 +224,7 @@ impl RawConfig {
                 },
             },
             train: self.train,
+            preference: self.preference,
         })
     }
 }
@@ -237,6 +253,7 @@ impl From<&TrainConfig> for RawConfig {
                 alpaca_prompt_no_input: c.data.alpaca.without_input.clone(),
             },
             train: c.train.clone(),
+            preference: c.preference.clone(),
         }
     }
 }

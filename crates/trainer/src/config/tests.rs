@@ -92,8 +92,10 @@ fn defaults() {
             max_seq_len: 1024,
             add_eos: true,
             alpaca: crate::data::AlpacaPrompt::default(),
+            max_prompt_len: 0,
         }
     );
+    assert_eq!(PreferenceSection::default(), c.preference);
     assert_eq!(DEFAULT_MAX_SEQ_LEN, 1024, "the default `[data]` documents");
 }
 
@@ -293,7 +295,7 @@ fn unknown_section() {
     assert_eq!(
         e,
         "configs/x.toml: unknown section `[training]`; did you mean `[train]`? valid \
-         sections: [model], [lora], [data], [train]"
+         sections: [model], [lora], [data], [train], [preference]"
     );
     let e = err(&format!("{MINIMAL}[mdoel]\n"), &[]);
     contains_all(&e, &["`[mdoel]`", "did you mean `[model]`?"]);

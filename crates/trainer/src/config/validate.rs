@@ -3,8 +3,8 @@
 
 use super::suggest::closest;
 use super::{
-    DataSection, InvalidValue, LogSink, LoraSection, Method, ModelSection, OptimizerKind, Quantize,
-    TrainConfig, TrainSection, ALL_LINEAR,
+    DataSection, InvalidValue, LogSink, LoraSection, Method, ModelSection, OptimizerKind,
+    PreferenceLoss, Quantize, TrainConfig, TrainSection, ALL_LINEAR,
 };
 use tallow_model::peft::KNOWN_MODULES;
 
@@ -26,8 +26,66 @@ impl TrainConfig {
         validate_data(&self.data)?;
         validate_train(&self.train)?;
         validate_quantize_with_method(&self.model, &self.train)?;
-        validate_best_with_eval(&self.data, &self.train)
+        validate_best_with_eval(&self.data, &self.train)?;
+        validate_preference(self)
     }
+}
+
+/// `[preference]` and what a preference method needs of the other sections.
+fn validate_preference(c: &TrainConfig) -> Checked {
+    let p = &c.preference;
+    let method = c.train.method;
+    if !(p.beta > 0.0 && p.beta.is_finite()) {
+        return bad(
+            "preference.beta",
+            format!("must be > 0, found {} (0.1 is TRL's default)", p.beta),
+        );
+    }
+    if !(p.lambda > 0.0 && p.lambda.is_finite()) {
+        return bad(
+            "preference.lambda",
+            format!("must be > 0, found {} (0.1 is TRL's default)", p.lambda),
+        );
+    }
+    if !(0.0..0.5).contains(&p.label_smoothing) {
+        return bad(
+            "preference.label_smoothing",
+            format!(
+                "must be in [0, 0.5), found {} (the probability that a pair's labels are flipped)",
+                p.label_smoothing
+            ),
+        );
+    }
+    if p.label_smoothing > 0.0 && p.loss != PreferenceLoss::Sigmoid {
+        return bad(
+            "preference.label_smoothing",
+            "applies to the sigmoid loss only: set preference.loss = \"sigmoid\" or drop it",
+        );
+    }
+    if p.precompute_ref && method != Method::Dpo {
+        return bad(
+            "preference.precompute_ref",
+            "caches DPO's reference log-probs: it needs train.method = \"dpo\" (ORPO has no \
+             reference)",
+        );
+    }
+    if method.preference() && c.data.pack {
+        return bad(
+            "data.pack",
+            "cannot pack preference pairs: each chosen and rejected sequence is scored on its \
+             own; drop data.pack",
+        );
+    }
+    if p.max_prompt_len > 0 && p.max_prompt_len >= c.data.max_seq_len {
+        return bad(
+            "preference.max_prompt_len",
+            format!(
+                "is {} but data.max_seq_len is {}: leave room for the completion",
+                p.max_prompt_len, c.data.max_seq_len
+            ),
+        );
+    }
+    Ok(())
 }
 
 fn validate_model(m: &ModelSection) -> Checked {
@@ -406,7 +464,7 @@ mod tests {
     }
 
     /// `--set` values that fail validation, and a part of the message each gives.
-    const CASES: [(&str, &str); 34] = [
+    const CASES: [(&str, &str); 39] = [
         ("lora.rank=0", "`lora.rank` must be at least 1"),
         ("lora.alpha=0", "`lora.alpha` must be > 0"),
         ("lora.dropout=1.0", "`lora.dropout` must be in [0, 1)"),
@@ -449,6 +507,20 @@ mod tests {
         (
             "train.early_stopping_threshold=-1",
             "`train.early_stopping_threshold` must be >= 0",
+        ),
+        ("preference.beta=0", "`preference.beta` must be > 0"),
+        ("preference.lambda=-1", "`preference.lambda` must be > 0"),
+        (
+            "preference.label_smoothing=0.5",
+            "`preference.label_smoothing` must be in [0, 0.5)",
+        ),
+        (
+            "preference.precompute_ref=true",
+            "`preference.precompute_ref` caches DPO's reference log-probs",
+        ),
+        (
+            "preference.max_prompt_len=2000",
+            "`preference.max_prompt_len` is 2000 but data.max_seq_len is 1024",
         ),
         (
             "data.alpaca_prompt=\"Q: {instruction}\"",
@@ -519,6 +591,14 @@ mod tests {
         for device in ["auto", "cpu", "cuda", "cuda:0", "cuda:12"] {
             parse(MINIMAL, &[&format!("train.device={device}")]).unwrap();
         }
+        // Preference pairs are not packed; IPO takes no label smoothing.
+        let e = err(MINIMAL, &["train.method=\"dpo\"", "data.pack=true"]);
+        contains_all(&e, &["`data.pack` cannot pack preference pairs"]);
+        let e = err(
+            MINIMAL,
+            &["preference.loss=\"ipo\"", "preference.label_smoothing=0.1"],
+        );
+        contains_all(&e, &["applies to the sigmoid loss only"]);
         // Early stopping and keep_best need evaluations during the run, and then are valid.
         let with_eval = ["data.eval=e.jsonl", "train.keep_best=true"];
         let e = err(MINIMAL, &with_eval);

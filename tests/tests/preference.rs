@@ -1,0 +1,327 @@
+//! Preference tuning (issue 20): `train.method = "dpo" | "orpo"` end to end. One SGD step of
+//! each objective equals the PyTorch + PEFT reference that implements TRL 0.23's tokenization
+//! and losses (`scripts/make_preference_fixtures.py`, `tests/fixtures/reference/preference.*`);
+//! the precomputed reference equals the live one; accumulation equals a big batch; resume is
+//! exact; bad rows get their own messages.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use tallow_tests::*;
+
+/// A DPO / ORPO config on `model` from its non-zero PEFT adapter: SGD, no clipping, constant
+/// lr, unshuffled; `train` and `preference` lines appended to their sections.
+fn config(dir: &Path, model: &str, data: &str, train: &str, preference: &str) -> PathBuf {
+    let f = fixtures();
+    let text = format!(
+        "[model]\npath = \"{}\"\ndtype = \"f32\"\n[lora]\ninit = \"{}\"\ndropout = 0.0\n\
+         [data]\ntrain = \"{}\"\nmax_seq_len = 64\nshuffle = false\n\
+         [train]\noptimizer = \"sgd\"\nlr = 0.5\nschedule = \"constant\"\nmax_grad_norm = 0.0\n\
+         output_dir = \"{}\"\n{train}\n[preference]\n{preference}\n",
+        f.join("models").join(model).display(),
+        f.join("adapters").join(format!("{model}-peft")).display(),
+        f.join("data").join(data).display(),
+        dir.join("run").display(),
+    );
+    let path = dir.join("config.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn train_ok(config: &Path, extra: &[&str]) -> Run {
+    let mut args = vec!["train", "--config", config.to_str().unwrap(), "--quiet"];
+    args.extend_from_slice(extra);
+    let r = tallow(&args);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r
+}
+
+fn adapter(dir: &Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(
+        dir.join("run/adapter/adapter_model.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap()
+}
+
+/// The metrics lines of a run with a `loss` (its steps), in order.
+fn steps(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("run/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v.get("loss").is_some())
+        .collect()
+}
+
+fn max_rel(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .map(|(k, t)| max_abs_diff(t, &b[k]) / max_abs(&b[k]).max(1e-12))
+        .fold(0.0, f64::max)
+}
+
+/// Every case of the reference (3 models; DPO sigmoid with and without label smoothing, IPO,
+/// ORPO; string and conversational data): one SGD step (lr 0.5) on the 4 pairs in one
+/// micro-batch from the model's non-zero PEFT adapter.
+/// - the loss within 1e-5 relative, TRL's metrics (rewards, accuracies, margins, log-probs,
+///   ORPO's NLL and odds) within 1e-4 absolute + 1e-5 relative;
+/// - the update of every adapter tensor within 1e-3 relative (max |ours - ref| / max |ref|
+///   over after - before), the issue's bar.
+///
+/// Measured: loss <= 1.1e-6 relative, metrics <= 7.6e-6 absolute, updates <= 1.1e-5 relative
+/// (printed). Breaks seen: the reference computed with the adapters on (margin 0): the llama
+/// IPO loss 25 (= (1 / 2 beta)^2) vs 21.67; ORPO's NLL share halved: the llama messages loss
+/// 3.16 vs 6.25. (No fixture template ends its text with the EOS token, so TRL's
+/// always-append-EOS rule is not what these cases check.)
+#[test]
+fn one_sgd_step_matches_trl_losses_for_every_case() {
+    let root = fixtures();
+    let reference = json_at(&root, "preference.json");
+    let refs =
+        candle_core::safetensors::load(root.join("reference/preference.safetensors"), &Device::Cpu)
+            .unwrap();
+    let cases = reference["cases"].as_object().unwrap();
+    assert_eq!(cases.len(), 18);
+    let (mut worst_loss, mut worst_metric, mut worst_update) = (0f64, 0f64, 0f64);
+    for (key, want) in cases {
+        let parts: Vec<&str> = key.split('/').collect();
+        let (model, data) = (parts[0], parts[2]);
+        let case = &want["case"];
+        let (method, pref) = match case["kind"].as_str().unwrap() {
+            "dpo" => (
+                "dpo",
+                format!(
+                    "beta = {}\nloss = \"{}\"\nlabel_smoothing = {}",
+                    case["beta"],
+                    case["loss"].as_str().unwrap(),
+                    case["ls"]
+                ),
+            ),
+            _ => ("orpo", format!("lambda = {}", case["lam"])),
+        };
+        let file = if data == "string" {
+            "preference.jsonl"
+        } else {
+            "preference_messages.jsonl"
+        };
+        let dir = scratch(&format!("pref-{}", key.replace('/', "-")));
+        let c = config(
+            &dir,
+            model,
+            file,
+            &format!("method = \"{method}\"\nmax_steps = 1\nmicro_batch_size = 4\ngrad_accum = 1"),
+            &pref,
+        );
+        train_ok(&c, &[]);
+        let step = &steps(&dir)[0];
+        let (ours, theirs) = (
+            step["loss"].as_f64().unwrap(),
+            want["loss"].as_f64().unwrap(),
+        );
+        assert!(
+            (ours - theirs).abs() <= 1e-5 * theirs.abs(),
+            "{key}: loss {ours} vs {theirs}"
+        );
+        worst_loss = worst_loss.max((ours - theirs).abs() / theirs.abs());
+        for (name, v) in want["metrics"].as_object().unwrap() {
+            let (a, b) = (step[name].as_f64().unwrap_or(f64::NAN), v.as_f64().unwrap());
+            assert!(
+                (a - b).abs() <= 1e-4 + 1e-5 * b.abs(),
+                "{key}: {name} {a} vs {b}"
+            );
+            worst_metric = worst_metric.max((a - b).abs());
+        }
+        let init = root.join(format!("adapters/{model}-peft/adapter_model.safetensors"));
+        let before = candle_core::safetensors::load(init, &Device::Cpu).unwrap();
+        let after = adapter(&dir);
+        for (name, b) in &before {
+            let du = (&after[name] - b).unwrap();
+            let dr = (&refs[&format!("{key}.after.{name}")] - b).unwrap();
+            let rel = max_abs_diff(&du, &dr) / max_abs(&dr).max(1e-12);
+            assert!(
+                rel < 1e-3,
+                "{key} {name}: update differs by {rel} (relative)"
+            );
+            worst_update = worst_update.max(rel);
+        }
+    }
+    eprintln!(
+        "worst: loss {worst_loss:.1e} relative, metric {worst_metric:.1e} absolute, update \
+         {worst_update:.1e} relative"
+    );
+}
+
+/// DPO with `preference.precompute_ref = true` (the reference log-probs computed once before
+/// training and cached) gives the adapter of the live reference (computed in each step with the
+/// adapters off) after 4 steps with LoRA dropout on and shuffled pairs: within 1e-6 relative
+/// (the cache is computed in data order, the steps batch shuffled pairs: the same f32 values up
+/// to the batch composition; measured 0). A run killed after step 2 and resumed reads the cache
+/// back (its note says so) and ends bit for bit on the uninterrupted adapter. One micro-batch of
+/// 4 pairs equals 4 accumulated micro-batches of 1 (1e-5 relative: each micro-batch's share is
+/// normalized by the step's pairs).
+///
+/// Break seen: the cached values handed out by position in the step instead of by pair id: the
+/// adapters differ by 2.17 (relative). (A cache ignored on resume would still give the same
+/// bits, being a cache, so the test checks the resumed run's note that it was read back.)
+#[test]
+fn precomputed_reference_accumulation_and_resume_are_exact() {
+    let model = "tiny-qwen2";
+    let train_lines = |extra: &str| {
+        format!("method = \"dpo\"\nmax_steps = 4\nmicro_batch_size = 2\ngrad_accum = 1\n{extra}")
+    };
+    let run = |name: &str, train: &str, pref: &str, sets: &[&str]| -> (PathBuf, Run) {
+        let dir = scratch(name);
+        let c = config(&dir, model, "preference.jsonl", train, pref);
+        let mut extra = vec!["--set", "lora.dropout=0.1", "--set", "data.shuffle=true"];
+        extra.extend_from_slice(sets);
+        let r = train_ok(&c, &extra);
+        (dir, r)
+    };
+    let (live, _) = run("pref-live", &train_lines(""), "beta = 0.1", &[]);
+    let (pre, r) = run("pref-pre", &train_lines(""), "precompute_ref = true", &[]);
+    assert!(
+        r.stderr.contains("reference log-probs of 4 pairs computed"),
+        "{}",
+        r.stderr
+    );
+    assert!(pre.join("run/reference-logps.safetensors").exists());
+    let d = max_rel(&adapter(&pre), &adapter(&live));
+    assert!(d <= 1e-6, "precomputed vs live reference: {d}");
+
+    // Killed after step 2, resumed: the cache is read back, the result is the same bits.
+    let dir = scratch("pref-resumed");
+    let c = config(
+        &dir,
+        model,
+        "preference.jsonl",
+        &train_lines(""),
+        "precompute_ref = true",
+    );
+    let sets = ["--set", "lora.dropout=0.1", "--set", "data.shuffle=true"];
+    let mut first = sets.to_vec();
+    first.extend_from_slice(&["--set", "train.save_every=2", "--set", "train.max_steps=2"]);
+    train_ok(&c, &first);
+    let mut again = sets.to_vec();
+    again.push("--resume");
+    let r = train_ok(&c, &again);
+    assert!(
+        r.stderr
+            .contains("reference log-probs of 4 pairs read from"),
+        "{}",
+        r.stderr
+    );
+    let (a, b) = (adapter(&dir), adapter(&pre));
+    for (k, t) in &a {
+        assert_eq!(max_abs_diff(t, &b[k]), 0.0, "{k} differs after resume");
+    }
+
+    // Accumulation: 1 x 4 pairs = 4 x 1 pair (dropout off: masks are per micro-batch).
+    let big = run(
+        "pref-big",
+        "method = \"dpo\"\nmax_steps = 1\nmicro_batch_size = 4\ngrad_accum = 1",
+        "beta = 0.1",
+        &["--set", "lora.dropout=0.0"],
+    )
+    .0;
+    let small = run(
+        "pref-small",
+        "method = \"dpo\"\nmax_steps = 1\nmicro_batch_size = 1\ngrad_accum = 4",
+        "beta = 0.1",
+        &["--set", "lora.dropout=0.0"],
+    )
+    .0;
+    let d = max_rel(&adapter(&small), &adapter(&big));
+    assert!(d <= 1e-5, "4 x 1 vs 1 x 4 pairs: {d}");
+    let (ls, lb) = (
+        steps(&small)[0]["loss"].as_f64().unwrap(),
+        steps(&big)[0]["loss"].as_f64().unwrap(),
+    );
+    assert!((ls - lb).abs() < 1e-6, "loss {ls} vs {lb}");
+}
+
+/// Bad preference input, each with its own message and a non-zero exit, naming the file and
+/// line: a row without `rejected`, identical chosen and rejected, a conversational prompt
+/// ending with an assistant turn; DPO on supervised rows and preference rows under
+/// `method = "lora"` are refused naming the method; a prompt longer than `max_seq_len` is
+/// skipped and counted.
+#[test]
+fn bad_preference_input_gets_its_own_message() {
+    let dir = scratch("pref-bad");
+    let write = |name: &str, text: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let ok = r#"{"prompt": "Hi", "chosen": " yes.", "rejected": " no."}"#;
+    let cases = [
+        (
+            format!("{ok}\n{{\"prompt\": \"Hi\", \"chosen\": \" a\"}}\n"),
+            "method = \"dpo\"",
+            ":2: missing key `rejected` required by format preference",
+        ),
+        (
+            format!("{ok}\n{{\"prompt\": \"Hi\", \"chosen\": \" a\", \"rejected\": \" a\"}}\n"),
+            "method = \"dpo\"",
+            ":2: `chosen` and `rejected` are identical",
+        ),
+        (
+            r#"{"prompt": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}], "chosen": [{"role": "assistant", "content": "A"}], "rejected": [{"role": "assistant", "content": "B"}]}"#.to_string() + "\n",
+            "method = \"orpo\"",
+            ":1: the `prompt` messages end with a `assistant` turn",
+        ),
+        (
+            "{\"text\": \"plain text\"}\n".to_string(),
+            "method = \"dpo\"",
+            "train.method = \"dpo\" trains on preference pairs, but data.train has text rows",
+        ),
+        (
+            format!("{ok}\n"),
+            "method = \"lora\"",
+            "data.train holds preference pairs (prompt / chosen / rejected): set train.method",
+        ),
+    ];
+    for (i, (data, method, want)) in cases.iter().enumerate() {
+        let file = write(&format!("bad{i}.jsonl"), data);
+        let c = config(
+            &dir,
+            "tiny-qwen2",
+            "x",
+            &format!("{method}\nmax_steps = 1"),
+            "",
+        );
+        let r = tallow([
+            "train",
+            "--config",
+            c.to_str().unwrap(),
+            "--set",
+            &format!("data.train={}", file.display()),
+        ]);
+        assert_ne!(r.code, 0, "case {i} should fail");
+        assert!(
+            r.stderr.contains(want),
+            "case {i}: want `{want}` in:\n{}",
+            r.stderr
+        );
+    }
+    // A prompt that fills max_seq_len: skipped and counted, the other pair trains.
+    let long = format!(
+        "{{\"prompt\": \"{}\", \"chosen\": \" a\", \"rejected\": \" b\"}}",
+        "word ".repeat(80)
+    );
+    let file = write("long.jsonl", &format!("{ok}\n{long}\n"));
+    let c = config(
+        &dir,
+        "tiny-qwen2",
+        "x",
+        "method = \"dpo\"\nmax_steps = 1",
+        "",
+    );
+    let r = train_ok(&c, &["--set", &format!("data.train={}", file.display())]);
+    assert!(
+        r.stderr.contains("data.train: 1 pairs skipped"),
+        "{}",
+        r.stderr
+    );
+}
