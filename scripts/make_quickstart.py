@@ -23,6 +23,11 @@ rewritten, except examples/quickstart/README.md, which is written by hand):
                                       tokenizer_config.json with its chat template)
     examples/quickstart/train.jsonl   N_TRAIN prompt_completion rows
     examples/quickstart/eval.jsonl    N_EVAL rows whose words are not in train.jsonl
+    examples/quickstart/train_pairs.jsonl, eval_pairs.jsonl   the preference quickstart
+                                      (configs/quickstart-dpo.toml): the first N_PAIRS train
+                                      rows and every eval row as pairs, chosen the upper-cased
+                                      word, rejected the word echoed in lower case; `--pairs`
+                                      writes only these two, from train.jsonl and eval.jsonl
 
 The skill: upper-case a short made-up word, e.g.
 
@@ -138,6 +143,21 @@ def build_rows():
     return [row(w) for w in train], [row(w) for w in evl]
 
 
+N_PAIRS = 400
+
+
+def pairs(rows):
+    """Preference pairs from prompt_completion rows: chosen the upper-cased completion, rejected
+    the same word in lower case (the skill not done)."""
+    return [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": r["completion"].lower()}
+            for r in rows]
+
+
+def write_pairs():
+    write_jsonl(OUT / "train_pairs.jsonl", pairs(read_jsonl(OUT / "train.jsonl")[:N_PAIRS]))
+    write_jsonl(OUT / "eval_pairs.jsonl", pairs(read_jsonl(OUT / "eval.jsonl")))
+
+
 def write_jsonl(path, rows):
     with open(path, "w", encoding="utf-8", newline="\n") as f:
         for r in rows:
@@ -190,6 +210,7 @@ def generate():
     train, evl = build_rows()
     write_jsonl(OUT / "train.jsonl", train)
     write_jsonl(OUT / "eval.jsonl", evl)
+    write_pairs()
     n_params = build_model()
     print(f"wrote {OUT.relative_to(REPO)}: {len(train)} train rows, {len(evl)} eval rows, "
           f"model {n_params} parameters")
@@ -360,6 +381,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--simulate", action="store_true",
                     help="write nothing; run the PyTorch + PEFT stand-in for the quickstart")
+    ap.add_argument("--pairs", action="store_true",
+                    help="write only train_pairs.jsonl and eval_pairs.jsonl (from train/eval.jsonl)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lr", type=float, default=RUN["lr"])
     ap.add_argument("--schedule", default=RUN["schedule"], choices=["constant", "linear", "cosine"])
@@ -373,6 +396,8 @@ def main():
     args = ap.parse_args()
     if args.simulate:
         simulate(args)
+    elif args.pairs:
+        write_pairs()
     else:
         generate()
 

@@ -325,3 +325,48 @@ fn bad_preference_input_gets_its_own_message() {
         r.stderr
     );
 }
+
+/// The preference quickstart (`configs/quickstart-dpo.toml`, the README's): DPO from a fresh
+/// adapter on the embedded tiny model moves the reward accuracy on the 50 held-out pairs from
+/// 0 (policy = reference, every reward 0) to above 0.9 (1.0 measured, after 50 steps in ~10 s),
+/// and the eval loss from ln 2 down (0.127 measured).
+#[test]
+fn preference_quickstart_learns_to_prefer() {
+    let root = fixtures().parent().unwrap().parent().unwrap().to_path_buf();
+    let out = scratch("quickstart-dpo");
+    let r = std::process::Command::new(tallow_bin())
+        .current_dir(&root)
+        .args([
+            "train",
+            "--config",
+            "configs/quickstart-dpo.toml",
+            "--quiet",
+            "--set",
+        ])
+        .arg(format!("train.output_dir={}", out.join("run").display()))
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let evals: Vec<(u64, f64, f64)> = std::fs::read_to_string(out.join("run/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).ok()?;
+            Some((
+                v["step"].as_u64()?,
+                v["eval_loss"].as_f64()?,
+                v["eval_rewards/accuracies"].as_f64()?,
+            ))
+        })
+        .collect();
+    let (first, last) = (evals.first().unwrap(), evals.last().unwrap());
+    assert_eq!(first.0, 0);
+    assert!((first.1 - std::f64::consts::LN_2).abs() < 1e-6, "{first:?}");
+    assert!(first.2 < 0.5, "{first:?}");
+    assert!(
+        last.2 > 0.9,
+        "reward accuracy only {} at the end: {evals:?}",
+        last.2
+    );
+    assert!(last.1 < 0.5 * first.1, "{evals:?}");
+}
