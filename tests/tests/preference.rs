@@ -329,7 +329,8 @@ fn bad_preference_input_gets_its_own_message() {
 /// The preference quickstart (`configs/quickstart-dpo.toml`, the README's): DPO from a fresh
 /// adapter on the embedded tiny model moves the reward accuracy on the 50 held-out pairs from
 /// 0 (policy = reference, every reward 0) to above 0.9 (1.0 measured, after 50 steps in ~10 s),
-/// and the eval loss from ln 2 down (0.127 measured).
+/// and the eval loss from ln 2 down (0.127 measured). `tallow eval --format preference` on the
+/// trained adapter (the base as reference) reports the run's last evaluation (1e-6).
 #[test]
 fn preference_quickstart_learns_to_prefer() {
     let root = fixtures().parent().unwrap().parent().unwrap().to_path_buf();
@@ -369,4 +370,28 @@ fn preference_quickstart_learns_to_prefer() {
         last.2
     );
     assert!(last.1 < 0.5 * first.1, "{evals:?}");
+
+    // `tallow eval --format preference` on the adapter reports the run's last evaluation.
+    let adapter = out.join("run/adapter");
+    let r = std::process::Command::new(tallow_bin())
+        .current_dir(&root)
+        .args(["eval", "--model", "examples/quickstart/model", "--data"])
+        .args([
+            "examples/quickstart/eval_pairs.jsonl",
+            "--max-seq-len",
+            "64",
+            "--json",
+        ])
+        .arg("--adapter")
+        .arg(&adapter)
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&r.stdout).unwrap();
+    assert_eq!(v["format"], "preference");
+    assert!(
+        (v["dpo_loss"].as_f64().unwrap() - last.1).abs() < 1e-6,
+        "{v}"
+    );
+    assert_eq!(v["rewards/accuracies"].as_f64().unwrap(), last.2, "{v}");
 }

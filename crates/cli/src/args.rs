@@ -199,13 +199,21 @@ pub struct EvalArgs {
     /// OWNER/NAME[@REVISION] (from the HF cache, downloaded when missing).
     #[arg(long)]
     pub model: PathBuf,
-    /// JSONL file: {"text"}, {"prompt","completion"} or {"messages"} rows; or
-    /// hf://datasets/OWNER/NAME/path/to/file.jsonl.
+    /// JSONL file: {"text"}, {"prompt","completion"}, {"messages"} or {"prompt", "chosen",
+    /// "rejected"} rows; or hf://datasets/OWNER/NAME/path/to/file.jsonl.
     #[arg(long)]
     pub data: PathBuf,
-    /// Row format: auto | text | prompt_completion | messages.
+    /// Row format: auto | text | prompt_completion | messages | alpaca | sharegpt |
+    /// preference. Preference pairs report DPO's loss, reward accuracy and margins of the model
+    /// (+ adapter) against the same model with its adapter off as the reference.
     #[arg(long, default_value = "auto")]
     pub format: String,
+    /// Preference pairs: DPO's beta for the loss and rewards (TRL's default).
+    #[arg(long, default_value_t = 0.1)]
+    pub beta: f64,
+    /// Preference pairs: keep only the last this many prompt tokens (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub max_prompt_len: usize,
     /// Rows are truncated to this many tokens (the default of a training config's
     /// `data.max_seq_len`, so the loss matches a run's eval with defaults).
     #[arg(long, default_value_t = tallow_trainer::DEFAULT_MAX_SEQ_LEN)]

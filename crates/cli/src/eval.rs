@@ -29,6 +29,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
         format,
         max_seq_len: a.max_seq_len,
         add_eos: !a.no_eos,
+        max_prompt_len: a.max_prompt_len,
         ..DataOptions::default()
     };
     let data = load_jsonl(&data_path, &tok, &opts)?;
@@ -43,6 +44,9 @@ pub fn run(a: EvalArgs) -> Result<()> {
     let opts = model::options(a.quantize, a.double_quant, dtype, &device);
     let (model, _) = model::load(&model_dir, &opts, a.adapter.as_deref())?;
     let pad = tok.batch_pad_id();
+    if data.format == Format::Preference {
+        return preference(&a, &model, &data, pad, start);
+    }
 
     let bar = ProgressBar::new(data.examples.len() as u64);
     bar.set_style(
@@ -86,6 +90,70 @@ pub fn run(a: EvalArgs) -> Result<()> {
             data.format.name(),
             dtype_name(dtype),
             start.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
+/// `--format preference`: DPO's loss and TRL's reward metrics of the model (+ adapter), the
+/// reference being the same model with its adapter off (without `--adapter` the two are the
+/// same: every reward 0).
+fn preference(
+    a: &EvalArgs,
+    model: &tallow_model::CausalLM,
+    data: &tallow_trainer::Dataset,
+    pad: u32,
+    start: Instant,
+) -> Result<()> {
+    use tallow_trainer::config::PreferenceLoss;
+    use tallow_trainer::preference::{evaluate, Objective};
+    if !(a.beta > 0.0 && a.beta.is_finite()) {
+        anyhow::bail!("--beta {}: must be > 0 (0.1 is TRL's default)", a.beta);
+    }
+    let objective = Objective::Dpo {
+        beta: a.beta,
+        loss: PreferenceLoss::Sigmoid,
+        label_smoothing: 0.0,
+    };
+    let pairs = data.examples.len() / 2;
+    let (loss, metrics) = evaluate(&objective, model, &data.examples, a.batch_size, pad)?;
+    let get = |k: &str| metrics.get(k).unwrap_or(f64::NAN);
+    if a.json {
+        let mut out = serde_json::json!({
+            "format": "preference",
+            "dpo_loss": loss,
+            "beta": a.beta,
+            "pairs": pairs,
+            "skipped": data.skipped,
+            "model": a.model,
+            "adapter": a.adapter,
+            "data": a.data,
+            "elapsed_s": start.elapsed().as_secs_f64(),
+        });
+        for (name, v) in &metrics.values {
+            out[*name] = serde_json::json!(v);
+        }
+        println!("{out}");
+    } else {
+        println!(
+            "dpo loss {loss:.4}  reward accuracy {:.3}  margin {:.4}  rewards chosen {:.4} \
+             rejected {:.4}  logps chosen {:.2} rejected {:.2}  pairs {pairs} (skipped {})  \
+             beta {}  {:.1}s",
+            get("rewards/accuracies"),
+            get("rewards/margins"),
+            get("rewards/chosen"),
+            get("rewards/rejected"),
+            get("logps/chosen"),
+            get("logps/rejected"),
+            data.skipped,
+            a.beta,
+            start.elapsed().as_secs_f64()
+        );
+    }
+    if a.adapter.is_none() {
+        eprintln!(
+            "note: without --adapter the model is its own reference, so every reward is 0; \
+             give the adapter a preference run trained"
         );
     }
     Ok(())
