@@ -28,6 +28,11 @@ f32, eager attention, for
     dpo-ipo          beta 0.1, loss ipo             (string data)
     orpo             lambda 0.1                     (string and messages data)
 
+Full-weight cases (preference.full): tiny-llama, string data, every parameter trainable (no
+adapter), the same SGD step for "dpo-sigmoid" (beta 0.1; the reference log-probs computed from
+the model before the step, as a precomputed reference) and "orpo" (lambda 0.1); key
+"tiny-llama/<case>-full/string", tensors "<key>.after.<name>" for FULL_TENSORS only.
+
 Tokenization (TRL's DPO, used for ORPO too): prompt and completion tokenized apart with
 add_special_tokens=False, EOS appended to each completion; conversational rows rendered with
 the chat template (the prompt with the generation prompt, each completion as the text after the
@@ -107,6 +112,16 @@ CASES = [
 ]
 
 
+FULL_CASES = [("dpo-sigmoid", CASES[0][1]), ("orpo", CASES[3][1])]
+FULL_TENSORS = [
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.1.mlp.down_proj.weight",
+    "model.layers.0.input_layernorm.weight",
+    "model.norm.weight",
+    "model.embed_tokens.weight",
+]
+
+
 def trl_tokenize(tok, row):
     """TRL 0.23: maybe_apply_chat_template, then DPOTrainer.tokenize_row (no special tokens)."""
     prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
@@ -145,14 +160,15 @@ def logps(model, ids, att, comp):
     return (lp * mask).sum(-1), logits
 
 
-def case_loss(model, case, ids, att, comp):
+def case_loss(model, case, ids, att, comp, ref=None):
     m = ids.shape[0] // 2
     lens = comp[:, 1:].sum(-1).float()
     pol, logits = logps(model, ids, att, comp)
     metrics = {}
     if case["kind"] == "dpo":
-        with model.disable_adapter(), torch.no_grad():
-            ref, _ = logps(model, ids, att, comp)
+        if ref is None:
+            with model.disable_adapter(), torch.no_grad():
+                ref, _ = logps(model, ids, att, comp)
         if case["loss"] == "ipo":
             pol, ref = pol / lens, ref / lens
         beta = case["beta"]
@@ -221,6 +237,29 @@ def main():
                         tensors[f"{key}.{k}"] = v
                 out["cases"][key] = {"case": case, "loss": loss, "metrics": holder["metrics"]}
                 print(key, round(loss, 6), holder["metrics"]["rewards/accuracies"])
+    # Full-weight cases.
+    model_name = "tiny-llama"
+    model_dir = FIX / "models" / model_name
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    for case_name, case in FULL_CASES:
+        key = f"{model_name}/{case_name}-full/string"
+        model = mf.load_model(model_dir)
+        trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        ids, att, comp = batch(tok, STRING_ROWS)
+        with torch.no_grad():
+            ref, _ = logps(model, ids, att, comp)
+        holder = {}
+
+        def loss_fn():
+            loss, metrics = case_loss(model, case, ids, att, comp, ref=ref)
+            holder["metrics"] = metrics
+            return loss
+
+        loss, step = fl.sgd_step(trainable, {n: n for n in trainable}, loss_fn, LR)
+        for name in FULL_TENSORS:
+            tensors[f"{key}.after.{name}"] = step[f"after.{name}"]
+        out["cases"][key] = {"case": case, "loss": loss, "metrics": holder["metrics"], "full": True}
+        print(key, round(loss, 6))
     mf.write_json(FIX / "reference" / "preference.json", out)
     fl.save_tensors(tensors, FIX / "reference" / "preference.safetensors")
 

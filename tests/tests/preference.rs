@@ -64,7 +64,9 @@ fn max_rel(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f64 {
 
 /// Every case of the reference (3 models; DPO sigmoid with and without label smoothing, IPO,
 /// ORPO; string and conversational data): one SGD step (lr 0.5) on the 4 pairs in one
-/// micro-batch from the model's non-zero PEFT adapter.
+/// micro-batch from the model's non-zero PEFT adapter; and full-weight DPO (reference
+/// precomputed) and ORPO on tiny-llama (`preference.full`), five weights of the saved model
+/// compared.
 /// - the loss within 1e-5 relative, TRL's metrics (rewards, accuracies, margins, log-probs,
 ///   ORPO's NLL and odds) within 1e-4 absolute + 1e-5 relative;
 /// - the update of every adapter tensor within 1e-3 relative (max |ours - ref| / max |ref|
@@ -73,7 +75,9 @@ fn max_rel(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f64 {
 /// Measured: loss <= 1.1e-6 relative, metrics <= 7.6e-6 absolute, updates <= 1.1e-5 relative
 /// (printed). Breaks seen: the reference computed with the adapters on (margin 0): the llama
 /// IPO loss 25 (= (1 / 2 beta)^2) vs 21.67; ORPO's NLL share halved: the llama messages loss
-/// 3.16 vs 6.25. (No fixture template ends its text with the EOS token, so TRL's
+/// 3.16 vs 6.25; log sigmoid built from Candle's min and abs (slope 1 instead of 1/2 at margin
+/// 0, the first step from a policy equal to its reference): the full-weight DPO update twice
+/// PyTorch's (relative error 1.0). (No fixture template ends its text with the EOS token, so TRL's
 /// always-append-EOS rule is not what these cases check.)
 #[test]
 fn one_sgd_step_matches_trl_losses_for_every_case() {
@@ -83,13 +87,14 @@ fn one_sgd_step_matches_trl_losses_for_every_case() {
         candle_core::safetensors::load(root.join("reference/preference.safetensors"), &Device::Cpu)
             .unwrap();
     let cases = reference["cases"].as_object().unwrap();
-    assert_eq!(cases.len(), 18);
+    assert_eq!(cases.len(), 20);
     let (mut worst_loss, mut worst_metric, mut worst_update) = (0f64, 0f64, 0f64);
     for (key, want) in cases {
         let parts: Vec<&str> = key.split('/').collect();
         let (model, data) = (parts[0], parts[2]);
         let case = &want["case"];
-        let (method, pref) = match case["kind"].as_str().unwrap() {
+        let full = want["full"].as_bool().unwrap_or(false);
+        let (method, mut pref) = match case["kind"].as_str().unwrap() {
             "dpo" => (
                 "dpo",
                 format!(
@@ -101,6 +106,13 @@ fn one_sgd_step_matches_trl_losses_for_every_case() {
             ),
             _ => ("orpo", format!("lambda = {}", case["lam"])),
         };
+        if full {
+            // Every weight; DPO's reference precomputed from the base before the step.
+            pref += "\nfull = true";
+            if method == "dpo" {
+                pref += "\nprecompute_ref = true";
+            }
+        }
         let file = if data == "string" {
             "preference.jsonl"
         } else {
@@ -133,10 +145,29 @@ fn one_sgd_step_matches_trl_losses_for_every_case() {
             );
             worst_metric = worst_metric.max((a - b).abs());
         }
-        let init = root.join(format!("adapters/{model}-peft/adapter_model.safetensors"));
-        let before = candle_core::safetensors::load(init, &Device::Cpu).unwrap();
-        let after = adapter(&dir);
-        for (name, b) in &before {
+        let (before, after) = if full {
+            (
+                model_weights(&root.join("models").join(model)),
+                model_weights(&dir.join("run/model")),
+            )
+        } else {
+            let init = root.join(format!("adapters/{model}-peft/adapter_model.safetensors"));
+            (
+                candle_core::safetensors::load(init, &Device::Cpu).unwrap(),
+                adapter(&dir),
+            )
+        };
+        let prefix = format!("{key}.after.");
+        let names: Vec<&String> = if full {
+            refs.keys()
+                .filter_map(|k| k.strip_prefix(&prefix).and(Some(k)))
+                .collect()
+        } else {
+            before.keys().collect()
+        };
+        for name in names {
+            let name = name.strip_prefix(&prefix).unwrap_or(name);
+            let b = &before[name];
             let du = (&after[name] - b).unwrap();
             let dr = (&refs[&format!("{key}.after.{name}")] - b).unwrap();
             let rel = max_abs_diff(&du, &dr) / max_abs(&dr).max(1e-12);
@@ -394,4 +425,16 @@ fn preference_quickstart_learns_to_prefer() {
         "{v}"
     );
     assert_eq!(v["rewards/accuracies"].as_f64().unwrap(), last.2, "{v}");
+}
+
+/// Every tensor of the safetensors files in a model dir, by name.
+fn model_weights(dir: &Path) -> HashMap<String, Tensor> {
+    let mut all = HashMap::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            all.extend(candle_core::safetensors::load(&p, &Device::Cpu).unwrap());
+        }
+    }
+    all
 }

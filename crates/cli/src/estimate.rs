@@ -78,8 +78,15 @@ pub fn describe(origin: &str, m: &DecoderConfig, cfg: &TrainConfig, est: &Estima
     let method = match cfg.train.method {
         Method::Lora => format!("LoRA r{}", cfg.lora.rank),
         Method::Full => "full fine-tuning".into(),
-        Method::Dpo => format!("DPO, LoRA r{}, chosen + rejected per pair", cfg.lora.rank),
-        Method::Orpo => format!("ORPO, LoRA r{}, chosen + rejected per pair", cfg.lora.rank),
+        Method::Dpo | Method::Orpo => format!(
+            "{}, {}, chosen + rejected per pair",
+            cfg.train.method.name().to_uppercase(),
+            if cfg.preference.full {
+                "every weight".to_string()
+            } else {
+                format!("LoRA r{}", cfg.lora.rank)
+            }
+        ),
     };
     let mut s = format!(
         "{origin}: {} ({} layers, hidden {}, vocab {}), {method}, {}{}, {} optimizer, \

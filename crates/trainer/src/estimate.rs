@@ -30,7 +30,7 @@ use serde::Serialize;
 use tallow_model::config::Activation;
 use tallow_model::DecoderConfig;
 
-use crate::config::{Attention, Method, ModelDtype, Quantize, TrainConfig};
+use crate::config::{Attention, ModelDtype, Quantize, TrainConfig};
 use crate::optim::OptimizerKind;
 
 /// Elements of one logits chunk of the LM head.
@@ -178,7 +178,7 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> LayerHalve
     let (c, d) = (m.hidden_size, m.head_dim);
     let (h, kv) = (m.num_attention_heads, m.num_key_value_heads);
     let (q, kvd) = (h * d, kv * d);
-    let lora = cfg.train.method.adapters();
+    let lora = !cfg.trains_full();
     let targets = lora_targets(m, cfg);
     let r = cfg.lora.rank;
     let dropout = lora && cfg.lora.dropout > 0.0;
@@ -490,9 +490,9 @@ pub fn rows_per_micro_batch(cfg: &TrainConfig) -> usize {
 
 /// Trainable parameters: LoRA factors, or every weight.
 pub fn trainable_params(m: &DecoderConfig, cfg: &TrainConfig) -> u64 {
-    match cfg.train.method {
-        Method::Full => m.num_params() as u64,
-        Method::Lora | Method::Dpo | Method::Orpo => {
+    match cfg.trains_full() {
+        true => m.num_params() as u64,
+        false => {
             let targets = lora_targets(m, cfg);
             let per_layer: usize = m
                 .layer_linears()
@@ -511,8 +511,8 @@ fn param_tensors(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize> {
     let targets = lora_targets(m, cfg);
     for _ in 0..m.num_hidden_layers {
         for l in m.layer_linears() {
-            match cfg.train.method {
-                Method::Full => {
+            match cfg.trains_full() {
+                true => {
                     v.push(l.inp * l.out);
                     if l.bias {
                         v.push(l.out);
@@ -528,11 +528,11 @@ fn param_tensors(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize> {
                 _ => {}
             }
         }
-        if cfg.train.method == Method::Full {
+        if cfg.trains_full() {
             v.extend(m.layer_norms().into_iter().map(|(_, n)| n)); // 2 (Qwen3: 4, Gemma 2: 4)
         }
     }
-    if cfg.train.method == Method::Full {
+    if cfg.trains_full() {
         v.push(m.vocab_size * m.hidden_size);
         if !m.tie_word_embeddings {
             v.push(m.vocab_size * m.hidden_size);
@@ -544,7 +544,7 @@ fn param_tensors(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize> {
 
 fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let s = dtype_bytes(cfg.model.dtype) as u64;
-    let full = cfg.train.method == Method::Full;
+    let full = cfg.trains_full();
     // Preference methods run a pair's chosen and rejected sequences in one batch.
     let (b, t) = (rows_per_micro_batch(cfg), cfg.data.max_seq_len);
     let (c, v, layers) = (m.hidden_size, m.vocab_size, m.num_hidden_layers);
@@ -959,7 +959,7 @@ fn apply_lever(i: usize, cfg: &TrainConfig) -> Option<(TrainConfig, Vec<String>)
             t.optimizer = OptimizerKind::AdamW8bit;
             vec!["train.optimizer=adamw8bit".into()]
         }
-        5 if t.method.adapters() && c.model.quantize == Quantize::None => {
+        5 if !c.trains_full() && c.model.quantize == Quantize::None => {
             c.model.quantize = Quantize::Nf4;
             vec!["model.quantize=nf4".into()]
         }

@@ -196,10 +196,17 @@ pub fn reference_logps(model: &CausalLM, pb: &PairBatch) -> Result<Tensor, Train
     .map(|t| t.detach())
 }
 
-/// log sigmoid(x), stably: min(x, 0) - log(1 + e^-|x|).
+/// log sigmoid(x): the value computed stably as min(x, 0) - log(1 + e^-|x|), the gradient
+/// attached exactly as sigmoid(-x). (Through min and abs, Candle's autograd would give the
+/// kinks at x = 0 a one-sided slope: 1 instead of 1/2 at margin 0, which is every DPO pair's
+/// margin at the first step from a fresh adapter.) Device-generic ops only:
+/// value.detach() + (x - x.detach()) * sigmoid(-x).detach(), whose value is the value exactly.
 fn log_sigmoid(x: &Tensor) -> candle_core::Result<Tensor> {
-    let soft = (x.abs()?.neg()?.exp()? + 1.0)?.log()?;
-    x.minimum(0f32)? - soft
+    let x0 = x.detach();
+    let soft = (x0.abs()?.neg()?.exp()? + 1.0)?.log()?;
+    let value = (x0.minimum(0f32)? - soft)?;
+    let slope = (x0.exp()? + 1.0)?.recip()?; // sigmoid(-x)
+    value + (x - &x0)?.mul(&slope)?
 }
 
 /// What one micro-batch adds to its step.
@@ -449,6 +456,7 @@ pub fn reference_cache(
     model: &CausalLM,
     rows: &[Row],
     pad: u32,
+    weights_moved: bool,
     on_note: &mut dyn FnMut(String),
 ) -> Result<Vec<f32>, TrainError> {
     let path = cfg.train.output_dir.join(REFERENCE_CACHE);
@@ -479,6 +487,14 @@ pub fn reference_cache(
             }
         }
     }
+    if weights_moved {
+        return Err(TrainError::Resume(format!(
+            "{} is missing or was written for other data or another base, and this full-weight \
+             run's weights have moved since its start, so the reference cannot be recomputed; \
+             start the run again (without --resume), or restore that file",
+            path.display()
+        )));
+    }
     let device = model.device();
     let pairs: Vec<(&Row, &Row)> = rows.chunks_exact(2).map(|p| (&p[0], &p[1])).collect();
     let mut parts = Vec::new();
@@ -500,4 +516,37 @@ pub fn reference_cache(
         path.display()
     ));
     Ok(values)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// log_sigmoid's value and gradient against the closed forms log(1 / (1 + e^-x)) and
+    /// 1 / (1 + e^x), at the kink x = 0 (where a min / abs construction gives slope 1) and away
+    /// from it, including large |x| where the naive forms overflow.
+    #[test]
+    fn log_sigmoid_value_and_slope() -> candle_core::Result<()> {
+        let xs = [-30.0f32, -2.0, -1e-3, 0.0, 1e-3, 2.0, 30.0];
+        let x = candle_core::Var::from_slice(&xs, xs.len(), &Device::Cpu)?;
+        let y = log_sigmoid(x.as_tensor())?;
+        let g = y.sum_all()?.backward()?;
+        let (ys, gs) = (y.to_vec1::<f32>()?, g.get(&x).unwrap().to_vec1::<f32>()?);
+        for (i, &v) in xs.iter().enumerate() {
+            let v = v as f64;
+            let want_y = -(1.0 + (-v).exp()).ln();
+            let want_g = 1.0 / (1.0 + v.exp());
+            assert!(
+                (ys[i] as f64 - want_y).abs() < 1e-6,
+                "value at {v}: {}",
+                ys[i]
+            );
+            assert!(
+                (gs[i] as f64 - want_g).abs() < 1e-6,
+                "slope at {v}: {}",
+                gs[i]
+            );
+        }
+        Ok(())
+    }
 }

@@ -27,7 +27,7 @@ use tallow_text::TextTokenizer;
 use crate::batch::{pack, Batch, Row};
 use crate::best::BestEval;
 use crate::checkpoint::{self, CheckpointState, LoraState};
-use crate::config::{Method, Quantize, TrainConfig};
+use crate::config::{Quantize, TrainConfig};
 use crate::data::Format;
 use crate::data::{load_jsonl, Example};
 use crate::error::TrainError;
@@ -215,7 +215,7 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
         train_set.examples.iter().map(Row::from).collect()
     };
 
-    let full = cfg.train.method == Method::Full;
+    let full = cfg.trains_full();
     if full && cfg.model.quantize == Quantize::Nf4 {
         return Err(TrainError::Invalid(
             "model.quantize = \"nf4\" needs train.method = \"lora\" (QLoRA): NF4 base weights \
@@ -643,8 +643,16 @@ impl<'a> Session<'a> {
         let reference_cache = match objective {
             Some(o) if o.needs_reference() && cfg.preference.precompute_ref => {
                 let mut note = |n: String| on_event(Event::Note(n));
+                // A full-weight run resumed has moved the weights: only the cache made
+                // before its first step is its reference.
+                let weights_moved = cfg.trains_full() && start_step > 0;
                 Some(preference::reference_cache(
-                    cfg, &model, &rows, pad, &mut note,
+                    cfg,
+                    &model,
+                    &rows,
+                    pad,
+                    weights_moved,
+                    &mut note,
                 )?)
             }
             _ => None,

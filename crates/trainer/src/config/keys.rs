@@ -129,6 +129,7 @@ pub(super) const SECTIONS: [(&str, &[(&str, Kind)]); 5] = [
             ("lambda", Kind::Float),
             ("precompute_ref", Kind::Bool),
             ("max_prompt_len", Kind::Uint),
+            ("full", Kind::Bool),
         ],
     ),
 ];

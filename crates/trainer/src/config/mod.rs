@@ -99,6 +99,10 @@ pub struct PreferenceSection {
     /// Keep only the last this many tokens of a prompt (TRL's `max_prompt_length`); 0 (default)
     /// keeps it whole. Completions are then cut to fit `data.max_seq_len`.
     pub max_prompt_len: usize,
+    /// Train every weight instead of adapters (default false). DPO then needs
+    /// `precompute_ref`: the reference log-probs are taken from the base before the first step,
+    /// so no second copy of the model is kept.
+    pub full: bool,
 }
 
 /// `[model]`: the base model.
@@ -281,6 +285,13 @@ impl DataSection {
 }
 
 impl TrainConfig {
+    /// Whether every weight is trained: `train.method = "full"`, or a preference method with
+    /// `preference.full`.
+    pub fn trains_full(&self) -> bool {
+        self.train.method == Method::Full
+            || (self.train.method.preference() && self.preference.full)
+    }
+
     /// The options of [`crate::load_jsonl`] for this run: `[data]`'s, with the preference
     /// section's prompt cut.
     pub fn data_options(&self) -> DataOptions {

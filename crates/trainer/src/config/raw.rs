@@ -58,6 +58,7 @@ impl Default for PreferenceSection {
             lambda: 0.1,
             precompute_ref: false,
             max_prompt_len: 0,
+            full: false,
         }
     }
 }

@@ -69,6 +69,26 @@ fn validate_preference(c: &TrainConfig) -> Checked {
              reference)",
         );
     }
+    if p.full && !method.preference() {
+        return bad(
+            "preference.full",
+            "applies to train.method = \"dpo\" or \"orpo\" (for supervised full fine-tuning \
+             set train.method = \"full\")",
+        );
+    }
+    if p.full && method == Method::Dpo && !p.precompute_ref {
+        return bad(
+            "preference.full",
+            "full-weight DPO takes its reference log-probs from the base before training: set \
+             preference.precompute_ref = true too (no second copy of the model is kept)",
+        );
+    }
+    if p.full && c.model.quantize == Quantize::Nf4 {
+        return bad(
+            "preference.full",
+            "trains every weight, but model.quantize = \"nf4\" freezes the base: drop one",
+        );
+    }
     if method.preference() && c.data.pack {
         return bad(
             "data.pack",
@@ -464,7 +484,7 @@ mod tests {
     }
 
     /// `--set` values that fail validation, and a part of the message each gives.
-    const CASES: [(&str, &str); 39] = [
+    const CASES: [(&str, &str); 40] = [
         ("lora.rank=0", "`lora.rank` must be at least 1"),
         ("lora.alpha=0", "`lora.alpha` must be > 0"),
         ("lora.dropout=1.0", "`lora.dropout` must be in [0, 1)"),
@@ -517,6 +537,10 @@ mod tests {
         (
             "preference.precompute_ref=true",
             "`preference.precompute_ref` caches DPO's reference log-probs",
+        ),
+        (
+            "preference.full=true",
+            "`preference.full` applies to train.method = \"dpo\" or \"orpo\"",
         ),
         (
             "preference.max_prompt_len=2000",
@@ -599,6 +623,18 @@ mod tests {
             &["preference.loss=\"ipo\"", "preference.label_smoothing=0.1"],
         );
         contains_all(&e, &["applies to the sigmoid loss only"]);
+        let e = err(MINIMAL, &["train.method=\"dpo\"", "preference.full=true"]);
+        contains_all(&e, &["set preference.precompute_ref = true too"]);
+        parse(
+            MINIMAL,
+            &[
+                "train.method=\"dpo\"",
+                "preference.full=true",
+                "preference.precompute_ref=true",
+            ],
+        )
+        .unwrap();
+        parse(MINIMAL, &["train.method=\"orpo\"", "preference.full=true"]).unwrap();
         // Early stopping and keep_best need evaluations during the run, and then are valid.
         let with_eval = ["data.eval=e.jsonl", "train.keep_best=true"];
         let e = err(MINIMAL, &with_eval);
