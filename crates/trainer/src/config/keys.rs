@@ -113,6 +113,8 @@ pub(super) const SECTIONS: [(&str, &[(&str, Kind)]); 4] = [
             ("offload_checkpoints", Kind::Bool),
             ("tf32", Kind::Bool),
             ("threads", Kind::Uint),
+            ("push_to_hub", Kind::Str),
+            ("hub_private_repo", Kind::Bool),
         ],
     ),
 ];
@@ -191,6 +193,10 @@ pub(super) const ALIASES: &[(&str, &str)] = &[
     ("eval_interval", "train.eval_every"),
     ("save_steps", "train.save_every"),
     ("save_interval", "train.save_every"),
+    ("hub_model_id", "train.push_to_hub"),
+    ("hub_repo", "train.push_to_hub"),
+    ("hub_private", "train.hub_private_repo"),
+    ("private", "train.hub_private_repo"),
 ];
 
 /// Names other trainers use for our sections.

@@ -254,7 +254,7 @@ fn unknown_key_names_file_key_and_suggestion() {
          in [train]: method, micro_batch_size, grad_accum, max_steps, epochs, optimizer, lr, \
          weight_decay, betas, eps, schedule, warmup_steps, max_grad_norm, seed, device, \
          output_dir, log_every, log, eval_every, save_every, checkpointing, checkpoint_every, \
-         offload_checkpoints, tf32, threads"
+         offload_checkpoints, tf32, threads, push_to_hub, hub_private_repo"
     );
     // A typo, by edit distance.
     let e = err(&format!("{MINIMAL}[lora]\nrnak = 8\n"), &[]);
