@@ -9,6 +9,9 @@
 //! - Errors with the hub's `X-Error-Code`: `RepoNotFound`, `RevisionNotFound`, `EntryNotFound`,
 //!   `GatedRepo` (401 without a token, 403 with a wrong one).
 //!
+//! The write endpoints (uploads: repo creation, branches, preupload, LFS, commits) are in their
+//! own section at the end of the file, with their own doc.
+//!
 //! Switches: [`HubServer::cut_once`] sends half of a file's bytes then drops the connection
 //! (once); [`HubServer::corrupt`] serves a file with its bytes flipped (hash mismatch).
 //!

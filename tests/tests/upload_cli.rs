@@ -567,14 +567,8 @@ fn train_pushes_to_hub() {
     }
     let card = String::from_utf8(back["README.md"].clone()).unwrap();
     let metrics = std::fs::read_to_string(home.join("run/metrics.jsonl")).unwrap();
-    let last: serde_json::Value = serde_json::from_str(
-        metrics
-            .lines()
-            .filter(|l| l.contains("\"loss\""))
-            .last()
-            .unwrap(),
-    )
-    .unwrap();
+    let last: serde_json::Value =
+        serde_json::from_str(metrics.lines().rfind(|l| l.contains("\"loss\"")).unwrap()).unwrap();
     let config_toml = std::fs::read_to_string(home.join("run/config.toml")).unwrap();
     for want in [
         "base_model: tallow-test/tiny-qwen2\n".to_string(),

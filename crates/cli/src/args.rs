@@ -156,8 +156,8 @@ pub struct UploadArgs {
     /// The repo: OWNER/NAME (created, public unless --private, when it does not exist).
     pub repo_id: String,
     /// The dir to upload: every file under it (hidden files and dirs left out), e.g. a run's
-    /// `adapter/` or a `tallow merge` output. Without a README.md in it, a model card is written
-    /// from the run (base model, data, config, final metrics).
+    /// `adapter/` or a `tallow merge` output. Without a README.md in it, the commit gets a model
+    /// card made from the run (base model, data, config, final metrics); PATH is not written to.
     pub path: PathBuf,
     /// Create the repo private (an existing repo keeps its visibility).
     #[arg(long)]

@@ -262,6 +262,9 @@ fn unknown_key_names_file_key_and_suggestion() {
         &e,
         &["unknown key `lora.rnak`", "did you mean `lora.rank`?"],
     );
+    // HF Trainer's name for the hub repo id.
+    let e = err(&format!("{MINIMAL}[train]\nhub_model_id = \"me/x\"\n"), &[]);
+    contains_all(&e, &["did you mean `train.push_to_hub`?"]);
     // A key of another section.
     let e = err(&format!("{MINIMAL}[lora]\nlr = 1e-3\n"), &[]);
     contains_all(&e, &["unknown key `lora.lr`", "did you mean `train.lr`?"]);
