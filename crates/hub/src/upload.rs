@@ -136,6 +136,17 @@ impl Prepared {
             Source::File(p) => std::fs::read(p).map_err(io_err(p)),
         }
     }
+
+    /// PUTs the bytes to `req` with their length; a file is streamed, not read into memory.
+    /// No Content-Type, as huggingface_hub sends none (the URL may be a pre-signed one).
+    fn put(&self, req: ureq::Request) -> Result<Result<ureq::Response, Failure>, HubError> {
+        let req = req.set("Content-Length", &self.size.to_string());
+        let res = match &self.source {
+            Source::Bytes(b) => req.send_bytes(b),
+            Source::File(p) => req.send(std::fs::File::open(p).map_err(io_err(p))?),
+        };
+        Ok(failure(res))
+    }
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -232,6 +243,14 @@ enum Failure {
     Transport(String),
 }
 
+fn failure(res: Result<ureq::Response, ureq::Error>) -> Result<ureq::Response, Failure> {
+    match res {
+        Ok(r) => Ok(r),
+        Err(ureq::Error::Status(s, r)) => Err(Failure::Status(s, Box::new(r))),
+        Err(ureq::Error::Transport(t)) => Err(Failure::Transport(t.to_string())),
+    }
+}
+
 /// 5xx and 429 are worth another attempt, as are cut connections.
 fn transient(e: &HubError) -> bool {
     match e {
@@ -309,15 +328,10 @@ impl Hub {
             Some(t) => req.set("Authorization", &format!("Bearer {t}")),
             None => req,
         };
-        let res = match body {
+        failure(match body {
             Some((content_type, bytes)) => req.set("Content-Type", content_type).send_bytes(bytes),
             None => req.call(),
-        };
-        match res {
-            Ok(r) => Ok(r),
-            Err(ureq::Error::Status(s, r)) => Err(Failure::Status(s, Box::new(r))),
-            Err(ureq::Error::Transport(t)) => Err(Failure::Transport(t.to_string())),
-        }
+        })
     }
 
     /// The error of a failed write request to `repo`: 401 -> token rejected, 403 -> not allowed,
@@ -668,8 +682,7 @@ impl Hub {
                         }
                     }
                 }
-                let bytes = f.bytes()?;
-                self.send(put, None, Some(("application/octet-stream", &bytes)))
+                f.put(put)?
                     .map_err(|e| self.write_error(repo, rev, href, e))?;
                 if let Some(verify) = obj["actions"].get("verify") {
                     let vurl = verify["href"].as_str().unwrap_or_default();
