@@ -9,6 +9,9 @@
 //! - Errors with the hub's `X-Error-Code`: `RepoNotFound`, `RevisionNotFound`, `EntryNotFound`,
 //!   `GatedRepo` (401 without a token, 403 with a wrong one).
 //!
+//! The write endpoints (uploads: repo creation, branches, preupload, LFS, commits) are in their
+//! own section at the end of the file, with their own doc.
+//!
 //! Switches: [`HubServer::cut_once`] sends half of a file's bytes then drops the connection
 //! (once); [`HubServer::corrupt`] serves a file with its bytes flipped (hash mismatch).
 //!
@@ -77,8 +80,10 @@ struct Switches {
 
 pub struct HubServer {
     pub url: String,
-    repos: Arc<Vec<RepoDef>>,
+    /// Behind a lock: uploads add repos, branches and commits.
+    repos: Arc<Mutex<Vec<RepoDef>>>,
     switches: Arc<Mutex<Switches>>,
+    writes: Arc<Mutex<Writes>>,
 }
 
 pub fn hex(bytes: &[u8]) -> String {
@@ -162,16 +167,19 @@ impl HubServer {
         let url = format!("http://{}", listener.local_addr().unwrap());
         let server = HubServer {
             url: url.clone(),
-            repos: Arc::new(vec![model, gated, dataset]),
+            repos: Arc::new(Mutex::new(vec![model, gated, dataset])),
             switches: Arc::new(Mutex::new(Switches::default())),
+            writes: Arc::new(Mutex::new(Writes::default())),
         };
         let (repos, switches) = (server.repos.clone(), server.switches.clone());
+        let writes = server.writes.clone();
         std::thread::spawn(move || {
             for stream in listener.incoming() {
                 let Ok(stream) = stream else { continue };
                 let (repos, switches, url) = (repos.clone(), switches.clone(), url.clone());
+                let writes = writes.clone();
                 std::thread::spawn(move || {
-                    let _ = handle(stream, &repos, &switches, &url);
+                    let _ = handle(stream, &repos, &switches, &writes, &url);
                 });
             }
         });
@@ -180,13 +188,15 @@ impl HubServer {
 
     /// The commit a ref of a repo points to.
     pub fn commit(&self, repo: &str, rev: &str) -> String {
-        let r = self.repos.iter().find(|r| r.id == repo).unwrap();
+        let repos = self.repos.lock().unwrap();
+        let r = repos.iter().find(|r| r.id == repo).unwrap();
         r.refs[rev].clone()
     }
 
     /// The bytes of a file at a ref.
     pub fn file(&self, repo: &str, rev: &str, path: &str) -> Vec<u8> {
-        let r = self.repos.iter().find(|r| r.id == repo).unwrap();
+        let repos = self.repos.lock().unwrap();
+        let r = repos.iter().find(|r| r.id == repo).unwrap();
         r.commits[&r.refs[rev]][path].bytes.clone()
     }
 
@@ -210,6 +220,8 @@ struct Request {
     method: String,
     path: String,
     headers: BTreeMap<String, String>,
+    /// Body bytes read along with the headers (the rest is still on the stream).
+    body_start: Vec<u8>,
 }
 
 fn read_request(stream: &TcpStream) -> std::io::Result<Request> {
@@ -229,11 +241,13 @@ fn read_request(stream: &TcpStream) -> std::io::Result<Request> {
             headers.insert(k.trim().to_ascii_lowercase(), v.trim().to_string());
         }
     }
-    // GET/HEAD only: no body to drain.
+    // A body (uploads) is read by `read_body`, starting with what the reader buffered.
+    let body_start = reader.buffer().to_vec();
     Ok(Request {
         method,
         path,
         headers,
+        body_start,
     })
 }
 
@@ -279,8 +293,9 @@ fn error(stream: &TcpStream, head: bool, status: &str, code: &str) -> std::io::R
 
 fn handle(
     stream: TcpStream,
-    repos: &[RepoDef],
+    repos: &Mutex<Vec<RepoDef>>,
     switches: &Mutex<Switches>,
+    writes: &Mutex<Writes>,
     base_url: &str,
 ) -> std::io::Result<()> {
     let req = read_request(&stream)?;
@@ -290,6 +305,11 @@ fn handle(
         .unwrap()
         .log
         .push(format!("{} {} {range}", req.method, req.path));
+    if let Some(done) = handle_write(&stream, &req, repos, writes, base_url) {
+        return done;
+    }
+    let repos = repos.lock().unwrap();
+    let repos: &[RepoDef] = &repos;
     let head = req.method == "HEAD";
     let path = req.path.replace("%2F", "/");
 
@@ -455,4 +475,607 @@ fn serve_bytes(
         return stream.shutdown(std::net::Shutdown::Both);
     }
     respond(stream, head, status, &headers, &body)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Uploads: the write half of the hub's API, as Python huggingface_hub 0.36 calls it
+// (`hf_api.py` create_repo / create_branch / create_commit, `_commit_api.py`, `lfs.py`).
+//
+// - `GET /api/whoami-v2`: `{"type": "user", "name", "orgs": [], "auth": {"accessToken": {"role"}}}`
+// - `POST /api/repos/create {"name", "organization", "private", "type"}`: 200 `{"url"}` with an
+//   initial commit holding `.gitattributes`, as the hub makes; 409 when it exists; 403 when the
+//   namespace is not the token's user; 401 for an unknown token.
+// - `GET /api/models/OWNER/NAME`: repo info (the fallback of create_repo on 403).
+// - `POST /api/models/OWNER/NAME/branch/BRANCH`: a branch from `main` (409 when it exists).
+// - `POST /api/models/OWNER/NAME/preupload/REV {"files": [{"path", "size", "sample"}]}`:
+//   `uploadMode` "lfs" for `*.safetensors` / `*.bin`, files of 10 MiB or more, and binary
+//   samples (a NUL byte), else "regular".
+// - `POST /OWNER/NAME.git/info/lfs/objects/batch`: per object, `actions.upload` (PUT to
+//   `/lfs-upload/OID`) and `actions.verify` for objects the server does not hold, no actions
+//   for those it does.
+// - `PUT /lfs-upload/OID`: stored only when the bytes' sha256 and length match.
+// - `POST /OWNER/NAME.git/info/lfs/objects/verify {"oid", "size"}`: 200 if held, else 404.
+// - `POST /api/models/OWNER/NAME/commit/REV` (NDJSON: header, `file`, `lfsFile`): one new commit
+//   on the branch, `{"commitOid", "commitUrl"}`; 422 and no commit when an `lfsFile` names an
+//   object never uploaded.
+//
+// Tokens: [`TOKEN`] is user `tallow-test` (write), [`OTHER_TOKEN`] user `someone-else`
+// (write), [`READ_TOKEN`] user `tallow-test` with the read role. A repo is writable by the user
+// named by its namespace. [`HubServer::cut_upload_once`] reads half of the next LFS PUT or commit
+// body, then drops the connection, storing nothing.
+// ---------------------------------------------------------------------------------------------
+
+/// A write token of user `someone-else`.
+pub const OTHER_TOKEN: &str = "hf_someone_else_token";
+/// A read-only token of user `tallow-test`.
+pub const READ_TOKEN: &str = "hf_tallow_test_read_token";
+
+/// (token, user, role)
+const USERS: [(&str, &str, &str); 3] = [
+    (TOKEN, "tallow-test", "write"),
+    (OTHER_TOKEN, "someone-else", "write"),
+    (READ_TOKEN, "tallow-test", "read"),
+];
+
+/// Which upload request [`HubServer::cut_upload_once`] cuts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UploadCut {
+    /// The PUT of an LFS object's bytes.
+    LfsPut,
+    /// The commit POST.
+    Commit,
+}
+
+#[derive(Default)]
+struct Writes {
+    /// LFS objects by sha256.
+    lfs: BTreeMap<String, File>,
+    cut: Option<UploadCut>,
+    /// (repo, branch, commit) of every commit made through the API, in order.
+    commits: Vec<(String, String, String)>,
+}
+
+impl HubServer {
+    /// The next LFS PUT or commit POST is read half-way, then its connection dropped.
+    pub fn cut_upload_once(&self, what: UploadCut) {
+        self.writes.lock().unwrap().cut = Some(what);
+    }
+
+    /// The commits made through the commit API on `repo`, oldest first: (branch, commit).
+    pub fn commits_made(&self, repo: &str) -> Vec<(String, String)> {
+        let w = self.writes.lock().unwrap();
+        w.commits
+            .iter()
+            .filter(|(r, _, _)| r == repo)
+            .map(|(_, b, c)| (b.clone(), c.clone()))
+            .collect()
+    }
+
+    /// Every file of `repo` at `rev` (a branch or commit): path -> bytes.
+    pub fn files_at(&self, repo: &str, rev: &str) -> BTreeMap<String, Vec<u8>> {
+        let repos = self.repos.lock().unwrap();
+        let r = repos.iter().find(|r| r.id == repo).expect("no such repo");
+        let (_, files) = lookup(r, rev).expect("no such revision");
+        files
+            .iter()
+            .map(|(p, f)| (p.clone(), f.bytes.clone()))
+            .collect()
+    }
+
+    /// Whether `repo` exists, and whether it is private.
+    pub fn repo_private(&self, repo: &str) -> Option<bool> {
+        let repos = self.repos.lock().unwrap();
+        repos
+            .iter()
+            .find(|r| r.id == repo)
+            .map(|r| r.token.is_some())
+    }
+
+    /// The sha256 of every LFS object the server holds.
+    pub fn lfs_objects(&self) -> Vec<String> {
+        self.writes.lock().unwrap().lfs.keys().cloned().collect()
+    }
+}
+
+/// The (user, role) of the request's bearer token; `None` without one or for an unknown one.
+fn user_of(req: &Request) -> Option<(&'static str, &'static str)> {
+    let h = req.headers.get("authorization")?;
+    let t = h.strip_prefix("Bearer ")?;
+    USERS
+        .iter()
+        .find(|(tok, _, _)| *tok == t)
+        .map(|(_, u, r)| (*u, *r))
+}
+
+/// The body: `Content-Length` bytes. With `cut`, only half of them are read, the connection is
+/// dropped and `None` returned.
+fn read_body(mut stream: &TcpStream, req: &Request, cut: bool) -> std::io::Result<Option<Vec<u8>>> {
+    use std::io::Read;
+    let len: usize = req
+        .headers
+        .get("content-length")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let want = if cut { len / 2 } else { len };
+    let mut body = req.body_start.clone();
+    body.truncate(want);
+    while body.len() < want {
+        let mut buf = vec![0u8; (want - body.len()).min(1 << 16)];
+        let n = stream.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        body.extend_from_slice(&buf[..n]);
+    }
+    if cut {
+        stream.shutdown(std::net::Shutdown::Both)?;
+        return Ok(None);
+    }
+    Ok(Some(body))
+}
+
+fn json_ok(stream: &TcpStream, v: serde_json::Value) -> std::io::Result<()> {
+    respond(
+        stream,
+        false,
+        "200 OK",
+        &[("Content-Type", "application/json".into())],
+        v.to_string().as_bytes(),
+    )
+}
+
+/// An error answer with the hub's `X-Error-Code` (may be empty) and `{"error": message}`.
+fn write_error(stream: &TcpStream, status: &str, code: &str, message: &str) -> std::io::Result<()> {
+    let mut headers = vec![("Content-Type", "application/json".to_string())];
+    if !code.is_empty() {
+        headers.push(("X-Error-Code", code.to_string()));
+    }
+    let body = serde_json::json!({ "error": message }).to_string();
+    respond(stream, false, status, &headers, body.as_bytes())
+}
+
+/// The `.gitattributes` of a new repo (the start of the hub's default one).
+const GITATTRIBUTES: &str = "*.bin filter=lfs diff=lfs merge=lfs -text\n\
+    *.safetensors filter=lfs diff=lfs merge=lfs -text\n\
+    *.pt filter=lfs diff=lfs merge=lfs -text\n";
+
+/// The write endpoints; `None` for a request they do not handle (served by the read side).
+fn handle_write(
+    stream: &TcpStream,
+    req: &Request,
+    repos: &Mutex<Vec<RepoDef>>,
+    writes: &Mutex<Writes>,
+    base_url: &str,
+) -> Option<std::io::Result<()>> {
+    let path = req.path.replace("%2F", "/");
+    let m = req.method.as_str();
+    if m == "GET" && path == "/api/whoami-v2" {
+        return Some(match user_of(req) {
+            None => write_error(
+                stream,
+                "401 Unauthorized",
+                "",
+                "Invalid credentials in Authorization header",
+            ),
+            Some((name, role)) => json_ok(
+                stream,
+                serde_json::json!({"type": "user", "name": name, "orgs": [],
+                    "auth": {"type": "access_token", "accessToken": {"role": role}}}),
+            ),
+        });
+    }
+    if m == "POST" && path == "/api/repos/create" {
+        return Some(create_repo(stream, req, repos, base_url));
+    }
+    if m == "PUT" {
+        if let Some(oid) = path.strip_prefix("/lfs-upload/") {
+            return Some(lfs_put(stream, req, writes, oid));
+        }
+    }
+    // /OWNER/NAME.git/info/lfs/objects/{batch,verify}
+    if m == "POST" && path.contains(".git/info/lfs/objects/") {
+        let (repo, action) = path
+            .trim_start_matches('/')
+            .split_once(".git/info/lfs/objects/")?;
+        return Some(lfs_endpoint(
+            stream, req, repos, writes, repo, action, base_url,
+        ));
+    }
+    // /api/models/OWNER/NAME[/ACTION/REV]
+    let rest = path.strip_prefix("/api/models/")?;
+    let parts: Vec<&str> = rest.splitn(4, '/').collect();
+    let repo = format!("{}/{}", parts[0], parts.get(1)?);
+    match (m, parts.len(), parts.get(2).copied()) {
+        ("GET", 2, _) => Some(repo_info(stream, req, repos, &repo)),
+        ("POST", 4, Some(action @ ("branch" | "preupload" | "commit"))) => Some(repo_write(
+            stream, req, repos, writes, &repo, action, parts[3], base_url,
+        )),
+        _ => None,
+    }
+}
+
+fn create_repo(
+    stream: &TcpStream,
+    req: &Request,
+    repos: &Mutex<Vec<RepoDef>>,
+    base_url: &str,
+) -> std::io::Result<()> {
+    let Some(body) = read_body(stream, req, false)? else {
+        return Ok(());
+    };
+    let Some((user, role)) = user_of(req) else {
+        return write_error(
+            stream,
+            "401 Unauthorized",
+            "",
+            "Invalid credentials in Authorization header",
+        );
+    };
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let (Some(name), Some(org)) = (v["name"].as_str(), v["organization"].as_str()) else {
+        return write_error(
+            stream,
+            "400 Bad Request",
+            "",
+            "name and organization are required",
+        );
+    };
+    if org != user || role != "write" {
+        return write_error(
+            stream,
+            "403 Forbidden",
+            "",
+            &format!("You don't have the rights to create a model under the namespace \"{org}\""),
+        );
+    }
+    let id = format!("{org}/{name}");
+    let mut repos = repos.lock().unwrap();
+    if repos.iter().any(|r| r.id == id) {
+        return write_error(
+            stream,
+            "409 Conflict",
+            "",
+            "You already created this model repo",
+        );
+    }
+    let first = commit_id(&format!("{id} initial commit"));
+    let files: BTreeMap<String, File> = [(
+        ".gitattributes".to_string(),
+        File::new(GITATTRIBUTES.as_bytes().to_vec()),
+    )]
+    .into();
+    let owner_token = USERS
+        .iter()
+        .find(|(_, u, r)| *u == user && *r == "write")
+        .unwrap()
+        .0;
+    repos.push(RepoDef {
+        kind: "models",
+        id: id.clone(),
+        refs: [("main".to_string(), first.clone())].into(),
+        commits: [(first, files)].into(),
+        token: v["private"]
+            .as_bool()
+            .unwrap_or(false)
+            .then(|| owner_token.to_string()),
+    });
+    json_ok(
+        stream,
+        serde_json::json!({"url": format!("{base_url}/{id}"), "name": id}),
+    )
+}
+
+/// Whether the request's user may read `repo` (public, or private and theirs).
+fn can_read(repo: &RepoDef, req: &Request) -> bool {
+    auth(repo, req).is_none()
+        || user_of(req).is_some_and(|(u, _)| repo.id.split('/').next() == Some(u))
+}
+
+fn repo_info(
+    stream: &TcpStream,
+    req: &Request,
+    repos: &Mutex<Vec<RepoDef>>,
+    repo: &str,
+) -> std::io::Result<()> {
+    let repos = repos.lock().unwrap();
+    match repos.iter().find(|r| r.kind == "models" && r.id == repo) {
+        Some(r) if can_read(r, req) => json_ok(
+            stream,
+            serde_json::json!({"id": r.id, "sha": r.refs["main"], "private": r.token.is_some()}),
+        ),
+        _ => write_error(
+            stream,
+            "404 Not Found",
+            "RepoNotFound",
+            "Repository not found",
+        ),
+    }
+}
+
+/// `None` when the request may write to `repo`, else the error to answer.
+fn write_denied(repo: &RepoDef, req: &Request) -> Option<(&'static str, String)> {
+    match user_of(req) {
+        None => Some((
+            "401 Unauthorized",
+            "Invalid credentials in Authorization header".into(),
+        )),
+        Some((user, role)) if role == "write" && repo.id.split('/').next() == Some(user) => None,
+        Some((user, _)) => Some((
+            "403 Forbidden",
+            format!("{user} does not have write access to {}", repo.id),
+        )),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn repo_write(
+    stream: &TcpStream,
+    req: &Request,
+    repos: &Mutex<Vec<RepoDef>>,
+    writes: &Mutex<Writes>,
+    repo_id: &str,
+    action: &str,
+    rev: &str,
+    base_url: &str,
+) -> std::io::Result<()> {
+    let cut = action == "commit" && {
+        let mut w = writes.lock().unwrap();
+        let cut = w.cut == Some(UploadCut::Commit);
+        if cut {
+            w.cut = None;
+        }
+        cut
+    };
+    let Some(body) = read_body(stream, req, cut)? else {
+        return Ok(()); // cut: nothing happens
+    };
+    let mut repos = repos.lock().unwrap();
+    let Some(repo) = repos
+        .iter_mut()
+        .find(|r| r.kind == "models" && r.id == repo_id)
+    else {
+        return write_error(
+            stream,
+            "404 Not Found",
+            "RepoNotFound",
+            "Repository not found",
+        );
+    };
+    if !can_read(repo, req) {
+        return write_error(
+            stream,
+            "404 Not Found",
+            "RepoNotFound",
+            "Repository not found",
+        );
+    }
+    if let Some((status, msg)) = write_denied(repo, req) {
+        return write_error(stream, status, "", &msg);
+    }
+    if action == "branch" {
+        if repo.refs.contains_key(rev) {
+            return write_error(stream, "409 Conflict", "", "Reference already exists");
+        }
+        let main = repo.refs["main"].clone();
+        repo.refs.insert(rev.to_string(), main);
+        return json_ok(stream, serde_json::json!({}));
+    }
+    let Some(parent) = repo.refs.get(rev).cloned() else {
+        return write_error(
+            stream,
+            "404 Not Found",
+            "RevisionNotFound",
+            &format!("Invalid rev id: {rev}"),
+        );
+    };
+    if action == "preupload" {
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let files: Vec<_> = v["files"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|f| {
+                use base64::Engine;
+                let path = f["path"].as_str().unwrap_or_default();
+                let size = f["size"].as_u64().unwrap_or(0);
+                let sample = b64
+                    .decode(f["sample"].as_str().unwrap_or_default())
+                    .unwrap_or_default();
+                let lfs = is_lfs(path) || size >= 10 << 20 || sample.contains(&0);
+                serde_json::json!({"path": path, "uploadMode": if lfs { "lfs" } else { "regular" },
+                    "shouldIgnore": false})
+            })
+            .collect();
+        return json_ok(stream, serde_json::json!({ "files": files }));
+    }
+    // The commit: every operation is checked before anything changes.
+    let text = String::from_utf8_lossy(&body);
+    let mut files = repo.commits[&parent].clone();
+    let mut summary = String::new();
+    let lfs_store = writes.lock().unwrap();
+    let held = &lfs_store.lfs;
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let Ok(op) = serde_json::from_str::<serde_json::Value>(line) else {
+            return write_error(
+                stream,
+                "400 Bad Request",
+                "",
+                "a line of the payload is not JSON",
+            );
+        };
+        let v = &op["value"];
+        let path = v["path"].as_str().unwrap_or_default().to_string();
+        let bad_path = path.is_empty()
+            || path.starts_with('/')
+            || path.split('/').any(|c| c == ".." || c.is_empty());
+        match op["key"].as_str() {
+            Some("header") => summary = v["summary"].as_str().unwrap_or_default().to_string(),
+            Some(_) if bad_path => {
+                return write_error(
+                    stream,
+                    "400 Bad Request",
+                    "",
+                    &format!("invalid path {path:?}"),
+                )
+            }
+            Some("file") => {
+                use base64::Engine;
+                let Ok(bytes) = base64::engine::general_purpose::STANDARD
+                    .decode(v["content"].as_str().unwrap_or_default())
+                else {
+                    return write_error(stream, "400 Bad Request", "", "content is not base64");
+                };
+                files.insert(path, File::new(bytes));
+            }
+            Some("lfsFile") => {
+                let oid = v["oid"].as_str().unwrap_or_default();
+                match held.get(oid) {
+                    Some(f) if Some(f.bytes.len() as u64) == v["size"].as_u64() => {
+                        files.insert(path, f.clone());
+                    }
+                    _ => {
+                        return write_error(
+                            stream,
+                            "422 Unprocessable Entity",
+                            "",
+                            &format!("LFS object {oid} of {path} was never uploaded"),
+                        )
+                    }
+                }
+            }
+            _ => return write_error(stream, "400 Bad Request", "", "unknown operation key"),
+        }
+    }
+    if summary.is_empty() {
+        return write_error(stream, "400 Bad Request", "", "the commit has no summary");
+    }
+    let digest: Vec<String> = files
+        .iter()
+        .map(|(p, f)| format!("{p}:{}", f.sha256))
+        .collect();
+    let commit = commit_id(&format!("{parent} {summary} {}", digest.join(",")));
+    repo.commits.insert(commit.clone(), files);
+    repo.refs.insert(rev.to_string(), commit.clone());
+    let repo_id = repo.id.clone();
+    drop(repos);
+    drop(lfs_store);
+    let mut w = writes.lock().unwrap();
+    w.commits
+        .push((repo_id.clone(), rev.to_string(), commit.clone()));
+    drop(w);
+    json_ok(
+        stream,
+        serde_json::json!({"commitOid": commit, "commitUrl": format!("{base_url}/{repo_id}/commit/{commit}"),
+            "pullRequestUrl": null}),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn lfs_endpoint(
+    stream: &TcpStream,
+    req: &Request,
+    repos: &Mutex<Vec<RepoDef>>,
+    writes: &Mutex<Writes>,
+    repo_id: &str,
+    action: &str,
+    base_url: &str,
+) -> std::io::Result<()> {
+    let Some(body) = read_body(stream, req, false)? else {
+        return Ok(());
+    };
+    {
+        let repos = repos.lock().unwrap();
+        let Some(repo) = repos.iter().find(|r| r.kind == "models" && r.id == repo_id) else {
+            return write_error(
+                stream,
+                "404 Not Found",
+                "RepoNotFound",
+                "Repository not found",
+            );
+        };
+        if let Some((status, msg)) = write_denied(repo, req) {
+            return write_error(stream, status, "", &msg);
+        }
+    }
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let lfs_store = writes.lock().unwrap();
+    let held = &lfs_store.lfs;
+    let lfs_json = [("Content-Type", "application/vnd.git-lfs+json".to_string())];
+    if action == "verify" {
+        let oid = v["oid"].as_str().unwrap_or_default();
+        return match held.get(oid) {
+            Some(f) if Some(f.bytes.len() as u64) == v["size"].as_u64() => {
+                respond(stream, false, "200 OK", &lfs_json, b"{}")
+            }
+            _ => write_error(
+                stream,
+                "404 Not Found",
+                "",
+                &format!("object {oid} not found"),
+            ),
+        };
+    }
+    if action != "batch" || v["operation"] != "upload" {
+        return write_error(
+            stream,
+            "400 Bad Request",
+            "",
+            "only upload batches are served",
+        );
+    }
+    let objects: Vec<_> = v["objects"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|o| {
+            let oid = o["oid"].as_str().unwrap_or_default();
+            let mut out = serde_json::json!({"oid": oid, "size": o["size"], "authenticated": true});
+            if !held.contains_key(oid) {
+                out["actions"] = serde_json::json!({
+                    "upload": {"href": format!("{base_url}/lfs-upload/{oid}")},
+                    "verify": {"href": format!("{base_url}/{repo_id}.git/info/lfs/objects/verify")},
+                });
+            }
+            out
+        })
+        .collect();
+    let answer = serde_json::json!({"transfer": "basic", "objects": objects});
+    respond(
+        stream,
+        false,
+        "200 OK",
+        &lfs_json,
+        answer.to_string().as_bytes(),
+    )
+}
+
+fn lfs_put(
+    stream: &TcpStream,
+    req: &Request,
+    writes: &Mutex<Writes>,
+    oid: &str,
+) -> std::io::Result<()> {
+    let cut = {
+        let mut w = writes.lock().unwrap();
+        let cut = w.cut == Some(UploadCut::LfsPut);
+        if cut {
+            w.cut = None;
+        }
+        cut
+    };
+    let Some(body) = read_body(stream, req, cut)? else {
+        return Ok(()); // cut: nothing stored
+    };
+    let f = File::new(body);
+    if f.sha256 != oid {
+        return write_error(
+            stream,
+            "400 Bad Request",
+            "",
+            "the bytes do not hash to the oid",
+        );
+    }
+    writes.lock().unwrap().lfs.insert(oid.to_string(), f);
+    respond(stream, false, "200 OK", &[], b"")
 }

@@ -32,6 +32,9 @@ pub enum Command {
     Chat(ChatArgs),
     /// Download a model or dataset repo from the Hugging Face Hub into the HF cache.
     Download(DownloadArgs),
+    /// Upload a dir (an adapter, a merged model) to a Hugging Face Hub model repo as one commit,
+    /// with a model card; the repo is created if needed.
+    Upload(UploadArgs),
     /// Predicted peak memory of a training config (config.json only, no weights), with a plan
     /// that fits a --budget.
     Estimate(EstimateArgs),
@@ -146,6 +149,26 @@ pub struct DownloadArgs {
     /// No progress bars.
     #[arg(long)]
     pub quiet: bool,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct UploadArgs {
+    /// The repo: OWNER/NAME (created, public unless --private, when it does not exist).
+    pub repo_id: String,
+    /// The dir to upload: every file under it (hidden files and dirs left out), e.g. a run's
+    /// `adapter/` or a `tallow merge` output. Without a README.md in it, the commit gets a model
+    /// card made from the run (base model, data, config, final metrics); PATH is not written to.
+    pub path: PathBuf,
+    /// Create the repo private (an existing repo keeps its visibility).
+    #[arg(long)]
+    pub private: bool,
+    /// The branch to commit to; a branch that does not exist is created from main (as
+    /// `huggingface-cli upload --revision` does).
+    #[arg(long, default_value = "main")]
+    pub revision: String,
+    /// The commit message (default "Upload <dir name> with tallow").
+    #[arg(long, short = 'm')]
+    pub message: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]

@@ -5,6 +5,7 @@
 
 mod args;
 mod bench;
+mod card;
 mod chat;
 mod device;
 mod doctor;
@@ -17,6 +18,7 @@ mod merge;
 mod model;
 mod plot;
 mod train;
+mod upload;
 
 use clap::Parser;
 
@@ -46,6 +48,7 @@ fn main() {
         args::Command::Generate(a) => generate::run(a),
         args::Command::Chat(a) => chat::run(a),
         args::Command::Download(a) => download::run(a),
+        args::Command::Upload(a) => upload::run(a),
         args::Command::Estimate(a) => estimate::run(a),
         args::Command::Bench(a) => bench::run(a),
         args::Command::Doctor(a) => doctor::run(a),

@@ -13,6 +13,18 @@ use crate::device::parse_device;
 
 pub fn run(a: TrainArgs) -> Result<()> {
     let cfg = TrainConfig::load(&a.config, &a.sets)?;
+    let push_to = (!cfg.train.push_to_hub.is_empty()).then(|| cfg.train.push_to_hub.clone());
+    if let Some(repo) = &push_to {
+        // Before training: a missing, rejected or read-only token must not surface after a
+        // long run (the repo id itself was checked with the config).
+        let who = tallow_hub::Hub::from_env()
+            .check_write_token(repo)
+            .with_context(|| format!("train.push_to_hub = {repo:?}: checked before training"))?;
+        eprintln!(
+            "will upload to {repo} as {} at the end of the run",
+            who.name
+        );
+    }
     // Before the first tensor op: every CPU pool takes train.threads (default physical cores).
     tallow_trainer::threads::apply(cfg.train.threads);
     let device = parse_device(&cfg.train.device).context("train.device")?;
@@ -128,6 +140,30 @@ pub fn run(a: TrainArgs) -> Result<()> {
             human_bytes(b),
             human_bytes(o)
         );
+    }
+    if let Some(repo) = push_to {
+        let message = format!(
+            "tallow train: {} steps{}",
+            summary.steps,
+            summary
+                .last_loss
+                .map(|l| format!(", last train loss {l:.4}"))
+                .unwrap_or_default()
+        );
+        let private = cfg.train.hub_private_repo;
+        match crate::upload::push(&repo, &summary.output, private, "main", Some(&message)) {
+            Ok(info) => println!("uploaded: {}", info.commit_url),
+            Err(e) => {
+                // The run's outputs are untouched; the same upload can be run again by hand.
+                return Err(e.context(format!(
+                    "training finished and {} is saved, but the upload to {repo} failed; retry \
+                     with: tallow upload {repo} {}{}",
+                    summary.output.display(),
+                    summary.output.display(),
+                    if private { " --private" } else { "" }
+                )));
+            }
+        }
     }
     Ok(())
 }

@@ -31,7 +31,7 @@ struct Meta {
     url: String,
 }
 
-fn agent(redirects: u32) -> ureq::Agent {
+pub(crate) fn agent(redirects: u32) -> ureq::Agent {
     ureq::AgentBuilder::new()
         .try_proxy_from_env(true)
         .redirects(redirects)
@@ -361,7 +361,7 @@ fn git_blob_sha1_file(path: &Path) -> Result<String, HubError> {
     hash_file(sha1::Sha1::new(), format!("blob {len}\0").as_bytes(), path)
 }
 
-fn sha256_file(path: &Path) -> Result<String, HubError> {
+pub(crate) fn sha256_file(path: &Path) -> Result<String, HubError> {
     hash_file(Sha256::new(), b"", path)
 }
 

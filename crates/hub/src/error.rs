@@ -121,6 +121,57 @@ pub enum HubError {
     #[error("{spec:?} is not a {what}")]
     BadSpec { spec: String, what: &'static str },
 
+    /// An upload without a token (neither `HF_TOKEN` nor the token file).
+    #[error(
+        "uploading to {repo} needs a token with write access: set HF_TOKEN=hf_... or run \
+         `huggingface-cli login` (it writes $HF_HOME/token, default ~/.cache/huggingface/token); \
+         create one at {endpoint}/settings/tokens"
+    )]
+    NoToken { repo: String, endpoint: String },
+
+    /// 401 on an upload or `whoami`: the hub does not know the token.
+    #[error(
+        "token rejected by {endpoint} (HTTP 401): the token {source_name} is invalid or expired; \
+         create a new one at {endpoint}/settings/tokens"
+    )]
+    TokenRejected {
+        endpoint: String,
+        /// Where the token came from, in words ("from HF_TOKEN", "in $HF_HOME/token").
+        source_name: String,
+    },
+
+    /// 403 on an upload: the token's user may not write to the repo.
+    #[error(
+        "not allowed to write to {repo} (HTTP 403{}): the token belongs to {user}; use a repo \
+         under your own name or an organization where you have write access, and a token with \
+         the write role",
+        if message.is_empty() { String::new() } else { format!(": {message}") }
+    )]
+    NotAllowed {
+        repo: String,
+        user: String,
+        message: String,
+    },
+
+    /// The token is accepted but has the read role only.
+    #[error(
+        "the token of {user} is read-only: uploading to {repo} needs a token with the write \
+         role ({endpoint}/settings/tokens)"
+    )]
+    ReadOnlyToken {
+        repo: String,
+        user: String,
+        endpoint: String,
+    },
+
+    /// A repo id or branch name the hub would refuse, caught before any request.
+    #[error("{what} {value:?} is not valid: {reason}")]
+    BadName {
+        what: &'static str,
+        value: String,
+        reason: String,
+    },
+
     /// A local file operation failed.
     #[error("{}: {source}", path.display())]
     Io {

@@ -27,11 +27,15 @@
 mod download;
 mod error;
 mod filter;
+mod upload;
 
 use std::path::{Path, PathBuf};
 
 pub use error::HubError;
 pub use filter::Filter;
+pub use upload::{
+    check_branch, check_repo_id, CommitInfo, Source, UploadFile, UploadRequest, WhoAmI,
+};
 
 use error::io_err;
 use hf_hub::{Cache, Repo, RepoType};
@@ -130,6 +134,8 @@ pub struct Hub {
     pub cache_dir: PathBuf,
     /// `HF_TOKEN`, else the token file `huggingface-cli login` writes (`$HF_HOME/token`).
     pub token: Option<String>,
+    /// Where `token` came from, for messages: "from HF_TOKEN", "in <HF_HOME>/token".
+    pub token_origin: String,
     /// `HF_HUB_OFFLINE=1`: the cache only.
     pub offline: bool,
     /// A progress bar per file on stderr.
@@ -154,10 +160,20 @@ impl Hub {
             .map(PathBuf::from)
             .unwrap_or_else(|| hf_home.join("hub"));
         // hf-hub reads the token file next to `<HF_HOME>/hub`.
-        let token = env_nonempty("HF_TOKEN")
-            .or_else(|| env_nonempty("HUGGING_FACE_HUB_TOKEN"))
-            .map(|t| t.trim().to_string())
-            .or_else(|| Cache::new(hf_home.join("hub")).token());
+        let (token, token_origin) = match (
+            env_nonempty("HF_TOKEN"),
+            env_nonempty("HUGGING_FACE_HUB_TOKEN"),
+        ) {
+            (Some(t), _) => (Some(t.trim().to_string()), "from HF_TOKEN".to_string()),
+            (None, Some(t)) => (
+                Some(t.trim().to_string()),
+                "from HUGGING_FACE_HUB_TOKEN".to_string(),
+            ),
+            (None, None) => (
+                Cache::new(hf_home.join("hub")).token(),
+                format!("in {}", hf_home.join("token").display()),
+            ),
+        };
         let offline = env_nonempty("HF_HUB_OFFLINE").is_some_and(|v| {
             matches!(v.to_ascii_uppercase().as_str(), "1" | "ON" | "YES" | "TRUE")
         });
@@ -169,6 +185,7 @@ impl Hub {
             endpoint,
             cache_dir,
             token,
+            token_origin,
             offline,
             progress: true,
         }

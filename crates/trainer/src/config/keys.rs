@@ -118,6 +118,8 @@ pub(super) const SECTIONS: [(&str, &[(&str, Kind)]); 5] = [
             ("offload_checkpoints", Kind::Bool),
             ("tf32", Kind::Bool),
             ("threads", Kind::Uint),
+            ("push_to_hub", Kind::Str),
+            ("hub_private_repo", Kind::Bool),
         ],
     ),
     (
@@ -218,6 +220,10 @@ pub(super) const ALIASES: &[(&str, &str)] = &[
     ("load_best_model_at_end", "train.keep_best"),
     ("save_best", "train.keep_best"),
     ("patience", "train.early_stopping_patience"),
+    ("hub_model_id", "train.push_to_hub"),
+    ("hub_repo", "train.push_to_hub"),
+    ("hub_private", "train.hub_private_repo"),
+    ("private", "train.hub_private_repo"),
 ];
 
 /// Names other trainers use for our sections.

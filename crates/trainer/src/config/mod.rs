@@ -247,6 +247,14 @@ pub struct TrainSection {
     /// element-wise pool alike; 0 (default) = the number of physical cores, as PyTorch's
     /// `torch.get_num_threads()`. `RAYON_NUM_THREADS` / `CANDLE_NUM_THREADS`, when set, win.
     pub threads: usize,
+    /// `OWNER/NAME`: after the final save, upload `adapter/` (or `model/`) with a model card as
+    /// one commit to this hub repo, created if needed ("" = no upload, the default). The
+    /// token is checked before training starts. HF Trainer spells this `push_to_hub = true` plus
+    /// `hub_model_id`; here one key holds the id.
+    pub push_to_hub: String,
+    /// A repo that `push_to_hub` creates is private (default false; HF Trainer's name). An
+    /// existing repo keeps its visibility.
+    pub hub_private_repo: bool,
 }
 
 impl LoraSection {

@@ -139,6 +139,8 @@ impl Default for TrainSection {
             offload_checkpoints: false,
             tf32: true,
             threads: 0,
+            push_to_hub: String::new(),
+            hub_private_repo: false,
         }
     }
 }

@@ -257,7 +257,7 @@ fn unknown_key_names_file_key_and_suggestion() {
          weight_decay, betas, eps, schedule, warmup_steps, max_grad_norm, seed, device, \
          output_dir, log_every, log, eval_every, save_every, save_total_limit, \
          early_stopping_patience, early_stopping_threshold, keep_best, checkpointing, \
-         checkpoint_every, offload_checkpoints, tf32, threads"
+         checkpoint_every, offload_checkpoints, tf32, threads, push_to_hub, hub_private_repo"
     );
     // A typo, by edit distance.
     let e = err(&format!("{MINIMAL}[lora]\nrnak = 8\n"), &[]);
@@ -265,6 +265,9 @@ fn unknown_key_names_file_key_and_suggestion() {
         &e,
         &["unknown key `lora.rnak`", "did you mean `lora.rank`?"],
     );
+    // HF Trainer's name for the hub repo id.
+    let e = err(&format!("{MINIMAL}[train]\nhub_model_id = \"me/x\"\n"), &[]);
+    contains_all(&e, &["did you mean `train.push_to_hub`?"]);
     // A key of another section.
     let e = err(&format!("{MINIMAL}[lora]\nlr = 1e-3\n"), &[]);
     contains_all(&e, &["unknown key `lora.lr`", "did you mean `train.lr`?"]);

@@ -258,6 +258,15 @@ fn validate_train(t: &TrainSection) -> Checked {
     if t.log_every < 1 {
         return bad("train.log_every", "must be at least 1, found 0");
     }
+    if !t.push_to_hub.is_empty() {
+        // Checked here, before any training: a bad id must not surface after a long run.
+        if let Err(e) = tallow_hub::check_repo_id(&t.push_to_hub) {
+            return bad(
+                "train.push_to_hub",
+                format!("must be a hub repo id OWNER/NAME: {e}"),
+            );
+        }
+    }
     Ok(())
 }
 
@@ -484,7 +493,7 @@ mod tests {
     }
 
     /// `--set` values that fail validation, and a part of the message each gives.
-    const CASES: [(&str, &str); 40] = [
+    const CASES: [(&str, &str); 42] = [
         ("lora.rank=0", "`lora.rank` must be at least 1"),
         ("lora.alpha=0", "`lora.alpha` must be > 0"),
         ("lora.dropout=1.0", "`lora.dropout` must be in [0, 1)"),
@@ -588,6 +597,14 @@ mod tests {
         ("model.path=", "`model.path` is empty"),
         ("data.train=", "`data.train` is empty"),
         ("train.output_dir=", "`train.output_dir` is empty"),
+        (
+            "train.push_to_hub=me/my model",
+            "`train.push_to_hub` must be a hub repo id OWNER/NAME: repo id \"me/my model\" is not valid: the name has the character ' '",
+        ),
+        (
+            "train.push_to_hub=just-a-name",
+            "`train.push_to_hub` must be a hub repo id OWNER/NAME",
+        ),
     ];
 
     #[test]
