@@ -1126,6 +1126,12 @@ norms, the "gemma" tokenizer with Gemma 3's chat template, which folds a system 
 the first user turn). New models go at the end of each script's model list, so the seeds of
 the others do not move.
 
+`models/tiny-gemma3-mm/` (and `v5/models/tiny-gemma3-mm/`) is an image-text
+Gemma3ForConditionalGeneration whose language model is tiny-gemma3 (a tiny SigLIP vision tower
+beside it), `adapters/tiny-gemma3-mm-peft/` a PEFT adapter on its language model, and
+`reference/tiny-gemma3-mm.json` what transformers and PEFT compute on it
+(`scripts/make_gemma3_mm_fixtures.py`, after the models above).
+
 `reference/generate.json` (transformers' greedy `generate` ids for `tallow generate`) is made by
 `/work/pyref/bin/python scripts/make_generate_fixtures.py`, after the models above.
 

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 use tallow_model::{
-    load_peft, lm_head_nll, merge_lora, save_hf_model, save_peft, CausalLM, LoadOptions, Targets,
+    lm_head_nll, load_peft, merge_lora, save_hf_model, save_peft, CausalLM, LoadOptions, Targets,
 };
 use tallow_tests::*;
 
@@ -30,7 +30,11 @@ fn loss(model: &CausalLM, rows: &[(Vec<u32>, Vec<bool>)]) -> f64 {
         )
         .unwrap();
         let nll = lm_head_nll(&h, model.lm_head_weight(), &t, None).unwrap();
-        total += nll.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
+        total += nll
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
         count += t.count;
     }
     total / count as f64
@@ -72,7 +76,10 @@ fn the_text_tower_of_an_image_text_checkpoint_matches_transformers() {
             let rows = reference_rows(&text_ref, format);
             let want = reference["formats"][format]["loss"].as_f64().unwrap();
             let got = loss(&model, &rows);
-            assert!((got - want).abs() < 1e-4, "{layout} {format}: {got} vs {want}");
+            assert!(
+                (got - want).abs() < 1e-4,
+                "{layout} {format}: {got} vs {want}"
+            );
         }
         let adapter = fixtures().join("adapters/tiny-gemma3-mm-peft");
         let spec = load_peft(&mut model, &adapter).unwrap();
@@ -97,7 +104,10 @@ fn the_text_tower_of_an_image_text_checkpoint_matches_transformers() {
         let (theirs, ours) = (read(&adapter), read(&out));
         assert_eq!(theirs.len(), ours.len());
         for (k, t) in &theirs {
-            assert!(k.starts_with("base_model.model.model.language_model.layers."), "{k}");
+            assert!(
+                k.starts_with("base_model.model.model.language_model.layers."),
+                "{k}"
+            );
             assert_eq!(max_abs_diff(t, &ours[k]), 0.0, "{k}");
         }
         let cfg = |d: &std::path::Path| -> serde_json::Value {
@@ -112,15 +122,20 @@ fn the_text_tower_of_an_image_text_checkpoint_matches_transformers() {
         merge_lora(&mut model).unwrap();
         let merged = scratch(&format!("gemma3-mm-merged-{}", layout.replace(' ', "-")));
         save_hf_model(&model, &dir, &merged, DType::F32).unwrap();
-        let cfg: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(merged.join("config.json")).unwrap(),
-        )
-        .unwrap();
-        assert_eq!(cfg["architectures"], serde_json::json!(["Gemma3ForCausalLM"]));
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(merged.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(
+            cfg["architectures"],
+            serde_json::json!(["Gemma3ForCausalLM"])
+        );
         assert_eq!(cfg["model_type"], "gemma3_text");
         let back = load(&merged);
         assert!(!back.config.text_tower);
         let got = loss(&back, &rows);
-        assert!((got - adapted).abs() < 1e-5, "{layout}: merged {got} vs {adapted}");
+        assert!(
+            (got - adapted).abs() < 1e-5,
+            "{layout}: merged {got} vs {adapted}"
+        );
     }
 }

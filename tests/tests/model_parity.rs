@@ -402,7 +402,12 @@ fn gemma3_features_each_decide_the_loss() {
     let no_types = ("layer_types", serde_json::Value::Null);
     let cases = [
         ("as transformers", cfg.clone(), false, false),
-        ("pattern only", with(&[no_types.clone()]), false, false),
+        (
+            "pattern only",
+            with(std::slice::from_ref(&no_types)),
+            false,
+            false,
+        ),
         (
             "local base = global base",
             with(&[("rope_local_base_freq", serde_json::json!(100000.0))]),

@@ -617,8 +617,14 @@ mod tests {
     /// `layer_types`); what tallow writes reads back the same.
     #[test]
     fn gemma3_rope_and_layer_pattern_read_the_same_from_both_layouts() {
-        let types = json!(["sliding_attention", "sliding_attention", "full_attention",
-            "sliding_attention", "sliding_attention", "full_attention"]);
+        let types = json!([
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention"
+        ]);
         let v4 = gemma3(json!({"rope_theta": 1e5, "rope_local_base_freq": 1000.0,
             "rope_scaling": {"rope_type": "linear", "factor": 4.0}, "sliding_window_pattern": 3}));
         let v4_types = with(v4.clone(), json!({"layer_types": types.clone()}));
@@ -635,7 +641,11 @@ mod tests {
                     Some(RopeScaling::Linear { factor: 4.0 }),
                     "{layout} {what}"
                 );
-                assert_eq!(c.variant.rope_local_base_freq, Some(1000.0), "{layout} {what}");
+                assert_eq!(
+                    c.variant.rope_local_base_freq,
+                    Some(1000.0),
+                    "{layout} {what}"
+                );
                 assert_eq!(c.variant.full_attention_layers, [2, 5], "{layout} {what}");
                 assert_eq!(c.sliding_window, Some(8), "{layout} {what}");
                 assert!(c.qk_norm && c.variant.norm_plus_one && c.variant.sandwich_norms);
@@ -650,7 +660,10 @@ mod tests {
         bare.as_object_mut().unwrap().remove("num_key_value_heads");
         let c = parse(&bare).unwrap();
         assert_eq!(c.variant.full_attention_layers, [5]);
-        assert_eq!((c.rope_theta, c.variant.rope_local_base_freq), (1e6, Some(1e4)));
+        assert_eq!(
+            (c.rope_theta, c.variant.rope_local_base_freq),
+            (1e6, Some(1e4))
+        );
         assert_eq!((c.num_key_value_heads, c.rope_scaling), (4, None));
     }
 
@@ -667,11 +680,16 @@ mod tests {
             }
         };
         let per_type = |full: Value, sliding: Value| {
-            gemma3(json!({"rope_parameters": {"full_attention": full, "sliding_attention": sliding}}))
+            gemma3(
+                json!({"rope_parameters": {"full_attention": full, "sliding_attention": sliding}}),
+            )
         };
         let plain = json!({"rope_type": "default", "rope_theta": 1e4});
         refused(
-            per_type(json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}), plain.clone()),
+            per_type(
+                json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
+                plain.clone(),
+            ),
             &["`rope_parameters.full_attention`", "`yarn`"],
         );
         refused(
@@ -679,12 +697,18 @@ mod tests {
             &["`rope_scaling`", "`dynamic`"],
         );
         refused(
-            per_type(plain.clone(), json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})),
+            per_type(
+                plain.clone(),
+                json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+            ),
             &["`rope_parameters.sliding_attention`", "sliding layers"],
         );
         refused(
             with(
-                per_type(json!({"rope_type": "default", "rope_theta": 1e6}), plain.clone()),
+                per_type(
+                    json!({"rope_type": "default", "rope_theta": 1e6}),
+                    plain.clone(),
+                ),
                 json!({"rope_local_base_freq": 1000.0}),
             ),
             &["`rope_parameters`", "1000", "disagree"],
@@ -694,19 +718,33 @@ mod tests {
             &["`rope_parameters`", "`sliding_attention`"],
         );
         refused(
-            gemma3(json!({"sliding_window_pattern": 2, "layer_types": ["sliding_attention",
+            gemma3(
+                json!({"sliding_window_pattern": 2, "layer_types": ["sliding_attention",
                 "sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
-                "full_attention"]})),
+                "full_attention"]}),
+            ),
             &["`sliding_window_pattern`", "stale"],
         );
-        refused(gemma3(json!({"sliding_window": null})), &["`sliding_window`"]);
+        refused(
+            gemma3(json!({"sliding_window": null})),
+            &["`sliding_window`"],
+        );
         refused(
             gemma3(json!({"use_bidirectional_attention": true})),
             &["`use_bidirectional_attention`"],
         );
-        refused(gemma3(json!({"hidden_activation": "gelu"})), &["`hidden_activation`"]);
-        refused(gemma3(json!({"partial_rotary_factor": 0.5})), &["`partial_rotary_factor`"]);
-        refused(gemma3(json!({"attention_dropout": 0.1})), &["`attention_dropout`"]);
+        refused(
+            gemma3(json!({"hidden_activation": "gelu"})),
+            &["`hidden_activation`"],
+        );
+        refused(
+            gemma3(json!({"partial_rotary_factor": 0.5})),
+            &["`partial_rotary_factor`"],
+        );
+        refused(
+            gemma3(json!({"attention_dropout": 0.1})),
+            &["`attention_dropout`"],
+        );
     }
 
     /// `Gemma3ForConditionalGeneration`: its `text_config` read as a `Gemma3ForCausalLM`
@@ -727,10 +765,19 @@ mod tests {
         let c = parse(&cond).unwrap();
         assert!(c.text_tower);
         assert_eq!(c.arch.hf_class(), "Gemma3ForCausalLM");
-        assert_eq!((c.hidden_size, c.num_hidden_layers, c.vocab_size), (2560, 34, 262_208));
-        assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim), (8, 4, 256));
+        assert_eq!(
+            (c.hidden_size, c.num_hidden_layers, c.vocab_size),
+            (2560, 34, 262_208)
+        );
+        assert_eq!(
+            (c.num_attention_heads, c.num_key_value_heads, c.head_dim),
+            (8, 4, 256)
+        );
         assert_eq!(c.rope_scaling, Some(RopeScaling::Linear { factor: 8.0 }));
-        assert_eq!((c.rope_theta, c.variant.rope_local_base_freq), (1e6, Some(1e4)));
+        assert_eq!(
+            (c.rope_theta, c.variant.rope_local_base_freq),
+            (1e6, Some(1e4))
+        );
         assert_eq!(c.variant.full_attention_layers, [5, 11, 17, 23, 29]);
         // what tallow writes from it is the text-only CausalLM
         let w = c.to_hf_json(candle_core::DType::BF16);

@@ -226,8 +226,8 @@ impl CausalLM {
             .repeat((b, 1))?; // (B, t)
         let (cos, sin) = self.rotary.tables(&positions, past + t, self.dtype())?; // (B, 1, t, Dr)
         let local = self.rotary.local_tables(&positions, self.dtype())?; // Gemma 3's sliding layers
-                                                                                  // The prompt of an empty cache through chunked attention (nothing t x t); a later chunk
-                                                                                  // of several positions with the (t, L) mask; one position with none.
+                                                                         // The prompt of an empty cache through chunked attention (nothing t x t); a later chunk
+                                                                         // of several positions with the (t, L) mask; one position with none.
         let prefill = past == 0 && t > 1 && self.attention == AttentionImpl::Chunked;
         // The masks of one window (the config's, or None for Gemma 2's full-attention layers).
         let masks = |window: Option<usize>| -> Result<(Option<AttentionMask>, Option<Tensor>)> {

@@ -239,7 +239,12 @@ pub fn text_config_of(raw: &Value, path: &Path) -> Result<Value> {
     let mut text = match obj.get("text_config") {
         Some(Value::Object(t)) => t.clone(),
         None | Some(Value::Null) => serde_json::Map::new(), // all Gemma3TextConfig defaults
-        Some(other) => return Err(err("text_config", format!("expected an object, found {other}"))),
+        Some(other) => {
+            return Err(err(
+                "text_config",
+                format!("expected an object, found {other}"),
+            ))
+        }
     };
     if let Some(mt) = text.get("model_type").and_then(Value::as_str) {
         if mt != Gemma3Keys::MODEL_TYPE {
