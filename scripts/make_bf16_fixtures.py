@@ -49,7 +49,7 @@ def main():
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     t = {}
-    for name in ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-phi3"):
+    for name in ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-phi3", "tiny-gemma3"):
         ref = json.loads((FIX / "reference" / f"{name}.json").read_text())
         m = mf.load_model(FIX / "models" / name).to(BF)
         with torch.no_grad():

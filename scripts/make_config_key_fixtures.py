@@ -21,7 +21,15 @@ import tempfile
 from pathlib import Path
 
 import transformers
-from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+from transformers import (
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "tests" / "fixtures" / "reference" / "config-keys.json"
@@ -44,7 +52,12 @@ def keys_of(cls):
     if cls is Phi3Config:  # Phi3Config takes longrope only (one factor per rotary pair)
         rope = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
     kw = dict(SMALL)
-    if major >= 5:
+    if major >= 5 and cls is Gemma3TextConfig:  # one object per layer type
+        kw["rope_parameters"] = {
+            "full_attention": dict(rope, rope_theta=1e6),
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        }
+    elif major >= 5:
         kw["rope_parameters"] = dict(rope, rope_theta=1e6)
     else:
         kw.update(rope_theta=1e6, rope_scaling=rope)
@@ -56,11 +69,15 @@ def keys_of(cls):
     return {"model_type": cls.model_type, "keys": dict(sorted(full.items()))}
 
 
+CLASSES = (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Gemma2Config, Phi3Config, Gemma3TextConfig)
+
+
 def main():
     doc = json.loads(OUT.read_text()) if OUT.exists() else {}
     doc[transformers.__version__] = {
-        cls.__name__.replace("Config", "ForCausalLM"): keys_of(cls)
-        for cls in (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Gemma2Config, Phi3Config)
+        # Gemma3TextConfig is Gemma3ForCausalLM's
+        cls.__name__.replace("TextConfig", "Config").replace("Config", "ForCausalLM"): keys_of(cls)
+        for cls in CLASSES
     }
     OUT.write_text(json.dumps(dict(sorted(doc.items())), indent=1, sort_keys=True) + "\n")
     for v, classes in doc.items():

@@ -16,7 +16,7 @@ those of micro-batch 0 of step 0 of a run with lora.dropout = P, train.seed = SE
 text rows in one micro-batch right-padded to the longest row (rows, T, in); each row runs alone
 here (batch 1, as every reference), with its rows of the mask: mask[r, :len_r].
 
-For M in tiny-llama, tiny-qwen2, tiny-qwen3, tiny-mistral, tiny-gemma2, tiny-phi3, from tests/fixtures/adapters/<M>-peft (is_trainable):
+For M in tiny-llama, tiny-qwen2, tiny-qwen3, tiny-mistral, tiny-gemma2, tiny-phi3, tiny-gemma3, from tests/fixtures/adapters/<M>-peft (is_trainable):
 loss = (sum of target NLL over the 4 text rows, dropout on) / (text target tokens); backward;
 torch.optim.SGD(lr=0.5).step(). Writes:
 
@@ -42,7 +42,7 @@ import make_fixtures as mf  # noqa: E402
 import make_peft_fixtures as mp  # noqa: E402  (file_key_to_param)
 
 FIX = mf.FIX
-MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-phi3"]
+MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-phi3", "tiny-gemma3"]
 P = 0.3  # tallow_tests::DROPOUT_P
 SEED = 7  # tallow_tests::DROPOUT_SEED
 LR = 0.5

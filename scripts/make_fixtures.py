@@ -44,6 +44,16 @@ beside them are kept):
                                                   16 (rows of up to 32 tokens use the long
                                                   factors, shorter ones the short), partial
                                                   rotary 0.5, "phi3" tokenizer and template
+    tests/fixtures/models/tiny-gemma3/            Gemma3ForCausalLM: 6 layers, every 3rd global
+                                                  (sliding_window_pattern 3: 2 and 5; the others
+                                                  slide with sliding_window 8), head_dim 32 !=
+                                                  hidden/heads, query_pre_attn_scalar 48, q/k
+                                                  norms, local rope base 1000 on the sliding
+                                                  layers, base 1e5 with linear scaling x4 on the
+                                                  global ones, random (1 + w) norms, tied
+                                                  embeddings; "gemma" tokenizer with Gemma 3's
+                                                  chat template (system folded into the first
+                                                  user turn)
     tests/fixtures/data/{text,prompt_completion,messages}.jsonl
     tests/fixtures/reference/<model>.json         token ids / targets / losses
     tests/fixtures/reference/<model>.safetensors  per-row logits and text-format gradients
@@ -91,6 +101,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
@@ -247,6 +258,28 @@ GEMMA2_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
 )
 
+
+# google/gemma-3-1b-it's chat template (its tokenizer_config.json), word for word: a system
+# message becomes a prefix of the first user turn, `model` for the assistant, trimmed contents.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n    {%- if (message['role'] == 'assistant') -%}\n        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n        {%- set role = message['role'] -%}\n    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n        {%- endfor -%}\n    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n    {%- endif -%}\n    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n{%- if add_generation_prompt -%}\n    {{'<start_of_turn>model\n'}}\n{%- endif -%}\n"
+)
 
 # Phi-3-mini-instruct's chat template (no system-message special casing beyond its own tag, no
 # BOS: the "phi3" tokenizer adds none).
@@ -442,6 +475,22 @@ def check_tokenizer(tok_dir: Path, kind: str):
         assert s == want, s
         expect_template_errors(t, [
             ([{"role": "system", "content": "x"}] + msgs, "System role not supported"),
+            ([{"role": "assistant", "content": "x"}], "must alternate"),
+            (msgs + [{"role": "assistant", "content": "x"}], "must alternate"),
+        ])
+    elif kind == "gemma3":  # the "gemma" tokenizer with GEMMA3_TEMPLATE
+        assert t.bos_token == "<bos>" and t.eos_token == "<eos>" and t.pad_token == "<pad>"
+        s = t.apply_chat_template(
+            [{"role": "system", "content": "Be brief."}] + msgs + [{"role": "user", "content": " Bye "}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        want = (
+            "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
+            "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+        )
+        assert s == want, s
+        expect_template_errors(t, [
             ([{"role": "assistant", "content": "x"}], "must alternate"),
             (msgs + [{"role": "assistant", "content": "x"}], "must alternate"),
         ])
@@ -733,6 +782,37 @@ def make_config(name, tok):
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
         )
+    if name == "tiny-gemma3":
+        return Gemma3TextConfig(
+            vocab_size=v,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=6,
+            # layer i global when (i + 1) % 3 == 0: layers 2 and 5 global, the others slide
+            sliding_window_pattern=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,  # != hidden_size / heads (16), as Gemma's 256
+            query_pre_attn_scalar=48,  # scale 48 ** -0.5, not head_dim ** -0.5
+            max_position_embeddings=256,
+            initializer_range=0.1,
+            hidden_activation="gelu_pytorch_tanh",
+            attention_dropout=0.0,
+            dtype="float32",
+            tie_word_embeddings=True,
+            # global layers: base 1e5 with linear scaling (as the 4B's factor 8); sliding
+            # layers: their own base, unscaled
+            rope_theta=100000.0,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+            rope_local_base_freq=1000.0,
+            rms_norm_eps=1e-6,
+            sliding_window=8,  # shorter than the fixture rows
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
     if name == "tiny-mistral":
         return MistralConfig(
             intermediate_size=128,
@@ -852,7 +932,9 @@ def build_model(name, tok_kind, tok_dir: Path):
     randomize(model, gen)
     if name == "tiny-gemma2":
         randomize_gemma2(model, gen)
-        # as google/gemma-2-2b-it's generation_config.json: <eos> and <end_of_turn> stop
+    if name in ("tiny-gemma2", "tiny-gemma3"):
+        # as google/gemma-2-2b-it's and gemma-3-1b-it's generation_config.json: <eos> and
+        # <end_of_turn> stop
         model.generation_config.eos_token_id = [tok.eos_token_id, tok.convert_tokens_to_ids("<end_of_turn>")]
     model.eval()
     extra = {}
@@ -887,12 +969,19 @@ def build_model(name, tok_kind, tok_dir: Path):
         tc = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
         tc["chat_template"] = MISTRAL_TEMPLATE
         write_json(out / "tokenizer_config.json", tc)
+    if name == "tiny-gemma3":
+        # the "gemma" tokenizer with Gemma 3's chat template
+        tc = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
+        tc["chat_template"] = GEMMA3_TEMPLATE
+        write_json(out / "tokenizer_config.json", tc)
+        keys = set(model.state_dict())
+        assert "model.layers.0.self_attn.q_norm.weight" in keys, keys
     # config.json is transformers' own; sanity-check a few fields
     c = json.loads((out / "config.json").read_text())
     assert c["vocab_size"] == len(tok)
-    if name == "tiny-gemma2":
-        # left out: Gemma2Config's default (True) equals PretrainedConfig's, so save_pretrained
-        # drops it (tallow must default to tied for Gemma 2)
+    if name in ("tiny-gemma2", "tiny-gemma3"):
+        # left out: Gemma2Config's / Gemma3TextConfig's default (True) equals
+        # PretrainedConfig's, so save_pretrained drops it (tallow must default to tied)
         assert "tie_word_embeddings" not in c, c
     else:
         assert c["tie_word_embeddings"] == (name not in ("tiny-llama", "tiny-mistral", "tiny-phi3"))
@@ -905,6 +994,15 @@ def build_model(name, tok_kind, tok_dir: Path):
         ids = tok(" ".join(r["text"] for r in TEXT_ROWS)).input_ids[:MAX_SEQ_LEN]
         extra["caps"] = gemma2_cap_fractions(model, ids)
         assert all(f > 0.1 for f in extra["caps"].values()), extra
+    if name == "tiny-gemma3":
+        assert c["architectures"] == ["Gemma3ForCausalLM"] and c["model_type"] == "gemma3_text", c
+        assert c["sliding_window"] == 8 and c["sliding_window"] < MAX_SEQ_LEN, c
+        assert c["sliding_window_pattern"] == 3, c
+        want = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+        assert c["layer_types"] == want, c
+        assert c["rope_local_base_freq"] == 1000.0 and c["rope_theta"] == 100000.0, c
+        assert c["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}, c
+        assert c["head_dim"] * c["num_attention_heads"] != c["hidden_size"], c
     # the saved weights reload to the same values
     ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
     m2 = load_model(out)
@@ -1018,8 +1116,21 @@ with Gemma 2's chat template, which has no system role: `reference/tiny-gemma2.j
 `messages` format, and `template_errors.messages` keeps transformers' error), `tiny-phi3`
 (Phi3ForCausalLM: fused `qkv_proj` / `gate_up_proj`, `longrope` with
 `original_max_position_embeddings` 16 so rows over 16 tokens use the long factors,
-`partial_rotary_factor` 0.5, the "phi3" tokenizer with Phi-3's `<|user|>` chat template). New models go at the end of each script's model list, so the seeds of
+`partial_rotary_factor` 0.5, the "phi3" tokenizer with Phi-3's `<|user|>` chat template;
+tiny-gemma2 and tiny-phi3 were each made as the fifth model of the lists, on parallel branches:
+regenerating both in today's order may give tiny-phi3 other random weights) and `tiny-gemma3`
+(Gemma3ForCausalLM: 6 layers, `sliding_window_pattern` 3 so layers 2 and 5 are global and the
+others slide with window 8, q/k norms, local rope base 1000 on the sliding layers and base 1e5
+with linear scaling 4 on the global ones, query_pre_attn_scalar 48, head_dim 32, random (1 + w)
+norms, the "gemma" tokenizer with Gemma 3's chat template, which folds a system message into
+the first user turn). New models go at the end of each script's model list, so the seeds of
 the others do not move.
+
+`models/tiny-gemma3-mm/` (and `v5/models/tiny-gemma3-mm/`) is an image-text
+Gemma3ForConditionalGeneration whose language model is tiny-gemma3 (a tiny SigLIP vision tower
+beside it), `adapters/tiny-gemma3-mm-peft/` a PEFT adapter on its language model, and
+`reference/tiny-gemma3-mm.json` what transformers and PEFT compute on it
+(`scripts/make_gemma3_mm_fixtures.py`, after the models above).
 
 `reference/generate.json` (transformers' greedy `generate` ids for `tallow generate`) is made by
 `/work/pyref/bin/python scripts/make_generate_fixtures.py`, after the models above.
@@ -1031,6 +1142,14 @@ the others do not move.
 transformers versions (`scripts/make_config_key_fixtures.py`, run in each venv);
 `reference/saved-models.json` the losses both versions compute on models tallow merged or
 fully fine-tuned (`scripts/make_saved_model_fixtures.py`).
+
+## tensorboard/
+
+`events.out.tfevents.0.fixture.tallow` is written by tallow's TensorBoard writer (fixed steps,
+values and wall times; `TALLOW_REGEN_TB=1 cargo test -p tallow-trainer --lib tensorboard`);
+`tensorboard.json` is what TensorBoard 2.20's `EventAccumulator` read from it
+(`scripts/read_tensorboard_fixture.py`). The unit test asserts the writer still writes those
+bytes and that the reader saw every scalar, step and wall time it was given.
 """
 
 
@@ -1044,7 +1163,7 @@ def main():
 
     # Only what this script writes: the other scripts' fixtures (NF4, PEFT, generate, v5,
     # config keys, saved models, parquet) under the same folders are kept.
-    models = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-phi3")
+    models = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-phi3", "tiny-gemma3")
     toks = ["tokenizers/chatml", "tokenizers/bos", "tokenizers/gemma", "tokenizers/phi3"]
     for sub in toks + [f"models/{m}" for m in models]:
         shutil.rmtree(FIX / sub, ignore_errors=True)
@@ -1074,6 +1193,7 @@ def main():
         ("tiny-mistral", "bos", "mistral"),
         ("tiny-gemma2", "gemma", "gemma"),
         ("tiny-phi3", "phi3", "phi3"),
+        ("tiny-gemma3", "gemma", "gemma3"),
     ]
     summary = []
     for name, kind, check in models_spec:

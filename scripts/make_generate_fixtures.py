@@ -71,6 +71,11 @@ CASES = [
     ("gemma2-plain", "tiny-gemma2", None, "Once upon a time there was a small robot", False, 1.0),
     ("gemma2-chat", "tiny-gemma2", None, "What is the capital of France?", True, 1.0),
     ("gemma2-adapter", "tiny-gemma2", "tiny-gemma2-peft", "The quick brown fox", False, 1.0),
+    # tiny-gemma3: sliding (window 8, local rope base) and global layers (scaled rope); the
+    # plain prompt alone is longer than the window
+    ("gemma3-plain", "tiny-gemma3", None, "Once upon a time there was a small robot", False, 1.0),
+    ("gemma3-chat", "tiny-gemma3", None, "What is the capital of France?", True, 1.0),
+    ("gemma3-adapter", "tiny-gemma3", "tiny-gemma3-peft", "The quick brown fox", False, 1.0),
 ]
 
 

@@ -49,6 +49,7 @@ CASES += [("full", "v5", m) for m in MODELS] + [("full", "", "tiny-llama")]
 CASES += [("merge", layout, "tiny-mistral") for layout in ("", "v5")] + [("full", "v5", "tiny-mistral")]
 CASES += [("merge", layout, "tiny-gemma2") for layout in ("", "v5")] + [("full", "v5", "tiny-gemma2")]
 CASES += [("merge", layout, "tiny-phi3") for layout in ("", "v5")] + [("full", "v5", "tiny-phi3")]
+CASES += [("merge", layout, "tiny-gemma3") for layout in ("", "v5")] + [("full", "v5", "tiny-gemma3")]
 
 # Kept in step with tests/tests/saved_models.rs::full_config.
 FULL_CONFIG = """[model]

@@ -9,13 +9,14 @@ use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
 
-pub const MODELS: [&str; 6] = [
+pub const MODELS: [&str; 7] = [
     "tiny-llama",
     "tiny-qwen2",
     "tiny-qwen3",
     "tiny-mistral",
     "tiny-gemma2",
     "tiny-phi3",
+    "tiny-gemma3",
 ];
 pub const FORMATS: [&str; 3] = ["text", "prompt_completion", "messages"];
 

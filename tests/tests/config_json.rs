@@ -68,9 +68,9 @@ fn a_full_default_config_loads_and_an_unknown_math_key_is_refused() {
             assert_eq!(c.arch.hf_class(), class);
             assert!(c.rope_theta > 0.0);
 
-            // Gemma 2 reads the soft-caps and query_pre_attn_scalar; it refuses values it
-            // does not implement instead
-            let gemma2 = class == "Gemma2ForCausalLM";
+            // Gemma 2 and 3 read the soft-caps and query_pre_attn_scalar; they refuse values
+            // they do not implement instead
+            let gemma2 = class.starts_with("Gemma");
             let others = [
                 ("attn_logit_softcapping", json!(50.0)),
                 ("final_logit_softcapping", json!(30.0)),

@@ -368,3 +368,111 @@ fn gemma2_features_each_decide_the_loss() {
         }
     }
 }
+
+/// Each of Gemma 3's departures from Gemma 2 decides tiny-gemma3's loss: with one of them
+/// changed in a copy of the model (the sliding layers' rotary base = the global one, no linear
+/// scaling on the global layers, other layers global, a window longer than the rows, the q/k
+/// norms' weights zeroed so that (1 + w) = 1) the f32 loss misses transformers' by far more
+/// than the 1e-4 the real one meets, on every format, with eager and chunked attention. The
+/// pattern alone (`layer_types` removed, `sliding_window_pattern` 3 kept) is the same model.
+/// Measured misses (text / prompt_completion / messages, eager and chunked alike): local base
+/// = global 9.3e-3 / 0.29 / 0.16, no scaling 0.063 / 0.17 / 0.098, every 2nd layer global
+/// 0.27 / 0.20 / 0.041, window 64 0.17 / 0.76 / 0.12, q/k norm weights zeroed 0.057 / 0.30 /
+/// 0.29; the real config and the pattern alone 9e-7. The test asks for 2e-3, 20 times the
+/// tolerance.
+#[test]
+fn gemma3_features_each_decide_the_loss() {
+    let name = "tiny-gemma3";
+    let reference = reference_json(name);
+    let cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(model_dir(name).join("config.json")).unwrap(),
+    )
+    .unwrap();
+    let with = |changes: &[(&str, serde_json::Value)]| {
+        let mut c = cfg.clone();
+        for (key, v) in changes {
+            if v.is_null() && *key == "layer_types" {
+                c.as_object_mut().unwrap().remove(*key);
+            } else {
+                c[*key] = v.clone();
+            }
+        }
+        c
+    };
+    let no_types = ("layer_types", serde_json::Value::Null);
+    let cases = [
+        ("as transformers", cfg.clone(), false, false),
+        (
+            "pattern only",
+            with(std::slice::from_ref(&no_types)),
+            false,
+            false,
+        ),
+        (
+            "local base = global base",
+            with(&[("rope_local_base_freq", serde_json::json!(100000.0))]),
+            true,
+            false,
+        ),
+        (
+            "no scaling on the global layers",
+            with(&[("rope_scaling", serde_json::Value::Null)]),
+            true,
+            false,
+        ),
+        (
+            "every 2nd layer global",
+            with(&[no_types, ("sliding_window_pattern", serde_json::json!(2))]),
+            true,
+            false,
+        ),
+        (
+            "window 64",
+            with(&[("sliding_window", serde_json::json!(64))]),
+            true,
+            false,
+        ),
+        ("q/k norm weights zeroed", cfg.clone(), true, true),
+    ];
+    for (what, config, must_miss, zero_qk) in cases {
+        let dir = scratch(&format!("gemma3-{}", what.replace([' ', '/'], "-")));
+        copy_model(name, &dir);
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        if zero_qk {
+            let file = dir.join("model.safetensors");
+            let mut t = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
+            let mut n = 0;
+            for (k, v) in t.iter_mut() {
+                if k.ends_with("q_norm.weight") || k.ends_with("k_norm.weight") {
+                    *v = v.zeros_like().unwrap();
+                    n += 1;
+                }
+            }
+            assert_eq!(n, 12, "6 layers x q, k");
+            candle_core::safetensors::save(&t, &file).unwrap();
+        }
+        for attention in [
+            tallow_model::AttentionImpl::Eager,
+            tallow_model::AttentionImpl::Chunked,
+        ] {
+            let mut model =
+                CausalLM::load(&dir, &LoadOptions::frozen(DType::F32, &Device::Cpu)).unwrap();
+            model.attention = attention;
+            for format in model_formats(name) {
+                let rows = reference_rows(&reference, format);
+                let (nll, count) = nll_and_count(&model, &rows);
+                let want = reference["formats"][format]["loss"].as_f64().unwrap();
+                let miss = (nll / count as f64 - want).abs();
+                eprintln!("{what} {attention:?} {format}: misses by {miss:.2e}");
+                if must_miss {
+                    assert!(
+                        miss > 2e-3,
+                        "{what} {attention:?} {format}: only {miss:e} off"
+                    );
+                } else {
+                    assert!(miss < 1e-4, "{what} {attention:?} {format}: {miss:e} off");
+                }
+            }
+        }
+    }
+}

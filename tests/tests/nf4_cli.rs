@@ -91,6 +91,7 @@ fn eval_nf4_equals_eval_of_the_round_trip_model() {
         ("tiny-mistral", true),
         ("tiny-gemma2", true),
         ("tiny-phi3", true), // the fused qkv_proj / gate_up_proj quantized like any linear
+        ("tiny-gemma3", true),
     ] {
         let dir = scratch(&format!("nf4-rt-{model}-{dq}"));
         write_round_trip_model(model, &dir, dq);
@@ -103,7 +104,11 @@ fn eval_nf4_equals_eval_of_the_round_trip_model() {
         );
         let rt = eval_with(&dir, &data, &[]);
         let plain = eval_with(&model_dir(model), &data, &[]);
-        let layers = if model == "tiny-gemma2" { 4 } else { 2 };
+        let layers = match model {
+            "tiny-gemma2" => 4,
+            "tiny-gemma3" => 6,
+            _ => 2,
+        };
         let per_layer = if model == "tiny-phi3" { 4 } else { 7 }; // Phi-3's fused linears
         assert_eq!(
             nf4["nf4_weights"].as_u64(),

@@ -56,8 +56,9 @@ pub enum Activation {
     GeluTanh,
 }
 
-/// Where a family leaves the Llama layout (Gemma 2); all off (`Default`) for the others.
-/// transformers `modeling_gemma2.py` is the reference for each one.
+/// Where a family leaves the Llama layout (Gemma 2, Gemma 3); all off (`Default`) for the
+/// others. transformers `modeling_gemma2.py` / `modeling_gemma3.py` are the reference for each
+/// one.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Variant {
     pub act: Activation,
@@ -78,8 +79,12 @@ pub struct Variant {
     /// Logits soft-capped the same way before the loss / sampling.
     pub final_logit_softcapping: Option<f64>,
     /// Layers that attend to every earlier token although `sliding_window` is set (Gemma 2's
-    /// `full_attention` layers; the others slide).
+    /// and Gemma 3's `full_attention` layers; the others slide).
     pub full_attention_layers: Vec<usize>,
+    /// Gemma 3: the sliding layers' rotary theta (`rope_local_base_freq`, transformers 5's
+    /// `rope_parameters.sliding_attention`), with no scaling; `rope_theta` and `rope_scaling`
+    /// are the full-attention layers' only. None: one rotary table for every layer.
+    pub rope_local_base_freq: Option<f64>,
 }
 
 /// Everything the decoder needs, checked. Built only by the family files' `into_config()`.
@@ -102,7 +107,8 @@ pub struct DecoderConfig {
     pub qkv_bias: bool,
     pub o_bias: bool,
     pub mlp_bias: bool,
-    /// Qwen3: RMSNorm over each head of q and k before rotary embedding.
+    /// Qwen3 and Gemma 3: RMSNorm over each head of q and k before rotary embedding (Gemma 3's
+    /// with `(1 + w)`, `Variant::norm_plus_one`).
     pub qk_norm: bool,
     /// Phi-3: q, k, v in one `qkv_proj` and gate, up in one `gate_up_proj` (see
     /// [`crate::layout`]).
@@ -117,6 +123,12 @@ pub struct DecoderConfig {
     pub variant: Variant,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// The checkpoint is an image-text model's (`Gemma3ForConditionalGeneration`) and tallow
+    /// runs its text tower: weights under `language_model.model.*` (transformers <= 4.49
+    /// saves) or `model.language_model.*` (later ones), the vision tower's not read, PEFT
+    /// names under `model.language_model` (`crate::peft`). `raw` is then the tower's
+    /// `Gemma3ForCausalLM` config, which is what merge and full fine-tuning write.
+    pub text_tower: bool,
     /// The raw config.json, kept so that saved models carry every key the user had.
     pub raw: serde_json::Value,
 }
@@ -241,7 +253,19 @@ impl DecoderConfig {
         obj.insert("rope_theta".into(), self.rope_theta.into());
         if obj.get("rope_parameters").is_none_or(|p| p.is_null()) {
             params.insert("rope_theta".into(), self.rope_theta.into());
-            obj.insert("rope_parameters".into(), params.into());
+            let params = match self.variant.rope_local_base_freq {
+                // Gemma 3 (transformers 5): one object per layer type, the sliding layers'
+                // unscaled
+                Some(local) => serde_json::json!({
+                    "full_attention": params,
+                    "sliding_attention": {"rope_type": "default", "rope_theta": local},
+                }),
+                None => params.into(),
+            };
+            obj.insert("rope_parameters".into(), params);
+        }
+        if let Some(local) = self.variant.rope_local_base_freq {
+            obj.insert("rope_local_base_freq".into(), local.into()); // transformers 4
         }
         cfg
     }
@@ -573,5 +597,200 @@ mod tests {
             e.contains("`layer_types`") && e.contains("`full_attention`"),
             "{e}"
         );
+    }
+
+    fn gemma3(extra: Value) -> Value {
+        with(
+            json!({
+                "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 32, "sliding_window": 8, "query_pre_attn_scalar": 48,
+            }),
+            extra,
+        )
+    }
+
+    /// Gemma 3's two rotary tables and its layer pattern, read the same from the 4.57 layout
+    /// (`rope_theta` + `rope_scaling` for the global layers, `rope_local_base_freq`,
+    /// `sliding_window_pattern`) and the 5.x one (`rope_parameters` per layer type,
+    /// `layer_types`); what tallow writes reads back the same.
+    #[test]
+    fn gemma3_rope_and_layer_pattern_read_the_same_from_both_layouts() {
+        let types = json!([
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention"
+        ]);
+        let v4 = gemma3(json!({"rope_theta": 1e5, "rope_local_base_freq": 1000.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0}, "sliding_window_pattern": 3}));
+        let v4_types = with(v4.clone(), json!({"layer_types": types.clone()}));
+        let v5 = gemma3(json!({"layer_types": types.clone(), "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}}));
+        for (layout, v) in [("v4", &v4), ("v4 layer_types", &v4_types), ("v5", &v5)] {
+            let c = parse(v).unwrap_or_else(|e| panic!("{layout}: {e}"));
+            let back = parse(&c.to_hf_json(candle_core::DType::F32)).unwrap();
+            for (what, c) in [("read", &c), ("written", &back)] {
+                assert_eq!(c.rope_theta, 1e5, "{layout} {what}");
+                assert_eq!(
+                    c.rope_scaling,
+                    Some(RopeScaling::Linear { factor: 4.0 }),
+                    "{layout} {what}"
+                );
+                assert_eq!(
+                    c.variant.rope_local_base_freq,
+                    Some(1000.0),
+                    "{layout} {what}"
+                );
+                assert_eq!(c.variant.full_attention_layers, [2, 5], "{layout} {what}");
+                assert_eq!(c.sliding_window, Some(8), "{layout} {what}");
+                assert!(c.qk_norm && c.variant.norm_plus_one && c.variant.sandwich_norms);
+                assert!(c.tie_word_embeddings && c.variant.embed_scale);
+                assert_eq!(c.attention_scale(), 1.0 / 48f64.sqrt());
+                assert_eq!(c.layer_window(2), None, "{layout} {what}");
+                assert_eq!(c.layer_window(3), Some(8), "{layout} {what}");
+            }
+        }
+        // Gemma3TextConfig's defaults: pattern 6, global theta 1e6, local 1e4, 4 kv heads
+        let mut bare = gemma3(json!({}));
+        bare.as_object_mut().unwrap().remove("num_key_value_heads");
+        let c = parse(&bare).unwrap();
+        assert_eq!(c.variant.full_attention_layers, [5]);
+        assert_eq!(
+            (c.rope_theta, c.variant.rope_local_base_freq),
+            (1e6, Some(1e4))
+        );
+        assert_eq!((c.num_key_value_heads, c.rope_scaling), (4, None));
+    }
+
+    #[test]
+    fn gemma3_keys_that_change_the_maths_are_refused_by_name() {
+        let refused = |v: Value, needles: &[&str]| {
+            let e = parse(&v)
+                .err()
+                .unwrap_or_else(|| panic!("{v} was accepted"))
+                .to_string();
+            assert!(e.contains("m/config.json"), "{e}");
+            for n in needles {
+                assert!(e.contains(n), "`{n}` not in: {e}");
+            }
+        };
+        let per_type = |full: Value, sliding: Value| {
+            gemma3(
+                json!({"rope_parameters": {"full_attention": full, "sliding_attention": sliding}}),
+            )
+        };
+        let plain = json!({"rope_type": "default", "rope_theta": 1e4});
+        refused(
+            per_type(
+                json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
+                plain.clone(),
+            ),
+            &["`rope_parameters.full_attention`", "`yarn`"],
+        );
+        refused(
+            gemma3(json!({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})),
+            &["`rope_scaling`", "`dynamic`"],
+        );
+        refused(
+            per_type(
+                plain.clone(),
+                json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+            ),
+            &["`rope_parameters.sliding_attention`", "sliding layers"],
+        );
+        refused(
+            with(
+                per_type(
+                    json!({"rope_type": "default", "rope_theta": 1e6}),
+                    plain.clone(),
+                ),
+                json!({"rope_local_base_freq": 1000.0}),
+            ),
+            &["`rope_parameters`", "1000", "disagree"],
+        );
+        refused(
+            gemma3(json!({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})),
+            &["`rope_parameters`", "`sliding_attention`"],
+        );
+        refused(
+            gemma3(
+                json!({"sliding_window_pattern": 2, "layer_types": ["sliding_attention",
+                "sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                "full_attention"]}),
+            ),
+            &["`sliding_window_pattern`", "stale"],
+        );
+        refused(
+            gemma3(json!({"sliding_window": null})),
+            &["`sliding_window`"],
+        );
+        refused(
+            gemma3(json!({"use_bidirectional_attention": true})),
+            &["`use_bidirectional_attention`"],
+        );
+        refused(
+            gemma3(json!({"hidden_activation": "gelu"})),
+            &["`hidden_activation`"],
+        );
+        refused(
+            gemma3(json!({"partial_rotary_factor": 0.5})),
+            &["`partial_rotary_factor`"],
+        );
+        refused(
+            gemma3(json!({"attention_dropout": 0.1})),
+            &["`attention_dropout`"],
+        );
+    }
+
+    /// `Gemma3ForConditionalGeneration`: its `text_config` read as a `Gemma3ForCausalLM`
+    /// config (the 4B's nested config gives a few keys; the rest are Gemma3TextConfig's
+    /// defaults), the vision keys ignored, anything else at the top level refused by name.
+    #[test]
+    fn gemma3_image_text_config_reads_its_text_tower() {
+        let cond = json!({
+            "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+            "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144,
+            "initializer_range": 0.02, "mm_tokens_per_image": 256, "eos_token_id": [1, 106],
+            "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+            "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                "model_type": "gemma3_text", "num_hidden_layers": 34,
+                "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+            "vision_config": {"hidden_size": 1152, "image_size": 896, "model_type": "siglip_vision_model"},
+        });
+        let c = parse(&cond).unwrap();
+        assert!(c.text_tower);
+        assert_eq!(c.arch.hf_class(), "Gemma3ForCausalLM");
+        assert_eq!(
+            (c.hidden_size, c.num_hidden_layers, c.vocab_size),
+            (2560, 34, 262_208)
+        );
+        assert_eq!(
+            (c.num_attention_heads, c.num_key_value_heads, c.head_dim),
+            (8, 4, 256)
+        );
+        assert_eq!(c.rope_scaling, Some(RopeScaling::Linear { factor: 8.0 }));
+        assert_eq!(
+            (c.rope_theta, c.variant.rope_local_base_freq),
+            (1e6, Some(1e4))
+        );
+        assert_eq!(c.variant.full_attention_layers, [5, 11, 17, 23, 29]);
+        // what tallow writes from it is the text-only CausalLM
+        let w = c.to_hf_json(candle_core::DType::BF16);
+        assert_eq!(w["architectures"], json!(["Gemma3ForCausalLM"]));
+        assert_eq!(w["model_type"], json!("gemma3_text"));
+        let back = parse(&w).unwrap();
+        assert!(!back.text_tower && back.hidden_size == 2560);
+        let bad = with(cond.clone(), json!({"audio_config": {}}));
+        let e = parse(&bad).unwrap_err().to_string();
+        assert!(e.contains("`audio_config`"), "{e}");
+        let mut bad = cond;
+        bad["text_config"]["rope_scaling"] = json!({"rope_type": "yarn", "factor": 8.0});
+        let e = parse(&bad).unwrap_err().to_string();
+        assert!(e.contains("`rope_scaling`") && e.contains("`yarn`"), "{e}");
     }
 }

@@ -225,8 +225,9 @@ impl CausalLM {
             .unsqueeze(0)?
             .repeat((b, 1))?; // (B, t)
         let (cos, sin) = self.rotary.tables(&positions, past + t, self.dtype())?; // (B, 1, t, Dr)
-                                                                                  // The prompt of an empty cache through chunked attention (nothing t x t); a later chunk
-                                                                                  // of several positions with the (t, L) mask; one position with none.
+        let local = self.rotary.local_tables(&positions, self.dtype())?; // Gemma 3's sliding layers
+                                                                         // The prompt of an empty cache through chunked attention (nothing t x t); a later chunk
+                                                                         // of several positions with the (t, L) mask; one position with none.
         let prefill = past == 0 && t > 1 && self.attention == AttentionImpl::Chunked;
         // The masks of one window (the config's, or None for Gemma 2's full-attention layers).
         let masks = |window: Option<usize>| -> Result<(Option<AttentionMask>, Option<Tensor>)> {
@@ -257,9 +258,13 @@ impl CausalLM {
                 (Some((c, m)), None) => (c, m),
                 _ => (&chunked_w, &mask_w),
             };
+            let (cos, sin) = match (&local, window) {
+                (Some((c, s)), Some(_)) => (c, s), // a sliding layer of Gemma 3
+                _ => (&cos, &sin),
+            };
             Step {
-                cos: &cos,
-                sin: &sin,
+                cos,
+                sin,
                 mask: mask.as_ref(),
                 chunked: chunked.as_ref(),
                 past,

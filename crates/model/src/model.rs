@@ -73,9 +73,11 @@ pub enum QkvProj {
 pub struct Attention {
     pub qkv: QkvProj,
     pub o_proj: Linear,
-    /// Qwen3: RMSNorm over D on each q / k head.
+    /// Qwen3, Gemma 3: RMSNorm over D on each q / k head (Gemma 3: `(1 + w)`,
+    /// `norm_plus_one`).
     pub q_norm: Option<Param>,
     pub k_norm: Option<Param>,
+    pub(crate) norm_plus_one: bool,
     pub(crate) num_heads: usize,
     pub(crate) num_kv_heads: usize,
     pub(crate) head_dim: usize,
@@ -132,8 +134,8 @@ impl Attention {
         let v = v.reshape((b, t, kv, d))?;
         let (q, k) = match (&self.q_norm, &self.k_norm) {
             (Some(qn), Some(kn)) => (
-                ops::rms_norm(&q, &enter(qn.tensor()), self.eps)?,
-                ops::rms_norm(&k, &enter(kn.tensor()), self.eps)?,
+                norm(&q, qn, self.eps, self.norm_plus_one)?,
+                norm(&k, kn, self.eps, self.norm_plus_one)?,
             ),
             _ => (q, k),
         };
@@ -251,8 +253,8 @@ pub struct DecoderLayer {
     pub(crate) eps: f64,
     /// Gemma's RMSNorm, `x_normed * (1 + w)`.
     pub(crate) norm_plus_one: bool,
-    /// A full-attention layer of a model whose other layers slide (Gemma 2's global layers):
-    /// it reads [`RopeMask::full`].
+    /// A full-attention layer of a model whose other layers slide (Gemma 2's and 3's global
+    /// layers): it reads [`RopeMask::full`]; the others read Gemma 3's [`RopeMask::local`].
     pub(crate) full_attention: bool,
 }
 
@@ -270,7 +272,12 @@ impl DecoderLayer {
             (Some(full), true) => full,
             _ => &rope.mask,
         };
-        self.attention_half(x, |h| self.self_attn.forward(h, &rope.cos, &rope.sin, mask))
+        // Gemma 3's sliding layers: their own rotary table.
+        let (cos, sin) = match (&rope.local, self.full_attention) {
+            (Some((cos, sin)), false) => (cos, sin),
+            _ => (&rope.cos, &rope.sin),
+        };
+        self.attention_half(x, |h| self.self_attn.forward(h, cos, sin, mask))
     }
 
     /// RMSNorm with this layer's weight convention. x: (..., C) -> (..., C)
@@ -409,6 +416,9 @@ pub struct RopeMask {
     /// Without the window, for the full-attention layers of a model whose other layers slide
     /// (Gemma 2); None when every layer reads `mask`.
     pub full: Option<Mask>,
+    /// Gemma 3: the sliding layers' rotary tables (cos, sin), (B, 1, T, Dr); None when every
+    /// layer reads `cos` / `sin`.
+    pub local: Option<(Tensor, Tensor)>,
 }
 
 /// RMSNorm of x with weight `w`: Llama's, or Gemma's `(1 + w)` when `plus_one`.
@@ -450,6 +460,8 @@ pub(crate) struct Rotary {
     long: Option<(usize, Vec<f32>)>,
     /// LongRoPE's attention factor on cos / sin; 1 otherwise.
     mscale: f64,
+    /// Gemma 3: the sliding layers' Dr / 2 frequencies (`rope_local_base_freq`, unscaled).
+    local: Option<Vec<f32>>,
 }
 
 impl Rotary {
@@ -470,7 +482,24 @@ impl Rotary {
             inv_freq: ops::rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling.as_ref()),
             mscale: long.as_ref().map_or(1.0, |((_, a), _)| *a),
             long: long.map(|((n, _), f)| (n, f)),
+            local: c
+                .variant
+                .rope_local_base_freq
+                .map(|theta| ops::rope_inv_freq(c.rotary_dim, theta, None)),
         }
+    }
+
+    /// Gemma 3's sliding-layer tables at `positions`, None for the other families.
+    /// positions: (B, T) -> cos, sin: (B, 1, T, Dr)
+    pub(crate) fn local_tables(
+        &self,
+        positions: &Tensor,
+        dtype: DType,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        self.local
+            .as_ref()
+            .map(|inv| ops::rope_tables_scaled(positions, inv, 1.0, dtype))
+            .transpose()
     }
 
     /// The tables for the positions of one sequence of `seq_len` positions (its largest
@@ -568,7 +597,10 @@ impl CausalLM {
     /// Loads an HF-layout model directory (config.json + safetensors).
     pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Self> {
         let config = DecoderConfig::from_dir(dir)?;
-        let weights = Weights::from_dir(dir)?;
+        let mut weights = Weights::from_dir(dir)?;
+        if config.text_tower {
+            weights = weights.text_tower();
+        }
         Self::from_weights(config, &weights, opts)
     }
 
@@ -662,6 +694,7 @@ impl CausalLM {
                     .qk_norm
                     .then(|| norm("self_attn.k_norm.weight"))
                     .transpose()?,
+                norm_plus_one: c.variant.norm_plus_one,
                 num_heads: c.num_attention_heads,
                 num_kv_heads: c.num_key_value_heads,
                 head_dim: d,
@@ -814,11 +847,13 @@ impl CausalLM {
         } else {
             None
         };
+        let local = self.rotary.local_tables(&positions, self.dtype)?;
         Ok(RopeMask {
             cos,
             sin,
             mask,
             full,
+            local,
         })
     }
 
@@ -834,7 +869,9 @@ impl CausalLM {
             return Ok(x);
         }
         // Gemma: x * sqrt(C), the factor first rounded to the compute dtype as transformers'
-        // `torch.tensor(hidden_size**0.5, dtype=hidden.dtype)`.
+        // `torch.tensor(hidden_size**0.5, dtype=hidden.dtype)` (Gemma 2). Gemma 3 rounds it to
+        // f32 first (a float32 buffer cast to the weights' dtype): for every C < 70000 the two
+        // give the same bf16 and f16 number (checked with torch), so one path serves both.
         let normalizer = Tensor::new(self.config.hidden_size as f64, &Device::Cpu)?
             .sqrt()?
             .to_dtype(self.dtype)?

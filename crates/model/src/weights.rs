@@ -10,11 +10,12 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::{ModelError, Result};
 
-/// The safetensors files of one checkpoint, with a name -> file routing table.
+/// The safetensors files of one checkpoint, with a name -> (file, stored name) routing table
+/// (the stored name differs for an image-text model's text tower, [`Weights::text_tower`]).
 pub struct Weights {
     dir: PathBuf,
     files: Vec<(PathBuf, MmapedSafetensors)>,
-    routing: HashMap<String, usize>,
+    routing: HashMap<String, (usize, String)>,
 }
 
 impl Weights {
@@ -77,7 +78,7 @@ impl Weights {
                 }
             })?;
             for (name, _) in st.tensors() {
-                routing.insert(name, files.len());
+                routing.insert(name.clone(), (files.len(), name));
             }
             files.push((path.clone(), st));
         }
@@ -86,6 +87,29 @@ impl Weights {
             files,
             routing,
         })
+    }
+
+    /// The text tower of an image-text checkpoint (`Gemma3ForConditionalGeneration`), named as
+    /// its `*ForCausalLM` would be: `language_model.model.*` (transformers <= 4.49 saves, as
+    /// on the Hub) or `model.language_model.*` (later saves) read as `model.*`,
+    /// `language_model.lm_head.*` as `lm_head.*`. Everything else (the vision tower, the
+    /// projector) is dropped: never read, never counted.
+    pub fn text_tower(mut self) -> Self {
+        let prefixes = [
+            ("language_model.model.", "model."),
+            ("model.language_model.", "model."),
+            ("language_model.lm_head.", "lm_head."),
+            ("lm_head.", "lm_head."),
+        ];
+        self.routing = self
+            .routing
+            .into_values()
+            .filter_map(|(file, stored)| {
+                let (from, to) = prefixes.iter().find(|(p, _)| stored.starts_with(p))?;
+                Some((format!("{to}{}", &stored[from.len()..]), (file, stored)))
+            })
+            .collect();
+        self
     }
 
     pub fn dir(&self) -> &Path {
@@ -102,7 +126,7 @@ impl Weights {
 
     /// The on-disk shape of a tensor, without reading it.
     pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
-        let (_, st) = self.file_of(name)?;
+        let (_, st, name) = self.file_of(name)?;
         Ok(st.get(name)?.shape().to_vec())
     }
 
@@ -114,8 +138,8 @@ impl Weights {
         dtype: DType,
         device: &Device,
     ) -> Result<Tensor> {
-        let (path, st) = self.file_of(name)?;
-        let view = st.get(name)?;
+        let (path, st, stored) = self.file_of(name)?;
+        let view = st.get(stored)?;
         if view.shape() != shape {
             return Err(ModelError::ShapeMismatch {
                 path: path.to_path_buf(),
@@ -133,14 +157,14 @@ impl Weights {
     /// Reads `name` as stored (no dtype conversion, no shape check) onto `device`: the parts of a
     /// quantized weight (u8 codes, f32 scales, a u8 JSON state).
     pub fn load_raw(&self, name: &str, device: &Device) -> Result<Tensor> {
-        let (_, st) = self.file_of(name)?;
+        let (_, st, name) = self.file_of(name)?;
         Ok(st.get(name)?.load(device)?)
     }
 
     /// The stored dtype of `name`, without reading it.
     pub fn dtype(&self, name: &str) -> Result<DType> {
-        let (path, st) = self.file_of(name)?;
-        let view = st.get(name)?;
+        let (path, st, stored) = self.file_of(name)?;
+        let view = st.get(stored)?;
         DType::try_from(view.dtype()).map_err(|e| ModelError::BadSafetensors {
             path: path.to_path_buf(),
             msg: format!("tensor `{name}`: {e}"),
@@ -150,14 +174,15 @@ impl Weights {
     /// The file holding `name` (for messages), or the directory when it is not there.
     pub fn file_name(&self, name: &str) -> String {
         match self.routing.get(name) {
-            Some(&i) => self.files[i].0.display().to_string(),
+            Some((i, _)) => self.files[*i].0.display().to_string(),
             None => self.dir.display().to_string(),
         }
     }
 
-    fn file_of(&self, name: &str) -> Result<(&Path, &MmapedSafetensors)> {
+    /// The file of `name`, and its name in that file.
+    fn file_of(&self, name: &str) -> Result<(&Path, &MmapedSafetensors, &str)> {
         match self.routing.get(name) {
-            Some(&i) => Ok((&self.files[i].0, &self.files[i].1)),
+            Some((i, stored)) => Ok((&self.files[*i].0, &self.files[*i].1, stored.as_str())),
             None => {
                 let prefix = name.rsplit_once('.').map(|(p, _)| p).unwrap_or(name);
                 let near: Vec<&str> = self

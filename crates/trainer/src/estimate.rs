@@ -232,7 +232,7 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> LayerHalve
         attn += s * (h + kv) * m.rotary_dim + s * h * (d - m.rotary_dim);
     }
     if m.qk_norm {
-        attn += s * (q + kvd); // q_norm, k_norm outputs
+        attn += s * (q + kvd); // q_norm, k_norm outputs (Qwen3's, Gemma 3's (1 + w) ones)
     }
     attn += s * (q + 2 * kvd); // transposed q, k, v (fused: the rotary op's outputs, v)
     if !fused {
@@ -814,6 +814,10 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     overhead += 200 * v as u64; // tokenizer
     overhead += s * tokens * (2 * m.head_dim as u64); // rope tables
     let mut what = "tokenizer, data, rotary tables".to_string();
+    if m.variant.rope_local_base_freq.is_some() {
+        overhead += s * tokens * (2 * m.head_dim as u64); // Gemma 3's sliding layers' own
+        what += " (two sets: Gemma 3's sliding and global layers)";
+    }
     if cfg.model.attention == Attention::Eager {
         overhead += s * (b * t * t) as u64; // the (B, T, T) mask
         what += ", attention mask";

@@ -9,13 +9,14 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use tallow_trainer::{load_jsonl, DataOptions, Format, Message, TextTokenizer};
 
-const MODELS: [&str; 6] = [
+const MODELS: [&str; 7] = [
     "tiny-llama",
     "tiny-qwen2",
     "tiny-qwen3",
     "tiny-mistral",
     "tiny-gemma2",
     "tiny-phi3",
+    "tiny-gemma3",
 ];
 const FORMATS: [Format; 3] = [Format::Text, Format::PromptCompletion, Format::Messages];
 
@@ -225,6 +226,28 @@ fn fixture_tokenizers_behave_like_transformers() {
     two_models.push(Message::new("assistant", "x"));
     for (bad, want) in [
         (system_first, "System role not supported"),
+        (vec![Message::new("assistant", "x")], "must alternate"),
+        (two_models, "must alternate"),
+    ] {
+        let err = template.render(&bad, false).unwrap_err().to_string();
+        assert!(err.contains(want), "{err}");
+    }
+
+    // Gemma 3's template (tiny-gemma3, the "gemma" tokenizer): a system message is folded into
+    // the first user turn, then as Gemma 2's. The fixture script asserted transformers renders
+    // exactly this (make_fixtures.py check_tokenizer "gemma3").
+    let gemma3 = TextTokenizer::from_model_dir(&fixtures().join("models/tiny-gemma3")).unwrap();
+    let template = gemma3.chat_template().unwrap();
+    let mut with_system = vec![Message::new("system", "Be brief.")];
+    with_system.extend(three.iter().cloned());
+    assert_eq!(
+        template.render(&with_system, true).unwrap(),
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello\
+         <end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+    );
+    let mut two_models = msgs.to_vec();
+    two_models.push(Message::new("assistant", "x"));
+    for (bad, want) in [
         (vec![Message::new("assistant", "x")], "must alternate"),
         (two_models, "must alternate"),
     ] {

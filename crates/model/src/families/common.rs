@@ -82,6 +82,23 @@ pub struct FamilyExtras {
     /// The rotary settings the family reads beyond the shared ones; None: a whole-head rotary
     /// table of the shared types only (default, llama3, linear).
     pub rope: Option<RopeExtras>,
+    /// Gemma 3: the sliding layers' own rotary table (None: one table for every layer).
+    pub local_rope: Option<LocalRope>,
+    /// The family's default `rope_theta` when neither layout gives one (None: 10000).
+    pub default_rope_theta: Option<f64>,
+}
+
+/// Gemma 3's second rotary table, for its `sliding_attention` layers: theta only, never
+/// scaled (transformers 4.57 builds it from a config copy with `rope_theta =
+/// rope_local_base_freq` and `rope_scaling = default`; 5.x reads
+/// `rope_parameters.sliding_attention`). The full-attention layers keep `rope_theta` and
+/// `rope_scaling` (5.x: `rope_parameters.full_attention`).
+#[derive(Debug, Clone, Copy)]
+pub struct LocalRope {
+    /// The top-level `rope_local_base_freq` (transformers 4 layout), None when absent.
+    pub rope_local_base_freq: Option<f64>,
+    /// Its default in the family's config class.
+    pub default: f64,
 }
 
 /// A family's top-level rotary keys that transformers 5 also keeps in `rope_parameters`.
@@ -126,15 +143,26 @@ impl CommonKeys {
             extras: extras.rope,
             max_position_embeddings,
         };
+        // Gemma 3: the full-attention layers' table from the shared keys (5.x: their entry of
+        // the per-type `rope_parameters`), the sliding layers' from `local_rope`.
+        let global_types = match extras.local_rope {
+            Some(_) => vec!["full_attention".to_string()],
+            None => types.clone(),
+        };
         let (rope_theta, rope_scaling, partial) = rope(
             self.rope_theta,
             &self.rope_scaling,
             &self.rope_parameters,
-            &types,
-            DEFAULT_THETA,
+            &global_types,
+            extras.default_rope_theta.unwrap_or(DEFAULT_THETA),
             &ctx,
             path,
         )?;
+        let mut variant = shape.variant;
+        if let Some(local) = extras.local_rope {
+            variant.rope_local_base_freq =
+                Some(local_rope_theta(local, &self.rope_parameters, &ctx, path)?);
+        }
         let head_dim = shape
             .head_dim
             .unwrap_or(self.hidden_size / self.num_attention_heads);
@@ -162,9 +190,10 @@ impl CommonKeys {
                 .tie_word_embeddings
                 .unwrap_or(shape.tie_word_embeddings),
             sliding_window: shape.sliding_window,
-            variant: shape.variant,
+            variant,
             bos_token_id: self.bos_token_id,
             eos_token_ids: self.eos_token_id.into_vec(),
+            text_tower: false,
             raw: serde_json::Value::Null,
         })
     }
@@ -295,6 +324,61 @@ pub fn rope(
         )));
     }
     Ok(new)
+}
+
+/// Gemma 3's sliding-layer theta: `rope_parameters.sliding_attention` (transformers 5; its
+/// type must be `default`) or the top-level `rope_local_base_freq` (4.57), which must agree
+/// when both are there; the class default when neither is. A single-object `rope_parameters`
+/// is refused: transformers 5's Gemma 3 reads one object per layer type.
+fn local_rope_theta(
+    local: LocalRope,
+    rope_parameters: &Option<serde_json::Value>,
+    ctx: &RopeContext,
+    path: &Path,
+) -> Result<f64> {
+    let err = |key: &str, msg: String| ModelError::Config {
+        path: path.to_path_buf(),
+        key: key.into(),
+        msg,
+    };
+    let Some(params) = rope_parameters.as_ref().filter(|v| !v.is_null()) else {
+        return Ok(local.rope_local_base_freq.unwrap_or(local.default));
+    };
+    let Some(v) = params.get("sliding_attention") else {
+        return Err(err(
+            "rope_parameters",
+            "Gemma 3 needs one object per layer type (`full_attention`, `sliding_attention`); \
+             found none for `sliding_attention`"
+                .into(),
+        ));
+    };
+    let r = rope_object(v, "rope_parameters.sliding_attention", ctx, path)?;
+    if r.scaling.is_some() {
+        return Err(err(
+            "rope_parameters.sliding_attention",
+            format!(
+                "scaling {:?} on the sliding layers is not supported (Gemma 3 scales the \
+                 full-attention layers only; transformers 4 cannot express it)",
+                r.scaling
+            ),
+        ));
+    }
+    let theta = r
+        .theta
+        .or(local.rope_local_base_freq)
+        .unwrap_or(local.default);
+    if let Some(top) = local.rope_local_base_freq {
+        if top != theta {
+            return Err(err(
+                "rope_parameters",
+                format!(
+                    "`sliding_attention` theta {theta} here and `rope_local_base_freq` {top} \
+                     (transformers 4) disagree; remove the stale one"
+                ),
+            ));
+        }
+    }
+    Ok(theta)
 }
 
 /// One rotary-parameter object: `rope_type` (or `type`; absent = default), an optional

@@ -127,6 +127,7 @@ impl Family for Gemma2Keys {
                 attn_logit_softcapping: self.attn_logit_softcapping,
                 final_logit_softcapping: self.final_logit_softcapping,
                 full_attention_layers,
+                rope_local_base_freq: None,
             },
         })
     }

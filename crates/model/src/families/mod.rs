@@ -20,6 +20,7 @@ use crate::hf_keys::{check_keys, field_names, KeyPolicy};
 
 pub mod common;
 pub mod gemma2;
+pub mod gemma3;
 pub mod llama;
 pub mod mistral;
 pub mod phi3;
@@ -36,6 +37,7 @@ pub const FAMILIES: &[Registered] = &[
     register::<qwen3::Qwen3Keys>(),
     register::<gemma2::Gemma2Keys>(),
     register::<phi3::Phi3Keys>(),
+    register::<gemma3::Gemma3Keys>(),
 ];
 
 /// A family's own `config.json` keys (its serde fields), beyond [`CommonKeys`].
@@ -55,6 +57,12 @@ pub trait Family: DeserializeOwned {
     /// LongRoPE); nothing by default.
     fn extras(&self) -> FamilyExtras {
         FamilyExtras::default()
+    }
+    /// The family config class's defaults for shared keys that [`CommonKeys`] requires or
+    /// defaults otherwise (a JSON object; keys absent from config.json take these values, as
+    /// transformers does). Gemma 3's nested `text_config`s leave most sizes out.
+    fn defaults() -> serde_json::Value {
+        serde_json::Value::Null
     }
 }
 
@@ -109,7 +117,8 @@ impl Arch {
 
     /// The class names tallow reads, for messages.
     pub fn supported() -> String {
-        let classes: Vec<&str> = FAMILIES.iter().map(|f| f.arch.class).collect();
+        let mut classes: Vec<&str> = FAMILIES.iter().map(|f| f.arch.class).collect();
+        classes.push(gemma3::CONDITIONAL_CLASS);
         classes.join(", ")
     }
 }
@@ -127,6 +136,18 @@ fn parse<F: Family>(raw: &serde_json::Value, path: &Path) -> Result<DecoderConfi
         path: path.to_path_buf(),
         key: "(config.json)".into(),
         msg: e.to_string(),
+    };
+    let filled;
+    let raw = match (F::defaults(), raw.as_object()) {
+        (serde_json::Value::Object(defaults), Some(obj)) => {
+            let mut obj = obj.clone();
+            for (k, v) in defaults {
+                obj.entry(k).or_insert(v);
+            }
+            filled = serde_json::Value::Object(obj);
+            &filled
+        }
+        _ => raw,
     };
     let common = CommonKeys::deserialize(raw).map_err(bad)?;
     let own = F::deserialize(raw).map_err(bad)?;
@@ -189,6 +210,20 @@ impl DecoderConfig {
             .and_then(|a| a.first())
             .and_then(|a| a.as_str());
         let model_type = raw.get("model_type").and_then(|m| m.as_str());
+        // An image-text Gemma 3: its text tower, as a Gemma3ForCausalLM config.
+        let conditional = match architecture {
+            Some(a) => a == gemma3::CONDITIONAL_CLASS,
+            None => model_type == Some("gemma3"),
+        };
+        if conditional {
+            check_quantization_config(&raw, path)?;
+            let text = gemma3::text_config_of(&raw, path)?;
+            let cfg = Self::from_json_str(&text.to_string(), path)?;
+            return Ok(DecoderConfig {
+                text_tower: true,
+                ..cfg
+            });
+        }
         let arch = Arch::from_hf(architecture, model_type).ok_or_else(|| {
             ModelError::UnsupportedArchitecture {
                 path: path.to_path_buf(),

@@ -90,6 +90,7 @@ impl Family for Phi3Keys {
                 partial_rotary_factor: self.partial_rotary_factor,
                 original_max_position_embeddings: Some(self.original_max_position_embeddings),
             }),
+            ..Default::default()
         }
     }
 }

@@ -5,7 +5,11 @@
 //!
 //! PEFT key of a module's adapter: `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`
 //! (A: (r, in)), `...lora_B.weight` (B: (out, r)) and, for DoRA, `...lora_magnitude_vector`
-//! (m: (out)).
+//! (m: (out)). On the text tower of an image-text Gemma 3 (`DecoderConfig::text_tower`) the
+//! modules are those of transformers' (>= 4.50) `Gemma3ForConditionalGeneration`,
+//! `base_model.model.model.language_model.layers.{i}...`, and `target_modules` is a regex
+//! over the language model's modules only ([`text_tower_targets`]), so PEFT puts no adapter on
+//! the vision tower's `q_proj` / `k_proj` / `v_proj`.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -181,6 +185,35 @@ pub fn peft_prefix(i: usize, path: &str) -> String {
     format!("base_model.model.model.layers.{i}.{path}")
 }
 
+/// [`peft_prefix`] for `model`: under `model.language_model` for an image-text Gemma 3's text
+/// tower.
+pub fn model_peft_prefix(model: &CausalLM, i: usize, path: &str) -> String {
+    if model.config.text_tower {
+        format!("base_model.model.model.language_model.layers.{i}.{path}")
+    } else {
+        peft_prefix(i, path)
+    }
+}
+
+/// `target_modules` for the text tower of an image-text model: PEFT full-matches a string
+/// against each module's name, so this regex takes the language model's modules `names` and
+/// none of the vision tower's.
+pub fn text_tower_targets(names: &[&str]) -> String {
+    format!(r".*\.language_model\..*\.({})", names.join("|"))
+}
+
+/// The module names of a [`text_tower_targets`] regex, None for any other string.
+fn parse_text_tower_targets(s: &str) -> Option<Vec<String>> {
+    let inner = s
+        .strip_prefix(r".*\.language_model\..*\.(")?
+        .strip_suffix(')')?;
+    let names: Vec<String> = inner.split('|').map(str::to_string).collect();
+    names
+        .iter()
+        .all(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
+        .then_some(names)
+}
+
 /// Attaches fresh adapters (A Kaiming-uniform from `seed`, B zeros, f32) to the targeted linear
 /// layers of every decoder layer.
 /// With `spec.dora`, each is a DoRA adapter whose magnitude starts as the row norms of W.
@@ -245,7 +278,7 @@ pub fn lora_vars(model: &CausalLM) -> Vec<(String, Var)> {
     for (i, layer) in model.layers.iter().enumerate() {
         for (path, lin) in layer.linears() {
             if let Some(a) = &lin.adapter {
-                let p = peft_prefix(i, path);
+                let p = model_peft_prefix(model, i, path);
                 for (suffix, v) in a.vars() {
                     out.push((format!("{p}.{suffix}"), v.clone()));
                 }
@@ -278,7 +311,11 @@ pub fn save_peft(model: &CausalLM, spec: &LoraSpec, dir: &Path, base_model: &str
         r: spec.rank,
         lora_alpha: spec.alpha,
         lora_dropout: spec.dropout,
-        target_modules: serde_json::json!(targets),
+        target_modules: if model.config.text_tower {
+            serde_json::json!(text_tower_targets(&targets))
+        } else {
+            serde_json::json!(targets)
+        },
         use_rslora: spec.rslora,
         use_dora: spec.dora,
         bias: Some("none".into()),
@@ -335,10 +372,14 @@ pub fn read_peft_config(dir: &Path) -> Result<LoraSpec> {
             .iter()
             .filter_map(|v| v.as_str().map(str::to_string))
             .collect(),
+        serde_json::Value::String(s) if parse_text_tower_targets(s).is_some() => {
+            parse_text_tower_targets(s).unwrap_or_default()
+        }
         _ => {
             return Err(bad(
                 "target_modules",
-                "expected a list of module names or \"all-linear\"",
+                "expected a list of module names, \"all-linear\", or tallow's text-tower \
+                 regex (`.*\\.language_model\\..*\\.(q_proj|...)`)",
             ))
         }
     };
