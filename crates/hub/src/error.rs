@@ -121,6 +121,19 @@ pub enum HubError {
     #[error("{spec:?} is not a {what}")]
     BadSpec { spec: String, what: &'static str },
 
+    /// A whole dataset (`hf://datasets/OWNER/NAME`) has no usable files for the split asked
+    /// for (or the config does not exist, or the README's `configs:` cannot be read).
+    #[error(
+        "dataset hf://datasets/{dataset} at revision {revision:?} (commit {commit}): {source}"
+    )]
+    DataFiles {
+        /// `OWNER/NAME`.
+        dataset: String,
+        revision: String,
+        commit: String,
+        source: crate::datafiles::DataFilesError,
+    },
+
     /// A local file operation failed.
     #[error("{}: {source}", path.display())]
     Io {
