@@ -26,6 +26,19 @@ pub struct DatasetSplit {
 }
 
 impl DatasetSplit {
+    /// `hf://datasets/OWNER/NAME[@REV] (config "C", split "S")`, for messages.
+    pub fn name(&self) -> String {
+        let config = match &self.config {
+            Some(c) => format!("config {c:?}, "),
+            None => String::new(),
+        };
+        format!(
+            "hf://{} ({config}split {:?})",
+            self.id_at_revision(),
+            self.split
+        )
+    }
+
     /// `hf://datasets/OWNER/NAME@REV/PATH` of shard `i`, for messages.
     pub fn shard_name(&self, i: usize) -> String {
         format!("hf://{}/{}", self.id_at_revision(), self.files[i])

@@ -27,8 +27,8 @@ use tallow_text::TextTokenizer;
 use crate::batch::{pack, Batch, Row};
 use crate::checkpoint::{self, CheckpointState, LoraState};
 use crate::config::{Method, Quantize, TrainConfig};
-use crate::data::{load_jsonl, Example};
-use crate::error::TrainError;
+use crate::data::{load_file, load_hub_split, DataOptions, Dataset, Example};
+use crate::error::{DataError, TrainError};
 use crate::eval::evaluate;
 use crate::grads::{clip_grad_norm, GradAccumulator};
 use crate::host;
@@ -152,6 +152,8 @@ struct Setup {
     rows: Vec<Row>,
     eval: Vec<Example>,
     pad: u32,
+    /// What was read of whole hub datasets, for the log.
+    notes: Vec<String>,
 }
 
 fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
@@ -160,14 +162,15 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
     let hub = |key: &'static str| move |source| TrainError::Hub { key, source };
     let model_dir = tallow_hub::resolve_model(&cfg.model.path).map_err(hub("model.path"))?;
     let model_dir = model_dir.as_path();
-    let train_path = tallow_hub::resolve_data(&cfg.data.train).map_err(hub("data.train"))?;
-    let eval_path = match &cfg.data.eval {
+    let d = &cfg.data;
+    let train_src = DataSource::open(&d.train, d.train_split(), d).map_err(hub("data.train"))?;
+    let eval_src = match &d.eval {
         None => None,
-        Some(p) => Some(tallow_hub::resolve_data(p).map_err(hub("data.eval"))?),
+        Some(p) => Some(DataSource::open(p, d.eval_split(), d).map_err(hub("data.eval"))?),
     };
     let tok = TextTokenizer::from_model_dir(model_dir)?;
     let data_opts = cfg.data.options();
-    let train_set = load_jsonl(&train_path, &tok, &data_opts)?;
+    let train_set = train_src.load(&tok, &data_opts, d.max_rows)?;
     if train_set.examples.is_empty() {
         return Err(TrainError::Invalid(format!(
             "{}: no row has a target token left after truncation to {} tokens ({} skipped)",
@@ -176,9 +179,19 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
             train_set.skipped
         )));
     }
-    let eval = match &eval_path {
+    let mut notes = Vec::new();
+    if let DataSource::Hub(split) = &train_src {
+        notes.push(hub_note("data.train", split, &train_set));
+    }
+    let eval = match &eval_src {
         None => vec![],
-        Some(p) => load_jsonl(p, &tok, &data_opts)?.examples,
+        Some(src) => {
+            let set = src.load(&tok, &data_opts, 0)?;
+            if let DataSource::Hub(split) = src {
+                notes.push(hub_note("data.eval", split, &set));
+            }
+            set.examples
+        }
     };
     let rows = if cfg.data.pack {
         pack(&train_set.examples, cfg.data.max_seq_len)
@@ -247,7 +260,61 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
         rows,
         eval,
         pad,
+        notes,
     })
+}
+
+/// `data.train: hf://datasets/o/n (split "train"): 2 of 3 shards, 6 rows`.
+fn hub_note(key: &str, split: &tallow_hub::DatasetSplit, set: &Dataset) -> String {
+    format!(
+        "{key}: {}: {} of {} shards, {} rows ({} skipped after truncation)",
+        split.name(),
+        set.shards,
+        split.files.len(),
+        set.rows,
+        set.skipped
+    )
+}
+
+/// `data.train` / `data.eval`: a local file or one `hf://datasets/...` file (in the cache), or
+/// one split of a whole hub dataset (its shards fetched as the rows are read).
+enum DataSource {
+    File(PathBuf),
+    Hub(Box<tallow_hub::DatasetSplit>),
+}
+
+impl DataSource {
+    /// Resolves `spec`; for a whole dataset, finds the files of `split` of `data.dataset_config`
+    /// (downloading only the README).
+    fn open(
+        spec: &Path,
+        split: &str,
+        d: &crate::config::DataSection,
+    ) -> Result<DataSource, tallow_hub::HubError> {
+        match tallow_hub::whole_dataset(spec) {
+            Some(id) => {
+                let split = tallow_hub::Hub::from_env().dataset_split(
+                    &id,
+                    d.dataset_config.as_deref(),
+                    split,
+                )?;
+                Ok(DataSource::Hub(Box::new(split)))
+            }
+            None => tallow_hub::resolve_data(spec).map(DataSource::File),
+        }
+    }
+
+    fn load(
+        &self,
+        tok: &TextTokenizer,
+        opts: &DataOptions,
+        max_rows: usize,
+    ) -> Result<Dataset, DataError> {
+        match self {
+            DataSource::File(p) => load_file(p, tok, opts, max_rows),
+            DataSource::Hub(split) => load_hub_split(split, tok, opts, max_rows),
+        }
+    }
 }
 
 /// The rows of optimizer step `step`: epochs of `rows_per_step`-sized slices of a per-epoch
@@ -484,7 +551,11 @@ impl<'a> Session<'a> {
             rows,
             eval,
             pad,
+            notes,
         } = memory.check(setup(cfg, device), "load", 0, &None)?;
+        for n in notes {
+            on_event(Event::Note(n));
+        }
         let vars: Vec<Var> = params.iter().map(|(_, v)| v.clone()).collect();
         let mut opt: Box<dyn Optimizer> = optim::build(t.optimizer, t.betas, t.eps, t.weight_decay);
         let rows_per_step = t.micro_batch_size * t.grad_accum;
