@@ -102,6 +102,9 @@ fn whole_dataset_equals_local_rows() {
             local_rows("sharded.test")
         ),
     );
+    // The eval split was read: the same losses as the local test rows.
+    let (h, l) = (eval_losses(&dir), eval_losses(&local));
+    assert!(h.len() >= 2 && h == l, "eval losses {h:?} vs {l:?}");
     assert!(
         run.stderr.contains(&format!(
             "data.train: hf://datasets/{DS_SHARDED} (split \"train\"): 3 of 3 shards, 12 rows"
@@ -115,9 +118,6 @@ fn whole_dataset_equals_local_rows() {
         "{}",
         run.stderr
     );
-    // The eval split was read: the same losses as the local test rows.
-    let (h, l) = (eval_losses(&dir), eval_losses(&local));
-    assert!(h.len() >= 2 && h == l, "eval losses {h:?} vs {l:?}");
     // The shards are in the cache as huggingface_hub lays them out.
     let snap = dir
         .join("hub/datasets--tallow-test--sharded/snapshots")
@@ -140,11 +140,6 @@ fn max_rows_stops_before_the_last_shard() {
         &format!("train = \"hf://datasets/{DS_SHARDED}\"\nmax_rows = 6"),
         &format!("train = \"{}\"\nmax_rows = 6", local_rows("sharded.train")),
     );
-    assert!(
-        run.stderr.contains("2 of 3 shards, 6 rows"),
-        "{}",
-        run.stderr
-    );
     let log = hub.requests();
     let asked = |name: &str| log.iter().any(|r| r.contains(name));
     assert!(asked("train-00000-of-00003"), "{log:#?}");
@@ -156,6 +151,11 @@ fn max_rows_stops_before_the_last_shard() {
     assert!(
         !asked("test-00000"),
         "no eval split was asked for: {log:#?}"
+    );
+    assert!(
+        run.stderr.contains("2 of 3 shards, 6 rows"),
+        "{}",
+        run.stderr
     );
 }
 

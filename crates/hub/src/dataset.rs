@@ -113,7 +113,7 @@ impl Hub {
                 dataset: id.repo_id.clone(),
                 revision: id.revision.clone(),
                 commit: commit.clone(),
-                source,
+                source: Box::new(source),
             }
         })?;
         Ok(DatasetSplit {

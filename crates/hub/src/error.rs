@@ -131,7 +131,7 @@ pub enum HubError {
         dataset: String,
         revision: String,
         commit: String,
-        source: crate::datafiles::DataFilesError,
+        source: Box<crate::datafiles::DataFilesError>,
     },
 
     /// A local file operation failed.

@@ -900,6 +900,39 @@ mod tests {
         }
     }
 
+    /// `max_rows` stops reading: a malformed line after the cap is never parsed; the rows
+    /// read are counted (skipped ones included). A `.gz` JSONL file is decompressed.
+    #[test]
+    fn max_rows_and_gzip() {
+        let tok = tok("data-maxrows");
+        let lines = [
+            r#"{"text": "hello world"}"#,
+            "",
+            r#"{"text": "a b"}"#,
+            r#"{"text": "c"}"#,
+            r#"{"text": "#,
+        ];
+        let path = jsonl("data-maxrows", &lines);
+        let o = opts(Format::Auto, 32);
+        let ds = load_file(&path, &tok, &o, 3).unwrap();
+        assert_eq!((ds.rows, ds.examples.len(), ds.shards), (3, 3, 0));
+        let err = load_file(&path, &tok, &o, 0).unwrap_err().to_string();
+        assert!(err.contains("data.jsonl:5: not valid JSON"), "{err}");
+        let ds = load_file(&path, &tok, &o, 1).unwrap();
+        assert_eq!(ds.rows, 1);
+
+        let gz = path.with_file_name("data.jsonl.gz");
+        let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        std::io::Write::write_all(&mut enc, lines[..4].join("\n").as_bytes()).unwrap();
+        std::fs::write(&gz, enc.finish().unwrap()).unwrap();
+        let from_gz = load_file(&gz, &tok, &o, 0).unwrap();
+        assert_eq!(from_gz.examples, ds_all(&path, &tok, &o, 3));
+    }
+
+    fn ds_all(path: &Path, tok: &TextTokenizer, o: &DataOptions, n: usize) -> Vec<Example> {
+        load_file(path, tok, o, n).unwrap().examples
+    }
+
     #[test]
     fn missing_and_empty_files_name_path() {
         let tok = tok("data-missing");

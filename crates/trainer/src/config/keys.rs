@@ -157,7 +157,6 @@ pub(super) const ALIASES: &[(&str, &str)] = &[
     ("dataset_train_split", "data.train_split"),
     ("dataset_test_split", "data.eval_split"),
     ("dataset_config_name", "data.dataset_config"),
-    ("dataset_config", "data.dataset_config"),
     ("max_train_samples", "data.max_rows"),
     ("max_samples", "data.max_rows"),
     ("sequence_len", "data.max_seq_len"),

@@ -384,7 +384,19 @@ mod tests {
     }
 
     /// `--set` values that fail validation, and a part of the message each gives.
-    const CASES: [(&str, &str); 30] = [
+    const CASES: [(&str, &str); 33] = [
+        (
+            "data.train_split=validation",
+            "`data.train_split` is set but data.train is not a whole hub dataset",
+        ),
+        (
+            "data.eval_split=test",
+            "`data.eval_split` is set but data.eval is not a whole hub dataset",
+        ),
+        (
+            "data.dataset_config=x",
+            "`data.dataset_config` is set but neither data.train nor data.eval",
+        ),
         ("lora.rank=0", "`lora.rank` must be at least 1"),
         ("lora.alpha=0", "`lora.alpha` must be > 0"),
         ("lora.dropout=1.0", "`lora.dropout` must be in [0, 1)"),
