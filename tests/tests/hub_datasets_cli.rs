@@ -134,7 +134,7 @@ fn whole_dataset_equals_local_rows() {
 #[test]
 fn max_rows_stops_before_the_last_shard() {
     let hub = HubServer::start();
-    let (run, ..) = same_as_local(
+    let (run, dir, local) = same_as_local(
         &hub,
         "maxrows",
         &format!("train = \"hf://datasets/{DS_SHARDED}\"\nmax_rows = 6"),
@@ -156,6 +156,25 @@ fn max_rows_stops_before_the_last_shard() {
         run.stderr.contains("2 of 3 shards, 6 rows"),
         "{}",
         run.stderr
+    );
+    // Offline, the cached snapshot (README, shards 0 and 1) answers: the same rows.
+    let cfg = dir.join("config.toml");
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_url = format!("http://{}", dead.local_addr().unwrap());
+    drop(dead);
+    std::fs::remove_dir_all(dir.join("run")).unwrap();
+    let r = tallow_env(
+        ["train", "--config", cfg.to_str().unwrap(), "--quiet"],
+        &[
+            ("HF_ENDPOINT", dead_url),
+            ("HF_HOME", dir.display().to_string()),
+            ("HF_HUB_OFFLINE", "1".into()),
+        ],
+    );
+    ok(&r, "offline rerun");
+    assert!(
+        adapter(&dir) == adapter(&local),
+        "offline rerun: another adapter"
     );
 }
 
