@@ -169,7 +169,7 @@ impl std::fmt::Display for DataFilesError {
             DataFilesError::NoConfigs { config } => write!(
                 f,
                 "data.dataset_config is {config:?} but the dataset's README declares no \
-                 `configs:`; remove data.dataset_config"
+                 `configs:`, so its one config is \"default\"; remove data.dataset_config"
             ),
             DataFilesError::NoDataFiles => f.write_str(
                 "the dataset has no data files (parquet, JSON lines, ...) in its file list",
@@ -702,7 +702,8 @@ pub fn resolve_split(
     let names = || configs.iter().map(|c| c.name.clone()).collect::<Vec<_>>();
     let chosen = match config {
         _ if configs.is_empty() => {
-            if let Some(c) = config {
+            // Without `configs:` the one config is "default", as in `datasets`.
+            if let Some(c) = config.filter(|c| *c != "default") {
                 return Err(DataFilesError::NoConfigs {
                     config: c.to_string(),
                 });
@@ -838,6 +839,14 @@ mod tests {
             (None, Some("c"))
         );
         assert!(card_configs("# no front matter\n").unwrap().is_empty());
+        // No configs: "default" is the one config, any other name is refused.
+        let files = strings(&["train.jsonl"]);
+        let got = resolve_split(&files, None, Some("default"), "train").unwrap();
+        assert_eq!((got.config, got.files), (None, files.clone()));
+        assert!(matches!(
+            resolve_split(&files, None, Some("x"), "train"),
+            Err(DataFilesError::NoConfigs { .. })
+        ));
         assert!(matches!(
             card_configs("---\nconfigs: 3\n---\n"),
             Err(DataFilesError::BadCard(_))
