@@ -22,6 +22,8 @@
 //! - `tallow-test/gated`: the same files as main, needing `Authorization: Bearer `[`TOKEN`].
 //! - dataset `tallow-test/chat`: `data/train.jsonl` (messages fixture), `data/text.jsonl`,
 //!   `data/train.parquet` (the messages fixture as parquet).
+//! - whole datasets from `tests/fixtures/hub_datasets/` ([`dataset_repos`]): `sharded`,
+//!   `jsonl`, `configs`, and the broken `bad-parquet` and `bad-row`.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -96,7 +98,7 @@ fn commit_id(seed: &str) -> String {
 }
 
 fn is_lfs(path: &str) -> bool {
-    path.ends_with(".safetensors") || path.ends_with(".bin")
+    path.ends_with(".safetensors") || path.ends_with(".bin") || path.ends_with(".parquet")
 }
 
 impl HubServer {
@@ -167,7 +169,12 @@ impl HubServer {
         let url = format!("http://{}", listener.local_addr().unwrap());
         let server = HubServer {
             url: url.clone(),
-            repos: Arc::new(Mutex::new(vec![model, gated, dataset])),
+            repos: Arc::new(Mutex::new(
+                [vec![model, gated, dataset], dataset_repos()]
+                    .into_iter()
+                    .flatten()
+                    .collect(),
+            )),
             switches: Arc::new(Mutex::new(Switches::default())),
             writes: Arc::new(Mutex::new(Writes::default())),
         };
@@ -214,6 +221,100 @@ impl HubServer {
     pub fn requests(&self) -> Vec<String> {
         self.switches.lock().unwrap().log.clone()
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Whole datasets (`hf://datasets/OWNER/NAME`): repos made from the directories of
+// tests/fixtures/hub_datasets/ (scripts/make_hub_dataset_fixtures.py).
+
+/// 3 parquet train shards (`data/train-0000{0,1,2}-of-00003.parquet`, 4 messages rows each)
+/// and `data/test-00000-of-00001.parquet` (3 rows); tag `v1`: only the first train shard and
+/// the test shard.
+pub const DS_SHARDED: &str = "tallow-test/sharded";
+/// `train/part-0.jsonl`, `train/part-1.jsonl.gz`, `test/part-0.jsonl` (text rows).
+pub const DS_JSONL: &str = "tallow-test/jsonl";
+/// README `configs:`: `chat` (default; parquet under `chat/`, split train only) and `text`
+/// (`text/train.parquet`, `text/test.parquet`).
+pub const DS_CONFIGS: &str = "tallow-test/configs";
+/// `sharded` with `data/train-00001-of-00003.parquet` cut to half its bytes.
+pub const DS_BAD_PARQUET: &str = "tallow-test/bad-parquet";
+/// `jsonl` with line 2 of `train/part-0.jsonl` not valid JSON.
+pub const DS_BAD_ROW: &str = "tallow-test/bad-row";
+
+/// `tests/fixtures/hub_datasets/<name>` (the repo's files) or `<name>.<split>.jsonl` (its rows).
+pub fn hub_dataset_dir(name: &str) -> std::path::PathBuf {
+    crate::fixtures().join("hub_datasets").join(name)
+}
+
+/// Every file under a fixture dataset dir, by repo path.
+fn dataset_files(name: &str) -> BTreeMap<String, File> {
+    fn walk(root: &std::path::Path, dir: &std::path::Path, out: &mut BTreeMap<String, File>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(root, &p, out);
+            } else {
+                let rel = p
+                    .strip_prefix(root)
+                    .unwrap()
+                    .to_string_lossy()
+                    .replace('\\', "/");
+                out.insert(rel, File::new(std::fs::read(&p).unwrap()));
+            }
+        }
+    }
+    let root = hub_dataset_dir(name);
+    let mut out = BTreeMap::new();
+    walk(&root, &root, &mut out);
+    out
+}
+
+fn dataset_repo(id: &str, files: BTreeMap<String, File>) -> RepoDef {
+    let commit = commit_id(&format!("{id} main"));
+    RepoDef {
+        kind: "datasets",
+        id: id.into(),
+        refs: [("main".into(), commit.clone())].into(),
+        commits: [(commit, files)].into(),
+        token: None,
+    }
+}
+
+fn dataset_repos() -> Vec<RepoDef> {
+    let sharded = dataset_files("sharded");
+    let mut sharded_repo = dataset_repo(DS_SHARDED, sharded.clone());
+    let v1: BTreeMap<String, File> = sharded
+        .iter()
+        .filter(|(p, _)| !p.starts_with("data/train-0000") || p.starts_with("data/train-00000"))
+        .map(|(p, f)| (p.clone(), f.clone()))
+        .collect();
+    let v1_commit = commit_id("sharded v1");
+    sharded_repo.refs.insert("v1".into(), v1_commit.clone());
+    sharded_repo.commits.insert(v1_commit, v1);
+
+    let mut bad_parquet = sharded;
+    let cut = "data/train-00001-of-00003.parquet";
+    let bytes = &bad_parquet[cut].bytes;
+    let half = bytes[..bytes.len() / 2].to_vec();
+    bad_parquet.insert(cut.into(), File::new(half));
+
+    let mut bad_row = dataset_files("jsonl");
+    let part = "train/part-0.jsonl";
+    let text = String::from_utf8(bad_row[part].bytes.clone()).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    lines[1] = "{\"text\": \"cut off";
+    bad_row.insert(
+        part.into(),
+        File::new((lines.join("\n") + "\n").into_bytes()),
+    );
+
+    vec![
+        sharded_repo,
+        dataset_repo(DS_JSONL, dataset_files("jsonl")),
+        dataset_repo(DS_CONFIGS, dataset_files("configs")),
+        dataset_repo(DS_BAD_PARQUET, bad_parquet),
+        dataset_repo(DS_BAD_ROW, bad_row),
+    ]
 }
 
 struct Request {

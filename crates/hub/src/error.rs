@@ -172,6 +172,19 @@ pub enum HubError {
         reason: String,
     },
 
+    /// A whole dataset (`hf://datasets/OWNER/NAME`) has no usable files for the split asked
+    /// for (or the config does not exist, or the README's `configs:` cannot be read).
+    #[error(
+        "dataset hf://datasets/{dataset} at revision {revision:?} (commit {commit}): {source}"
+    )]
+    DataFiles {
+        /// `OWNER/NAME`.
+        dataset: String,
+        revision: String,
+        commit: String,
+        source: Box<crate::datafiles::DataFilesError>,
+    },
+
     /// A local file operation failed.
     #[error("{}: {source}", path.display())]
     Io {

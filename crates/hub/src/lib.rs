@@ -3,6 +3,8 @@
 //! - [`resolve_model`]: what every command calls on its model path. An existing local path wins;
 //!   otherwise `OWNER/NAME[@REVISION]` is a hub id, served from the cache or downloaded.
 //! - [`resolve_data`]: `hf://datasets/OWNER/NAME[@REVISION]/path/in/repo` -> a local file.
+//! - [`Hub::dataset_split`]: `hf://datasets/OWNER/NAME[@REVISION]` (a whole dataset) -> the
+//!   files of one split, found as the `datasets` library finds them, fetched one at a time.
 //! - [`Hub::download`]: `tallow download`.
 //!
 //! The cache is Python huggingface_hub's, so files downloaded by either are shared:
@@ -24,13 +26,18 @@
 //! `blobs/<etag>.incomplete`, which is checked (size, and sha256 for LFS files) before it is
 //! renamed into place.
 
+mod datafiles;
+mod dataset;
 mod download;
 mod error;
 mod filter;
 mod upload;
+mod yaml;
 
 use std::path::{Path, PathBuf};
 
+pub use datafiles::glob_match;
+pub use dataset::{DataFilesError, DatasetSplit, ShardFormat};
 pub use error::HubError;
 pub use filter::Filter;
 pub use upload::{
@@ -517,24 +524,61 @@ pub fn resolve_model_config(spec: &Path) -> Result<PathBuf, HubError> {
 /// The scheme of dataset files on the hub, as in huggingface_hub's HfFileSystem.
 pub const HF_DATASETS_PREFIX: &str = "hf://datasets/";
 
-/// Splits `hf://datasets/OWNER/NAME[@REVISION]/path/in/repo` into the repo and the file path.
-pub fn parse_hf_path(spec: &str) -> Result<(HubId, String), HubError> {
+/// What an `hf://datasets/...` path names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HfData {
+    /// `hf://datasets/OWNER/NAME[@REVISION]/path/in/repo`: one file.
+    File { id: HubId, path: String },
+    /// `hf://datasets/OWNER/NAME[@REVISION]`: the whole dataset (a split is picked from it).
+    Dataset(HubId),
+}
+
+/// Parses `hf://datasets/OWNER/NAME[@REVISION][/path/in/repo]`.
+pub fn parse_hf_data(spec: &str) -> Result<HfData, HubError> {
     let bad = || HubError::BadSpec {
         spec: spec.to_string(),
-        what: "hub dataset path: write hf://datasets/OWNER/NAME/path/to/file.jsonl \
-               (optionally NAME@REVISION)",
+        what: "hub dataset path: write hf://datasets/OWNER/NAME (the whole dataset) or \
+               hf://datasets/OWNER/NAME/path/to/file.jsonl (one file), optionally NAME@REVISION",
     };
     let rest = spec.strip_prefix(HF_DATASETS_PREFIX).ok_or_else(bad)?;
     let mut parts = rest.splitn(3, '/');
     let (owner, name, path) = (parts.next(), parts.next(), parts.next());
-    let (Some(owner), Some(name), Some(path)) = (owner, name, path) else {
+    let (Some(owner), Some(name)) = (owner, name) else {
         return Err(bad());
     };
-    if path.is_empty() || path.split('/').any(|c| c.is_empty() || c == "..") {
-        return Err(bad());
-    }
     let id = HubId::parse(&format!("{owner}/{name}"), RepoKind::Dataset).ok_or_else(bad)?;
-    Ok((id, path.to_string()))
+    match path {
+        None => Ok(HfData::Dataset(id)),
+        Some(path) if path.is_empty() || path.split('/').any(|c| c.is_empty() || c == "..") => {
+            Err(bad())
+        }
+        Some(path) => Ok(HfData::File {
+            id,
+            path: path.to_string(),
+        }),
+    }
+}
+
+/// Splits `hf://datasets/OWNER/NAME[@REVISION]/path/in/repo` into the repo and the file path;
+/// a whole dataset (no path) is an error here.
+pub fn parse_hf_path(spec: &str) -> Result<(HubId, String), HubError> {
+    match parse_hf_data(spec)? {
+        HfData::File { id, path } => Ok((id, path)),
+        HfData::Dataset(_) => Err(HubError::BadSpec {
+            spec: spec.to_string(),
+            what: "path to one file here: add the file's path in the repo, e.g. \
+                   hf://datasets/OWNER/NAME/data/train.jsonl (a whole dataset is read by \
+                   `tallow train` as data.train / data.eval)",
+        }),
+    }
+}
+
+/// The dataset of `spec` when it is a whole-dataset `hf://datasets/OWNER/NAME[@REV]` path.
+pub fn whole_dataset(spec: &Path) -> Option<HubId> {
+    match parse_hf_data(spec.to_str()?) {
+        Ok(HfData::Dataset(id)) => Some(id),
+        _ => None,
+    }
 }
 
 /// A data path: `hf://datasets/...` is downloaded (or taken from the cache) and its local path
@@ -587,8 +631,16 @@ mod tests {
         );
         let (id, _) = parse_hf_path("hf://datasets/o/n@refs%2Fconvert/x.parquet").unwrap();
         assert_eq!(id.revision, "refs%2Fconvert");
+        // The whole dataset: not one file.
+        let err = parse_hf_path("hf://datasets/o/n").unwrap_err().to_string();
+        assert!(err.contains("data.train / data.eval"), "{err}");
+        let HfData::Dataset(id) = parse_hf_data("hf://datasets/o/n@v1").unwrap() else {
+            panic!("a whole dataset")
+        };
+        assert_eq!((id.repo_id.as_str(), id.revision.as_str()), ("o/n", "v1"));
+        assert_eq!(whole_dataset(Path::new("hf://datasets/o/n/x.jsonl")), None);
         for bad in [
-            "hf://datasets/o/n",
+            "hf://datasets/o",
             "hf://datasets/o/n/",
             "hf://models/o/n/x",
             "hf://datasets/o/n/../x",

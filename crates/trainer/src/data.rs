@@ -1,6 +1,7 @@
-//! JSONL datasets -> token ids and target masks.
+//! JSONL and parquet datasets (local files, or the shards of a hub dataset's split) -> token
+//! ids and target masks.
 //!
-//! One JSON object per line, in one of three formats:
+//! One JSON object per line (or parquet row), in one of these formats:
 //! - text:              `{"text": "..."}`: every token after the first is trained.
 //! - prompt_completion: `{"prompt": "...", "completion": "..."}`: only completion tokens are trained.
 //! - messages:          `{"messages": [{"role": "...", "content": "..."}, ...]}`: rendered with the
@@ -14,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use tallow_hub::{DatasetSplit, ShardFormat};
 use tallow_text::{Message, TextTokenizer};
 
 crate::config::choice::choices! {
@@ -173,6 +175,10 @@ pub struct Dataset {
     pub examples: Vec<Example>,
     /// Rows dropped because no target was left after truncation.
     pub skipped: usize,
+    /// Rows read (examples + skipped).
+    pub rows: usize,
+    /// Hub dataset shards read (0 for a local file).
+    pub shards: usize,
 }
 
 impl Dataset {
@@ -187,73 +193,141 @@ impl Dataset {
     }
 }
 
-/// Reads and tokenizes the JSONL file at `path`. Blank lines are ignored; any malformed line is an
-/// error naming the file and its 1-based line number.
+/// Reads and tokenizes the JSONL (or `.parquet`) file at `path`. Blank lines are ignored; any
+/// malformed line is an error naming the file and its 1-based line number.
 pub fn load_jsonl(
     path: &Path,
     tok: &TextTokenizer,
     opts: &DataOptions,
 ) -> Result<Dataset, DataError> {
-    if path.extension().is_some_and(|e| e == "parquet") {
-        return load_parquet(path, tok, opts);
-    }
-    let text = std::fs::read_to_string(path).map_err(|source| DataError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let row_err = |line: usize, source: RowError| DataError::Row {
-        path: path.to_path_buf(),
-        line,
-        source,
+    load_file(path, tok, opts, 0)
+}
+
+/// [`load_jsonl`] reading at most `max_rows` rows (0: all).
+pub fn load_file(
+    path: &Path,
+    tok: &TextTokenizer,
+    opts: &DataOptions,
+    max_rows: usize,
+) -> Result<Dataset, DataError> {
+    let mut sink = RowSink::new(path.to_path_buf(), tok, opts, max_rows);
+    let kind = if path.extension().is_some_and(|e| e == "parquet") {
+        ShardFormat::Parquet
+    } else {
+        ShardFormat::JsonLines
     };
-    // (1-based line number, parsed row) for each non-blank line.
-    let rows = text
-        .trim_start_matches('\u{feff}')
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| {
-            let row = serde_json::from_str::<Json>(l).map_err(|e| RowError::Json(e.to_string()));
-            (i + 1, row)
-        });
-    let mut sink = RowSink::new(path, tok, opts);
-    for (line, parsed) in rows {
-        sink.push(parsed)
-            .map_err(|e| e.at(|source| row_err(line, source)))?;
+    read_file(path, path, kind, &mut sink)?;
+    sink.finish()
+}
+
+/// The rows of one split of a whole hub dataset, shard after shard: each shard is downloaded
+/// (or taken from the cache) only when the rows before it are used up, so with `max_rows`
+/// (0: all) the shards past the last row read are never downloaded. Errors name the shard
+/// (`hf://datasets/OWNER/NAME/PATH`) and its line or row.
+pub fn load_hub_split(
+    split: &DatasetSplit,
+    tok: &TextTokenizer,
+    opts: &DataOptions,
+    max_rows: usize,
+) -> Result<Dataset, DataError> {
+    let name = PathBuf::from(split.name());
+    let mut sink = RowSink::new(name, tok, opts, max_rows);
+    for i in 0..split.files.len() {
+        if sink.full() {
+            break;
+        }
+        let shown = PathBuf::from(split.shard_name(i));
+        let local = split.shard(i).map_err(|source| DataError::Shard {
+            shard: shown.clone(),
+            source: Box::new(source),
+        })?;
+        read_file(&local, &shown, split.format, &mut sink)?;
+        sink.shards += 1;
     }
     sink.finish()
 }
 
+/// Pushes the rows of `local` (shown as `shown` in messages) into `sink`, stopping when it is
+/// full. JSON lines are read line by line (`.gz` decompressed); parquet a row group at a time.
+fn read_file(
+    local: &Path,
+    shown: &Path,
+    format: ShardFormat,
+    sink: &mut RowSink<'_>,
+) -> Result<(), DataError> {
+    match format {
+        ShardFormat::Parquet => read_parquet(local, shown, sink),
+        ShardFormat::JsonLines => read_json_lines(local, shown, sink),
+    }
+}
+
+fn read_json_lines(local: &Path, shown: &Path, sink: &mut RowSink<'_>) -> Result<(), DataError> {
+    use std::io::BufRead;
+    let io = |source| DataError::Io {
+        path: local.to_path_buf(),
+        source,
+    };
+    let file = std::fs::File::open(local).map_err(io)?;
+    let reader: Box<dyn std::io::Read> = if local.extension().is_some_and(|e| e == "gz") {
+        Box::new(flate2::read::GzDecoder::new(file))
+    } else {
+        Box::new(file)
+    };
+    for (i, line) in std::io::BufReader::new(reader).lines().enumerate() {
+        if sink.full() {
+            break;
+        }
+        let line = line.map_err(io)?;
+        let l = if i == 0 {
+            line.trim_start_matches('\u{feff}')
+        } else {
+            &line
+        };
+        if l.trim().is_empty() {
+            continue;
+        }
+        let parsed = serde_json::from_str::<Json>(l).map_err(|e| RowError::Json(e.to_string()));
+        sink.push(parsed).map_err(|e| {
+            e.at(|source| DataError::Row {
+                path: shown.to_path_buf(),
+                line: i + 1,
+                source,
+            })
+        })?;
+    }
+    Ok(())
+}
+
 /// Rows of a parquet file (`.parquet`), read one row group at a time; columns as in the JSONL
 /// formats (`text`, `prompt` + `completion`, or `messages` as a list of role/content structs).
-pub fn load_parquet(
-    path: &Path,
-    tok: &TextTokenizer,
-    opts: &DataOptions,
-) -> Result<Dataset, DataError> {
+fn read_parquet(local: &Path, shown: &Path, sink: &mut RowSink<'_>) -> Result<(), DataError> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     let bad = |message: String| DataError::Parquet {
-        path: path.to_path_buf(),
+        path: shown.to_path_buf(),
         message,
     };
-    let file = std::fs::File::open(path).map_err(|source| DataError::Io {
-        path: path.to_path_buf(),
+    let file = std::fs::File::open(local).map_err(|source| DataError::Io {
+        path: local.to_path_buf(),
         source,
     })?;
     let reader = SerializedFileReader::new(file).map_err(|e| bad(e.to_string()))?;
-    let mut sink = RowSink::new(path, tok, opts);
     for group in 0..reader.metadata().num_row_groups() {
         let rg = reader
             .get_row_group(group)
-            .map_err(|e| bad(e.to_string()))?;
-        let rows = rg.get_row_iter(None).map_err(|e| bad(e.to_string()))?;
+            .map_err(|e| bad(format!("row group {group}: {e}")))?;
+        let rows = rg
+            .get_row_iter(None)
+            .map_err(|e| bad(format!("row group {group}: {e}")))?;
         for (row, parsed) in rows.enumerate() {
+            if sink.full() {
+                return Ok(());
+            }
             let parsed = parsed
                 .map(|r| r.to_json_value())
                 .map_err(|e| RowError::Json(format!("cannot decode the row: {e}")));
             sink.push(parsed).map_err(|e| {
                 e.at(|source| DataError::ParquetRow {
-                    path: path.to_path_buf(),
+                    path: shown.to_path_buf(),
                     group,
                     row,
                     source,
@@ -261,19 +335,25 @@ pub fn load_parquet(
             })?;
         }
     }
-    sink.finish()
+    Ok(())
 }
 
-/// The row loop shared by JSONL and parquet: the format is fixed by the first row, then each
-/// row is tokenized (or skipped when truncation leaves no target).
+/// The row loop shared by JSONL and parquet files and hub shards: the format is fixed by the
+/// first row, then each row is tokenized (or skipped when truncation leaves no target), until
+/// `max_rows` rows were read.
 struct RowSink<'a> {
-    path: &'a Path,
+    /// The data as the user named it (a file, or the hub dataset), for whole-data errors.
+    path: PathBuf,
     tok: &'a TextTokenizer,
     opts: &'a DataOptions,
     format: Format,
     examples: Vec<Example>,
     skipped: usize,
     n_rows: usize,
+    /// 0: no limit.
+    max_rows: usize,
+    /// Hub shards read (0 for a local file).
+    shards: usize,
 }
 
 /// A row failed: either with a row-level error (to be located by the caller) or a whole-file one.
@@ -292,7 +372,7 @@ impl PushError {
 }
 
 impl<'a> RowSink<'a> {
-    fn new(path: &'a Path, tok: &'a TextTokenizer, opts: &'a DataOptions) -> Self {
+    fn new(path: PathBuf, tok: &'a TextTokenizer, opts: &'a DataOptions, max_rows: usize) -> Self {
         Self {
             path,
             tok,
@@ -301,7 +381,14 @@ impl<'a> RowSink<'a> {
             examples: Vec::new(),
             skipped: 0,
             n_rows: 0,
+            max_rows,
+            shards: 0,
         }
+    }
+
+    /// `max_rows` rows were read.
+    fn full(&self) -> bool {
+        self.max_rows > 0 && self.n_rows >= self.max_rows
     }
 
     fn push(&mut self, parsed: Result<Json, RowError>) -> Result<(), PushError> {
@@ -310,7 +397,7 @@ impl<'a> RowSink<'a> {
             self.format = resolve_format(&row, self.format).map_err(PushError::Row)?;
             check_supported(self.format, self.tok, self.opts).map_err(|source| {
                 PushError::File(DataError::Unsupported {
-                    data: self.path.to_path_buf(),
+                    data: self.path.clone(),
                     model_dir: self.tok.dir().to_path_buf(),
                     source,
                 })
@@ -334,15 +421,15 @@ impl<'a> RowSink<'a> {
 
     fn finish(self) -> Result<Dataset, DataError> {
         if self.n_rows == 0 {
-            return Err(DataError::EmptyFile {
-                path: self.path.to_path_buf(),
-            });
+            return Err(DataError::EmptyFile { path: self.path });
         }
         Ok(Dataset {
-            path: self.path.to_path_buf(),
+            path: self.path,
             format: self.format,
             examples: self.examples,
             skipped: self.skipped,
+            rows: self.n_rows,
+            shards: self.shards,
         })
     }
 }
@@ -948,6 +1035,39 @@ mod tests {
             assert!(err.contains(&format!("{}:3: ", path.display())), "{err}");
             assert!(err.contains(want), "{err}");
         }
+    }
+
+    /// `max_rows` stops reading: a malformed line after the cap is never parsed; the rows
+    /// read are counted (skipped ones included). A `.gz` JSONL file is decompressed.
+    #[test]
+    fn max_rows_and_gzip() {
+        let tok = tok("data-maxrows");
+        let lines = [
+            r#"{"text": "hello world"}"#,
+            "",
+            r#"{"text": "a b"}"#,
+            r#"{"text": "c"}"#,
+            r#"{"text": "#,
+        ];
+        let path = jsonl("data-maxrows", &lines);
+        let o = opts(Format::Auto, 32);
+        let ds = load_file(&path, &tok, &o, 3).unwrap();
+        assert_eq!((ds.rows, ds.examples.len(), ds.shards), (3, 3, 0));
+        let err = load_file(&path, &tok, &o, 0).unwrap_err().to_string();
+        assert!(err.contains("data.jsonl:5: not valid JSON"), "{err}");
+        let ds = load_file(&path, &tok, &o, 1).unwrap();
+        assert_eq!(ds.rows, 1);
+
+        let gz = path.with_file_name("data.jsonl.gz");
+        let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        std::io::Write::write_all(&mut enc, lines[..4].join("\n").as_bytes()).unwrap();
+        std::fs::write(&gz, enc.finish().unwrap()).unwrap();
+        let from_gz = load_file(&gz, &tok, &o, 0).unwrap();
+        assert_eq!(from_gz.examples, ds_all(&path, &tok, &o, 3));
+    }
+
+    fn ds_all(path: &Path, tok: &TextTokenizer, o: &DataOptions, n: usize) -> Vec<Example> {
+        load_file(path, tok, o, n).unwrap().examples
     }
 
     #[test]

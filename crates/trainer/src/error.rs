@@ -61,6 +61,15 @@ pub enum DataError {
         source: RowError,
     },
 
+    /// A shard of a hub dataset could not be downloaded.
+    #[error("{}: {source}", shard.display())]
+    Shard {
+        /// `hf://datasets/OWNER/NAME/PATH`.
+        shard: PathBuf,
+        #[source]
+        source: Box<tallow_hub::HubError>,
+    },
+
     /// A parquet file could not be read (not parquet, truncated, unsupported compression).
     #[error("cannot read parquet file {}: {message} (tallow reads uncompressed and snappy-compressed parquet)", path.display())]
     Parquet { path: PathBuf, message: String },

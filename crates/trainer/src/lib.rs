@@ -27,7 +27,8 @@ pub mod train;
 
 pub use config::TrainConfig;
 pub use data::{
-    load_jsonl, tokenize_row, DataOptions, Dataset, Example, Format, DEFAULT_MAX_SEQ_LEN,
+    load_file, load_hub_split, load_jsonl, tokenize_row, DataOptions, Dataset, Example, Format,
+    DEFAULT_MAX_SEQ_LEN,
 };
 pub use error::{DataError, RowError};
 // The text types moved to `tallow_text`; re-exported so code written against the trainer keeps

@@ -28,9 +28,8 @@ use crate::batch::{pack, Batch, Row};
 use crate::best::BestEval;
 use crate::checkpoint::{self, CheckpointState, LoraState};
 use crate::config::{Quantize, TrainConfig};
-use crate::data::Format;
-use crate::data::{load_jsonl, Example};
-use crate::error::TrainError;
+use crate::data::{load_file, load_hub_split, DataOptions, Dataset, Example, Format};
+use crate::error::{DataError, TrainError};
 use crate::eval::evaluate;
 use crate::grads::{clip_grad_norm, GradAccumulator};
 use crate::host;
@@ -176,6 +175,8 @@ struct Setup {
     /// Rows of data.train / data.eval dropped at load (no target token left after
     /// truncation; a preference prompt that leaves no room).
     skipped: (usize, usize),
+    /// What was read of whole hub datasets, for the log.
+    notes: Vec<String>,
 }
 
 fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
@@ -184,14 +185,15 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
     let hub = |key: &'static str| move |source| TrainError::Hub { key, source };
     let model_dir = tallow_hub::resolve_model(&cfg.model.path).map_err(hub("model.path"))?;
     let model_dir = model_dir.as_path();
-    let train_path = tallow_hub::resolve_data(&cfg.data.train).map_err(hub("data.train"))?;
-    let eval_path = match &cfg.data.eval {
+    let d = &cfg.data;
+    let train_src = DataSource::open(&d.train, d.train_split(), d).map_err(hub("data.train"))?;
+    let eval_src = match &d.eval {
         None => None,
-        Some(p) => Some(tallow_hub::resolve_data(p).map_err(hub("data.eval"))?),
+        Some(p) => Some(DataSource::open(p, d.eval_split(), d).map_err(hub("data.eval"))?),
     };
     let tok = TextTokenizer::from_model_dir(model_dir)?;
     let data_opts = cfg.data_options();
-    let train_set = load_jsonl(&train_path, &tok, &data_opts)?;
+    let train_set = train_src.load(&tok, &data_opts, d.max_rows)?;
     check_method_and_format(cfg, "data.train", train_set.format)?;
     if train_set.examples.is_empty() {
         return Err(TrainError::Invalid(format!(
@@ -201,11 +203,18 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
             train_set.skipped
         )));
     }
-    let (eval, eval_skipped) = match &eval_path {
+    let mut notes = Vec::new();
+    if let DataSource::Hub(split) = &train_src {
+        notes.push(hub_note("data.train", split, &train_set));
+    }
+    let (eval, eval_skipped) = match &eval_src {
         None => (vec![], 0),
-        Some(p) => {
-            let set = load_jsonl(p, &tok, &data_opts)?;
+        Some(src) => {
+            let set = src.load(&tok, &data_opts, 0)?;
             check_method_and_format(cfg, "data.eval", set.format)?;
+            if let DataSource::Hub(split) = src {
+                notes.push(hub_note("data.eval", split, &set));
+            }
             (set.examples, set.skipped)
         }
     };
@@ -277,6 +286,7 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
         eval,
         pad,
         skipped: (train_set.skipped, eval_skipped),
+        notes,
     })
 }
 
@@ -296,6 +306,59 @@ fn check_method_and_format(cfg: &TrainConfig, key: &str, format: Format) -> Resu
              \"dpo\" or \"orpo\" to train on them"
         ))),
         _ => Ok(()),
+    }
+}
+
+/// `data.train: hf://datasets/o/n (split "train"): 2 of 3 shards, 6 rows`.
+fn hub_note(key: &str, split: &tallow_hub::DatasetSplit, set: &Dataset) -> String {
+    format!(
+        "{key}: {}: {} of {} shards, {} rows ({} skipped after truncation)",
+        split.name(),
+        set.shards,
+        split.files.len(),
+        set.rows,
+        set.skipped
+    )
+}
+
+/// `data.train` / `data.eval`: a local file or one `hf://datasets/...` file (in the cache), or
+/// one split of a whole hub dataset (its shards fetched as the rows are read).
+enum DataSource {
+    File(PathBuf),
+    Hub(Box<tallow_hub::DatasetSplit>),
+}
+
+impl DataSource {
+    /// Resolves `spec`; for a whole dataset, finds the files of `split` of `data.dataset_config`
+    /// (downloading only the README).
+    fn open(
+        spec: &Path,
+        split: &str,
+        d: &crate::config::DataSection,
+    ) -> Result<DataSource, tallow_hub::HubError> {
+        match tallow_hub::whole_dataset(spec) {
+            Some(id) => {
+                let split = tallow_hub::Hub::from_env().dataset_split(
+                    &id,
+                    d.dataset_config.as_deref(),
+                    split,
+                )?;
+                Ok(DataSource::Hub(Box::new(split)))
+            }
+            None => tallow_hub::resolve_data(spec).map(DataSource::File),
+        }
+    }
+
+    fn load(
+        &self,
+        tok: &TextTokenizer,
+        opts: &DataOptions,
+        max_rows: usize,
+    ) -> Result<Dataset, DataError> {
+        match self {
+            DataSource::File(p) => load_file(p, tok, opts, max_rows),
+            DataSource::Hub(split) => load_hub_split(split, tok, opts, max_rows),
+        }
     }
 }
 
@@ -556,7 +619,11 @@ impl<'a> Session<'a> {
             eval,
             pad,
             skipped,
+            notes,
         } = memory.check(setup(cfg, device), "load", 0, &None)?;
+        for n in notes {
+            on_event(Event::Note(n));
+        }
         let unit = if cfg.train.method.preference() {
             "pairs"
         } else {

@@ -150,6 +150,15 @@ pub struct DataSection {
     pub train: PathBuf,
     /// An optional eval JSONL file.
     pub eval: Option<PathBuf>,
+    /// The split read when `train` is a whole hub dataset (`hf://datasets/OWNER/NAME`);
+    /// `None`: "train". An error with any other `train`.
+    pub train_split: Option<String>,
+    /// The split read when `eval` is a whole hub dataset; `None`: "test" (TRL's default).
+    pub eval_split: Option<String>,
+    /// The config (subset) of a whole hub dataset; `None`: the dataset's default config.
+    pub dataset_config: Option<String>,
+    /// Read at most this many training rows (0: all); shards past them are never downloaded.
+    pub max_rows: usize,
     /// Row format; `Auto` picks from the keys of the first row.
     pub format: Format,
     /// Rows are cut to this many tokens (default [`DEFAULT_MAX_SEQ_LEN`], 1024).
@@ -279,7 +288,23 @@ impl LoraSection {
     }
 }
 
+/// The split `data.train` reads from a whole hub dataset when `data.train_split` is not set.
+pub const DEFAULT_TRAIN_SPLIT: &str = "train";
+/// The split `data.eval` reads from a whole hub dataset when `data.eval_split` is not set
+/// (TRL's `dataset_test_split` default).
+pub const DEFAULT_EVAL_SPLIT: &str = "test";
+
 impl DataSection {
+    /// The split of `data.train` when it is a whole hub dataset.
+    pub fn train_split(&self) -> &str {
+        self.train_split.as_deref().unwrap_or(DEFAULT_TRAIN_SPLIT)
+    }
+
+    /// The split of `data.eval` when it is a whole hub dataset.
+    pub fn eval_split(&self) -> &str {
+        self.eval_split.as_deref().unwrap_or(DEFAULT_EVAL_SPLIT)
+    }
+
     /// The options of [`crate::load_jsonl`].
     pub fn options(&self) -> DataOptions {
         DataOptions {

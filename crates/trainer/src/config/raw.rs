@@ -82,6 +82,10 @@ impl Default for LoraSection {
 pub(super) struct RawData {
     pub train: Option<String>,
     pub eval: String,
+    pub train_split: String,
+    pub eval_split: String,
+    pub dataset_config: String,
+    pub max_rows: usize,
     pub format: Format,
     pub max_seq_len: usize,
     pub add_eos: bool,
@@ -96,6 +100,10 @@ impl Default for RawData {
         Self {
             train: None,
             eval: String::new(),
+            train_split: String::new(),
+            eval_split: String::new(),
+            dataset_config: String::new(),
+            max_rows: 0,
             format: Format::Auto,
             max_seq_len: DEFAULT_MAX_SEQ_LEN,
             add_eos: true,
@@ -148,6 +156,11 @@ impl Default for TrainSection {
 /// `""` means "not set" for the optional paths.
 fn optional_path(s: String) -> Option<PathBuf> {
     (!s.is_empty()).then(|| PathBuf::from(s))
+}
+
+/// `""` means "not set" for the optional strings.
+fn nonempty(s: String) -> Option<String> {
+    (!s.is_empty()).then_some(s)
 }
 
 pub(super) fn path_string(p: &Path) -> String {
@@ -216,6 +229,10 @@ impl RawConfig {
             data: DataSection {
                 train: PathBuf::from(train),
                 eval: optional_path(d.eval),
+                train_split: nonempty(d.train_split),
+                eval_split: nonempty(d.eval_split),
+                dataset_config: nonempty(d.dataset_config),
+                max_rows: d.max_rows,
                 format: d.format,
                 max_seq_len: d.max_seq_len,
                 add_eos: d.add_eos,
@@ -247,6 +264,10 @@ impl From<&TrainConfig> for RawConfig {
             data: RawData {
                 train: Some(path_string(&c.data.train)),
                 eval: opt(&c.data.eval),
+                train_split: c.data.train_split.clone().unwrap_or_default(),
+                eval_split: c.data.eval_split.clone().unwrap_or_default(),
+                dataset_config: c.data.dataset_config.clone().unwrap_or_default(),
+                max_rows: c.data.max_rows,
                 format: c.data.format,
                 max_seq_len: c.data.max_seq_len,
                 add_eos: c.data.add_eos,

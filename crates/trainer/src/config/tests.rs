@@ -436,7 +436,41 @@ fn to_toml_round_trip() {
         ],
     )
     .unwrap();
-    for config in [default, c] {
+    // A whole hub dataset with its split / config keys and max_rows.
+    let hub = parse(
+        MINIMAL,
+        &[
+            "data.train=hf://datasets/o/n@v1",
+            "data.eval=hf://datasets/o/n",
+            "data.train_split=training",
+            "data.eval_split=validation",
+            "data.dataset_config=chat",
+            "data.max_rows=100",
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        (hub.data.train_split(), hub.data.eval_split()),
+        ("training", "validation")
+    );
+    assert_eq!(hub.data.dataset_config.as_deref(), Some("chat"));
+    assert_eq!(hub.data.max_rows, 100);
+    let plain = parse(MINIMAL, &["data.train=hf://datasets/o/n"]).unwrap();
+    assert_eq!(
+        (plain.data.train_split(), plain.data.eval_split()),
+        ("train", "test")
+    );
+    assert_eq!(
+        (plain.data.dataset_config.clone(), plain.data.max_rows),
+        (None, 0)
+    );
+    // dataset_config with only data.eval a whole dataset is fine.
+    parse(
+        MINIMAL,
+        &["data.eval=hf://datasets/o/n", "data.dataset_config=chat"],
+    )
+    .unwrap();
+    for config in [default, c, hub] {
         let text = config.to_toml_string();
         let back = TrainConfig::from_toml_str(&text, "resolved.toml", &[])
             .unwrap_or_else(|e| panic!("{e}\n{text}"));

@@ -191,6 +191,33 @@ fn validate_data(d: &DataSection) -> Checked {
             "is empty; set it to a JSONL file, e.g. \"data/train.jsonl\"",
         );
     }
+    // The split and config keys only mean something for a whole hub dataset.
+    let whole = |p: Option<&std::path::Path>| p.and_then(tallow_hub::whole_dataset).is_some();
+    let (train_whole, eval_whole) = (whole(Some(&d.train)), whole(d.eval.as_deref()));
+    let not_whole = |key: &'static str, source: &str| {
+        bad(
+            key,
+            format!(
+                "is set but {source} is not a whole hub dataset (hf://datasets/OWNER/NAME, \
+                 optionally @REVISION, with no file path); remove {key}, or point {source} at \
+                 a whole dataset"
+            ),
+        )
+    };
+    if d.train_split.is_some() && !train_whole {
+        return not_whole("data.train_split", "data.train");
+    }
+    if d.eval_split.is_some() && !eval_whole {
+        return not_whole("data.eval_split", "data.eval");
+    }
+    if d.dataset_config.is_some() && !train_whole && !eval_whole {
+        return bad(
+            "data.dataset_config",
+            "is set but neither data.train nor data.eval is a whole hub dataset \
+             (hf://datasets/OWNER/NAME, optionally @REVISION, with no file path); remove \
+             data.dataset_config, or point data.train at a whole dataset",
+        );
+    }
     if d.max_seq_len < 2 {
         return bad(
             "data.max_seq_len",
@@ -493,7 +520,19 @@ mod tests {
     }
 
     /// `--set` values that fail validation, and a part of the message each gives.
-    const CASES: [(&str, &str); 42] = [
+    const CASES: [(&str, &str); 45] = [
+        (
+            "data.train_split=validation",
+            "`data.train_split` is set but data.train is not a whole hub dataset",
+        ),
+        (
+            "data.eval_split=test",
+            "`data.eval_split` is set but data.eval is not a whole hub dataset",
+        ),
+        (
+            "data.dataset_config=x",
+            "`data.dataset_config` is set but neither data.train nor data.eval",
+        ),
         ("lora.rank=0", "`lora.rank` must be at least 1"),
         ("lora.alpha=0", "`lora.alpha` must be > 0"),
         ("lora.dropout=1.0", "`lora.dropout` must be in [0, 1)"),
