@@ -438,3 +438,69 @@ fn model_weights(dir: &Path) -> HashMap<String, Tensor> {
     }
     all
 }
+
+/// DPO and ORPO on an NF4 base with DoRA adapters (QDoRA), fresh adapters, AdamW: each runs,
+/// writes a PEFT DoRA adapter, and its loss on the 4 training pairs falls over 8 steps
+/// (DPO from ln 2), with the reward accuracy ending at 1 (measured: DPO eval loss 0.693 ->
+/// 0.006, ORPO 6.25 -> 2.63, accuracy 0 -> 1 for both; the 4 pairs are easily separated, so
+/// this shows the combination trains, not how well).
+#[test]
+fn dpo_and_orpo_train_qdora_adapters() {
+    for method in ["dpo", "orpo"] {
+        let dir = scratch(&format!("pref-qdora-{method}"));
+        let c = config(
+            &dir,
+            "tiny-qwen2",
+            "preference.jsonl",
+            &format!(
+                "method = \"{method}\"\nmax_steps = 8\nmicro_batch_size = 4\ngrad_accum = 1\n\
+                 eval_every = 8"
+            ),
+            "",
+        );
+        let f = fixtures();
+        let data = f.join("data/preference.jsonl");
+        train_ok(
+            &c,
+            &[
+                "--set",
+                "train.optimizer=\"adamw\"",
+                "--set",
+                "train.lr=0.02",
+                "--set",
+                "lora.init=",
+                "--set",
+                "lora.dora=true",
+                "--set",
+                "lora.rank=4",
+                "--set",
+                "model.quantize=\"nf4\"",
+                "--set",
+                &format!("data.eval={}", data.display()),
+            ],
+        );
+        let cfg: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("run/adapter/adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(cfg["use_dora"], true, "{method}");
+        let evals: Vec<(f64, f64)> = std::fs::read_to_string(dir.join("run/metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .filter_map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).ok()?;
+                Some((
+                    v["eval_loss"].as_f64()?,
+                    v["eval_rewards/accuracies"].as_f64()?,
+                ))
+            })
+            .collect();
+        let (first, last) = (evals[0], *evals.last().unwrap());
+        assert!(
+            last.0 < first.0,
+            "{method}: eval loss {first:?} -> {last:?}"
+        );
+        assert_eq!(last.1, 1.0, "{method}: {evals:?}");
+        eprintln!("{method}: {first:?} -> {last:?}");
+    }
+}

@@ -79,8 +79,16 @@ pub fn run(a: TrainArgs) -> Result<()> {
         }
         Event::Step(s) => {
             bar.set_position(s.step as u64);
+            // Preference runs: the step's reward accuracy beside the loss (TRL's
+            // rewards/accuracies).
+            let acc = s
+                .preference
+                .as_ref()
+                .and_then(|p| p.get("rewards/accuracies"))
+                .map(|a| format!("  reward acc {a:.2}"))
+                .unwrap_or_default();
             let mut msg = format!(
-                "loss {:.4}  lr {:.2e}  {:.0} tok/s",
+                "loss {:.4}{acc}  lr {:.2e}  {:.0} tok/s",
                 s.loss, s.lr, s.tokens_per_s
             );
             let p = &s.peak_bytes;
