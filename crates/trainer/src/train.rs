@@ -851,27 +851,15 @@ impl<'a> Session<'a> {
             ops_forward += opcount::since(ops);
             let forward_peak = probe.peak();
             probe.start_phase();
-            let backward = |acc: &mut GradAccumulator| -> Result<(), TrainError> {
-                acc.add(&loss.backward()?)?;
-                // Checkpointed layers hand their parameters' gradients over separately.
-                for store in model.take_checkpoint_grads() {
-                    acc.add(&store)?;
-                }
-                Ok(())
-            };
-            let ops = opcount::mark();
-            self.memory.check(
-                backward(&mut self.acc),
-                "backward",
-                step + 1,
+            ops_backward += backward_micro(
+                &self.memory,
+                &mut self.acc,
+                model,
+                &loss,
+                step,
                 &self.last_checkpoint,
             )?;
-            ops_backward += opcount::since(ops);
-            let nll_value = nll.detach();
-            nll_sum = Some(match nll_sum {
-                Some(acc) => (acc + nll_value)?,
-                None => nll_value,
-            });
+            add_on_device(&mut nll_sum, nll.detach())?;
             drop((hidden, nll, loss));
             peaks = peaks.merge(&PhasePeaks {
                 forward: forward_peak,
@@ -979,30 +967,16 @@ impl<'a> Session<'a> {
             ops_forward += opcount::since(ops);
             let forward_peak = probe.peak();
             probe.start_phase();
-            let backward = |acc: &mut GradAccumulator| -> Result<(), TrainError> {
-                acc.add(&ml.loss.backward()?)?;
-                for store in model.take_checkpoint_grads() {
-                    acc.add(&store)?;
-                }
-                Ok(())
-            };
-            let ops = opcount::mark();
-            self.memory.check(
-                backward(&mut self.acc),
-                "backward",
-                step + 1,
+            ops_backward += backward_micro(
+                &self.memory,
+                &mut self.acc,
+                model,
+                &ml.loss,
+                step,
                 &self.last_checkpoint,
             )?;
-            ops_backward += opcount::since(ops);
-            let value = ml.loss.detach();
-            loss_sum = Some(match loss_sum {
-                Some(acc) => acc.add(&value)?,
-                None => value,
-            });
-            sums = Some(match sums {
-                Some(acc) => acc.add(&ml.sums)?,
-                None => ml.sums.clone(),
-            });
+            add_on_device(&mut loss_sum, ml.loss.detach())?;
+            add_on_device(&mut sums, ml.sums.clone())?;
             drop((hidden, ml));
             peaks = peaks.merge(&PhasePeaks {
                 forward: forward_peak,
@@ -1314,13 +1288,7 @@ impl Session<'_> {
             )));
         }
         let ck = checkpoint::load(&dir, self.device)?;
-        for (name, var) in &self.params {
-            let saved = ck.trainable.get(name).ok_or_else(|| {
-                TrainError::Resume(format!("{}: no tensor `{name}`", dir.display()))
-            })?;
-            var.set(&saved.to_dtype(var.dtype())?)?;
-        }
-        Ok(())
+        set_trainable(&self.params, &ck, &dir)
     }
 }
 
@@ -1455,13 +1423,7 @@ fn resume_from(
     };
     let ck = checkpoint::load(&dir, device)?;
     checkpoint::check_compatible(&ck.state, identity, &dir)?;
-    for (name, var) in params {
-        let saved = ck
-            .trainable
-            .get(name)
-            .ok_or_else(|| TrainError::Resume(format!("{}: no tensor `{name}`", dir.display())))?;
-        var.set(&saved.to_dtype(var.dtype())?)?;
-    }
+    set_trainable(params, &ck, &dir)?;
     opt.load_state(vars, &ck.optimizer)?;
     truncate_metrics(metrics, ck.state.step)?;
     Ok(Some(Resumed {
@@ -1471,6 +1433,54 @@ fn resume_from(
         elapsed_s: ck.state.elapsed_s,
         best_eval: ck.state.best_eval,
     }))
+}
+
+/// Phase "backward" of one micro-batch of step `step` (0-based): the gradients of `loss`, and
+/// those checkpointed layers hand over separately, summed into `acc`, under the memory check.
+/// Returns the tensors Candle created ([`opcount`]).
+fn backward_micro(
+    memory: &Memory,
+    acc: &mut GradAccumulator,
+    model: &CausalLM,
+    loss: &Tensor,
+    step: usize,
+    last_checkpoint: &Option<PathBuf>,
+) -> Result<u64, TrainError> {
+    let ops = opcount::mark();
+    let mut run = || -> Result<(), TrainError> {
+        acc.add(&loss.backward()?)?;
+        for store in model.take_checkpoint_grads() {
+            acc.add(&store)?;
+        }
+        Ok(())
+    };
+    memory.check(run(), "backward", step + 1, last_checkpoint)?;
+    Ok(opcount::since(ops))
+}
+
+/// `sum += value` for a running sum kept on the device (read once at the end of the step).
+fn add_on_device(sum: &mut Option<Tensor>, value: Tensor) -> candle_core::Result<()> {
+    *sum = Some(match sum.take() {
+        Some(acc) => (acc + value)?,
+        None => value,
+    });
+    Ok(())
+}
+
+/// Sets each trainable variable to its tensor in the checkpoint `ck` read from `dir`.
+fn set_trainable(
+    params: &[(String, Var)],
+    ck: &checkpoint::Loaded,
+    dir: &Path,
+) -> Result<(), TrainError> {
+    for (name, var) in params {
+        let saved = ck
+            .trainable
+            .get(name)
+            .ok_or_else(|| TrainError::Resume(format!("{}: no tensor `{name}`", dir.display())))?;
+        var.set(&saved.to_dtype(var.dtype())?)?;
+    }
+    Ok(())
 }
 
 /// `train.tf32`: TF32 tensor cores for f32 matmuls when `device` is CUDA (Candle's switch,
