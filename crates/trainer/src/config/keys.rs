@@ -120,6 +120,8 @@ pub(super) const SECTIONS: [(&str, &[(&str, Kind)]); 5] = [
             ("checkpointing", Kind::Bool),
             ("checkpoint_every", Kind::Uint),
             ("offload_checkpoints", Kind::Bool),
+            ("shard_optimizer", Kind::Bool),
+            ("dist_timeout_s", Kind::Uint),
             ("tf32", Kind::Bool),
             ("threads", Kind::Uint),
             ("push_to_hub", Kind::Str),

@@ -248,6 +248,15 @@ pub struct TrainSection {
     /// device-to-host copy per layer in the forward, one back in the backward); on the CPU it
     /// is accepted and has no effect (the same code runs; the host copy is the tensor itself).
     pub offload_checkpoints: bool,
+    /// Data-parallel runs (`tallow train --nproc N`, mpirun, torchrun, Slurm): each rank keeps
+    /// the optimizer state of 1/N of the trainable tensors, updates those and hands the updated
+    /// weights to the others (ZeRO stage 1, DeepSpeed's `zero_optimization.stage = 1`); default
+    /// false. No effect on one process.
+    pub shard_optimizer: bool,
+    /// Data-parallel runs: a rank that waits this many seconds for the others in one
+    /// collective (a rank died or hangs) stops the whole job with a message (default 600,
+    /// torch's NCCL default).
+    pub dist_timeout_s: usize,
     /// TF32 tensor cores for f32 matmuls on CUDA (default true): an f32 model's matmuls and
     /// the f32 LoRA A/B products (10-bit mantissa inputs, f32 accumulation, as PyTorch's
     /// `allow_tf32`). bf16 / f16 matmuls are unaffected; no effect on the CPU.

@@ -145,6 +145,8 @@ impl Default for TrainSection {
             checkpointing: false,
             checkpoint_every: 1,
             offload_checkpoints: false,
+            shard_optimizer: false,
+            dist_timeout_s: 600,
             tf32: true,
             threads: 0,
             push_to_hub: String::new(),
