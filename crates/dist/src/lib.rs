@@ -10,6 +10,8 @@
 //! [`Dist::all_gather_bytes`]. One process is `Dist::single()`: both are the identity and no
 //! backend is built.
 
+pub mod bootstrap;
+pub mod gpucheck;
 pub mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;

@@ -1,1 +1,322 @@
+//! NCCL collectives for CUDA ranks (cudarc's bindings, the cudarc candle-core uses): one
+//! communicator per rank, on the rank's own GPU, whose collectives run on the Candle device's
+//! stream, so they queue behind the backward pass that made the gradients and ahead of the
+//! optimizer step that reads them, with no host synchronisation of their own.
+//!
+//! Start-up: every rank needs rank 0's NCCL unique id before `ncclCommInitRank`; how it travels
+//! is [`crate::bootstrap`]'s (`TALLOW_NCCL_ID` from `tallow train --nproc`, an MPI broadcast under
+//! mpirun with the `mpi` feature, else TCP through `MASTER_ADDR`:`MASTER_PORT`). The process that
+//! made the id hosts NCCL's own bootstrap root (a thread `ncclGetUniqueId` starts), so it must
+//! live until every rank has joined: rank 0, or the `tallow train --nproc` parent.
+//!
+//! cudarc's `nccl` feature binds NCCL 2.30's API; tallow calls only functions every NCCL 2.x has
+//! (`ncclGetUniqueId`, `ncclCommInitRank`, `ncclCommInitAll`, `ncclAllReduce`, `ncclAllGather`,
+//! `ncclGroupStart/End`, `ncclCommAbort`), so the libnccl.so.2 of `scripts/build_cuda.sh`'s
+//! wheels (2.27 for CUDA 13, 2.21 for CUDA 12.4) serves.
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
+use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::nccl::safe::{group_end, group_start, Comm, Id, ReduceOp};
+
+use crate::bootstrap::{self, ID_BYTES, ID_ENV};
+use crate::gpucheck::{self, GpuCheck};
+use crate::launch::{Launch, Launcher};
+use crate::{Collective, Dist, DistError, Result};
+
+/// A rank's NCCL communicator and the Candle device whose stream it runs on.
+pub struct Nccl {
+    comm: Comm,
+    device: CudaDevice,
+    /// Under mpirun, MPI carried the id; it stays initialized (and is finalized when this
+    /// drops) so that mpirun sees a rank that ends normally.
+    _carrier: IdCarrier,
+}
+
+fn nccl_err(what: String) -> DistError {
+    DistError::Backend {
+        backend: "nccl",
+        what,
+    }
+}
+
+/// An NCCL call's failure, by its `ncclResult_t` name (cudarc's error prints only "NcclError").
+fn failed(call: &str, e: cudarc::nccl::result::NcclError) -> DistError {
+    nccl_err(format!(
+        "{call} failed: {:?} (run with NCCL_DEBUG=WARN, or INFO, for NCCL's own account)",
+        e.0
+    ))
+}
+
+/// A new NCCL unique id as hex, for `tallow train --nproc` to set as `TALLOW_NCCL_ID` in its
+/// ranks' environment. This process then hosts NCCL's bootstrap root: it must outlive the ranks'
+/// start-up (the parent waits for its children, so it does).
+pub fn new_id_hex() -> Result<String> {
+    Ok(bootstrap::id_to_hex(&new_id()?))
+}
+
+fn new_id() -> Result<[u8; ID_BYTES]> {
+    let id = Id::new().map_err(|e| failed("ncclGetUniqueId", e))?;
+    // c_char is i8 on x86-64 and u8 on aarch64: the bytes either way.
+    Ok(id.internal().map(|c| c as u8))
+}
+
+fn id_of(bytes: [u8; ID_BYTES]) -> Id {
+    Id::uninit(bytes.map(|b| b as core::ffi::c_char))
+}
+
+/// This rank's NCCL communicator, on `device` (this rank's GPU: `cuda:LOCAL_RANK`, or `cuda:0`
+/// where the launcher shows each rank one GPU), wrapped in a [`Dist`] whose collectives give up
+/// after `timeout` ([`crate::watchdog`]; the start-up too).
+pub fn init_dist(launch: &Launch, device: &Device, timeout: Duration) -> Result<Dist> {
+    let cuda = cuda_device(device, "the NCCL backend")?;
+    let stream = cuda.cuda_stream();
+    let ordinal = stream.context().ordinal();
+    let visible = CudaContext::device_count().unwrap_or(0);
+    if ordinal != launch.local_rank && visible > 1 {
+        return Err(DistError::Launch(format!(
+            "rank {} (local rank {}) opened cuda:{ordinal}, but each rank must use its own GPU: \
+             cuda:{} (the local rank; `--device cuda` picks it), or one GPU per rank shown by \
+             CUDA_VISIBLE_DEVICES",
+            launch.rank, launch.local_rank, launch.local_rank
+        )));
+    }
+    // The id exchange and ncclCommInitRank both wait for the other ranks: one that never comes
+    // ends this rank after `timeout`, as a hung collective would.
+    let watchdog = crate::watchdog::Watchdog::start(launch.rank, launch.world, timeout);
+    let starting = watchdog.guard("NCCL start-up (the unique id and ncclCommInitRank)");
+    let (id, carrier) = unique_id(launch, timeout)?;
+    // ncclCommInitRank works on the calling thread's current device.
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| nccl_err(format!("binding cuda:{ordinal} to this thread: {e}")))?;
+    let comm = Comm::from_rank(stream, launch.rank, launch.world, id_of(id))
+        .map_err(|e| failed("ncclCommInitRank", e))?;
+    drop(starting);
+    let nccl = Nccl {
+        comm,
+        device: cuda.clone(),
+        _carrier: carrier,
+    };
+    Ok(Dist::new(Box::new(nccl), launch.local_rank, timeout))
+}
+
+/// What carried the id: under mpirun with the `mpi` feature, MPI (kept alive), else nothing.
+#[cfg(feature = "mpi")]
+type IdCarrier = Option<crate::mpi::Mpi>;
+#[cfg(not(feature = "mpi"))]
+type IdCarrier = ();
+
+/// Rank 0's NCCL id on this rank, by the first way that applies (module docs).
+fn unique_id(launch: &Launch, timeout: Duration) -> Result<([u8; ID_BYTES], IdCarrier)> {
+    if let Ok(hex) = std::env::var(ID_ENV) {
+        return Ok((bootstrap::id_from_hex(&hex)?, IdCarrier::default()));
+    }
+    #[cfg(feature = "mpi")]
+    if launch.launcher == Launcher::Mpi {
+        let mpi = crate::mpi::Mpi::init()?;
+        let mut id = [0u8; ID_BYTES];
+        if launch.rank == 0 {
+            id = new_id()?;
+        }
+        mpi.broadcast_bytes(0, &mut id);
+        return Ok((id, Some(mpi)));
+    }
+    let launcher = match launch.launcher {
+        // Without the mpi feature, mpirun's ranks take the TCP path too.
+        Launcher::Mpi => "mpirun (this build has no `mpi` feature to carry the id)",
+        other => other.name(),
+    };
+    let (addr, port) = bootstrap::master_from(&|k| std::env::var(k).ok(), launcher)?;
+    let id = bootstrap::share_id(&addr, port, launch.rank, launch.world, timeout, new_id)?;
+    Ok((id, IdCarrier::default()))
+}
+
+/// The CUDA device of `device`, or an error naming the fix.
+fn cuda_device<'a>(device: &'a Device, what: &str) -> Result<&'a CudaDevice> {
+    match device {
+        Device::Cuda(d) => Ok(d),
+        _ => {
+            Err(DistError::Launch(format!(
+            "{what} sums CUDA tensors, and this one is on {}: train with `--device cuda` (each \
+             rank on cuda:LOCAL_RANK), or run CPU ranks under mpirun with a build that has the \
+             `mpi` feature",
+            if device.is_cpu() { "the CPU" } else { "another device" }
+        )))
+        }
+    }
+}
+
+impl Nccl {
+    fn stream(&self) -> Arc<CudaStream> {
+        self.comm.stream()
+    }
+}
+
+impl Collective for Nccl {
+    fn backend(&self) -> &'static str {
+        "nccl"
+    }
+
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn world(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// `ncclAllReduce` (sum) of `t`'s elements into a new buffer on the same device and stream;
+    /// returns without waiting for it (the device's later work queues behind it).
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        cuda_device(t.device(), "the NCCL all-reduce")?;
+        if !t.device().same_device(&Device::Cuda(self.device.clone())) {
+            return Err(nccl_err(format!(
+                "the tensor is on {:?}, not on this rank's communicator's device cuda:{} (one \
+                 Candle device per rank)",
+                t.device().location(),
+                self.stream().context().ordinal()
+            )));
+        }
+        if t.dtype() != DType::F32 || t.rank() != 1 {
+            return Err(nccl_err(format!(
+                "all_reduce_sum takes a 1-D f32 tensor, got {:?} of shape {:?}",
+                t.dtype(),
+                t.dims()
+            )));
+        }
+        let n = t.elem_count();
+        if n == 0 {
+            return Ok(Tensor::zeros(0, DType::F32, t.device())?);
+        }
+        let (storage, layout) = t.storage_and_layout();
+        // A narrowed tensor starts inside its buffer: the view from its offset.
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            return Err(nccl_err(
+                "all_reduce_sum takes a contiguous tensor (call .contiguous() first)".into(),
+            ));
+        };
+        let Storage::Cuda(cuda) = &*storage else {
+            unreachable!("a CUDA device's tensor has CUDA storage")
+        };
+        let src = cuda.as_cuda_slice::<f32>()?.slice(start..end);
+        // SAFETY: every element is written by the all-reduce before anything reads it (it is
+        // queued on the same stream as any later reader).
+        let mut dst = unsafe { self.device.alloc::<f32>(n) }?;
+        self.comm
+            .all_reduce(&src, &mut dst, &ReduceOp::Sum)
+            .map_err(|e| failed("ncclAllReduce", e))?;
+        drop(src);
+        drop(storage);
+        let out = CudaStorage::wrap_cuda_slice(dst, self.device.clone());
+        Ok(Tensor::from_storage(
+            Storage::Cuda(out),
+            n,
+            BackpropOp::none(),
+            false,
+        ))
+    }
+
+    /// Each rank's length first (one `ncclAllGather` of a u64), then the bytes padded to the
+    /// longest (a second), on this rank's device; the two copies back to the host wait for them.
+    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let world = self.world();
+        let stream = self.stream();
+        let gather = |send: &[u8], per_rank: usize| -> Result<Vec<u8>> {
+            let send = stream
+                .clone_htod(send)
+                .map_err(|e| nccl_err(format!("copying to the device: {e}")))?;
+            let mut recv = stream
+                .alloc_zeros::<u8>(per_rank * world)
+                .map_err(|e| nccl_err(format!("allocating {} bytes: {e}", per_rank * world)))?;
+            self.comm
+                .all_gather(&send, &mut recv)
+                .map_err(|e| failed("ncclAllGather", e))?;
+            stream
+                .clone_dtoh(&recv)
+                .map_err(|e| nccl_err(format!("copying to the host: {e}")))
+        };
+        let lens: Vec<usize> = gather(&(mine.len() as u64).to_le_bytes(), 8)?
+            .chunks_exact(8)
+            .map(|b| u64::from_le_bytes(b.try_into().unwrap()) as usize)
+            .collect();
+        let longest = lens.iter().copied().max().unwrap_or(0);
+        if longest == 0 {
+            return Ok(vec![Vec::new(); world]);
+        }
+        let mut padded = mine.to_vec();
+        padded.resize(longest, 0);
+        let all = gather(&padded, longest)?;
+        Ok(lens
+            .iter()
+            .enumerate()
+            .map(|(r, &len)| all[r * longest..r * longest + len].to_vec())
+            .collect())
+    }
+}
+
+/// `tallow doctor`: one all-reduce (sum) of `elements` f32 over every visible GPU, driven from
+/// this process (`ncclCommInitAll`, one grouped `ncclAllReduce` per GPU), GPU i holding
+/// [`gpucheck::value`]`(i, j)`, compared element by element with [`gpucheck::sum`]. The result
+/// is copied back from every GPU; the first difference is reported.
+pub fn check_all_gpus(elements: usize) -> Result<GpuCheck> {
+    let cuda = |what: &str, e: cudarc::driver::DriverError| nccl_err(format!("{what}: {e}"));
+    let gpus = CudaContext::device_count().map_err(|e| cuda("counting GPUs", e))? as usize;
+    if gpus < 2 {
+        return Ok(GpuCheck::Skipped(format!(
+            "{gpus} GPU visible: the all-reduce between GPUs needs 2 or more (CUDA_VISIBLE_DEVICES)"
+        )));
+    }
+    let streams = (0..gpus)
+        .map(|i| {
+            CudaContext::new(i)
+                .and_then(|c| c.new_stream())
+                .map_err(|e| cuda(&format!("opening cuda:{i}"), e))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut sends = Vec::with_capacity(gpus);
+    let mut recvs = Vec::with_capacity(gpus);
+    for (i, s) in streams.iter().enumerate() {
+        let host: Vec<f32> = (0..elements).map(|j| gpucheck::value(i, j)).collect();
+        sends.push(
+            s.clone_htod(&host)
+                .map_err(|e| cuda("copying to the GPU", e))?,
+        );
+        recvs.push(
+            s.alloc_zeros::<f32>(elements)
+                .map_err(|e| cuda("allocating", e))?,
+        );
+    }
+    let comms = Comm::from_devices(streams.clone()).map_err(|e| failed("ncclCommInitAll", e))?;
+    // One thread drives every GPU: the calls must be grouped, or the first would wait for the
+    // others forever.
+    group_start().map_err(|e| failed("ncclGroupStart", e))?;
+    let queued: Vec<_> = comms
+        .iter()
+        .zip(sends.iter().zip(recvs.iter_mut()))
+        .map(|(comm, (send, recv))| comm.all_reduce(send, recv, &ReduceOp::Sum))
+        .collect();
+    group_end().map_err(|e| failed("ncclGroupEnd", e))?;
+    for q in queued {
+        q.map_err(|e| failed("ncclAllReduce", e))?;
+    }
+    for (i, (s, recv)) in streams.iter().zip(&recvs).enumerate() {
+        let got = s
+            .clone_dtoh(recv)
+            .map_err(|e| cuda("copying from the GPU", e))?;
+        if let Some(m) = gpucheck::first_mismatch(i, gpus, &got) {
+            return Ok(GpuCheck::Ran {
+                gpus,
+                mismatch: Some(m),
+            });
+        }
+    }
+    Ok(GpuCheck::Ran {
+        gpus,
+        mismatch: None,
+    })
+}
