@@ -24,8 +24,9 @@
 #                 toolchain is needed on the GPU machine: only the built binary.
 #   PY=python     a Python with torch, transformers, peft (QLoRA: bitsandbytes, accelerate); as
 #                 in scripts/requirements-fixtures.txt, with a CUDA torch on the GPU machine. Its
-#                 `nvidia/cu13/lib`, when present, is put on tallow's LD_LIBRARY_PATH (the CUDA 13
-#                 libraries scripts/build_cuda.sh links against).
+#                 `nvidia/cu13/lib` and `nvidia/nccl/lib`, when present, are put on tallow's
+#                 LD_LIBRARY_PATH (the CUDA 13 libraries and NCCL scripts/build_cuda.sh links
+#                 against).
 #   WORK=dir      models and cell outputs (default target/bench-cuda; smoke: target/bench-cuda-smoke)
 #   MAKE=path     make the models with a carried `make-random-model` binary instead of Python
 #   COMMIT=sha    recorded in the header when the copy has no .git
@@ -121,6 +122,9 @@ TALLOW_LD=${LD_LIBRARY_PATH:-}
 if [ "$DEVICE" = cuda ]; then
   CU13=$($PY -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))' 2>/dev/null || true)
   [ -n "$CU13" ] && [ -d "$CU13" ] && TALLOW_LD=$CU13${TALLOW_LD:+:$TALLOW_LD}
+  # libnccl.so.2 (tallow-cuda is built with the `nccl` feature): its own wheel's folder.
+  NCCL=${CU13%/cu13/lib}/nccl/lib
+  [ -n "$CU13" ] && [ -d "$NCCL" ] && TALLOW_LD=$NCCL:$TALLOW_LD
 fi
 tallow() { LD_LIBRARY_PATH=$TALLOW_LD "$TALLOW" "$@"; }
 TALLOW_VERSION=$(tallow --version 2>&1 | head -1) || {

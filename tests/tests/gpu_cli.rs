@@ -305,4 +305,11 @@ fn doctor_on_the_cpu_passes_every_check_and_prints_json() {
         );
     }
     assert_eq!(v["build"]["cuda"], false);
+    // The CPU build has no NCCL: the multi-GPU check is skipped, saying how to get it.
+    assert_eq!(v["build"]["nccl"], false);
+    assert_eq!(v["nccl"]["status"], "skip");
+    assert_eq!(
+        v["nccl"]["line"],
+        "nccl all-reduce: skipped: not built with nccl (scripts/build_cuda.sh builds it)"
+    );
 }

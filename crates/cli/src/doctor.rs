@@ -1,9 +1,11 @@
 //! `tallow doctor`: what this build is, what the machine has, and whether every op of a
-//! training step gives the CPU's answer on the chosen device. The first thing to run on a new
+//! training step gives the CPU's answer on the chosen device; with the `nccl` feature and two
+//! or more GPUs, also an NCCL all-reduce across all of them. The first thing to run on a new
 //! GPU; exit 1 when any check fails.
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device};
+use tallow_dist::gpucheck::GpuCheck;
 use tallow_trainer::doctor::{self_test, Report};
 use tallow_trainer::memory::human_bytes;
 
@@ -16,6 +18,7 @@ fn build() -> serde_json::Value {
     serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
         "cuda": cfg!(feature = "cuda"),
+        "nccl": cfg!(feature = "nccl"),
         // The PTX target of the CUDA kernels (build-time CUDA_COMPUTE_CAP; 80 by default).
         "cuda_compute_cap": option_env!("CUDA_COMPUTE_CAP").unwrap_or(if cfg!(feature = "cuda") { "80" } else { "" }),
         "cuda_toolkit": toolkit(),
@@ -60,6 +63,45 @@ fn driver() -> serde_json::Value {
         }),
         Err(why) => serde_json::json!({ "missing": why }),
     }
+}
+
+/// f32 elements of the multi-GPU all-reduce: 4 MiB per GPU, past NCCL's small-message
+/// protocols, and not a multiple of any chunk size.
+#[cfg(feature = "nccl")]
+const NCCL_CHECK_ELEMENTS: usize = (1 << 20) + 3;
+
+/// How long the multi-GPU all-reduce may take: a broken link between GPUs makes NCCL hang,
+/// not fail.
+#[cfg(feature = "nccl")]
+const NCCL_CHECK_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// The multi-GPU check: an NCCL all-reduce of known values over every visible GPU, from this
+/// process, compared with the exact sum ([`tallow_dist::gpucheck`]).
+#[cfg(feature = "nccl")]
+fn nccl_check() -> std::result::Result<GpuCheck, String> {
+    use std::sync::mpsc::RecvTimeoutError;
+    let (tx, rx) = std::sync::mpsc::channel();
+    // On its own thread, so a hang is reported rather than waited out; a hung thread ends with
+    // the process.
+    std::thread::spawn(move || {
+        let _ = tx.send(
+            tallow_dist::nccl::check_all_gpus(NCCL_CHECK_ELEMENTS).map_err(|e| e.to_string()),
+        );
+    });
+    match rx.recv_timeout(NCCL_CHECK_WAIT) {
+        Ok(r) => r,
+        Err(RecvTimeoutError::Timeout) => Err(format!(
+            "no result within {} s: NCCL hangs between these GPUs (NCCL_DEBUG=INFO says where; \
+             NCCL_P2P_DISABLE=1 tries without peer-to-peer copies)",
+            NCCL_CHECK_WAIT.as_secs()
+        )),
+        Err(RecvTimeoutError::Disconnected) => Err("the check panicked".into()),
+    }
+}
+
+#[cfg(not(feature = "nccl"))]
+fn nccl_check() -> std::result::Result<GpuCheck, String> {
+    Ok(GpuCheck::Skipped(tallow_dist::gpucheck::NOT_BUILT.into()))
 }
 
 pub fn run(a: DoctorArgs) -> Result<()> {
@@ -127,11 +169,16 @@ pub fn run(a: DoctorArgs) -> Result<()> {
         println!();
     }
     let report: Report = self_test(&device, &dtypes);
+    let nccl = nccl_check();
+    let (nccl_status, nccl_line) = GpuCheck::line(&nccl);
+    let ok = report.ok && nccl_status != "FAIL";
     if a.json {
         let mut v = serde_json::to_value(&report)?;
+        v["ok"] = ok.into();
         v["build"] = build;
         v["driver"] = driver;
         v["device"] = describe(&device).into();
+        v["nccl"] = serde_json::json!({ "status": nccl_status, "line": nccl_line });
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         for c in &report.checks {
@@ -147,12 +194,18 @@ pub fn run(a: DoctorArgs) -> Result<()> {
                     .unwrap_or_default()
             );
         }
-        let failed = report.checks.iter().filter(|c| !c.ok).count();
+        println!("{nccl_status:<4}  {nccl_line}");
+        let ran = report.checks.len() + usize::from(nccl_status != "skip");
+        let failed =
+            report.checks.iter().filter(|c| !c.ok).count() + usize::from(nccl_status == "FAIL");
         println!();
-        println!("{} checks, {failed} failed", report.checks.len());
+        println!("{ran} checks, {failed} failed");
     }
     if !report.ok {
         bail!("tallow doctor: a check failed on {}", describe(&device));
+    }
+    if !ok {
+        bail!("tallow doctor: {nccl_line}");
     }
     Ok(())
 }

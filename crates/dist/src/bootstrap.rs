@@ -78,9 +78,36 @@ pub fn id_from_hex(hex: &str) -> Result<[u8; ID_BYTES]> {
     Ok(id)
 }
 
+/// Where rank 0 serves the id over TCP.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Master {
+    pub addr: String,
+    pub port: u16,
+    /// How the variables give it, for messages: `MASTER_ADDR:MASTER_PORT`, or
+    /// `MASTER_ADDR:MASTER_PORT+1` under torchrun, whose agent holds MASTER_PORT itself.
+    pub named: &'static str,
+}
+
+impl Master {
+    /// `addr:port` as `MASTER_ADDR:MASTER_PORT` give it.
+    pub fn new(addr: &str, port: u16) -> Master {
+        Master {
+            addr: addr.to_string(),
+            port,
+            named: "MASTER_ADDR:MASTER_PORT",
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!("{} = {}:{}", self.named, self.addr, self.port)
+    }
+}
+
 /// Rank 0's host and port for the TCP exchange, from `MASTER_ADDR` and `MASTER_PORT` as `get`
-/// returns them (torchrun sets both; under srun the job script exports them).
-pub fn master_from(get: &dyn Fn(&str) -> Option<String>, launcher: &str) -> Result<(String, u16)> {
+/// returns them (torchrun sets both; under srun the job script exports them). torchrun's agent
+/// serves its own TCPStore on MASTER_PORT and tells its workers so
+/// (`TORCHELASTIC_USE_AGENT_STORE=True`): then the id goes through the next port.
+pub fn master_from(get: &dyn Fn(&str) -> Option<String>, launcher: &str) -> Result<Master> {
     let addr = get("MASTER_ADDR").filter(|a| !a.trim().is_empty());
     let port = get("MASTER_PORT").filter(|p| !p.trim().is_empty());
     let (addr, port) = match (addr, port) {
@@ -102,21 +129,38 @@ pub fn master_from(get: &dyn Fn(&str) -> Option<String>, launcher: &str) -> Resu
             )));
         }
     };
-    let port = port.trim().parse::<u16>().map_err(|_| {
-        launch_err(format!(
-            "MASTER_PORT={port:?} is not a TCP port number (1-65535)"
-        ))
-    })?;
-    Ok((addr.trim().to_string(), port))
+    let port = port
+        .trim()
+        .parse::<u16>()
+        .ok()
+        .filter(|&p| p > 0)
+        .ok_or_else(|| {
+            launch_err(format!(
+                "MASTER_PORT={port:?} is not a TCP port number (1-65535)"
+            ))
+        })?;
+    let agent_store =
+        get("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
+    let mut master = Master::new(addr.trim(), port);
+    if agent_store {
+        master.port = port.checked_add(1).ok_or_else(|| {
+            launch_err(
+                "MASTER_PORT=65535: under torchrun the NCCL id goes through MASTER_PORT+1; \
+                 pick a lower --master-port"
+                    .into(),
+            )
+        })?;
+        master.named = "MASTER_ADDR:MASTER_PORT+1 (torchrun's agent holds MASTER_PORT)";
+    }
+    Ok(master)
 }
 
 /// NCCL's id on every rank: rank 0 makes it (`make_id`, called on rank 0 only) and serves it on
-/// `port` until each of the other `world - 1` ranks has fetched it; the others connect to
-/// `addr:port`, retrying until `timeout` (rank 0 may start later than they do). Errors name
+/// `master.port` until each of the other `world - 1` ranks has fetched it; the others connect
+/// to `master`, retrying until `timeout` (rank 0 may start later than they do). Errors name
 /// `MASTER_ADDR:MASTER_PORT`, the address, the ranks missing and the timeout.
 pub fn share_id(
-    addr: &str,
-    port: u16,
+    master: &Master,
     rank: usize,
     world: usize,
     timeout: Duration,
@@ -125,24 +169,24 @@ pub fn share_id(
     let deadline = Instant::now() + timeout;
     if rank == 0 {
         let id = make_id()?;
-        serve(addr, port, world, &id, deadline, timeout)?;
+        serve(master, world, &id, deadline, timeout)?;
         Ok(id)
     } else {
-        fetch(addr, port, rank, world, deadline, timeout)
+        fetch(master, rank, world, deadline, timeout)
     }
 }
 
 /// Rank 0: listens on `port` (all addresses of `addr`'s family) and answers each other rank
 /// once.
 fn serve(
-    addr: &str,
-    port: u16,
+    master: &Master,
     world: usize,
     id: &[u8; ID_BYTES],
     deadline: Instant,
     timeout: Duration,
 ) -> Result<()> {
-    let at = format!("MASTER_ADDR:MASTER_PORT = {addr}:{port}");
+    let (addr, port) = (master.addr.as_str(), master.port);
+    let at = master.describe();
     // Every interface, as torch's TCPStore does: MASTER_ADDR is how the others reach this host,
     // which may be a name this host does not resolve to itself.
     let v6 = resolve(addr, port)
@@ -267,14 +311,14 @@ enum Attempt {
 
 /// A rank other than 0: connects to rank 0 (retrying until the deadline) and reads the id.
 fn fetch(
-    addr: &str,
-    port: u16,
+    master: &Master,
     rank: usize,
     world: usize,
     deadline: Instant,
     timeout: Duration,
 ) -> Result<[u8; ID_BYTES]> {
-    let at = format!("MASTER_ADDR:MASTER_PORT = {addr}:{port}");
+    let (addr, port) = (master.addr.as_str(), master.port);
+    let at = master.describe();
     let mut last = String::from("no attempt");
     let mut pause = Duration::from_millis(20);
     loop {
@@ -396,14 +440,21 @@ mod tests {
         let others: Vec<_> = (1..3)
             .map(|r| {
                 std::thread::spawn(move || {
-                    share_id("127.0.0.1", port, r, 3, timeout, || {
+                    share_id(&Master::new("127.0.0.1", port), r, 3, timeout, || {
                         panic!("only rank 0 makes the id")
                     })
                 })
             })
             .collect();
         std::thread::sleep(Duration::from_millis(300));
-        let zero = share_id("127.0.0.1", port, 0, 3, timeout, || Ok(blob())).unwrap();
+        let zero = share_id(
+            &Master::new("127.0.0.1", port),
+            0,
+            3,
+            timeout,
+            || Ok(blob()),
+        )
+        .unwrap();
         assert_eq!(zero, blob());
         for (r, t) in others.into_iter().enumerate() {
             assert_eq!(t.join().unwrap().unwrap(), blob(), "rank {}", r + 1);
@@ -415,12 +466,19 @@ mod tests {
         let port = free_port();
         let timeout = Duration::from_millis(600);
         let start = Instant::now();
-        let e = share_id("127.0.0.1", port, 1, 2, timeout, || unreachable!())
-            .unwrap_err()
-            .to_string();
+        let e = share_id(
+            &Master::new("127.0.0.1", port),
+            1,
+            2,
+            timeout,
+            || unreachable!(),
+        )
+        .unwrap_err()
+        .to_string();
         let took = start.elapsed();
         assert!(
-            took >= timeout && took < timeout + Duration::from_secs(2),
+            // The last attempt is cut to the time left: the overshoot is scheduling only.
+            took >= timeout && took < timeout + Duration::from_millis(500),
             "{took:?}"
         );
         assert!(
@@ -434,15 +492,35 @@ mod tests {
     fn rank_zero_names_the_ranks_that_never_came_and_refuses_strangers() {
         let port = free_port();
         let timeout = Duration::from_millis(1500);
-        let zero =
-            std::thread::spawn(move || share_id("127.0.0.1", port, 0, 4, timeout, || Ok(blob())));
+        let zero = std::thread::spawn(move || {
+            share_id(
+                &Master::new("127.0.0.1", port),
+                0,
+                4,
+                timeout,
+                || Ok(blob()),
+            )
+        });
         // Rank 2 comes; a rank of a job of 5 and a plain client are refused, not counted.
-        let two = share_id("127.0.0.1", port, 2, 4, timeout, || unreachable!()).unwrap();
+        let two = share_id(
+            &Master::new("127.0.0.1", port),
+            2,
+            4,
+            timeout,
+            || unreachable!(),
+        )
+        .unwrap();
         assert_eq!(two, blob());
         let start = Instant::now();
-        let stranger = share_id("127.0.0.1", port, 1, 5, timeout, || unreachable!())
-            .unwrap_err()
-            .to_string();
+        let stranger = share_id(
+            &Master::new("127.0.0.1", port),
+            1,
+            5,
+            timeout,
+            || unreachable!(),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(start.elapsed() < timeout, "a refusal is final, not retried");
         assert!(
             stranger.contains("refused this rank: rank 1 says the job has 5 ranks, rank 0 says 4"),
@@ -512,7 +590,19 @@ mod tests {
         let both = vars(&[("MASTER_ADDR", "node1"), ("MASTER_PORT", "29500")]);
         assert_eq!(
             master_from(&|k| both.get(k).cloned(), "srun").unwrap(),
-            ("node1".to_string(), 29500)
+            Master::new("node1", 29500)
+        );
+        // torchrun's agent serves its store on MASTER_PORT: the id takes the next port.
+        let torchrun = vars(&[
+            ("MASTER_ADDR", "node1"),
+            ("MASTER_PORT", "29500"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+        ]);
+        let m = master_from(&|k| torchrun.get(k).cloned(), "torchrun").unwrap();
+        assert_eq!((m.addr.as_str(), m.port), ("node1", 29501));
+        assert!(
+            m.describe().starts_with("MASTER_ADDR:MASTER_PORT+1"),
+            "{m:?}"
         );
     }
 }

@@ -82,9 +82,9 @@ mod tests {
                     assert_eq!(s, sum(gpus, j), "{gpus} GPUs, element {j}");
                 }
                 // One GPU's share dropped or doubled, or the neighbouring element's values.
-                for g in 0..gpus {
-                    assert_ne!(forward - parts[g], sum(gpus, j));
-                    assert_ne!(forward + parts[g], sum(gpus, j));
+                for p in &parts {
+                    assert_ne!(forward - p, sum(gpus, j));
+                    assert_ne!(forward + p, sum(gpus, j));
                 }
                 assert_ne!(sum(gpus, j + 1), sum(gpus, j));
             }

@@ -9,6 +9,13 @@
 //! made the id hosts NCCL's own bootstrap root (a thread `ncclGetUniqueId` starts), so it must
 //! live until every rank has joined: rank 0, or the `tallow train --nproc` parent.
 //!
+//! The stream: Candle opens a device on CUDA's per-thread default stream, and NCCL, handed that
+//! stream, launches on the calling thread's one (its blocking `ncclCommInitRank` mode does; see
+//! NVIDIA/nccl#1976 for the non-blocking mode, which would not). So the collectives must be
+//! called from the thread that runs the training step's tensor ops, as the trainer does.
+//! `tallow doctor`'s check, one thread driving every GPU, makes a stream of its own per GPU
+//! instead (cupy#4322: `ncclCommInitAll` with the per-thread stream fails).
+//!
 //! cudarc's `nccl` feature binds NCCL 2.30's API; tallow calls only functions every NCCL 2.x has
 //! (`ncclGetUniqueId`, `ncclCommInitRank`, `ncclCommInitAll`, `ncclAllReduce`, `ncclAllGather`,
 //! `ncclGroupStart/End`, `ncclCommAbort`), so the libnccl.so.2 of `scripts/build_cuda.sh`'s
@@ -131,24 +138,23 @@ fn unique_id(launch: &Launch, timeout: Duration) -> Result<([u8; ID_BYTES], IdCa
         Launcher::Mpi => "mpirun (this build has no `mpi` feature to carry the id)",
         other => other.name(),
     };
-    let (addr, port) = bootstrap::master_from(&|k| std::env::var(k).ok(), launcher)?;
-    let id = bootstrap::share_id(&addr, port, launch.rank, launch.world, timeout, new_id)?;
+    let master = bootstrap::master_from(&|k| std::env::var(k).ok(), launcher)?;
+    let id = bootstrap::share_id(&master, launch.rank, launch.world, timeout, new_id)?;
     Ok((id, IdCarrier::default()))
 }
 
 /// The CUDA device of `device`, or an error naming the fix.
 fn cuda_device<'a>(device: &'a Device, what: &str) -> Result<&'a CudaDevice> {
-    match device {
-        Device::Cuda(d) => Ok(d),
-        _ => {
-            Err(DistError::Launch(format!(
-            "{what} sums CUDA tensors, and this one is on {}: train with `--device cuda` (each \
-             rank on cuda:LOCAL_RANK), or run CPU ranks under mpirun with a build that has the \
-             `mpi` feature",
-            if device.is_cpu() { "the CPU" } else { "another device" }
-        )))
-        }
-    }
+    let on = match device {
+        Device::Cuda(d) => return Ok(d),
+        Device::Cpu => "the CPU",
+        _ => "another device",
+    };
+    Err(DistError::Launch(format!(
+        "{what} sums CUDA tensors, and this one is on {on}: train with `--device cuda` (each \
+         rank on cuda:LOCAL_RANK), or run CPU ranks under mpirun with a build that has the \
+         `mpi` feature"
+    )))
 }
 
 impl Nccl {
