@@ -190,6 +190,11 @@ pub struct TrainArgs {
     /// breakdown and a plan that fits. On CUDA the device's own memory is the limit anyway.
     #[arg(long, value_name = "SIZE")]
     pub memory_limit: Option<String>,
+    /// Data parallel: start N local ranks of this run (one per GPU; CPU ranks through mpirun),
+    /// each with `micro_batch_size` x `grad_accum` rows of every step. Under mpirun, torchrun
+    /// or srun, leave it out: each process joins as the rank its launcher gives it.
+    #[arg(long, value_name = "N")]
+    pub nproc: Option<usize>,
 }
 
 #[derive(clap::Args, Debug)]
