@@ -376,7 +376,13 @@ fn cpu_ranks_without_mpirun_are_refused() {
     let dir = scratch("dp-torchrun-cpu");
     let cfg = config(&dir, false, "grad_accum = 1");
     let out = Command::new(tallow_bin())
-        .args(["train", "--config", cfg.to_str().unwrap(), "--set", "train.device=cpu"])
+        .args([
+            "train",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--set",
+            "train.device=cpu",
+        ])
         .env("RANK", "0")
         .env("WORLD_SIZE", "2")
         .output()
@@ -384,8 +390,7 @@ fn cpu_ranks_without_mpirun_are_refused() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
-        stderr.contains("CPU ranks talk through MPI")
-            && stderr.contains("tallow train --nproc 2"),
+        stderr.contains("CPU ranks talk through MPI") && stderr.contains("tallow train --nproc 2"),
         "{stderr}"
     );
     assert!(!dir.join("run/metrics.jsonl").exists(), "nothing trained");

@@ -1097,7 +1097,15 @@ fn data_parallel_without_mpi_says_how_to_get_it() {
     let a = scratch("dp-no-mpi");
     let c = config(&a, "tiny-llama", "rank = 4\nalpha = 8", "max_steps = 1");
     let c = c.to_str().unwrap();
-    let r = tallow(["train", "--config", c, "--nproc", "2", "--set", "train.device=cpu"]);
+    let r = tallow([
+        "train",
+        "--config",
+        c,
+        "--nproc",
+        "2",
+        "--set",
+        "train.device=cpu",
+    ]);
     assert_ne!(r.code, 0);
     assert!(
         r.stderr.contains("--nproc 2 on the CPU")
