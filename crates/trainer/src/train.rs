@@ -978,6 +978,7 @@ impl<'a> Session<'a> {
         let mut sums: Option<Tensor> = None;
         let mut peaks = PhasePeaks::default();
         let model = &self.model;
+        #[allow(clippy::type_complexity)]
         let micros: Vec<(&[(&Row, &Row)], &[usize])> = step_pairs
             .chunks(t.micro_batch_size)
             .zip(pair_ids.chunks(t.micro_batch_size))
@@ -1364,10 +1365,8 @@ impl Session<'_> {
             grads.push(sums.clone());
         }
         let mut all = self.dist.all_reduce_sum(grads, "the gradient all-reduce")?;
-        let preference = match preference {
-            Some((_, pairs, tokens)) => Some((all.pop().expect("sums"), pairs, tokens)),
-            None => None,
-        };
+        let preference =
+            preference.map(|(_, pairs, tokens)| (all.pop().expect("sums"), pairs, tokens));
         let nll_sum = all.pop().expect("loss sum");
         debug_assert_eq!(all.len(), n);
         Ok((all, nll_sum, preference))
