@@ -600,7 +600,7 @@ fn grad_detail(cfg: &TrainConfig, phase: &str) -> String {
     let acc = if cfg.train.grad_accum > 1 {
         format!("f32 sums over {} micro-batches", cfg.train.grad_accum)
     } else {
-        "f32 sums".into()
+        "f32 sums (f32 gradients are their own sums: no copy)".into()
     };
     match phase {
         "forward" if cfg.train.grad_accum > 1 => acc,
@@ -929,7 +929,13 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     } else {
         var_bytes * tp
     };
-    let at_add = acc + layer_grads;
+    // One micro-batch of f32 gradients: `GradAccumulator::add` keeps each as the step's sum
+    // (to_dtype to f32 is no copy), so adding allocates nothing: the sums are the gradients.
+    let at_add = if cfg.train.grad_accum == 1 && var_bytes == 4 {
+        acc
+    } else {
+        acc + layer_grads
+    };
     let (grads_backward, workspace_backward) = if at_add >= end_of_backward + in_flight {
         (at_add, 0)
     } else {
