@@ -177,6 +177,9 @@ pub fn tallow_bin() -> PathBuf {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut cmd = std::process::Command::new(cargo);
         cmd.args(["build", "--quiet", "-p", "tallow", "--bin", "tallow"]);
+        if cfg!(feature = "mpi") {
+            cmd.args(["--features", "tallow/mpi"]);
+        }
         if profile_dir.file_name().is_some_and(|n| n == "release") {
             cmd.arg("--release");
         }

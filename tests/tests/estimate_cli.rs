@@ -241,6 +241,151 @@ fn a_budget_that_fits_gives_the_largest_micro_batch_that_fits() {
     assert!(r.stdout.contains(&want), "{}", r.stdout);
 }
 
+/// The trainable tensors' element counts as `tallow train` hands them to its optimizer (and to
+/// the gradient all-reduce): the loaded model's `named_params` for a full fine-tune, the
+/// attached adapters' `lora_vars` for LoRA.
+fn loaded_trainable_sizes(model: &Path, config: &Path, full: bool) -> Vec<usize> {
+    use candle_core::{DType, Device};
+    use tallow_model::{attach_lora, lora_vars, LoadOptions};
+    let opts = LoadOptions {
+        train_base: full,
+        ..LoadOptions::frozen(DType::F32, &Device::Cpu)
+    };
+    let (mut m, _) = tallow_model::load(model, &opts, None).unwrap();
+    if full {
+        return m
+            .named_params()
+            .into_iter()
+            .filter_map(|(_, p)| p.var().map(|v| v.elem_count()))
+            .collect();
+    }
+    let cfg = tallow_trainer::config::TrainConfig::load(config, &[]).unwrap();
+    attach_lora(&mut m, &cfg.lora.spec(), 0).unwrap();
+    lora_vars(&m).iter().map(|(_, v)| v.elem_count()).collect()
+}
+
+/// `--nproc N`: the estimate is one rank's. Without train.shard_optimizer every rank keeps all
+/// the state, and only the optimizer phase changes: the gradient all-reduce's two f32 buckets
+/// (DDP's 25 MiB, here computed from the loaded model's tensors), or the update's temporaries
+/// after it, whichever is larger. With it, the optimizer state is the share `tallow_dist::owners`
+/// gives the rank the estimate names (the largest share), over the same tensors. With N = 1 no
+/// rank field and no all-reduce line.
+#[test]
+fn per_rank_estimate_all_reduce_and_sharded_optimizer_state() {
+    let dir = scratch("estimate-ranks");
+    let model = small_model(&dir);
+    let config = write_config(&dir, &model, "");
+    for full in [false, true] {
+        let method: &[&str] = if full {
+            &["--set", "train.method=full"]
+        } else {
+            &[]
+        };
+        let sizes = loaded_trainable_sizes(&model, &config, full);
+        let params: usize = sizes.iter().sum();
+        let one = estimate_json(&config, method);
+        assert!(one.get("ranks").is_none(), "{one}");
+        assert!(one["components"].get("all_reduce").is_none(), "{one}");
+        let state = |v: &serde_json::Value| v["components"]["optimizer_state"].as_u64().unwrap();
+        assert_eq!(
+            state(&one),
+            8 * params as u64,
+            "adamw: 8 bytes per parameter"
+        );
+
+        // The all-reduce: consecutive tensors in buckets of up to 25 MiB of f32.
+        let cap = (25 << 20) / 4;
+        let (mut largest, mut bucket) = (0usize, 0usize);
+        for &n in &sizes {
+            if bucket > 0 && bucket + n > cap {
+                bucket = 0;
+            }
+            bucket += n;
+            largest = largest.max(bucket);
+        }
+        let all_reduce = 2 * 4 * largest as u64;
+        let update = 6 * 4 * *sizes.iter().max().unwrap() as u64; // adamw's f32 temporaries
+        let two = estimate_json(&config, &[method, &["--nproc", "2"]].concat());
+        assert_eq!(
+            two["ranks"]["all_reduce_bytes"], all_reduce,
+            "{}",
+            two["ranks"]
+        );
+        assert_eq!(
+            state(&two),
+            state(&one),
+            "not sharded: all the state on every rank"
+        );
+        for phase in ["load", "forward", "backward"] {
+            assert_eq!(two["phases"][phase], one["phases"][phase], "{phase}");
+        }
+        let opt = |v: &serde_json::Value| v["phases"]["optimizer"].as_u64().unwrap();
+        assert_eq!(
+            opt(&two),
+            opt(&one) - update + update.max(all_reduce),
+            "full {full}: all-reduce {all_reduce}, update {update}"
+        );
+        if !full {
+            assert!(
+                all_reduce > update,
+                "LoRA: the all-reduce is the high point"
+            );
+            assert!(opt(&two) > opt(&one));
+        }
+
+        for world in [2usize, 4] {
+            let v = estimate_json(
+                &config,
+                &[
+                    method,
+                    &[
+                        "--nproc",
+                        &world.to_string(),
+                        "--set",
+                        "train.shard_optimizer=true",
+                    ],
+                ]
+                .concat(),
+            );
+            let r = &v["ranks"];
+            let owner = tallow_dist::owners(&sizes, world);
+            let mut share = vec![0u64; world];
+            for (i, &n) in sizes.iter().enumerate() {
+                share[owner[i]] += 8 * n as u64;
+            }
+            let rank = r["rank"].as_u64().unwrap() as usize;
+            assert_eq!(state(&v), share[rank], "full {full}, {world} ranks: {r}");
+            assert_eq!(share[rank], *share.iter().max().unwrap(), "{share:?}");
+            assert_eq!(r["state_bytes"], share[rank]);
+            assert_eq!(r["unsharded_state_bytes"], 8 * params as u64);
+            assert!(state(&v) < state(&one) * 2 / world as u64 + 1, "{share:?}");
+        }
+    }
+
+    // The table says it is per rank, and whose share.
+    let r = tallow([
+        "estimate",
+        "--config",
+        config.to_str().unwrap(),
+        "--nproc",
+        "4",
+        "--set",
+        "train.shard_optimizer=true",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    for want in ["per rank, 4 ranks", "all_reduce", "rank 0's share"] {
+        assert!(r.stdout.contains(want), "no `{want}` in:\n{}", r.stdout);
+    }
+    let r = tallow([
+        "estimate",
+        "--config",
+        config.to_str().unwrap(),
+        "--nproc",
+        "0",
+    ]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+}
+
 /// A full fine-tune with AdamW on a budget its steady state does not fit: step 1 fits (its
 /// checkpoint is written), step 2 (optimizer state now allocated) runs out. The error names the
 /// phase and prints the breakdown and a plan; the checkpoint is kept; resuming with the plan's

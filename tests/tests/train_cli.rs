@@ -1087,3 +1087,54 @@ fn early_stopping_and_keep_best_follow_hf_rules() {
         r.stderr
     );
 }
+
+/// Data parallel without MPI in the build: `--nproc 2` on the CPU and a process started as a
+/// rank (torchrun's variables) each stop before training, naming what is missing and how to
+/// build it. (With `--features mpi`, tests/tests/distributed.rs runs the real thing.)
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn data_parallel_without_mpi_says_how_to_get_it() {
+    let a = scratch("dp-no-mpi");
+    let c = config(&a, "tiny-llama", "rank = 4\nalpha = 8", "max_steps = 1");
+    let c = c.to_str().unwrap();
+    let r = tallow([
+        "train",
+        "--config",
+        c,
+        "--nproc",
+        "2",
+        "--set",
+        "train.device=cpu",
+    ]);
+    assert_ne!(r.code, 0);
+    assert!(
+        r.stderr.contains("--nproc 2 on the CPU")
+            && r.stderr.contains("built without it")
+            && r.stderr.contains("--features mpi"),
+        "{}",
+        r.stderr
+    );
+    let out = std::process::Command::new(tallow_bin())
+        .args(["train", "--config", c, "--set", "train.device=cpu"])
+        .env("RANK", "1")
+        .env("WORLD_SIZE", "2")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("rank 1 of 2 started by torchrun-style variables")
+            && stderr.contains("no collectives for CPU ranks"),
+        "{stderr}"
+    );
+    assert!(!a.join("run/metrics.jsonl").exists(), "nothing trained");
+    // Inconsistent variables are refused by name.
+    let out = std::process::Command::new(tallow_bin())
+        .args(["train", "--config", c])
+        .env("RANK", "2")
+        .env("WORLD_SIZE", "2")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("RANK=2 with WORLD_SIZE=2"), "{stderr}");
+}

@@ -72,6 +72,11 @@ pub struct EstimateArgs {
     /// of changes that does; when it fits, the largest micro-batch that still does.
     #[arg(long, value_name = "SIZE")]
     pub budget: Option<String>,
+    /// Ranks of a data-parallel run (`tallow train --nproc N`): the estimate is per rank, with
+    /// the gradient all-reduce's buffers and, with train.shard_optimizer, the rank's share of
+    /// the optimizer state; --budget may then shard the optimizer state.
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub nproc: u64,
     /// Print one JSON object (total_bytes, components, phases, plan) instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -121,6 +126,10 @@ pub struct BenchArgs {
     /// Where the cells run (each in its own subdirectory; kept). Default: a temp dir, removed.
     #[arg(long)]
     pub work_dir: Option<PathBuf>,
+    /// Run each cell as a data-parallel job of N ranks (`tallow train --nproc N`): rank 0's
+    /// measured peaks beside the per-rank estimate.
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub nproc: u64,
 }
 
 /// Anywhere a model path is taken, a hub id `OWNER/NAME[@REVISION]` works too (from the HF
@@ -190,6 +199,11 @@ pub struct TrainArgs {
     /// breakdown and a plan that fits. On CUDA the device's own memory is the limit anyway.
     #[arg(long, value_name = "SIZE")]
     pub memory_limit: Option<String>,
+    /// Data parallel: start N local ranks of this run (one per GPU; CPU ranks through mpirun),
+    /// each with `micro_batch_size` x `grad_accum` rows of every step. Under mpirun, torchrun
+    /// or srun, leave it out: each process joins as the rank its launcher gives it.
+    #[arg(long, value_name = "N")]
+    pub nproc: Option<usize>,
 }
 
 #[derive(clap::Args, Debug)]

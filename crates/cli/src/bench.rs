@@ -9,7 +9,7 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use tallow_trainer::config::TrainConfig;
-use tallow_trainer::estimate::estimate;
+use tallow_trainer::estimate::estimate_per_rank;
 use tallow_trainer::memory::{human_bytes, parse_bytes};
 
 use crate::args::BenchArgs;
@@ -140,6 +140,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 &model,
                 a.steps,
                 limit,
+                a.nproc as usize,
             )?,
             Err(e) => invalid_row(cell, e),
         };
@@ -203,7 +204,24 @@ fn row_summary(r: &Row) -> String {
     s
 }
 
-/// Runs one cell in its own process and reads its metrics.jsonl.
+/// The command that runs one cell: `tallow train` on the cell's config, quiet, with the
+/// emulated memory limit and, for a data-parallel cell, `--nproc` (rank 0 writes the
+/// metrics.jsonl the cell reads).
+fn cell_command(exe: &Path, config: &Path, limit: Option<u64>, nproc: usize) -> Command {
+    let mut cmd = Command::new(exe);
+    cmd.arg("train").arg("--config").arg(config).arg("--quiet");
+    if nproc > 1 {
+        cmd.arg("--nproc").arg(nproc.to_string());
+    }
+    if let Some(l) = limit {
+        cmd.arg("--memory-limit").arg(l.to_string());
+    }
+    cmd
+}
+
+/// Runs one cell in its own process (`nproc` ranks: rank 0's peaks, beside the per-rank
+/// estimate) and reads its metrics.jsonl.
+#[allow(clippy::too_many_arguments)]
 fn run_cell(
     exe: &Path,
     dir: &Path,
@@ -212,6 +230,7 @@ fn run_cell(
     model: &tallow_model::DecoderConfig,
     steps: usize,
     limit: Option<u64>,
+    nproc: usize,
 ) -> Result<Row> {
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))?;
@@ -229,13 +248,8 @@ fn run_cell(
     let path = dir.join("config.toml");
     std::fs::write(&path, c.to_toml_string()).with_context(|| format!("{}", path.display()))?;
     let device = crate::estimate::device_kind(&c.train.device);
-    let est = estimate(model, &c, device);
-    let mut cmd = Command::new(exe);
-    cmd.arg("train").arg("--config").arg(&path).arg("--quiet");
-    if let Some(l) = limit {
-        cmd.arg("--memory-limit").arg(l.to_string());
-    }
-    let out = cmd
+    let est = estimate_per_rank(model, &c, device, nproc);
+    let out = cell_command(exe, &path, limit, nproc)
         .output()
         .with_context(|| format!("cannot run {}", exe.display()))?;
     let metrics = c.train.output_dir.join("metrics.jsonl");
@@ -473,5 +487,31 @@ mod tests {
         assert!(parse_axis("lora.rank").is_err());
         assert!(parse_axis("lora.rank=").is_err());
         assert_eq!(cells(&[]).len(), 1, "no axis: the config itself");
+    }
+
+    /// A data-parallel bench runs each cell as `tallow train --nproc N`; one rank's does not
+    /// pass the flag (the command of a cell is what it was before data parallelism).
+    #[test]
+    fn a_cell_runs_train_with_nproc_when_there_are_ranks() {
+        let args = |limit, nproc| -> Vec<String> {
+            cell_command(Path::new("tallow"), Path::new("c.toml"), limit, nproc)
+                .get_args()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect()
+        };
+        assert_eq!(
+            args(Some(800 << 20), 4),
+            [
+                "train",
+                "--config",
+                "c.toml",
+                "--quiet",
+                "--nproc",
+                "4",
+                "--memory-limit",
+                "838860800"
+            ]
+        );
+        assert_eq!(args(None, 1), ["train", "--config", "c.toml", "--quiet"]);
     }
 }

@@ -12,9 +12,23 @@ use crate::gpu;
 /// is missing. `auto` does the same when a GPU is usable and otherwise picks the CPU; either way it
 /// says on stderr which device it chose and why.
 pub fn parse_device(spec: &str) -> Result<Device> {
+    parse_device_at(spec, 0)
+}
+
+/// [`parse_device`] for the rank of local rank `local_rank` of a data-parallel run: `cuda`
+/// and `auto` mean that rank's GPU, `cuda:{local_rank}`, or `cuda:0` when the launcher shows
+/// each rank one GPU (`srun --gpus-per-task=1` sets CUDA_VISIBLE_DEVICES per task).
+pub fn parse_device_at(spec: &str, local_rank: usize) -> Result<Device> {
+    let local_rank = match gpu::probe_driver() {
+        Ok(d) if d.devices.len() == 1 => 0,
+        _ => local_rank,
+    };
     match spec {
         "cpu" => Ok(Device::Cpu),
-        "auto" => Ok(auto()),
+        "auto" => Ok(auto(local_rank)),
+        "cuda" if local_rank > 0 => {
+            open_cuda(local_rank).map_err(|why| anyhow!("--device cuda (rank {local_rank}): {why}"))
+        }
         s if s == "cuda" || s.starts_with("cuda:") => {
             let ordinal: usize = match s.strip_prefix("cuda:") {
                 Some(n) => n
@@ -59,12 +73,12 @@ fn open_cuda(ordinal: usize) -> std::result::Result<Device, String> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn auto() -> Device {
-    match gpu::check_cuda(0) {
+fn auto(ordinal: usize) -> Device {
+    match gpu::check_cuda(ordinal) {
         Ok((binary, driver)) => {
             eprintln!(
-                "tallow: device auto -> cuda:0 ({}): running {}",
-                describe(&driver.devices[0]),
+                "tallow: device auto -> cuda:{ordinal} ({}): running {}",
+                describe(&driver.devices[ordinal]),
                 binary.display()
             );
             let why = gpu::hand_off(&binary);
@@ -79,15 +93,15 @@ fn auto() -> Device {
 }
 
 #[cfg(feature = "cuda")]
-fn auto() -> Device {
-    match open_cuda(0) {
+fn auto(ordinal: usize) -> Device {
+    match open_cuda(ordinal) {
         Ok(dev) => {
             let name = gpu::probe_driver()
                 .ok()
-                .and_then(|d| d.devices.first().map(describe))
-                .unwrap_or_else(|| "GPU 0".into());
+                .and_then(|d| d.devices.get(ordinal).map(describe))
+                .unwrap_or_else(|| format!("GPU {ordinal}"));
             if std::env::var_os(gpu::HANDED_OFF).is_none() {
-                eprintln!("tallow: device auto -> cuda:0 ({name})");
+                eprintln!("tallow: device auto -> cuda:{ordinal} ({name})");
             }
             dev
         }

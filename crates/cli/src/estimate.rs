@@ -4,7 +4,7 @@
 use anyhow::{Context, Result};
 use tallow_model::DecoderConfig;
 use tallow_trainer::config::TrainConfig;
-use tallow_trainer::estimate::{estimate, plan, Component, Estimate, Plan};
+use tallow_trainer::estimate::{estimate_per_rank, plan_per_rank, Component, Estimate, Plan};
 use tallow_trainer::memory::{human_bytes, parse_bytes};
 
 use crate::args::EstimateArgs;
@@ -35,12 +35,13 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     let cfg = TrainConfig::load(&a.config, &a.sets)?;
     let model = model_config(&cfg)?;
     let device = device_kind(&cfg.train.device);
-    let est = estimate(&model, &cfg, device);
+    let world = a.nproc as usize;
+    let est = estimate_per_rank(&model, &cfg, device, world);
     let budget = match &a.budget {
         Some(b) => Some(parse_bytes(b).map_err(|e| anyhow::anyhow!("--budget {e}"))?),
         None => None,
     };
-    let plan = budget.map(|b| plan(&model, &cfg, device, b));
+    let plan = budget.map(|b| plan_per_rank(&model, &cfg, device, b, world));
     if a.json {
         let mut v = serde_json::to_value(&est)?;
         // {component name: value} objects
@@ -88,9 +89,24 @@ pub fn describe(origin: &str, m: &DecoderConfig, cfg: &TrainConfig, est: &Estima
             }
         ),
     };
+    // A data-parallel job: every number is one rank's.
+    let per_rank = est.ranks.as_ref().map(|r| {
+        format!(
+            ", per rank, {} ranks (global batch {} x {} x {}; optimizer state {})",
+            r.world,
+            r.world,
+            cfg.train.micro_batch_size,
+            cfg.train.grad_accum,
+            if r.shard_optimizer {
+                format!("sharded: rank {}'s share, the largest", r.rank)
+            } else {
+                "not sharded".into()
+            }
+        )
+    });
     let mut s = format!(
         "{origin}: {} ({} layers, hidden {}, vocab {}), {method}, {}{}, {} optimizer, \
-         micro-batch {} x {} tokens{}, on {}\n\n",
+         micro-batch {} x {} tokens{}, on {}{}\n\n",
         m.arch.hf_class(),
         m.num_hidden_layers,
         m.hidden_size,
@@ -109,7 +125,8 @@ pub fn describe(origin: &str, m: &DecoderConfig, cfg: &TrainConfig, est: &Estima
         } else {
             ""
         },
-        est.device
+        est.device,
+        per_rank.as_deref().unwrap_or("")
     );
     s += &format!(
         "{:<18} {:>12} {:>7}  {}\n",
@@ -125,8 +142,13 @@ pub fn describe(origin: &str, m: &DecoderConfig, cfg: &TrainConfig, est: &Estima
             c.detail
         );
     }
+    let rank = if est.ranks.is_some() {
+        ", per rank"
+    } else {
+        ""
+    };
     s += &format!(
-        "{:<18} {:>12} {:>6.1}%  peak phase: {}\n\n",
+        "{:<18} {:>12} {:>6.1}%  peak phase: {}{rank}\n\n",
         "total",
         human_bytes(est.total_bytes),
         100.0,
@@ -134,7 +156,7 @@ pub fn describe(origin: &str, m: &DecoderConfig, cfg: &TrainConfig, est: &Estima
     );
     let p = &est.phases;
     s += &format!(
-        "per phase: load {}, forward {}, backward {}, optimizer {}\n",
+        "per phase{rank}: load {}, forward {}, backward {}, optimizer {}\n",
         human_bytes(p.load),
         human_bytes(p.forward),
         human_bytes(p.backward),
@@ -145,6 +167,29 @@ pub fn describe(origin: &str, m: &DecoderConfig, cfg: &TrainConfig, est: &Estima
         human_bytes(est.activation_bytes_per_layer),
         est.tokens_per_micro_batch
     );
+    if let Some(r) = &est.ranks {
+        s += &format!(
+            "{} ranks: the gradient all-reduce holds up to {} in the optimizer phase; ",
+            r.world,
+            human_bytes(r.all_reduce_bytes)
+        );
+        s += &if r.shard_optimizer {
+            format!(
+                "optimizer state: rank {}'s share (train.shard_optimizer), {} tensors, {} of \
+                 the {} all ranks keep together\n",
+                r.rank,
+                r.owned_tensors,
+                human_bytes(r.state_bytes),
+                human_bytes(r.unsharded_state_bytes)
+            )
+        } else {
+            format!(
+                "optimizer state: all of it on every rank ({}; train.shard_optimizer = true \
+                 splits it)\n",
+                human_bytes(r.state_bytes)
+            )
+        };
+    }
     s
 }
 
@@ -165,15 +210,22 @@ pub fn describe_plan(p: &Plan, config: &str, user_sets: &[String]) -> String {
     }
     if !p.possible {
         return s + &format!(
-            "does not fit (predicted peak {}), and no combination of micro-batch 1, bf16, \
+            "does not fit (predicted peak {}{}), and no combination of micro-batch 1, bf16, {}\
              checkpointing, adamw8bit, NF4 and shorter sequences (down to 64 tokens) brings it \
              under: use a smaller model or a larger device.\n",
-            human_bytes(p.peak_bytes)
+            human_bytes(p.peak_bytes),
+            if p.world > 1 { " per rank" } else { "" },
+            if p.world > 1 {
+                "sharded optimizer state, "
+            } else {
+                ""
+            }
         );
     }
     s += &format!(
-        "does not fit (predicted peak {}). Smallest set of changes that fits:\n",
-        human_bytes(p.peak_bytes)
+        "does not fit (predicted peak {}{}). Smallest set of changes that fits:\n",
+        human_bytes(p.peak_bytes),
+        if p.world > 1 { " per rank" } else { "" }
     );
     for (i, st) in p.steps.iter().enumerate() {
         s += &format!(
@@ -189,8 +241,16 @@ pub fn describe_plan(p: &Plan, config: &str, user_sets: &[String]) -> String {
         .chain(&p.sets)
         .map(|x| format!("--set {x}"))
         .collect();
+    let nproc = if p.world > 1 {
+        format!("--nproc {} ", p.world)
+    } else {
+        String::new()
+    };
     s + &longest_line(p, "Without these changes, ")
-        + &format!("run: tallow train --config {config} {}\n", sets.join(" "))
+        + &format!(
+            "run: tallow train {nproc}--config {config} {}\n",
+            sets.join(" ")
+        )
 }
 
 /// The longest `data.max_seq_len` that fits the budget with the config's levers as they are.

@@ -14,6 +14,7 @@ mod estimate;
 mod eval;
 mod generate;
 mod gpu;
+mod launch;
 mod merge;
 mod model;
 mod plot;

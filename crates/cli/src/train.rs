@@ -6,15 +6,30 @@ use tallow_trainer::config::TrainConfig;
 use tallow_trainer::error::TrainError;
 use tallow_trainer::estimate::{estimate, plan};
 use tallow_trainer::memory::{human_bytes, parse_bytes};
-use tallow_trainer::train::{train_with_limit, Event};
+use tallow_trainer::train::{train_dist, Event};
 
 use crate::args::TrainArgs;
-use crate::device::parse_device;
+use crate::device::parse_device_at;
 
 pub fn run(a: TrainArgs) -> Result<()> {
     let cfg = TrainConfig::load(&a.config, &a.sets)?;
+    // Data parallel: this process is a rank its launcher started, or starts N of them.
+    let launch = tallow_dist::launch::from_env()?;
+    match (a.nproc, &launch) {
+        (Some(n), Some(l)) if n != l.world => anyhow::bail!(
+            "--nproc {n} in a process that {} started as rank {} of {}: leave --nproc out \
+             under a launcher",
+            l.launcher.name(),
+            l.rank,
+            l.world
+        ),
+        (Some(n), None) if n > 1 => return crate::launch::run(n, &cfg.train.device),
+        _ => {}
+    }
+    let rank = launch.as_ref().map_or(0, |l| l.rank);
+    let main = rank == 0;
     let push_to = (!cfg.train.push_to_hub.is_empty()).then(|| cfg.train.push_to_hub.clone());
-    if let Some(repo) = &push_to {
+    if let (Some(repo), true) = (&push_to, main) {
         // Before training: a missing, rejected or read-only token must not surface after a
         // long run (the repo id itself was checked with the config).
         let who = tallow_hub::Hub::from_env()
@@ -25,14 +40,31 @@ pub fn run(a: TrainArgs) -> Result<()> {
             who.name
         );
     }
-    // Before the first tensor op: every CPU pool takes train.threads (default physical cores).
-    tallow_trainer::threads::apply(cfg.train.threads);
-    let device = parse_device(&cfg.train.device).context("train.device")?;
+    // Before the first tensor op: every CPU pool takes train.threads (default physical cores,
+    // shared among the ranks of this machine).
+    let threads = match (&launch, cfg.train.threads) {
+        (Some(l), 0) => candle_core::utils::get_num_threads()
+            .checked_div(l.local_world.unwrap_or(1))
+            .unwrap_or(1)
+            .max(1),
+        (_, n) => n,
+    };
+    tallow_trainer::threads::apply(threads);
+    let local_rank = launch.as_ref().map_or(0, |l| l.local_rank);
+    let device = parse_device_at(&cfg.train.device, local_rank).context("train.device")?;
+    let dist = tallow_dist::init(
+        launch.as_ref(),
+        &device,
+        std::time::Duration::from_secs(cfg.train.dist_timeout_s as u64),
+    )
+    .context("data-parallel start-up")?;
     let limit = match &a.memory_limit {
         Some(l) => Some(parse_bytes(l).map_err(|e| anyhow::anyhow!("--memory-limit {e}"))?),
         None => None,
     };
-    let bar = if a.quiet {
+    // Rank 0 alone shows progress and notes; the other ranks print only their errors.
+    let quiet = a.quiet || !main;
+    let bar = if quiet {
         ProgressBar::hidden()
     } else {
         ProgressBar::new(0)
@@ -43,10 +75,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
         )
         .expect("static template"),
     );
-    let quiet = a.quiet;
     // A hidden bar drops println: in --quiet mode messages go straight to stderr.
     let say = |msg: String| {
-        if quiet {
+        if !main {
+        } else if quiet {
             eprintln!("{msg}")
         } else {
             bar.println(msg)
@@ -65,6 +97,24 @@ pub fn run(a: TrainArgs) -> Result<()> {
         } => {
             bar.set_length(total_steps as u64);
             bar.set_position(start_step as u64);
+            if dist.world > 1 {
+                let t = &cfg.train;
+                say(format!(
+                    "data parallel: {} ranks ({}), {} rows per step ({} per rank: micro-batch {} \
+                     x grad_accum {}){}",
+                    dist.world,
+                    dist.backend(),
+                    t.micro_batch_size * t.grad_accum * dist.world,
+                    t.micro_batch_size * t.grad_accum,
+                    t.micro_batch_size,
+                    t.grad_accum,
+                    if t.shard_optimizer {
+                        ", optimizer state sharded"
+                    } else {
+                        ""
+                    }
+                ));
+            }
             let from = resumed_from
                 .map(|p| format!(", resumed from {} at step {start_step}", p.display()))
                 .unwrap_or_default();
@@ -100,7 +150,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
                     human_bytes(o)
                 );
             }
-            if quiet {
+            if quiet && main {
                 eprintln!("step {}  {msg}  grad_norm {:.3}", s.step, s.grad_norm);
             }
             bar.set_message(msg);
@@ -111,15 +161,21 @@ pub fn run(a: TrainArgs) -> Result<()> {
         }
         Event::Note(n) => say(n),
     };
-    let summary = match train_with_limit(&cfg, &device, a.resume, limit, &mut on_event) {
+    let summary = match train_dist(&cfg, &device, a.resume, limit, &dist, &mut on_event) {
         Ok(s) => s,
         Err(e @ TrainError::OutOfMemory { .. }) => {
             bar.finish_and_clear();
             return Err(out_of_memory(e, &a, &cfg, &device));
         }
+        Err(e) if dist.world > 1 => {
+            return Err(anyhow::Error::from(e).context(format!("rank {rank} of {}", dist.world)))
+        }
         Err(e) => return Err(e.into()),
     };
     bar.finish_and_clear();
+    if !main {
+        return Ok(());
+    }
     let mut line = format!("done: {} steps in {:.1}s", summary.steps, summary.elapsed_s);
     if let Some(l) = summary.last_loss {
         line += &format!(", last train loss {l:.4}");

@@ -22,7 +22,11 @@ pub mod watchdog;
 use std::ops::Range;
 use std::time::Duration;
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
+
+use crate::launch::Launch;
+#[cfg(feature = "mpi")]
+use crate::launch::Launcher;
 
 /// What can go wrong between ranks.
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +58,60 @@ pub trait Collective {
     fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor>;
     /// Every rank's bytes, in rank order, on every rank (the lengths may differ).
     fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>>;
+}
+
+/// The [`Dist`] of this process: one process without a `launch`; a CUDA rank through NCCL
+/// (feature `nccl`); a CPU rank through MPI (feature `mpi`, started by mpirun or srun). A
+/// collective that waits longer than `timeout` ends the process ([`watchdog`]).
+pub fn init(launch: Option<&Launch>, device: &Device, timeout: Duration) -> Result<Dist> {
+    let Some(launch) = launch else {
+        return Ok(Dist::single());
+    };
+    #[cfg(feature = "nccl")]
+    if device.is_cuda() {
+        return nccl::init_dist(launch, device, timeout);
+    }
+    let what = if device.is_cuda() { "CUDA" } else { "CPU" };
+    #[cfg(feature = "mpi")]
+    {
+        if matches!(launch.launcher, Launcher::Mpi | Launcher::Slurm) {
+            let comm = mpi::Mpi::init()?;
+            if (comm.rank(), comm.world()) != (launch.rank, launch.world) {
+                return Err(DistError::Launch(format!(
+                    "{} says rank {} of {}, MPI says rank {} of {}: start the ranks with one \
+                     mpirun (or srun --mpi=pmix)",
+                    launch.launcher.name(),
+                    launch.rank,
+                    launch.world,
+                    comm.rank(),
+                    comm.world()
+                )));
+            }
+            return Ok(Dist::new(Box::new(comm), launch.local_rank, timeout));
+        }
+        Err(DistError::Launch(format!(
+            "rank {} of {} started by {}: {what} ranks talk through MPI, which only mpirun (or \
+             srun) can connect; start them with `mpirun -np {} tallow train ...` or \
+             `tallow train --nproc {}`",
+            launch.rank,
+            launch.world,
+            launch.launcher.name(),
+            launch.world,
+            launch.world
+        )))
+    }
+    #[cfg(not(feature = "mpi"))]
+    let _ = timeout;
+    #[cfg(not(feature = "mpi"))]
+    Err(DistError::Launch(format!(
+        "rank {} of {} started by {}, but this build of tallow has no collectives for {what} \
+         ranks: build it with `--features mpi` (CPU ranks; needs Debian's libopenmpi-dev and \
+         libclang-dev) or use the CUDA build with NCCL (scripts/build_cuda.sh); \
+         docs/distributed.md",
+        launch.rank,
+        launch.world,
+        launch.launcher.name()
+    )))
 }
 
 /// This process's place in a data-parallel job (or a job of one).
@@ -91,6 +149,13 @@ impl Dist {
         }
     }
 
+    /// Marks a wait on the other ranks outside the collectives for the watchdog until the
+    /// guard drops: NCCL's all-reduce only queues work on the stream, so a dead peer shows as
+    /// the next host read of its result never returning. None on one process.
+    pub fn waiting(&self, what: &str) -> Option<watchdog::Guard<'_>> {
+        self.watchdog.as_ref().map(|w| w.guard(what))
+    }
+
     /// Rank 0: the one that writes checkpoints, outputs, metrics and the progress bar.
     pub fn is_main(&self) -> bool {
         self.rank == 0
@@ -116,13 +181,32 @@ impl Dist {
     /// The inputs are consumed bucket by bucket, so the memory this adds is about two buckets
     /// ([`transient_bytes`]). `what` names the call for the watchdog's message.
     pub fn all_reduce_sum(&self, tensors: Vec<Tensor>, what: &str) -> Result<Vec<Tensor>> {
+        let mut out = Vec::with_capacity(tensors.len());
+        self.all_reduce_sum_each(tensors, what, |_, t| {
+            out.push(t);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// [`Dist::all_reduce_sum`] handing each sum to `each(index, sum)` as its bucket is done,
+    /// so no more than one bucket's sums are held at once.
+    pub fn all_reduce_sum_each(
+        &self,
+        tensors: Vec<Tensor>,
+        what: &str,
+        mut each: impl FnMut(usize, Tensor) -> Result<()>,
+    ) -> Result<()> {
         let Some(comm) = &self.comm else {
-            return Ok(tensors);
+            for (i, t) in tensors.into_iter().enumerate() {
+                each(i, t)?;
+            }
+            return Ok(());
         };
         let _waiting = self.watchdog.as_ref().map(|w| w.guard(what));
         let sizes: Vec<usize> = tensors.iter().map(|t| t.elem_count()).collect();
-        let mut out = Vec::with_capacity(tensors.len());
         let mut rest = tensors.into_iter();
+        let mut index = 0;
         for n in bucket_lengths(&sizes) {
             let bucket: Vec<Tensor> = rest.by_ref().take(n).collect();
             let flat: Vec<Tensor> = bucket
@@ -135,16 +219,17 @@ impl Dist {
             let mut at = 0;
             for t in bucket {
                 let k = t.elem_count();
-                out.push(
-                    summed
-                        .narrow(0, at, k)?
-                        .reshape(t.shape())?
-                        .to_dtype(t.dtype())?,
-                );
+                let sum = summed
+                    .narrow(0, at, k)?
+                    .reshape(t.shape())?
+                    .to_dtype(t.dtype())?;
+                drop(t);
+                each(index, sum)?;
+                index += 1;
                 at += k;
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Every rank's `mine`, in rank order (one process: just `mine`).

@@ -41,7 +41,15 @@ pub struct CheckpointState {
     /// absent in checkpoints written before them: no evaluation seen.
     #[serde(default)]
     pub best_eval: BestEval,
+    /// Ranks of the data-parallel run that wrote it (1 before data parallelism existed): a
+    /// run resumes only with the same number, since the rows each step saw depend on it.
+    #[serde(default = "one")]
+    pub world_size: usize,
     pub tallow_version: String,
+}
+
+fn one() -> usize {
+    1
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -161,6 +169,17 @@ pub fn check_compatible(
     now: &CheckpointState,
     dir: &Path,
 ) -> Result<(), TrainError> {
+    if saved.world_size != now.world_size {
+        return Err(TrainError::Resume(format!(
+            "{} was written by a run of {} rank(s) and this run has {}: resume with the same \
+             number of ranks (`tallow train --nproc {}`, or that many under mpirun / torchrun / \
+             srun), or point train.output_dir elsewhere",
+            dir.display(),
+            saved.world_size,
+            now.world_size,
+            saved.world_size
+        )));
+    }
     let mut diffs = Vec::new();
     // "{what} {saved} vs {now}" for a field that differs, each value shown with `$fmt`.
     macro_rules! differs {

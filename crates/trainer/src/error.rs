@@ -211,6 +211,9 @@ pub enum TrainError {
     },
     #[error("{0}")]
     Invalid(String),
+    /// A collective between the ranks of a data-parallel run failed.
+    #[error("data-parallel run: {0}")]
+    Dist(#[from] tallow_dist::DistError),
 }
 
 /// The model dir's tokenizer files, as the data pipeline reports them.

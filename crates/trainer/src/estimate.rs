@@ -25,6 +25,10 @@
 //! gradients + update temporaries). The peak is the largest phase, in the steady state after the
 //! first step (optimizer state allocated). `benchmarks/estimate.md` compares it with measured
 //! peaks; `tests/tests/estimate_cli.rs` asserts 10% on a grid of configs.
+//!
+//! A data-parallel run ([`estimate_per_rank`]) is estimated per rank: one process's numbers,
+//! plus the gradient all-reduce's buckets in the optimizer phase and, with
+//! `train.shard_optimizer`, the optimizer state of the tensors the rank owns.
 
 use serde::Serialize;
 use tallow_model::config::Activation;
@@ -80,9 +84,38 @@ pub struct Estimate {
     /// Part of the total that the measured peaks do not see (the CUDA context is outside the
     /// memory pool); 0 on the CPU.
     pub outside_pool_bytes: u64,
+    /// With more than one rank: whose numbers these are, and what the ranks add
+    /// ([`estimate_per_rank`]). Absent for one process.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<Ranks>,
+}
+
+/// A data-parallel job's side of a per-rank estimate.
+#[derive(Debug, Clone, Serialize)]
+pub struct Ranks {
+    /// Ranks of the job (`tallow train --nproc N`).
+    pub world: usize,
+    /// `train.shard_optimizer`: each rank keeps the optimizer state of the tensors
+    /// `tallow_dist::owners` gives it.
+    pub shard_optimizer: bool,
+    /// The rank whose optimizer share the estimate counts (the largest peak, the lowest rank on
+    /// a tie); 0 without sharding.
+    pub rank: usize,
+    /// Trainable tensors and parameters whose optimizer state that rank keeps (every one
+    /// without sharding).
+    pub owned_tensors: usize,
+    pub owned_params: u64,
+    /// That rank's optimizer state.
+    pub state_bytes: u64,
+    /// The optimizer state of every trainable tensor: one rank's without sharding.
+    pub unsharded_state_bytes: u64,
+    /// The gradient all-reduce's buckets at most (`tallow_dist::transient_bytes`), in the
+    /// optimizer phase.
+    pub all_reduce_bytes: u64,
 }
 
 /// What varies between phases, computed once.
+#[derive(Clone)]
 struct Parts {
     trainable_params: u64,
     /// One decoder layer's saved activations for the micro-batch, without checkpointing.
@@ -354,9 +387,14 @@ fn mib(b: u64) -> String {
 /// Predicts the peak memory of `cfg` on `device` ("cpu" or "cuda") for the model described by
 /// `model` (its config.json).
 pub fn estimate(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Estimate {
-    let parts = parts(model, cfg, device);
+    estimate_per_rank(model, cfg, device, 1)
+}
+
+/// The peak of each phase for `parts`; the optimizer phase's high point is the gradients'
+/// all-reduce (`all_reduce` bytes of buckets) or the update after it, whichever holds more.
+fn phase_bytes(parts: &Parts, all_reduce: u64) -> PhaseBytes {
     let common = parts.frozen.0 + parts.trainable.0 + parts.overhead.0;
-    let phases = PhaseBytes {
+    PhaseBytes {
         load: common + parts.load_transient,
         forward: common
             + parts.state.0
@@ -368,17 +406,95 @@ pub fn estimate(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str) 
             + parts.grads_backward
             + parts.activations.0
             + parts.workspace_backward,
-        optimizer: common + parts.state.0 + parts.grads_optimizer + parts.workspace_optimizer,
-    };
+        optimizer: common
+            + parts.state.0
+            + parts.grads_optimizer
+            + parts.workspace_optimizer.max(all_reduce),
+    }
+}
+
+fn peak(p: &PhaseBytes) -> (&'static str, u64) {
     let all = [
-        ("load", phases.load),
-        ("forward", phases.forward),
-        ("backward", phases.backward),
-        ("optimizer", phases.optimizer),
+        ("load", p.load),
+        ("forward", p.forward),
+        ("backward", p.backward),
+        ("optimizer", p.optimizer),
     ];
-    let (peak_phase, total_bytes) =
-        all.into_iter()
-            .fold(("load", 0), |a, p| if p.1 > a.1 { p } else { a });
+    all.into_iter()
+        .fold(("load", 0), |a, p| if p.1 > a.1 { p } else { a })
+}
+
+/// One rank of a data-parallel job of `world` ranks (`tallow train --nproc N`): every rank holds
+/// the whole model, the full trainable set and its gradients, and runs `micro_batch_size` rows
+/// per micro-batch (the global batch is `world` times that), so weights, activations and
+/// gradients are one process's. After the backward the gradients are summed over the ranks by
+/// `tallow_dist::Dist::all_reduce_sum`, whose buckets add `tallow_dist::transient_bytes` in the
+/// optimizer phase (freed before the update; with `train.shard_optimizer` the updated weights
+/// go round in another all-reduce of the same buckets, after the update). With
+/// `train.shard_optimizer` (ZeRO stage 1) a rank keeps the optimizer state of, and updates,
+/// only the tensors `tallow_dist::owners` gives it: the estimate is the rank whose peak is the
+/// largest. `world = 1` is [`estimate`].
+pub fn estimate_per_rank(
+    model: &DecoderConfig,
+    cfg: &TrainConfig,
+    device: &'static str,
+    world: usize,
+) -> Estimate {
+    let mut parts = parts(model, cfg, device);
+    let mut ranks = None;
+    let mut all_reduce = 0;
+    if world > 1 {
+        let sizes = trainable_tensor_sizes(model, cfg);
+        all_reduce = tallow_dist::transient_bytes(&sizes) as u64;
+        let mut r = Ranks {
+            world,
+            shard_optimizer: cfg.train.shard_optimizer,
+            rank: 0,
+            owned_tensors: sizes.len(),
+            owned_params: sizes.iter().sum::<usize>() as u64,
+            state_bytes: parts.state.0,
+            unsharded_state_bytes: parts.state.0,
+            all_reduce_bytes: all_reduce,
+        };
+        if cfg.train.shard_optimizer {
+            let owner = tallow_dist::owners(&sizes, world);
+            // Each rank's state and update temporaries over the tensors it owns (in the
+            // trainable order, as its optimizer gets them); the estimate is the largest peak.
+            let mut worst: Option<(u64, usize, Vec<usize>)> = None;
+            for rank in 0..world {
+                let mine: Vec<usize> = (0..sizes.len())
+                    .filter(|&i| owner[i] == rank)
+                    .map(|i| sizes[i])
+                    .collect();
+                let mut p = parts.clone();
+                (p.state.0, p.workspace_optimizer) = optimizer_bytes(cfg.train.optimizer, &mine);
+                let total = peak(&phase_bytes(&p, all_reduce)).1;
+                if worst.as_ref().is_none_or(|w| total > w.0) {
+                    worst = Some((total, rank, mine));
+                }
+            }
+            let (_, rank, mine) = worst.expect("world > 1");
+            (parts.state.0, parts.workspace_optimizer) =
+                optimizer_bytes(cfg.train.optimizer, &mine);
+            parts.state.1 += &format!(
+                "; rank {rank}'s share (train.shard_optimizer, the largest of {world}): {} of \
+                 {} tensors, {} of {} parameters",
+                mine.len(),
+                sizes.len(),
+                mine.iter().sum::<usize>(),
+                r.owned_params
+            );
+            r.rank = rank;
+            r.state_bytes = parts.state.0;
+            r.owned_tensors = mine.len();
+            r.owned_params = mine.iter().sum::<usize>() as u64;
+        } else {
+            parts.state.1 += &format!("; every rank keeps all of it ({world} ranks)");
+        }
+        ranks = Some(r);
+    }
+    let phases = phase_bytes(&parts, all_reduce);
+    let (peak_phase, total_bytes) = peak(&phases);
     let c = |name, bytes, detail: String| Component {
         name,
         bytes,
@@ -417,6 +533,15 @@ pub fn estimate(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str) 
                     parts.workspace_backward - parts.logits_backward,
                     "gradients in flight in one layer's backward",
                 ),
+                // (with ranks, the all-reduce before the update may be the phase's high point)
+                _ if all_reduce > parts.workspace_optimizer => (
+                    parts.grads_optimizer,
+                    0,
+                    0,
+                    0,
+                    "f32 temporaries of the update: fewer bytes than the all-reduce's buckets, \
+                     freed before it",
+                ),
                 _ => (
                     parts.grads_optimizer,
                     0,
@@ -436,6 +561,20 @@ pub fn estimate(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str) 
             components.push(c("workspace", ws, why.into()));
         }
     }
+    if world > 1 {
+        let at_peak = peak_phase == "optimizer" && all_reduce > parts.workspace_optimizer;
+        let what = format!(
+            "gradients summed over {world} ranks: two f32 buckets of up to 25 MiB (a larger \
+             tensor is a bucket of its own), {} in the optimizer phase{}",
+            mib(all_reduce),
+            match (peak_phase, at_peak) {
+                (_, true) => "",
+                ("optimizer", false) => ", fewer bytes than the update's temporaries after it",
+                _ => ", not the peak phase",
+            }
+        );
+        components.push(c("all_reduce", if at_peak { all_reduce } else { 0 }, what));
+    }
     components.push(c("overhead", parts.overhead.0, parts.overhead.1.clone()));
     let b = rows_per_micro_batch(cfg);
     let t = cfg.data.max_seq_len;
@@ -453,6 +592,7 @@ pub fn estimate(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str) 
         } else {
             0
         },
+        ranks,
     }
 }
 
@@ -460,7 +600,7 @@ fn grad_detail(cfg: &TrainConfig, phase: &str) -> String {
     let acc = if cfg.train.grad_accum > 1 {
         format!("f32 sums over {} micro-batches", cfg.train.grad_accum)
     } else {
-        "f32 sums".into()
+        "f32 sums (f32 gradients are their own sums: no copy)".into()
     };
     match phase {
         "forward" if cfg.train.grad_accum > 1 => acc,
@@ -505,41 +645,69 @@ pub fn trainable_params(m: &DecoderConfig, cfg: &TrainConfig) -> u64 {
     }
 }
 
-/// Every parameter tensor's element count, for the optimizer state and update temporaries.
-fn param_tensors(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize> {
+/// Every trainable tensor's element count, in the trainer's trainable order (what the
+/// optimizer gets, and what a data-parallel run's gradient all-reduce buckets and
+/// `train.shard_optimizer` partitions): a full fine-tune's `CausalLM::named_params` (the HF
+/// file order of `DecoderConfig::hf_tensor_shapes`: embedding, each layer's linears with their
+/// biases and its norms, final norm, untied LM head); LoRA's `peft::lora_vars` (per layer, per
+/// adapted linear: A, B, and DoRA's magnitude).
+pub fn trainable_tensor_sizes(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize> {
+    if cfg.trains_full() {
+        return m
+            .hf_tensor_shapes()
+            .iter()
+            .map(|(_, shape)| shape.iter().product())
+            .collect();
+    }
     let mut v = Vec::new();
     let targets = lora_targets(m, cfg);
     for _ in 0..m.num_hidden_layers {
         for l in m.layer_linears() {
-            match cfg.trains_full() {
-                true => {
-                    v.push(l.inp * l.out);
-                    if l.bias {
-                        v.push(l.out);
-                    }
+            if targets.contains(&l.module()) {
+                v.push(cfg.lora.rank * l.inp);
+                v.push(cfg.lora.rank * l.out);
+                if cfg.lora.dora {
+                    v.push(l.out); // the magnitude
                 }
-                _ if targets.contains(&l.module()) => {
-                    v.push(cfg.lora.rank * l.inp);
-                    v.push(cfg.lora.rank * l.out);
-                    if cfg.lora.dora {
-                        v.push(l.out); // the magnitude
-                    }
-                }
-                _ => {}
             }
         }
-        if cfg.trains_full() {
-            v.extend(m.layer_norms().into_iter().map(|(_, n)| n)); // 2 (Qwen3: 4, Gemma 2: 4)
-        }
-    }
-    if cfg.trains_full() {
-        v.push(m.vocab_size * m.hidden_size);
-        if !m.tie_word_embeddings {
-            v.push(m.vocab_size * m.hidden_size);
-        }
-        v.push(m.hidden_size);
     }
     v
+}
+
+/// What one optimizer holds for the trainable tensors of `sizes` (elements, in the trainable
+/// order): its state, and the f32 temporaries of its update of the largest tensor (adamw8bit:
+/// of the largest group).
+fn optimizer_bytes(kind: OptimizerKind, sizes: &[usize]) -> (u64, u64) {
+    let state = sizes.iter().map(|&n| state_bytes(kind, n)).sum();
+    let largest = sizes.iter().copied().max().unwrap_or(0) as u64;
+    // f32 copies of the largest parameter, its gradient and moments while updating
+    // (adamw8bit also dequantizes both moments to f32 and requantizes them).
+    let temporaries = match kind {
+        OptimizerKind::AdamW8bit => 8,
+        _ => 6,
+    };
+    // adamw8bit updates its 8-bit parameters in groups (flat buffers of up to 4Mi elements):
+    // its temporaries are the size of the largest group, not of the largest tensor.
+    let update_elems = match kind {
+        OptimizerKind::AdamW8bit => crate::optim::adamw8bit::group_lengths(sizes.iter().copied())
+            .into_iter()
+            .max()
+            .unwrap_or(0)
+            .max(largest as usize) as u64,
+        _ => largest,
+    };
+    (state, temporaries * 4 * update_elems)
+}
+
+fn state_detail(kind: OptimizerKind) -> &'static str {
+    match kind {
+        OptimizerKind::AdamW => "adamw: two f32 moments per trainable parameter",
+        OptimizerKind::AdamW8bit => {
+            "adamw8bit: two 8-bit moments + f32 scale per 256 (f32 under 4096 elements)"
+        }
+        OptimizerKind::Sgd => "sgd: no state",
+    }
 }
 
 fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
@@ -621,22 +789,9 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // Trainable parameters' dtype: LoRA f32, full FT the model dtype.
     let var_bytes = if full { s } else { 4 };
 
-    let tensors = param_tensors(m, cfg);
-    let largest = tensors.iter().copied().max().unwrap_or(0) as u64;
-    let state_total: u64 = tensors
-        .iter()
-        .map(|&n| state_bytes(cfg.train.optimizer, n))
-        .sum();
-    let state = (
-        state_total,
-        match cfg.train.optimizer {
-            OptimizerKind::AdamW => "adamw: two f32 moments per trainable parameter".into(),
-            OptimizerKind::AdamW8bit => {
-                "adamw8bit: two 8-bit moments + f32 scale per 256 (f32 under 4096 elements)".into()
-            }
-            OptimizerKind::Sgd => "sgd: no state".into(),
-        },
-    );
+    let tensors = trainable_tensor_sizes(m, cfg);
+    let (state_total, workspace_optimizer) = optimizer_bytes(cfg.train.optimizer, &tensors);
+    let state = (state_total, state_detail(cfg.train.optimizer).to_string());
     let acc = 4 * tp;
     let acc_before = if cfg.train.grad_accum > 1 { acc } else { 0 };
 
@@ -774,7 +929,13 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     } else {
         var_bytes * tp
     };
-    let at_add = acc + layer_grads;
+    // One micro-batch of f32 gradients: `GradAccumulator::add` keeps each as the step's sum
+    // (to_dtype to f32 is no copy), so adding allocates nothing: the sums are the gradients.
+    let at_add = if cfg.train.grad_accum == 1 && var_bytes == 4 {
+        acc
+    } else {
+        acc + layer_grads
+    };
     let (grads_backward, workspace_backward) = if at_add >= end_of_backward + in_flight {
         (at_add, 0)
     } else {
@@ -787,23 +948,6 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     };
     let rebuilt_forward = if checkpointed > 0 { rebuilt_forward } else { 0 };
     let workspace_forward = (rebuilt_forward + dequantized + scores_fwd).max(loss_forward);
-    // Optimizer: f32 copies of the largest parameter, its gradient and moments while updating.
-    // (adamw8bit also dequantizes both moments to f32 and requantizes them.)
-    let temporaries = match cfg.train.optimizer {
-        OptimizerKind::AdamW8bit => 8,
-        _ => 6,
-    };
-    // adamw8bit updates its 8-bit parameters in groups (flat buffers of up to 4Mi elements):
-    // its temporaries are the size of the largest group, not of the largest tensor.
-    let update_elems = match cfg.train.optimizer {
-        OptimizerKind::AdamW8bit => crate::optim::adamw8bit::group_lengths(tensors.iter().copied())
-            .into_iter()
-            .max()
-            .unwrap_or(0)
-            .max(largest as usize) as u64,
-        _ => largest,
-    };
-    let workspace_optimizer = temporaries * 4 * update_elems;
     // Load: bf16/f32 tensors are converted one at a time; NF4 quantizes from an f32 copy.
     let load_transient = if nf4 {
         4 * largest_linear as u64
@@ -882,6 +1026,13 @@ pub struct Plan {
     /// `max_position_embeddings`) that fits the budget with the config's own levers; None when
     /// not even 64 tokens do.
     pub longest_max_seq_len: Option<usize>,
+    /// Ranks of the job the plan is for: its peaks are per rank ([`estimate_per_rank`]).
+    #[serde(skip_serializing_if = "is_one")]
+    pub world: usize,
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 
 /// The longest multiple of 64 tokens up to `model.max_position_embeddings` whose predicted
@@ -892,10 +1043,21 @@ pub fn longest_seq_len(
     device: &'static str,
     budget: u64,
 ) -> Option<usize> {
+    longest_seq_len_per_rank(model, cfg, device, budget, 1)
+}
+
+/// [`longest_seq_len`] for one rank of `world`.
+fn longest_seq_len_per_rank(
+    model: &DecoderConfig,
+    cfg: &TrainConfig,
+    device: &'static str,
+    budget: u64,
+    world: usize,
+) -> Option<usize> {
     let fits = |blocks: usize| {
         let mut c = cfg.clone();
         c.data.max_seq_len = 64 * blocks;
-        estimate(model, &c, device).total_bytes <= budget
+        estimate_per_rank(model, &c, device, world).total_bytes <= budget
     };
     if !fits(1) {
         return None;
@@ -913,10 +1075,14 @@ pub fn longest_seq_len(
     Some(64 * lo)
 }
 
-/// The levers, in the order users reach for them.
-const LEVERS: [&str; 7] = [
+/// The levers, in the order users reach for them. Sharding the optimizer state over the ranks
+/// costs one more all-reduce of the trainable weights per step (over one node's links, little
+/// next to the step) and changes no number of the run: after the free levers, before those
+/// that cost speed (checkpointing recomputes every layer). Only with more than one rank.
+const LEVERS: [&str; 8] = [
     "micro-batch 1 + more accumulation",
     "bf16 weights and activations",
+    "optimizer state sharded over the ranks",
     "activation checkpointing",
     "checkpointed inputs offloaded to host memory",
     "8-bit optimizer state (adamw8bit)",
@@ -924,11 +1090,15 @@ const LEVERS: [&str; 7] = [
     "shorter sequences",
 ];
 
+/// The index of the optimizer-state sharding in [`LEVERS`].
+const SHARD_LEVER: usize = 2;
+
 /// The index of "shorter sequences" in [`LEVERS`]: the last resort.
 const SEQ_LEVER: usize = LEVERS.len() - 1;
 
-/// Applies lever `i` to `cfg` when it changes something; the seq lever is applied by the caller.
-fn apply_lever(i: usize, cfg: &TrainConfig) -> Option<(TrainConfig, Vec<String>)> {
+/// Applies lever `i` to `cfg` (a job of `world` ranks) when it changes something; the seq lever
+/// is applied by the caller.
+fn apply_lever(i: usize, cfg: &TrainConfig, world: usize) -> Option<(TrainConfig, Vec<String>)> {
     let mut c = cfg.clone();
     let t = &mut c.train;
     let sets = match i {
@@ -944,7 +1114,11 @@ fn apply_lever(i: usize, cfg: &TrainConfig) -> Option<(TrainConfig, Vec<String>)
             c.model.dtype = ModelDtype::Bf16;
             vec!["model.dtype=bf16".into()]
         }
-        2 if !t.checkpointing || t.checkpoint_every > 1 => {
+        2 if world > 1 && !t.shard_optimizer && t.optimizer != OptimizerKind::Sgd => {
+            t.shard_optimizer = true;
+            vec!["train.shard_optimizer=true".into()]
+        }
+        3 if !t.checkpointing || t.checkpoint_every > 1 => {
             t.checkpointing = true;
             t.checkpoint_every = 1;
             vec![
@@ -955,15 +1129,15 @@ fn apply_lever(i: usize, cfg: &TrainConfig) -> Option<(TrainConfig, Vec<String>)
         // (after checkpointing, which a plan applies first when it takes both; it changes no
         // number of the run, only adds host copies, so it comes before the 8-bit state and
         // NF4; it saves nothing on the CPU, so a CPU plan never needs it)
-        3 if t.checkpointing && !t.offload_checkpoints => {
+        4 if t.checkpointing && !t.offload_checkpoints => {
             t.offload_checkpoints = true;
             vec!["train.offload_checkpoints=true".into()]
         }
-        4 if t.optimizer == OptimizerKind::AdamW => {
+        5 if t.optimizer == OptimizerKind::AdamW => {
             t.optimizer = OptimizerKind::AdamW8bit;
             vec!["train.optimizer=adamw8bit".into()]
         }
-        5 if !c.trains_full() && c.model.quantize == Quantize::None => {
+        6 if !c.trains_full() && c.model.quantize == Quantize::None => {
             c.model.quantize = Quantize::Nf4;
             vec!["model.quantize=nf4".into()]
         }
@@ -976,7 +1150,19 @@ fn apply_lever(i: usize, cfg: &TrainConfig) -> Option<(TrainConfig, Vec<String>)
 /// nothing else fits) after which the predicted peak of `cfg` fits `budget`; when it already
 /// fits, the largest micro-batch that does.
 pub fn plan(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str, budget: u64) -> Plan {
-    let peak = |c: &TrainConfig| estimate(model, c, device).total_bytes;
+    plan_per_rank(model, cfg, device, budget, 1)
+}
+
+/// [`plan`] for each rank of a job of `world` ranks: per-rank peaks ([`estimate_per_rank`]),
+/// and with more than one rank `train.shard_optimizer` is one of the levers.
+pub fn plan_per_rank(
+    model: &DecoderConfig,
+    cfg: &TrainConfig,
+    device: &'static str,
+    budget: u64,
+    world: usize,
+) -> Plan {
+    let peak = |c: &TrainConfig| estimate_per_rank(model, c, device, world).total_bytes;
     let own = peak(cfg);
     let mut out = Plan {
         budget_bytes: budget,
@@ -987,7 +1173,8 @@ pub fn plan(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str, budg
         largest_micro_batch: None,
         grad_accum_for_largest: None,
         sets: vec![],
-        longest_max_seq_len: longest_seq_len(model, cfg, device, budget),
+        longest_max_seq_len: longest_seq_len_per_rank(model, cfg, device, budget, world),
+        world,
     };
     if out.fits {
         let fits_mb = |mb: usize| {
@@ -1056,11 +1243,21 @@ pub fn plan(model: &DecoderConfig, cfg: &TrainConfig, device: &'static str, budg
                 }
                 continue;
             }
-            match apply_lever(i, &c) {
+            match apply_lever(i, &c, world) {
                 Some((next, sets)) => {
+                    let what = if i == SHARD_LEVER {
+                        let r = estimate_per_rank(model, &next, device, world).ranks;
+                        let saved = r.map_or(0, |r| r.unsharded_state_bytes - r.state_bytes);
+                        format!(
+                            "optimizer state sharded: -{} per rank",
+                            crate::memory::human_bytes(saved)
+                        )
+                    } else {
+                        lever.to_string()
+                    };
                     steps.push(PlanStep {
                         sets,
-                        what: lever.to_string(),
+                        what,
                         peak_bytes: peak(&next),
                     });
                     c = next;
@@ -1118,6 +1315,23 @@ mod tests {
                 e.total_bytes,
                 p.load.max(p.forward).max(p.backward).max(p.optimizer)
             );
+        }
+        // Per rank of a data-parallel job, sharded or not, on either device (the all-reduce
+        // line is the optimizer phase's high point when its buckets outgrow the update).
+        for world in [2, 4] {
+            for sets in [
+                vec![],
+                vec!["train.shard_optimizer=true"],
+                vec!["train.method=full", "train.shard_optimizer=true"],
+                vec!["train.optimizer=adamw8bit", "train.shard_optimizer=true"],
+            ] {
+                for dev in ["cpu", "cuda"] {
+                    let e = estimate_per_rank(&model(), &cfg(&sets), dev, world);
+                    let sum: u64 = e.components.iter().map(|c| c.bytes).sum();
+                    assert_eq!(sum, e.total_bytes, "{world} {sets:?} {dev}");
+                    assert_eq!(e.total_bytes, peak(&e.phases).1);
+                }
+            }
         }
         // In f32 (no CPU-only half-precision operand copies) CUDA adds the context and the
         // activations its unfused ops keep beyond the CPU's fused kernels (every layer kept:
@@ -1266,6 +1480,51 @@ mod tests {
         assert_eq!(longest_seq_len(&m, &base, "cpu", 1 << 20), None);
         let plan = plan(&m, &base, "cpu", budget);
         assert_eq!(plan.longest_max_seq_len, Some(n));
+    }
+
+    /// With ranks, sharding the optimizer state is a lever, taken before checkpointing and
+    /// adamw8bit: a full fine-tune at 64 tokens (weights, gradients and state dwarf the
+    /// activations, so checkpointing does not reach it) on a budget of its sharded per-rank peak gets
+    /// `train.shard_optimizer=true` alone, with the state it saves per rank; one process on the
+    /// same budget never gets it (adamw8bit instead).
+    #[test]
+    fn plan_shards_the_optimizer_state_only_with_ranks() {
+        let m = model();
+        let base = cfg(&[
+            "train.method=full",
+            "model.dtype=bf16",
+            "data.max_seq_len=64",
+            "train.micro_batch_size=1",
+        ]);
+        for world in [2usize, 4] {
+            let at = |sets: &[&str]| {
+                let mut c = base.clone();
+                for s in sets {
+                    match *s {
+                        "shard" => c.train.shard_optimizer = true,
+                        "ckpt" => c.train.checkpointing = true,
+                        _ => unreachable!(),
+                    }
+                }
+                estimate_per_rank(&m, &c, "cpu", world)
+            };
+            let (own, sharded) = (at(&[]), at(&["shard"]));
+            assert!(sharded.total_bytes < own.total_bytes);
+            assert!(at(&["ckpt"]).total_bytes > sharded.total_bytes);
+            let budget = sharded.total_bytes;
+            let p = plan_per_rank(&m, &base, "cpu", budget, world);
+            assert_eq!(p.sets, ["train.shard_optimizer=true"], "{world}: {p:?}");
+            let r = sharded.ranks.unwrap();
+            let saved = crate::memory::human_bytes(r.unsharded_state_bytes - r.state_bytes);
+            assert!(p.steps[0].what.contains(&saved), "{p:?}");
+            assert_eq!(p.steps[0].peak_bytes, budget);
+            for one in [plan(&m, &base, "cpu", budget), {
+                plan_per_rank(&m, &base, "cpu", budget, 1)
+            }] {
+                assert!(one.possible && !one.fits);
+                assert!(!one.sets.iter().any(|s| s.contains("shard")), "{one:?}");
+            }
+        }
     }
 
     #[test]

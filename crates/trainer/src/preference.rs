@@ -450,13 +450,15 @@ pub fn cache_fingerprint(cfg: &TrainConfig, rows: &[Row]) -> String {
 /// `preference.precompute_ref`: the reference log-prob sum of every row (chosen and rejected
 /// alternating, as `rows`), read from `output_dir/reference-logps.safetensors` when it was
 /// written for these rows and this base, else computed in micro-batches of `micro_batch` pairs
-/// (adapters off, no graph) and written there atomically, so a resumed run reuses it.
+/// (adapters off, no graph) and written there atomically (when `write`: rank 0 of a
+/// data-parallel run; the other ranks compute the same values), so a resumed run reuses it.
 pub fn reference_cache(
     cfg: &TrainConfig,
     model: &CausalLM,
     rows: &[Row],
     pad: u32,
     weights_moved: bool,
+    write: bool,
     on_note: &mut dyn FnMut(String),
 ) -> Result<Vec<f32>, TrainError> {
     let path = cfg.train.output_dir.join(REFERENCE_CACHE);
@@ -507,6 +509,9 @@ pub fn reference_cache(
     }
     let all = Tensor::cat(&parts, 0)?;
     let values: Vec<f32> = crate::host::read(&all)?.iter().map(|&v| v as f32).collect();
+    if !write {
+        return Ok(values);
+    }
     let tensor = Tensor::from_vec(values.clone(), values.len(), &Device::Cpu)?;
     let meta = std::collections::HashMap::from([("fingerprint".to_string(), fingerprint)]);
     tallow_model::io::save_safetensors(&path, &[("logps".to_string(), tensor)], Some(meta))?;

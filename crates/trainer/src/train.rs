@@ -17,6 +17,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::Serialize;
+use tallow_dist::Dist;
 use tallow_model::linear::mix_seed;
 use tallow_model::{
     attach_lora, lm_head_nll, lora_vars, save_hf_model, save_peft, set_dropout, set_dropout_rate,
@@ -456,8 +457,25 @@ pub fn train_with_limit(
     memory_limit: Option<u64>,
     on_event: &mut dyn FnMut(Event),
 ) -> Result<Summary, TrainError> {
+    train_dist(cfg, device, resume, memory_limit, &Dist::single(), on_event)
+}
+
+/// [`train_with_limit`] as rank `dist.rank` of a data-parallel run of `dist.world` ranks: each
+/// rank runs its block of every step's micro-batches (the step's rows are those of one process
+/// with `grad_accum x world` micro-batches, its loss normalized by the step's target tokens
+/// over all ranks), the gradients are summed over the ranks before the update, and every rank
+/// applies the same update (with `train.shard_optimizer`, each its own tensors, then shares
+/// them). Rank 0 alone writes `config.toml`, metrics, checkpoints and outputs.
+pub fn train_dist(
+    cfg: &TrainConfig,
+    device: &Device,
+    resume: bool,
+    memory_limit: Option<u64>,
+    dist: &Dist,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<Summary, TrainError> {
     // Load data, model, adapters and optimizer; resume; the step-0 metrics and evaluation.
-    let mut run = Session::start(cfg, device, resume, memory_limit, on_event)?;
+    let mut run = Session::start(cfg, device, resume, memory_limit, dist, on_event)?;
     for step in run.start_step..run.total_steps {
         // Early stopping ended the run (in this process, or before the checkpoint resumed).
         if run.stopped_early {
@@ -483,6 +501,11 @@ pub fn train_with_limit(
 struct Session<'a> {
     cfg: &'a TrainConfig,
     device: &'a Device,
+    /// This rank of a data-parallel run (one process: `Dist::single()`).
+    dist: &'a Dist,
+    /// The trainable variables whose optimizer state this rank keeps and which it updates
+    /// (indices into `vars`): all of them, or its share with `train.shard_optimizer`.
+    owned: Vec<usize>,
     /// `train.output_dir`: `config.toml`, `metrics.jsonl`, `checkpoints/`, `adapter/` or `model/`.
     out: PathBuf,
     /// The memory probe, `--memory-limit` and `metrics.jsonl`.
@@ -586,16 +609,23 @@ impl<'a> Session<'a> {
         device: &'a Device,
         resume: bool,
         memory_limit: Option<u64>,
+        dist: &'a Dist,
         on_event: &mut dyn FnMut(Event),
     ) -> Result<Self, TrainError> {
         let t = &cfg.train;
+        let main = dist.is_main();
         let out = t.output_dir.clone();
         std::fs::create_dir_all(&out)
             .map_err(|e| TrainError::Invalid(format!("{}: {e}", out.display())))?;
         // The resolved config is the first thing written: the run directory says what ran.
-        tallow_model::io::write_atomic(&out.join("config.toml"), cfg.to_toml_string().as_bytes())?;
+        if main {
+            tallow_model::io::write_atomic(
+                &out.join("config.toml"),
+                cfg.to_toml_string().as_bytes(),
+            )?;
+        }
         let metrics = out.join("metrics.jsonl");
-        let mut tensorboard = match t.log.contains(&crate::config::LogSink::Tensorboard) {
+        let mut tensorboard = match main && t.log.contains(&crate::config::LogSink::Tensorboard) {
             true => {
                 let dir = out.join("tensorboard");
                 Some(
@@ -609,7 +639,7 @@ impl<'a> Session<'a> {
         set_tf32(device, t.tf32);
 
         // Data, model, adapters; then the optimizer, the step plan and the checkpoint identity.
-        let memory = Memory::start(device, memory_limit, metrics);
+        let memory = Memory::start(device, memory_limit, metrics, main);
         let Setup {
             model_dir,
             model,
@@ -640,7 +670,8 @@ impl<'a> Session<'a> {
         }
         let vars: Vec<Var> = params.iter().map(|(_, v)| v.clone()).collect();
         let mut opt: Box<dyn Optimizer> = optim::build(t.optimizer, t.betas, t.eps, t.weight_decay);
-        let rows_per_step = t.micro_batch_size * t.grad_accum;
+        // A data-parallel step: `grad_accum` micro-batches on each rank.
+        let rows_per_step = t.micro_batch_size * t.grad_accum * dist.world;
         // Preference runs schedule pairs (rows 2i and 2i + 1), the others rows.
         let objective = Objective::of(cfg);
         let units = if objective.is_some() {
@@ -654,7 +685,16 @@ impl<'a> Session<'a> {
         } else {
             t.epochs * plan.steps_per_epoch
         };
-        let identity = checkpoint_identity(cfg, &model, &params, lora.as_ref(), opt.name());
+        let mut identity = checkpoint_identity(cfg, &model, &params, lora.as_ref(), opt.name());
+        identity.world_size = dist.world;
+        // train.shard_optimizer (ZeRO stage 1): this rank's tensors; else all of them.
+        let owned: Vec<usize> = if t.shard_optimizer && dist.world > 1 {
+            let sizes: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
+            let owner = tallow_dist::owners(&sizes, dist.world);
+            (0..vars.len()).filter(|&i| owner[i] == dist.rank).collect()
+        } else {
+            (0..vars.len()).collect()
+        };
 
         // Resume: the newest checkpoint's weights, optimizer state and counters.
         let resumed = if resume {
@@ -663,9 +703,9 @@ impl<'a> Session<'a> {
                 device,
                 &identity,
                 &params,
-                &vars,
+                (&vars, &owned),
                 opt.as_mut(),
-                &memory.metrics,
+                main.then_some(memory.metrics.as_path()),
             )?;
             if resumed.is_none() {
                 on_event(Event::Note(format!(
@@ -677,7 +717,7 @@ impl<'a> Session<'a> {
         } else {
             None
         };
-        if resumed.is_none() {
+        if resumed.is_none() && main {
             let _ = std::fs::remove_file(&memory.metrics);
         }
         let (start_step, tokens_seen, elapsed_before) = match &resumed {
@@ -719,18 +759,19 @@ impl<'a> Session<'a> {
                     &rows,
                     pad,
                     weights_moved,
+                    main,
                     &mut note,
                 )?)
             }
             _ => None,
         };
         let eval_start = if start_step == 0 {
-            eval_loss(&model, &eval, t.micro_batch_size, pad, objective)?
+            eval_loss(&model, &eval, t.micro_batch_size, pad, objective, dist)?
         } else {
             None
         };
         let eval_loss_start = eval_start.as_ref().map(|e| e.loss);
-        if resumed_from.is_none() {
+        if resumed_from.is_none() && main {
             append_metrics(
                 &memory.metrics,
                 &serde_json::json!({
@@ -743,7 +784,9 @@ impl<'a> Session<'a> {
             )?;
         }
         if let Some(e) = &eval_start {
-            record_eval(&memory.metrics, &mut tensorboard, 0, e)?;
+            if main {
+                record_eval(&memory.metrics, &mut tensorboard, 0, e)?;
+            }
             on_event(Event::Eval {
                 step: 0,
                 loss: e.loss,
@@ -755,6 +798,8 @@ impl<'a> Session<'a> {
         Ok(Session {
             cfg,
             device,
+            dist,
+            owned,
             out,
             memory,
             model_dir,
@@ -821,15 +866,20 @@ impl<'a> Session<'a> {
             .into_iter()
             .map(|i| &self.rows[i])
             .collect();
+        // Over all ranks: the loss is the step's mean over every rank's targets.
         let step_targets: usize = step_rows.iter().map(|r| r.n_targets()).sum();
-        let mut step_tokens = 0;
+        let step_tokens: usize = step_rows.iter().map(|r| r.ids.len()).sum();
         let reads_before = host::reads();
         // The step's summed NLL stays on the device until the one read of the step.
         let mut nll_sum: Option<Tensor> = None;
         let mut peaks = PhasePeaks::default();
 
         let model = &self.model;
-        for (m, micro) in step_rows.chunks(t.micro_batch_size).enumerate() {
+        // This rank's block of the step's micro-batches (numbered over the whole step, so the
+        // dropout masks are those of one process running them all).
+        let micros: Vec<&[&Row]> = step_rows.chunks(t.micro_batch_size).collect();
+        for m in self.dist.block(micros.len(), t.grad_accum) {
+            let micro = micros[m];
             set_dropout(model, Some(dropout_seed(t.seed, step, m)));
             let batch = Batch::from_rows(micro, self.pad, self.device)?;
             probe.start_phase();
@@ -866,12 +916,15 @@ impl<'a> Session<'a> {
                 backward: probe.peak(),
                 optimizer: None,
             });
-            step_tokens += batch.tokens;
         }
         set_dropout(model, None);
 
         Ok(ForwardBackward {
-            nll_sum: nll_sum.expect("a step has at least one micro-batch"),
+            // A rank with no micro-batch in a short last step adds nothing.
+            nll_sum: match nll_sum {
+                Some(s) => s,
+                None => Tensor::zeros((), DType::F32, self.device)?,
+            },
             loss_divisor: step_targets as f64,
             preference: None,
             tally: StepTally {
@@ -925,11 +978,13 @@ impl<'a> Session<'a> {
         let mut sums: Option<Tensor> = None;
         let mut peaks = PhasePeaks::default();
         let model = &self.model;
-        for (m, (micro, ids)) in step_pairs
+        #[allow(clippy::type_complexity)]
+        let micros: Vec<(&[(&Row, &Row)], &[usize])> = step_pairs
             .chunks(t.micro_batch_size)
             .zip(pair_ids.chunks(t.micro_batch_size))
-            .enumerate()
-        {
+            .collect();
+        for m in self.dist.block(micros.len(), t.grad_accum) {
+            let (micro, ids) = micros[m];
             set_dropout(model, Some(dropout_seed(t.seed, step, m)));
             let pb = PairBatch::new(micro, self.pad, self.device)?;
             probe.start_phase();
@@ -985,11 +1040,19 @@ impl<'a> Session<'a> {
             });
         }
         set_dropout(model, None);
+        // A rank with no micro-batch in a short last step adds nothing.
+        let zeros = |n: usize| Tensor::zeros(n, DType::F64, self.device);
         Ok(ForwardBackward {
-            nll_sum: loss_sum.expect("a step has at least one micro-batch"),
+            nll_sum: match loss_sum {
+                Some(s) => s,
+                None => Tensor::zeros((), DType::F32, self.device)?,
+            },
             loss_divisor: 1.0,
             preference: Some((
-                sums.expect("a step has at least one micro-batch"),
+                match sums {
+                    Some(s) => s,
+                    None => zeros(preference::METRIC_NAMES.len())?,
+                },
                 n_pairs,
                 chosen_tokens,
             )),
@@ -1024,9 +1087,16 @@ impl<'a> Session<'a> {
         let probe = self.memory.probe.on_step(tally.measure);
         probe.start_phase();
         let taken = self.acc.take().map_err(TrainError::from);
-        let mut grads = self
+        let grads = self
             .memory
             .check(taken, "optimizer", step + 1, &self.last_checkpoint)?;
+        // Data parallel: the gradients, loss and metric sums summed over the ranks, bucketed.
+        let (mut grads, nll_sum, preference) = self.memory.check(
+            self.reduce(grads, nll_sum, preference),
+            "optimizer",
+            step + 1,
+            &self.last_checkpoint,
+        )?;
         let grad_norm = clip_grad_norm(&mut grads, t.max_grad_norm)?;
         // The one host read of the step: its loss and gradient norm together (and a preference
         // run's metric sums).
@@ -1040,7 +1110,13 @@ impl<'a> Session<'a> {
         if let Some((sums, _, _)) = &preference {
             parts.push(sums.clone());
         }
-        let read = host::read(&Tensor::cat(&parts, 0)?)?;
+        let read = {
+            // Data parallel on CUDA: the all-reduce's result arrives here (NCCL is async).
+            let _waiting = self
+                .dist
+                .waiting("reading the step's loss after the gradient all-reduce");
+            host::read(&Tensor::cat(&parts, 0)?)?
+        };
         let (loss, grad_norm) = (read[0] / loss_divisor, read[1]);
         let preference = match (&preference, self.objective) {
             (Some((_, pairs, tokens)), Some(obj)) => Some(
@@ -1062,10 +1138,13 @@ impl<'a> Session<'a> {
             }
         }
         let lr = lr_at(t.schedule, t.lr, step, t.warmup_steps, self.total_steps);
-        let stepped = self
-            .opt
-            .step(&self.vars, &grads, lr)
-            .map_err(TrainError::from);
+        let stepped = step_owned(
+            self.opt.as_mut(),
+            (&self.vars, &self.owned),
+            self.dist,
+            &grads,
+            lr,
+        );
         self.memory
             .check(stepped, "optimizer", step + 1, &self.last_checkpoint)?;
         drop(grads);
@@ -1119,7 +1198,7 @@ impl<'a> Session<'a> {
             ops_backward: tally.ops_backward,
             preference,
         };
-        if self.logged(done) {
+        if self.logged(done) && self.dist.is_main() {
             append_metrics(&self.memory.metrics, &log)?;
             if let Some(tb) = &mut self.tensorboard {
                 let scalars = step_scalars(&log);
@@ -1155,10 +1234,13 @@ impl<'a> Session<'a> {
                 t.micro_batch_size,
                 self.pad,
                 self.objective,
+                self.dist,
             )?;
             if let Some(e) = outcome {
                 let l = e.loss;
-                record_eval(&self.memory.metrics, &mut self.tensorboard, done, &e)?;
+                if self.dist.is_main() {
+                    record_eval(&self.memory.metrics, &mut self.tensorboard, done, &e)?;
+                }
                 on_event(Event::Eval {
                     step: done,
                     loss: l,
@@ -1193,13 +1275,18 @@ impl<'a> Session<'a> {
                 .iter()
                 .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
                 .collect();
-            let path = checkpoint::save(&self.out, &state, &trainable, &self.opt.state())?;
+            // Every rank takes part (a sharded optimizer's state is gathered); rank 0 writes.
+            let optimizer = self.optimizer_state()?;
+            let path = match self.dist.is_main() {
+                true => checkpoint::save(&self.out, &state, &trainable, &optimizer)?,
+                false => checkpoint::checkpoints_dir(&self.out).join(format!("step-{done}")),
+            };
             on_event(Event::Checkpoint {
                 step: done,
                 path: &path,
             });
             self.last_checkpoint = Some(path);
-            if t.save_total_limit > 0 {
+            if t.save_total_limit > 0 && self.dist.is_main() {
                 let keep = t.keep_best.then(|| self.best_eval.best_step()).flatten();
                 checkpoint::rotate(&self.out, t.save_total_limit, keep)?;
             }
@@ -1225,7 +1312,9 @@ impl<'a> Session<'a> {
         } else {
             "model"
         };
+        let main = self.dist.is_main();
         let output_last = match (self.cfg.train.keep_best, self.best_eval.best_step()) {
+            (true, Some(_)) if !main => Some(self.out.join(format!("{name}-last"))),
             (true, Some(best)) => {
                 let last = self.out.join(format!("{name}-last"));
                 self.save_output(&last)?;
@@ -1244,7 +1333,9 @@ impl<'a> Session<'a> {
             _ => None,
         };
         let output = self.out.join(name);
-        self.save_output(&output)?;
+        if main {
+            self.save_output(&output)?;
+        }
         Ok(Summary {
             steps: self.steps_done,
             stopped_early: self.stopped_early,
@@ -1262,6 +1353,55 @@ impl<'a> Session<'a> {
 }
 
 impl Session<'_> {
+    /// Data parallel: sums the step's gradients, its loss sum and (preference runs) its metric
+    /// sums over the ranks, in one bucketed all-reduce. One process: returns them unchanged.
+    #[allow(clippy::type_complexity)]
+    fn reduce(
+        &self,
+        mut grads: Vec<Tensor>,
+        nll_sum: Tensor,
+        preference: Option<(Tensor, usize, usize)>,
+    ) -> Result<(Vec<Tensor>, Tensor, Option<(Tensor, usize, usize)>), TrainError> {
+        if self.dist.world == 1 {
+            return Ok((grads, nll_sum, preference));
+        }
+        let n = grads.len();
+        grads.push(nll_sum);
+        if let Some((sums, _, _)) = &preference {
+            grads.push(sums.clone());
+        }
+        let mut all = self.dist.all_reduce_sum(grads, "the gradient all-reduce")?;
+        let preference =
+            preference.map(|(_, pairs, tokens)| (all.pop().expect("sums"), pairs, tokens));
+        let nll_sum = all.pop().expect("loss sum");
+        debug_assert_eq!(all.len(), n);
+        Ok((all, nll_sum, preference))
+    }
+
+    /// The optimizer state for a checkpoint, named by each tensor's index in the whole
+    /// trainable list. With `train.shard_optimizer` every rank's share is gathered (each rank
+    /// must call this; rank 0 gets the whole state, the others their own).
+    fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>, TrainError> {
+        let local = global_state_names(self.opt.state(), &self.owned);
+        if self.owned.len() == self.vars.len() {
+            return Ok(local);
+        }
+        let cpu: Vec<(String, Tensor)> = local
+            .into_iter()
+            .map(|(n, t)| Ok((n, t.to_device(&Device::Cpu)?)))
+            .collect::<candle_core::Result<_>>()?;
+        let bytes = safetensors::serialize(cpu.iter().map(|(n, t)| (n.as_str(), t)), None)
+            .map_err(|e| TrainError::Invalid(format!("optimizer state: {e}")))?;
+        let parts = self
+            .dist
+            .all_gather_bytes(&bytes, "gathering the sharded optimizer state")?;
+        let mut merged: BTreeMap<String, Tensor> = BTreeMap::new();
+        for part in parts {
+            merged.extend(candle_core::safetensors::load_buffer(&part, &Device::Cpu)?);
+        }
+        Ok(merged.into_iter().collect())
+    }
+
     /// The PEFT adapter (LoRA runs) or the whole model in HF layout into `dir`.
     fn save_output(&self, dir: &Path) -> Result<(), TrainError> {
         match &self.lora {
@@ -1311,17 +1451,34 @@ struct EvalOutcome {
 /// a graph ([`crate::eval`]): it needs less memory than the training forward that already ran at
 /// this batch size. A preference run evaluates its objective on the eval pairs
 /// ([`preference::evaluate`], the reference with the adapters off). One host read.
+///
+/// Data parallel: each rank evaluates its block of the eval rows and the NLL and token sums
+/// are summed over the ranks; a preference evaluation runs whole on every rank (the same
+/// result everywhere).
 fn eval_loss(
     model: &CausalLM,
     eval: &[Example],
     micro_batch_size: usize,
     pad: u32,
     objective: Option<Objective>,
+    dist: &Dist,
 ) -> Result<Option<EvalOutcome>, TrainError> {
     if eval.is_empty() {
         return Ok(None);
     }
     Ok(Some(match objective {
+        None if dist.world > 1 => {
+            let block = dist.block(eval.len(), eval.len().div_ceil(dist.world));
+            let part = evaluate(model, &eval[block], micro_batch_size, pad, |_| {})?;
+            let sums = Tensor::new(&[part.nll_sum, part.tokens as f64], model.device())?;
+            let sums = dist.all_reduce_sum(vec![sums], "the evaluation's sums")?;
+            let _waiting = dist.waiting("reading the evaluation's sums");
+            let read = host::read(&sums[0])?;
+            EvalOutcome {
+                loss: read[0] / read[1],
+                preference: vec![],
+            }
+        }
         None => EvalOutcome {
             loss: evaluate(model, eval, micro_batch_size, pad, |_| {})?.loss,
             preference: vec![],
@@ -1392,6 +1549,7 @@ fn checkpoint_identity(
         tokens_seen: 0,
         elapsed_s: 0.0,
         best_eval: BestEval::default(),
+        world_size: 1,
         tallow_version: env!("CARGO_PKG_VERSION").into(),
     }
 }
@@ -1409,14 +1567,17 @@ struct Resumed {
 /// Loads the newest checkpoint in `out` (None when there is none), after checking it is one of
 /// a run like this (`identity`), into the trainable variables and the optimizer, and drops the
 /// lines of `metrics` of the steps after it (the resumed run redoes them).
+///
+/// `vars` with the indices this rank's optimizer owns (all, or its `shard_optimizer` share: it
+/// loads only those tensors' state). `metrics`: None on ranks other than 0.
 fn resume_from(
     out: &Path,
     device: &Device,
     identity: &CheckpointState,
     params: &[(String, Var)],
-    vars: &[Var],
+    (vars, owned): (&[Var], &[usize]),
     opt: &mut dyn Optimizer,
-    metrics: &Path,
+    metrics: Option<&Path>,
 ) -> Result<Option<Resumed>, TrainError> {
     let Some((_, dir)) = checkpoint::latest(out) else {
         return Ok(None);
@@ -1424,8 +1585,11 @@ fn resume_from(
     let ck = checkpoint::load(&dir, device)?;
     checkpoint::check_compatible(&ck.state, identity, &dir)?;
     set_trainable(params, &ck, &dir)?;
-    opt.load_state(vars, &ck.optimizer)?;
-    truncate_metrics(metrics, ck.state.step)?;
+    let owned_vars: Vec<Var> = owned.iter().map(|&i| vars[i].clone()).collect();
+    opt.load_state(&owned_vars, &local_state_names(&ck.optimizer, owned))?;
+    if let Some(metrics) = metrics {
+        truncate_metrics(metrics, ck.state.step)?;
+    }
     Ok(Some(Resumed {
         dir,
         step: ck.state.step,
@@ -1456,6 +1620,85 @@ fn backward_micro(
     };
     memory.check(run(), "backward", step + 1, last_checkpoint)?;
     Ok(opcount::since(ops))
+}
+
+/// The optimizer update of the tensors this rank owns; with `train.shard_optimizer`, then
+/// each rank's updated tensors to every rank (an all-reduce where the others add zeros: a
+/// broadcast view, nothing allocated; x + 0 = x exactly, so every rank holds the same
+/// weights bit for bit).
+fn step_owned(
+    opt: &mut dyn Optimizer,
+    (vars, owned): (&[Var], &[usize]),
+    dist: &Dist,
+    grads: &[Tensor],
+    lr: f64,
+) -> Result<(), TrainError> {
+    if owned.len() == vars.len() {
+        return Ok(opt.step(vars, grads, lr)?);
+    }
+    let owned_vars: Vec<Var> = owned.iter().map(|&i| vars[i].clone()).collect();
+    let owned_grads: Vec<Tensor> = owned.iter().map(|&i| grads[i].clone()).collect();
+    opt.step(&owned_vars, &owned_grads, lr)?;
+    drop(owned_grads);
+    let mut mine = vec![false; vars.len()];
+    for &i in owned {
+        mine[i] = true;
+    }
+    let contributions: Vec<Tensor> = vars
+        .iter()
+        .zip(&mine)
+        .map(|(v, &m)| match m {
+            true => Ok(v.as_tensor().clone()),
+            false => Tensor::zeros((), v.dtype(), v.device())?.broadcast_as(v.shape()),
+        })
+        .collect::<candle_core::Result<_>>()?;
+    dist.all_reduce_sum_each(
+        contributions,
+        "sharing the updated weights (train.shard_optimizer)",
+        |i, t| {
+            if !mine[i] {
+                vars[i].set(&t)?;
+            }
+            Ok(())
+        },
+    )?;
+    Ok(())
+}
+
+/// Optimizer state named by the optimizer's own (local) parameter indices, renamed to the
+/// indices `owned[i]` of the whole trainable list (`"{i}.exp_avg"` -> `"{owned[i]}.exp_avg"`);
+/// names without an index ([`optim::STEP_KEY`]) are kept.
+fn global_state_names(state: Vec<(String, Tensor)>, owned: &[usize]) -> Vec<(String, Tensor)> {
+    state
+        .into_iter()
+        .map(|(name, t)| match name.split_once('.') {
+            Some((i, what)) => match i.parse::<usize>() {
+                Ok(i) => (format!("{}.{what}", owned[i]), t),
+                Err(_) => (name, t),
+            },
+            None => (name, t),
+        })
+        .collect()
+}
+
+/// The inverse of [`global_state_names`] for a checkpoint's whole state: the tensors of the
+/// owned indices, renamed to the optimizer's local indices; the others dropped.
+fn local_state_names(
+    state: &std::collections::HashMap<String, Tensor>,
+    owned: &[usize],
+) -> std::collections::HashMap<String, Tensor> {
+    let local: std::collections::HashMap<usize, usize> =
+        owned.iter().enumerate().map(|(l, &g)| (g, l)).collect();
+    state
+        .iter()
+        .filter_map(|(name, t)| match name.split_once('.') {
+            Some((i, what)) => match i.parse::<usize>() {
+                Ok(g) => local.get(&g).map(|l| (format!("{l}.{what}"), t.clone())),
+                Err(_) => Some((name.clone(), t.clone())),
+            },
+            None => Some((name.clone(), t.clone())),
+        })
+        .collect()
 }
 
 /// `sum += value` for a running sum kept on the device (read once at the end of the step).
@@ -1515,11 +1758,13 @@ struct Memory {
     device_total: Option<u64>,
     /// `metrics.jsonl`, where an OOM is logged (with every other line of the run).
     metrics: PathBuf,
+    /// Whether this process writes `metrics` (rank 0 of a data-parallel run).
+    writes: bool,
 }
 
 impl Memory {
     /// The probe of `device`, its high-water mark reset for the load phase.
-    fn start(device: &Device, limit: Option<u64>, metrics: PathBuf) -> Memory {
+    fn start(device: &Device, limit: Option<u64>, metrics: PathBuf, writes: bool) -> Memory {
         let probe = Probe::for_device(device);
         let device_total = probe.device_total();
         probe.start_phase();
@@ -1528,6 +1773,7 @@ impl Memory {
             limit,
             device_total,
             metrics,
+            writes,
         }
     }
 
@@ -1564,11 +1810,13 @@ impl Memory {
                 _ => return Ok(v),
             },
         };
-        let _ = append_metrics(
-            &self.metrics,
-            &serde_json::json!({"step": step, "oom": {
-                "phase": phase, "peak_bytes": peak_bytes, "limit_bytes": limit_bytes}}),
-        );
+        if self.writes {
+            let _ = append_metrics(
+                &self.metrics,
+                &serde_json::json!({"step": step, "oom": {
+                    "phase": phase, "peak_bytes": peak_bytes, "limit_bytes": limit_bytes}}),
+            );
+        }
         Err(TrainError::OutOfMemory {
             phase,
             step,
