@@ -617,3 +617,41 @@ fn bench_formats_plot_and_an_out_of_memory_cell() {
     assert_eq!(r.code, 1);
     assert!(r.stderr.contains("rnk"), "{}", r.stderr);
 }
+
+/// A DPO plan with the reference computed live suggests `preference.precompute_ref` as a speed
+/// change at the same memory (never as a memory lever: benchmarks/preference.md measured the
+/// same peak); with the cache on, or for a supervised run, there is no such line. Break: the
+/// hint printed for every method -> the supervised run shows it.
+#[test]
+fn a_live_reference_dpo_plan_suggests_precompute_ref_for_speed() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dpo = root.join("configs/quickstart-dpo.toml");
+    let sup = root.join("configs/quickstart.toml");
+    // The configs name their model relative to the repository root.
+    let run_as = |cfg: &Path, sets: &[&str], json: bool| {
+        let mut cmd = std::process::Command::new(tallow_bin());
+        cmd.current_dir(&root)
+            .args(["estimate", "--config", cfg.to_str().unwrap(), "--budget", "8GiB"]);
+        if json {
+            cmd.arg("--json");
+        }
+        for s in sets {
+            cmd.args(["--set", s]);
+        }
+        let out = cmd.output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        stdout
+    };
+    let run = |cfg: &Path, sets: &[&str]| run_as(cfg, sets, false);
+    let hint = "Faster at the same memory: --set preference.precompute_ref=true";
+    let live = run(&dpo, &["preference.precompute_ref=false"]);
+    assert!(live.contains(hint), "{live}");
+    let cached = run(&dpo, &["preference.precompute_ref=true"]);
+    assert!(!cached.contains(hint), "{cached}");
+    let supervised = run(&sup, &[]);
+    assert!(!supervised.contains(hint), "{supervised}");
+    // The JSON plan carries it too.
+    let json = run_as(&dpo, &["preference.precompute_ref=false"], true);
+    assert!(json.contains("\"speed\": \"Faster at the same memory"), "{json}");
+}
