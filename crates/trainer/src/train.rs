@@ -1090,13 +1090,17 @@ impl<'a> Session<'a> {
         let grads = self
             .memory
             .check(taken, "optimizer", step + 1, &self.last_checkpoint)?;
-        // Data parallel: the gradients, loss and metric sums summed over the ranks, bucketed.
-        let (mut grads, nll_sum, preference) = self.memory.check(
-            self.reduce(grads, nll_sum, preference),
-            "optimizer",
-            step + 1,
-            &self.last_checkpoint,
-        )?;
+        // Data parallel: the gradients, loss and metric sums summed over the ranks, bucketed
+        // (one process: no collective, and no extra check of the limit).
+        let (mut grads, nll_sum, preference) = match self.dist.world {
+            1 => (grads, nll_sum, preference),
+            _ => self.memory.check(
+                self.reduce(grads, nll_sum, preference),
+                "optimizer",
+                step + 1,
+                &self.last_checkpoint,
+            )?,
+        };
         let grad_norm = clip_grad_norm(&mut grads, t.max_grad_norm)?;
         // The one host read of the step: its loss and gradient norm together (and a preference
         // run's metric sums).
@@ -1354,7 +1358,7 @@ impl<'a> Session<'a> {
 
 impl Session<'_> {
     /// Data parallel: sums the step's gradients, its loss sum and (preference runs) its metric
-    /// sums over the ranks, in one bucketed all-reduce. One process: returns them unchanged.
+    /// sums over the ranks, in one bucketed all-reduce.
     #[allow(clippy::type_complexity)]
     fn reduce(
         &self,
@@ -1362,9 +1366,6 @@ impl Session<'_> {
         nll_sum: Tensor,
         preference: Option<(Tensor, usize, usize)>,
     ) -> Result<(Vec<Tensor>, Tensor, Option<(Tensor, usize, usize)>), TrainError> {
-        if self.dist.world == 1 {
-            return Ok((grads, nll_sum, preference));
-        }
         let n = grads.len();
         grads.push(nll_sum);
         if let Some((sums, _, _)) = &preference {
