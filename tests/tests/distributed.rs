@@ -432,8 +432,15 @@ fn dpo_on_two_ranks_equals_one_process() {
             .unwrap()
     };
     let (a, b) = (last_eval(&one), last_eval(&two));
-    for key in ["eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"] {
+    for key in [
+        "eval_loss",
+        "eval_rewards/accuracies",
+        "eval_rewards/margins",
+    ] {
         let (x, y) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
-        assert!((x - y).abs() <= 1e-6 * x.abs().max(1.0), "{key}: {y} vs {x}");
+        assert!(
+            (x - y).abs() <= 1e-6 * x.abs().max(1.0),
+            "{key}: {y} vs {x}"
+        );
     }
 }

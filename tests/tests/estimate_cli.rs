@@ -630,8 +630,13 @@ fn a_live_reference_dpo_plan_suggests_precompute_ref_for_speed() {
     // The configs name their model relative to the repository root.
     let run_as = |cfg: &Path, sets: &[&str], json: bool| {
         let mut cmd = std::process::Command::new(tallow_bin());
-        cmd.current_dir(&root)
-            .args(["estimate", "--config", cfg.to_str().unwrap(), "--budget", "8GiB"]);
+        cmd.current_dir(&root).args([
+            "estimate",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--budget",
+            "8GiB",
+        ]);
         if json {
             cmd.arg("--json");
         }
@@ -640,7 +645,11 @@ fn a_live_reference_dpo_plan_suggests_precompute_ref_for_speed() {
         }
         let out = cmd.output().unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         stdout
     };
     let run = |cfg: &Path, sets: &[&str]| run_as(cfg, sets, false);
@@ -653,5 +662,8 @@ fn a_live_reference_dpo_plan_suggests_precompute_ref_for_speed() {
     assert!(!supervised.contains(hint), "{supervised}");
     // The JSON plan carries it too.
     let json = run_as(&dpo, &["preference.precompute_ref=false"], true);
-    assert!(json.contains("\"speed\": \"Faster at the same memory"), "{json}");
+    assert!(
+        json.contains("\"speed\": \"Faster at the same memory"),
+        "{json}"
+    );
 }
