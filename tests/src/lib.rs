@@ -166,6 +166,15 @@ pub fn max_abs(a: &Tensor) -> f64 {
         .unwrap()
 }
 
+/// The largest per-tensor relative difference between two sets of named tensors (max |a - b|
+/// over max |b| of each tensor); the sets must hold the same names.
+pub fn max_rel_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .map(|(k, t)| max_abs_diff(t, &b[k]) / max_abs(&b[k]).max(1e-12))
+        .fold(0.0, f64::max)
+}
+
 /// Path of the `tallow` binary of this workspace, built on first use (same profile as the tests).
 /// The tests crate is a separate package, so cargo does not hand it `CARGO_BIN_EXE_tallow`.
 pub fn tallow_bin() -> PathBuf {

@@ -121,13 +121,6 @@ fn trained(dir: &Path, full: bool) -> HashMap<String, Tensor> {
     candle_core::safetensors::load(dir.join(file), &Device::Cpu).unwrap()
 }
 
-fn max_rel_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .map(|(k, t)| max_abs_diff(t, &b[k]) / max_abs(&b[k]).max(1e-12))
-        .fold(0.0, f64::max)
-}
-
 /// The step numbers of the training lines of `metrics.jsonl`, and their losses.
 fn step_losses(dir: &Path) -> Vec<(u64, f64)> {
     std::fs::read_to_string(dir.join("run/metrics.jsonl"))
@@ -427,8 +420,7 @@ fn dpo_on_two_ranks_equals_one_process() {
             .unwrap()
             .lines()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|v| v.get("eval_rewards/accuracies").is_some())
-            .last()
+            .rfind(|v| v.get("eval_rewards/accuracies").is_some())
             .unwrap()
     };
     let (a, b) = (last_eval(&one), last_eval(&two));

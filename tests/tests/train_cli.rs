@@ -39,13 +39,6 @@ fn adapter(dir: &Path) -> HashMap<String, Tensor> {
     .unwrap()
 }
 
-fn max_rel_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .map(|(k, t)| max_abs_diff(t, &b[k]) / max_abs(&b[k]).max(1e-12))
-        .fold(0.0, f64::max)
-}
-
 /// `micro_batch_size = 4, grad_accum = 1` and `micro_batch_size = 1, grad_accum = 4` give the
 /// same adapter after 3 AdamW steps (dropout off: masks are drawn per micro-batch). Tolerance:
 /// 1e-3 relative per tensor (f32; the sums are ordered differently, and AdamW divides by

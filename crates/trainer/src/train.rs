@@ -1666,17 +1666,21 @@ fn step_owned(
     Ok(())
 }
 
+/// A state name `"{i}.{what}"` split into the parameter index and the rest (None for names
+/// without an index, such as [`optim::STEP_KEY`]).
+fn state_index(name: &str) -> Option<(usize, &str)> {
+    let (i, what) = name.split_once('.')?;
+    Some((i.parse().ok()?, what))
+}
+
 /// Optimizer state named by the optimizer's own (local) parameter indices, renamed to the
 /// indices `owned[i]` of the whole trainable list (`"{i}.exp_avg"` -> `"{owned[i]}.exp_avg"`);
 /// names without an index ([`optim::STEP_KEY`]) are kept.
 fn global_state_names(state: Vec<(String, Tensor)>, owned: &[usize]) -> Vec<(String, Tensor)> {
     state
         .into_iter()
-        .map(|(name, t)| match name.split_once('.') {
-            Some((i, what)) => match i.parse::<usize>() {
-                Ok(i) => (format!("{}.{what}", owned[i]), t),
-                Err(_) => (name, t),
-            },
+        .map(|(name, t)| match state_index(&name) {
+            Some((i, what)) => (format!("{}.{what}", owned[i]), t),
             None => (name, t),
         })
         .collect()
@@ -1692,11 +1696,8 @@ fn local_state_names(
         owned.iter().enumerate().map(|(l, &g)| (g, l)).collect();
     state
         .iter()
-        .filter_map(|(name, t)| match name.split_once('.') {
-            Some((i, what)) => match i.parse::<usize>() {
-                Ok(g) => local.get(&g).map(|l| (format!("{l}.{what}"), t.clone())),
-                Err(_) => Some((name.clone(), t.clone())),
-            },
+        .filter_map(|(name, t)| match state_index(name) {
+            Some((g, what)) => local.get(&g).map(|l| (format!("{l}.{what}"), t.clone())),
             None => Some((name.clone(), t.clone())),
         })
         .collect()
