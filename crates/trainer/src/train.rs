@@ -685,8 +685,8 @@ impl<'a> Session<'a> {
         } else {
             t.epochs * plan.steps_per_epoch
         };
-        let mut identity = checkpoint_identity(cfg, &model, &params, lora.as_ref(), opt.name());
-        identity.world_size = dist.world;
+        let identity =
+            checkpoint_identity(cfg, &model, &params, lora.as_ref(), opt.name(), dist.world);
         // train.shard_optimizer (ZeRO stage 1): this rank's tensors; else all of them.
         let owned: Vec<usize> = if t.shard_optimizer && dist.world > 1 {
             let sizes: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
@@ -1518,13 +1518,14 @@ fn record_eval(
 }
 
 /// What a checkpoint of this run must match to be resumed: method, architecture, model path,
-/// LoRA shape, trainable tensors and their shapes, optimizer, quantization.
+/// LoRA shape, trainable tensors and their shapes, optimizer, quantization, number of ranks.
 fn checkpoint_identity(
     cfg: &TrainConfig,
     model: &CausalLM,
     params: &[(String, Var)],
     lora: Option<&LoraSpec>,
     optimizer: &str,
+    world_size: usize,
 ) -> CheckpointState {
     CheckpointState {
         step: 0,
@@ -1550,7 +1551,7 @@ fn checkpoint_identity(
         tokens_seen: 0,
         elapsed_s: 0.0,
         best_eval: BestEval::default(),
-        world_size: 1,
+        world_size,
         tallow_version: env!("CARGO_PKG_VERSION").into(),
     }
 }
@@ -1666,20 +1667,13 @@ fn step_owned(
     Ok(())
 }
 
-/// A state name `"{i}.{what}"` split into the parameter index and the rest (None for names
-/// without an index, such as [`optim::STEP_KEY`]).
-fn state_index(name: &str) -> Option<(usize, &str)> {
-    let (i, what) = name.split_once('.')?;
-    Some((i.parse().ok()?, what))
-}
-
 /// Optimizer state named by the optimizer's own (local) parameter indices, renamed to the
 /// indices `owned[i]` of the whole trainable list (`"{i}.exp_avg"` -> `"{owned[i]}.exp_avg"`);
 /// names without an index ([`optim::STEP_KEY`]) are kept.
 fn global_state_names(state: Vec<(String, Tensor)>, owned: &[usize]) -> Vec<(String, Tensor)> {
     state
         .into_iter()
-        .map(|(name, t)| match state_index(&name) {
+        .map(|(name, t)| match optim::state_index(&name) {
             Some((i, what)) => (format!("{}.{what}", owned[i]), t),
             None => (name, t),
         })
@@ -1696,7 +1690,7 @@ fn local_state_names(
         owned.iter().enumerate().map(|(l, &g)| (g, l)).collect();
     state
         .iter()
-        .filter_map(|(name, t)| match state_index(name) {
+        .filter_map(|(name, t)| match optim::state_index(name) {
             Some((g, what)) => local.get(&g).map(|l| (format!("{l}.{what}"), t.clone())),
             None => Some((name.clone(), t.clone())),
         })

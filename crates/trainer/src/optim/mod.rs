@@ -187,6 +187,13 @@ pub(crate) fn load_param_state(
         .contiguous()
 }
 
+/// A state name `"{i}.{what}"` split into the parameter index and the rest (None for names
+/// without an index, such as [`STEP_KEY`]).
+pub(crate) fn state_index(name: &str) -> Option<(usize, &str)> {
+    let (i, what) = name.split_once('.')?;
+    Some((i.parse().ok()?, what))
+}
+
 /// Errors on a state name that is neither [`STEP_KEY`] nor `"{i}.{what}"` with `i < n_params`
 /// and `what` in `allowed`.
 pub(crate) fn check_state_keys(
@@ -199,9 +206,8 @@ pub(crate) fn check_state_keys(
         if key == STEP_KEY {
             continue;
         }
-        let known = key.split_once('.').is_some_and(|(i, what)| {
-            i.parse::<usize>().is_ok_and(|i| i < n_params) && allowed.contains(&what)
-        });
+        let known =
+            state_index(key).is_some_and(|(i, what)| i < n_params && allowed.contains(&what));
         if !known {
             candle_core::bail!(
                 "{optimizer} state has an unexpected tensor `{key}` ({n_params} trainable \
