@@ -42,15 +42,11 @@ else
   CUDA_MAJOR=${CUDA_MAJOR:-13}
   case "$CUDA_MAJOR" in
     13)
-      # NCCL (multi-GPU training, feature `nccl`): the release PyTorch 2.9 for CUDA 13.0 pins.
-      NCCL_WHEEL='nvidia-nccl-cu13==2.27.7'
       WHEELS=('nvidia-cuda-nvcc==13.0.*' 'nvidia-nvvm==13.0.*' 'nvidia-cuda-runtime==13.0.*'
         'nvidia-cuda-crt==13.0.*' 'nvidia-cuda-cccl==13.0.*' 'nvidia-cublas==13.0.*'
         'nvidia-cuda-nvrtc==13.0.*' 'nvidia-curand==10.4.0.*') ;;
     12)
       # 12.4: the newest CUDA 12 whose compiler driver Debian packages (trixie's non-free).
-      # NCCL: the release PyTorch 2.5 / 2.6 for CUDA 12.4 pin.
-      NCCL_WHEEL='nvidia-nccl-cu12==2.21.5'
       WHEELS=('nvidia-cuda-nvcc-cu12==12.4.131' 'nvidia-cuda-runtime-cu12==12.4.127'
         'nvidia-cuda-cccl-cu12==12.4.127.post1' 'nvidia-cublas-cu12==12.4.5.8'
         'nvidia-cuda-nvrtc-cu12==12.4.127' 'nvidia-curand-cu12==10.3.5.147')
@@ -108,46 +104,17 @@ PROFILE
     fi
     chmod +x "$ROOT"/bin/* "$ROOT"/nvvm/bin/* 2>/dev/null || true
   fi
-  # NCCL, for the `nccl` feature (data-parallel training over GPUs): its wheel unpacks into
-  # nvidia/nccl/{include,lib} (libnccl.so.2), linked into the same root. Fetched on its own, so a
-  # toolkit folder from before NCCL was added gets it too.
-  if [ ! -e "$ROOT/lib/libnccl.so.2" ]; then
-    mkdir -p "$CUDA_DIR/wheels" "$CUDA_DIR/unpacked"
-    python3 -m pip download --no-deps --quiet -d "$CUDA_DIR/wheels" "$NCCL_WHEEL"
-    python3 -m zipfile -e "$(ls "$CUDA_DIR"/wheels/nvidia_nccl_*.whl | head -1)" "$CUDA_DIR/unpacked"
-    cp -rsf "$CUDA_DIR/unpacked/nvidia/nccl/." "$ROOT/"
-  fi
 fi
 
 # Linker names for the versioned libraries.
 if [ -z "${CUDA_ROOT:-}" ]; then
   (
     cd "$ROOT/lib"
-    for l in cublas cublasLt cudart nvrtc curand nccl; do
+    for l in cublas cublasLt cudart nvrtc curand; do
       [ -e "lib$l.so" ] || ln -sf "$(ls lib$l.so.[0-9]* | head -1)" "lib$l.so"
     done
   )
   [ -e "$ROOT/lib64" ] || ln -sf lib "$ROOT/lib64"
-fi
-NCCL_LIB=$ROOT/lib64
-if [ -n "${CUDA_ROOT:-}" ] && [ ! -e "$ROOT/lib64/libnccl.so" ] &&
-  ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
-  # An installed toolkit without NCCL (it ships apart: Debian's libnccl-dev, NVIDIA's
-  # libnccl-dev, or this wheel): the wheel of the toolkit's major version, in its own folder.
-  major=$("$ROOT/bin/nvcc" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
-  case "$major" in
-    13) NCCL_WHEEL='nvidia-nccl-cu13==2.27.7' ;;
-    12) NCCL_WHEEL='nvidia-nccl-cu12==2.21.5' ;;
-    *) echo "error: CUDA_ROOT=$ROOT is CUDA $major: install NCCL for it (libnccl-dev)" >&2; exit 1 ;;
-  esac
-  NCCL_DIR=$PWD/target/nccl-cu$major
-  if [ ! -e "$NCCL_DIR/nvidia/nccl/lib/libnccl.so" ]; then
-    mkdir -p "$NCCL_DIR"
-    python3 -m pip download --no-deps --quiet -d "$NCCL_DIR" "$NCCL_WHEEL"
-    python3 -m zipfile -e "$(ls "$NCCL_DIR"/nvidia_nccl_*.whl | head -1)" "$NCCL_DIR"
-    ln -sf libnccl.so.2 "$NCCL_DIR/nvidia/nccl/lib/libnccl.so"
-  fi
-  NCCL_LIB=$NCCL_DIR/nvidia/nccl/lib
 fi
 STUBS=$PWD/target/cuda-stubs
 [ -e "$ROOT/lib64/stubs/libcuda.so" ] && STUBS=$ROOT/lib64/stubs
@@ -170,8 +137,8 @@ export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-80}
 # (one on a 2-core CI machine) while nothing else can build: use them all.
 export CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-$(nproc)}
 export LIBRARY_PATH=$ROOT/lib64:$STUBS${LIBRARY_PATH:+:$LIBRARY_PATH}
-[ "$NCCL_LIB" = "$ROOT/lib64" ] || LIBRARY_PATH=$NCCL_LIB:$LIBRARY_PATH
 # `nccl`: the NCCL backend for CUDA ranks (tallow-dist) and `tallow doctor`'s multi-GPU check.
+# NCCL is loaded at run time (libnccl.so.2), not linked: nothing here needs it.
 FEATURES=tallow/cuda,tallow/nccl
 if [ "${SETUP_ONLY:-0}" = 1 ]; then
   # For `eval`: the variables a `cargo build --features cuda,nccl` needs.
@@ -181,6 +148,8 @@ if [ "${SETUP_ONLY:-0}" = 1 ]; then
 elif [ "${CI_COMPILE:-0}" = 1 ]; then
   # Every target with the CUDA and NCCL code compiled in: the binary, the test binaries, the
   # tools. One build: `tallow/nccl` turns on tallow-dist's `nccl` for the whole workspace.
+  # (A `cargo build -p tallow` plus a `cargo check` of the other targets was timed at 7.7 min
+  # against this build's 5: the check compiles every dependency again, in metadata mode.)
   cargo build --workspace --all-targets --features $FEATURES,tallow-tests/cuda
 else
   # Its own target folder, so the CPU build of `tallow` in target/release is not overwritten.

@@ -303,20 +303,11 @@ pub fn check_cuda(ordinal: usize) -> Result<(PathBuf, DriverInfo), String> {
     })?;
     let missing = missing_libraries(&needed);
     if !missing.is_empty() {
-        // NCCL (the `nccl` feature) ships apart from the toolkit, in its own wheel folder.
         let major = cuda_major_of(&needed).unwrap_or(13);
-        let nccl = if missing.iter().any(|l| l.starts_with("libnccl.so")) {
-            format!(
-                "; libnccl.so.2: site-packages/nvidia/nccl/lib, or scripts/build_cuda.sh's \
-                 target/cuda{major}/root/lib"
-            )
-        } else {
-            String::new()
-        };
         return Err(format!(
             "{} needs CUDA libraries that cannot be loaded: {}; add the folder that holds them to \
              LD_LIBRARY_PATH (a CUDA toolkit's lib64, or a Python environment's \
-             site-packages/nvidia/cu{major}/lib{nccl})",
+             site-packages/nvidia/cu{major}/lib)",
             binary.display(),
             missing.join(", "),
         ));

@@ -13,6 +13,7 @@
 pub mod bootstrap;
 pub mod gpucheck;
 pub mod launch;
+pub mod libnccl;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]

@@ -1,6 +1,5 @@
-//! NCCL collectives for CUDA ranks (cudarc's bindings, the cudarc candle-core uses): one
-//! communicator per rank, on the rank's own GPU, whose collectives run on the Candle device's
-//! stream, so they queue behind the backward pass that made the gradients and ahead of the
+//! NCCL collectives for CUDA ranks: one communicator per rank, on the rank's own GPU, whose
+//! collectives run on the Candle device's stream (a cudarc stream, the cudarc candle-core uses), so they queue behind the backward pass that made the gradients and ahead of the
 //! optimizer step that reads them, with no host synchronisation of their own.
 //!
 //! Start-up: every rank needs rank 0's NCCL unique id before `ncclCommInitRank`; how it travels
@@ -16,23 +15,88 @@
 //! `tallow doctor`'s check, one thread driving every GPU, makes a stream of its own per GPU
 //! instead (cupy#4322: `ncclCommInitAll` with the per-thread stream fails).
 //!
-//! cudarc's `nccl` feature binds NCCL 2.30's API; tallow calls only functions every NCCL 2.x has
-//! (`ncclGetUniqueId`, `ncclCommInitRank`, `ncclCommInitAll`, `ncclAllReduce`, `ncclAllGather`,
-//! `ncclGroupStart/End`, `ncclCommAbort`), so the libnccl.so.2 of `scripts/build_cuda.sh`'s
-//! wheels (2.27 for CUDA 13, 2.21 for CUDA 12.4) serves.
+//! NCCL itself is loaded at run time ([`crate::libnccl`]), not linked, so one GPU needs no NCCL;
+//! tallow calls only functions every NCCL 2.x has (`ncclGetUniqueId`, `ncclCommInitRank`,
+//! `ncclCommInitAll`, `ncclAllReduce`, `ncclAllGather`, `ncclGroupStart/End`, `ncclCommAbort`),
+//! so any libnccl.so.2 serves (the `nvidia-nccl-cu13` wheel is 2.27, `-cu12` 2.21 for CUDA 12.4).
 
+use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
-use cudarc::driver::{CudaContext, CudaStream};
-use cudarc::nccl::safe::{group_end, group_start, Comm, Id, ReduceOp};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use crate::bootstrap::{self, ID_BYTES, ID_ENV};
 use crate::gpucheck::{self, GpuCheck};
 use crate::launch::{Launch, Launcher};
+use crate::libnccl::{self, Lib};
 use crate::{Collective, Dist, DistError, Result};
+
+/// One NCCL communicator (`ncclComm_t`) and the stream its collectives are queued on; aborted
+/// when dropped.
+struct Comm {
+    lib: &'static Lib,
+    comm: libnccl::Comm,
+    stream: Arc<CudaStream>,
+    rank: usize,
+    world: usize,
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        // SAFETY: the communicator was made by ncclCommInitRank/All and is not used after this.
+        // ncclCommAbort, not ncclCommDestroy: it does not wait for peers that may be gone.
+        unsafe { (self.lib.comm_abort)(self.comm) };
+    }
+}
+
+impl Comm {
+    fn cu_stream(&self) -> libnccl::Stream {
+        self.stream.cu_stream() as libnccl::Stream
+    }
+
+    /// `ncclAllReduce` (sum) of `src` into `dst`, queued on this communicator's stream.
+    fn all_reduce_sum<S: DevicePtr<f32>>(&self, src: &S, dst: &mut CudaSlice<f32>) -> Result<()> {
+        let n = src.len();
+        let (src, _read) = src.device_ptr(&self.stream);
+        let (dst, _written) = dst.device_ptr_mut(&self.stream);
+        // SAFETY: both buffers hold n f32 on this communicator's device, and stay alive (the
+        // guards) until the call has queued the collective on the stream that later uses them.
+        let r = unsafe {
+            (self.lib.all_reduce)(
+                src as *const c_void,
+                dst as *mut c_void,
+                n,
+                libnccl::FLOAT32,
+                libnccl::SUM,
+                self.comm,
+                self.cu_stream(),
+            )
+        };
+        self.lib.check("ncclAllReduce", r).map_err(nccl_err)
+    }
+
+    /// `ncclAllGather` of `send`'s bytes into `recv` (world x its length), rank by rank.
+    fn all_gather(&self, send: &CudaSlice<u8>, recv: &mut CudaSlice<u8>) -> Result<()> {
+        let n = send.len();
+        let (send, _read) = send.device_ptr(&self.stream);
+        let (recv, _written) = recv.device_ptr_mut(&self.stream);
+        // SAFETY: send holds n bytes and recv world * n, on this communicator's device.
+        let r = unsafe {
+            (self.lib.all_gather)(
+                send as *const c_void,
+                recv as *mut c_void,
+                n,
+                libnccl::UINT8,
+                self.comm,
+                self.cu_stream(),
+            )
+        };
+        self.lib.check("ncclAllGather", r).map_err(nccl_err)
+    }
+}
 
 /// A rank's NCCL communicator and the Candle device whose stream it runs on.
 pub struct Nccl {
@@ -50,12 +114,9 @@ fn nccl_err(what: String) -> DistError {
     }
 }
 
-/// An NCCL call's failure, by its `ncclResult_t` name (cudarc's error prints only "NcclError").
-fn failed(call: &str, e: cudarc::nccl::result::NcclError) -> DistError {
-    nccl_err(format!(
-        "{call} failed: {:?} (run with NCCL_DEBUG=WARN, or INFO, for NCCL's own account)",
-        e.0
-    ))
+/// The process's NCCL, or the error that says how to get it.
+fn lib() -> Result<&'static Lib> {
+    libnccl::get().map_err(nccl_err)
 }
 
 /// A new NCCL unique id as hex, for `tallow train --nproc` to set as `TALLOW_NCCL_ID` in its
@@ -66,13 +127,7 @@ pub fn new_id_hex() -> Result<String> {
 }
 
 fn new_id() -> Result<[u8; ID_BYTES]> {
-    let id = Id::new().map_err(|e| failed("ncclGetUniqueId", e))?;
-    // c_char is i8 on x86-64 and u8 on aarch64: the bytes either way.
-    Ok(id.internal().map(|c| c as u8))
-}
-
-fn id_of(bytes: [u8; ID_BYTES]) -> Id {
-    Id::uninit(bytes.map(|b| b as core::ffi::c_char))
+    lib()?.unique_id().map_err(nccl_err)
 }
 
 /// This rank's NCCL communicator, on `device` (this rank's GPU: `cuda:LOCAL_RANK`, or `cuda:0`
@@ -80,6 +135,8 @@ fn id_of(bytes: [u8; ID_BYTES]) -> Id {
 /// after `timeout` ([`crate::watchdog`]; the start-up too).
 pub fn init_dist(launch: &Launch, device: &Device, timeout: Duration) -> Result<Dist> {
     let cuda = cuda_device(device, "the NCCL backend")?;
+    // Before the id exchange: a rank without NCCL says so rather than leave the others waiting.
+    let lib = lib()?;
     let stream = cuda.cuda_stream();
     let ordinal = stream.context().ordinal();
     let visible = CudaContext::device_count().unwrap_or(0);
@@ -101,8 +158,24 @@ pub fn init_dist(launch: &Launch, device: &Device, timeout: Duration) -> Result<
         .context()
         .bind_to_thread()
         .map_err(|e| nccl_err(format!("binding cuda:{ordinal} to this thread: {e}")))?;
-    let comm = Comm::from_rank(stream, launch.rank, launch.world, id_of(id))
-        .map_err(|e| failed("ncclCommInitRank", e))?;
+    let mut comm: libnccl::Comm = std::ptr::null_mut();
+    // SAFETY: writes one communicator handle; rank < world (the launcher's numbers).
+    let r = unsafe {
+        (lib.comm_init_rank)(
+            &mut comm,
+            launch.world as i32,
+            libnccl::id_of(id),
+            launch.rank as i32,
+        )
+    };
+    lib.check("ncclCommInitRank", r).map_err(nccl_err)?;
+    let comm = Comm {
+        lib,
+        comm,
+        stream,
+        rank: launch.rank,
+        world: launch.world,
+    };
     drop(starting);
     let nccl = Nccl {
         comm,
@@ -159,7 +232,7 @@ fn cuda_device<'a>(device: &'a Device, what: &str) -> Result<&'a CudaDevice> {
 
 impl Nccl {
     fn stream(&self) -> Arc<CudaStream> {
-        self.comm.stream()
+        self.comm.stream.clone()
     }
 }
 
@@ -169,11 +242,11 @@ impl Collective for Nccl {
     }
 
     fn rank(&self) -> usize {
-        self.comm.rank()
+        self.comm.rank
     }
 
     fn world(&self) -> usize {
-        self.comm.world_size()
+        self.comm.world
     }
 
     /// `ncclAllReduce` (sum) of `t`'s elements into a new buffer on the same device and stream;
@@ -213,9 +286,7 @@ impl Collective for Nccl {
         // SAFETY: every element is written by the all-reduce before anything reads it (it is
         // queued on the same stream as any later reader).
         let mut dst = unsafe { self.device.alloc::<f32>(n) }?;
-        self.comm
-            .all_reduce(&src, &mut dst, &ReduceOp::Sum)
-            .map_err(|e| failed("ncclAllReduce", e))?;
+        self.comm.all_reduce_sum(&src, &mut dst)?;
         drop(src);
         drop(storage);
         let out = CudaStorage::wrap_cuda_slice(dst, self.device.clone());
@@ -239,9 +310,7 @@ impl Collective for Nccl {
             let mut recv = stream
                 .alloc_zeros::<u8>(per_rank * world)
                 .map_err(|e| nccl_err(format!("allocating {} bytes: {e}", per_rank * world)))?;
-            self.comm
-                .all_gather(&send, &mut recv)
-                .map_err(|e| failed("ncclAllGather", e))?;
+            self.comm.all_gather(&send, &mut recv)?;
             stream
                 .clone_dtoh(&recv)
                 .map_err(|e| nccl_err(format!("copying to the host: {e}")))
@@ -277,6 +346,12 @@ pub fn check_all_gpus(elements: usize) -> Result<GpuCheck> {
             "{gpus} GPU visible: the all-reduce between GPUs needs 2 or more (CUDA_VISIBLE_DEVICES)"
         )));
     }
+    // Without NCCL the check cannot run, and one-GPU work does not need it: a skip that says
+    // how to get it, not a failure.
+    let lib = match libnccl::get() {
+        Ok(lib) => lib,
+        Err(why) => return Ok(GpuCheck::Skipped(why)),
+    };
     let streams = (0..gpus)
         .map(|i| {
             CudaContext::new(i)
@@ -297,18 +372,41 @@ pub fn check_all_gpus(elements: usize) -> Result<GpuCheck> {
                 .map_err(|e| cuda("allocating", e))?,
         );
     }
-    let comms = Comm::from_devices(streams.clone()).map_err(|e| failed("ncclCommInitAll", e))?;
+    let ordinals: Vec<i32> = streams
+        .iter()
+        .map(|s| s.context().ordinal() as i32)
+        .collect();
+    let mut handles: Vec<libnccl::Comm> = vec![std::ptr::null_mut(); gpus];
+    // SAFETY: writes one communicator per listed GPU.
+    let r = unsafe { (lib.comm_init_all)(handles.as_mut_ptr(), gpus as i32, ordinals.as_ptr()) };
+    lib.check("ncclCommInitAll", r).map_err(nccl_err)?;
+    let comms: Vec<Comm> = handles
+        .into_iter()
+        .zip(&streams)
+        .enumerate()
+        .map(|(rank, (comm, stream))| Comm {
+            lib,
+            comm,
+            stream: stream.clone(),
+            rank,
+            world: gpus,
+        })
+        .collect();
     // One thread drives every GPU: the calls must be grouped, or the first would wait for the
     // others forever.
-    group_start().map_err(|e| failed("ncclGroupStart", e))?;
+    // SAFETY: no arguments; paired with the ncclGroupEnd below.
+    lib.check("ncclGroupStart", unsafe { (lib.group_start)() })
+        .map_err(nccl_err)?;
     let queued: Vec<_> = comms
         .iter()
         .zip(sends.iter().zip(recvs.iter_mut()))
-        .map(|(comm, (send, recv))| comm.all_reduce(send, recv, &ReduceOp::Sum))
+        .map(|(comm, (send, recv))| comm.all_reduce_sum(send, recv))
         .collect();
-    group_end().map_err(|e| failed("ncclGroupEnd", e))?;
+    // SAFETY: closes the group opened above (also when a call in it failed).
+    lib.check("ncclGroupEnd", unsafe { (lib.group_end)() })
+        .map_err(nccl_err)?;
     for q in queued {
-        q.map_err(|e| failed("ncclAllReduce", e))?;
+        q?;
     }
     for (i, (s, recv)) in streams.iter().zip(&recvs).enumerate() {
         let got = s
