@@ -33,9 +33,9 @@
 //! as its input, and its backward hands dx to layer i through a shared slot instead of as the
 //! link's gradient (a zero). Candle's backward runs layer i + 1's op before layer i's (the link
 //! orders them), so the slot is always filled first. On the CPU the host copy is the tensor
-//! itself: the same code path, no saving. Candle copies between host and device on the
-//! device's one stream, blocking, into pageable memory (it has no pinned allocation or second
-//! stream), so the copies are not overlapped with compute.
+//! itself: the same code path, no saving. On CUDA the copies go to pinned host memory, queued on
+//! the device's stream without waiting ([`crate::offload`]); they share that stream with the
+//! compute, so they are not overlapped with it.
 //!
 //! The recomputation sees the same LoRA dropout masks as the forward: masks are a pure
 //! function of the dropout seed the trainer sets per micro-batch, which is still set when that
@@ -45,10 +45,11 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 
 use crate::error::Result;
 use crate::model::{DecoderLayer, RopeMask};
+use crate::offload::HostCopy;
 
 /// Checkpointing settings of a model plus the side store of parameter gradients.
 pub struct Checkpointing {
@@ -142,7 +143,7 @@ impl Checkpointing {
         // What the backward rebuilds the layer from: a host copy when offloading (the
         // tensor itself on the CPU), else the graph input x.
         let host = if offload_x {
-            Some(x.to_device(&Device::Cpu)?)
+            Some(HostCopy::of(x)?)
         } else {
             None
         };
@@ -170,7 +171,7 @@ impl Checkpointing {
                     None => dout.clone(),
                 };
                 let x = match &host {
-                    Some(h) => h.to_device(&device)?,
+                    Some(h) => h.back().map_err(map)?,
                     None => graph_in.clone(),
                 };
                 let (dx, kept) =

@@ -32,6 +32,7 @@ pub mod load;
 pub mod loss;
 pub mod model;
 pub mod no_grad;
+mod offload;
 pub mod ops;
 pub mod peft;
 pub mod quant;
