@@ -459,3 +459,23 @@ pub fn alpaca_and_prompt_completion(
     }
     (alpaca, pc)
 }
+
+/// `dir/train.toml`: the estimate and bench tests' job on `model` (bf16, micro-batch 1,
+/// sequence 128, constant lr, CPU, output in `dir/run`, the model's `bench.jsonl` as data), with
+/// `extra` appended after the `[train]` keys (more of them, or further sections).
+pub fn write_config(dir: &std::path::Path, model: &std::path::Path, extra: &str) -> PathBuf {
+    let path = dir.join("train.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[model]\npath = {:?}\ndtype = \"bf16\"\n[data]\ntrain = {:?}\nmax_seq_len = 128\n\
+             shuffle = false\n[train]\nmicro_batch_size = 1\ngrad_accum = 1\nlr = 1e-4\n\
+             schedule = \"constant\"\ndevice = \"cpu\"\noutput_dir = {:?}\n{extra}",
+            model.display().to_string(),
+            model.join("bench.jsonl").display().to_string(),
+            dir.join("run").display().to_string()
+        ),
+    )
+    .unwrap();
+    path
+}

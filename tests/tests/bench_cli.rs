@@ -54,21 +54,11 @@ fn grid_config() -> PathBuf {
                 &model,
                 8,
             );
-            let config = dir.join("base.toml");
-            std::fs::write(
-                &config,
-                format!(
-                    "[model]\npath = {:?}\ndtype = \"bf16\"\n[lora]\nrank = 16\nalpha = 32\n\
-                     dropout = 0.0\n[data]\ntrain = {:?}\nmax_seq_len = 128\nshuffle = false\n\
-                     [train]\nmicro_batch_size = 1\ngrad_accum = 1\nlr = 1e-4\n\
-                     schedule = \"constant\"\ndevice = \"cpu\"\noutput_dir = {:?}\n",
-                    model.display().to_string(),
-                    model.join("bench.jsonl").display().to_string(),
-                    dir.join("run").display().to_string()
-                ),
+            write_config(
+                &dir,
+                &model,
+                "[lora]\nrank = 16\nalpha = 32\ndropout = 0.0\n",
             )
-            .unwrap();
-            config
         })
         .clone()
 }

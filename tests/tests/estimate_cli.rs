@@ -37,23 +37,6 @@ fn only_config(dir: &Path) -> PathBuf {
     model
 }
 
-fn write_config(dir: &Path, model: &Path, extra: &str) -> PathBuf {
-    let path = dir.join("train.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[model]\npath = {:?}\ndtype = \"bf16\"\n[data]\ntrain = {:?}\nmax_seq_len = 128\n\
-             shuffle = false\n[train]\nmicro_batch_size = 1\ngrad_accum = 1\nlr = 1e-4\n\
-             schedule = \"constant\"\ndevice = \"cpu\"\noutput_dir = {:?}\n{extra}",
-            model.display().to_string(),
-            model.join("bench.jsonl").display().to_string(),
-            dir.join("run").display().to_string()
-        ),
-    )
-    .unwrap();
-    path
-}
-
 fn rewrite(path: &Path, from: &str, to: &str) -> PathBuf {
     let text = std::fs::read_to_string(path).unwrap();
     assert!(text.contains(from));
