@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Side-by-side CPU benchmark: the same LoRA job (r16, all linear, AdamW, f32, no dropout) in
+# Side-by-side CPU benchmark: the same LoRA job (r16, all linear, AdamW, no dropout) in
 # tallow and in PyTorch + PEFT, on random Qwen2-shaped models, run alternately in one go so both
 # see the same machine state, on three shapes:
 #   base:       hidden 512, 8 layers, 8/2 heads, intermediate 1408, micro-batch 4 x 256 tokens
@@ -13,6 +13,9 @@
 #   scripts/bench_cpu.sh                 # needs: cargo, python3 with scripts/requirements-fixtures.txt, /usr/bin/time
 #   PY=/work/pyref/bin/python scripts/bench_cpu.sh
 #   SHAPES="base wide" STEPS=6 scripts/bench_cpu.sh
+#   DTYPE=bf16 SHAPES=base scripts/bench_cpu.sh    # the base model in bf16 on both sides (f32 by default)
+#   BASELINE=/tmp/tallow-old SHAPES=base scripts/bench_cpu.sh   # also time another tallow binary
+#                                                              # (a build of an earlier commit), side by side
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -21,6 +24,8 @@ WORK=${WORK:-target/bench-cpu}
 THREADS=${THREADS:-$(nproc)}
 mkdir -p "$WORK"
 SHAPES=${SHAPES:-base wide quickstart}
+DTYPE=${DTYPE:-f32}
+BASELINE=${BASELINE:-}
 # shellcheck source=scripts/bench_lib.sh
 . scripts/bench_lib.sh
 cargo build --release -q -p tallow
@@ -43,30 +48,30 @@ prepare() { # shape
     # shellcheck disable=SC2086
     $PY scripts/bench_peft_reference.py make-model "$dir/model" $args >/dev/null
   fi
-  bench_job_toml "model.path=\"$dir/model\"" 'model.dtype="f32"' 'lora.targets="all-linear"' \
+  bench_job_toml "model.path=\"$dir/model\"" "model.dtype=\"$DTYPE\"" 'lora.targets="all-linear"' \
     "data.train=\"$dir/model/bench.jsonl\"" "data.max_seq_len=$seq" "train.micro_batch_size=$mb" \
     "train.max_steps=$STEPS" "train.output_dir=\"$dir/run\"" > "$dir/tallow.toml"
 }
-tallow_run() { # shape
-  local dir="$WORK/$1"
+tallow_run() { # shape [binary label]
+  local dir="$WORK/$1" bin=${2:-target/release/tallow} label=${3:-$REV}
   rm -rf "$dir/run"
-  /usr/bin/time -f "%M" -o "$WORK/time" target/release/tallow train --config "$dir/tallow.toml" --quiet >/dev/null 2>&1
+  /usr/bin/time -f "%M" -o "$WORK/time" "$bin" train --config "$dir/tallow.toml" --quiet >/dev/null 2>&1
   local tps
   tps=$($PY -c "
 import json
 rows=[json.loads(l) for l in open('$dir/run/metrics.jsonl') if '\"loss\"' in l][2:]
 print(sum(r['tokens'] for r in rows)/sum(r['tokens']/r['tokens_per_s'] for r in rows))")
-  row "$1 | tallow $REV" "$tps" "$(cat "$WORK/time")"
+  row "$1 | tallow $label" "$tps" "$(cat "$WORK/time")"
 }
 peft_run() { # shape
   local dir="$WORK/$1" args mb seq
   IFS='|' read -r args mb seq <<< "$(shape_args "$1")"
   /usr/bin/time -f "%M" -o "$WORK/time" $PY scripts/bench_peft_reference.py train --model "$dir/model" \
-    --data "$dir/model/bench.jsonl" --steps "$STEPS" --threads "$THREADS" --micro-batch "$mb" --seq "$seq" \
+    --data "$dir/model/bench.jsonl" --steps "$STEPS" --threads "$THREADS" --micro-batch "$mb" --seq "$seq" --dtype "$DTYPE" \
     > "$WORK/peft.json" 2>/dev/null
   local tps
   tps=$($PY -c "import json;print(json.load(open('$WORK/peft.json'))['tokens_per_s'])")
-  row "$1 | PyTorch $($PY -c 'import torch;print(torch.__version__)') + PEFT (sdpa, $THREADS threads)" "$tps" "$(cat "$WORK/time")"
+  row "$1 | PyTorch $($PY -c 'import torch;print(torch.__version__)') + PEFT (sdpa, $THREADS threads, $DTYPE)" "$tps" "$(cat "$WORK/time")"
 }
 quickstart_run() { # tallow | pytorch: wall seconds of the whole 1000-step job, peak RSS
   local t0 t1
@@ -89,13 +94,18 @@ done
   echo
   echo "### $(date -u +%Y-%m-%d) on $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
   echo
-  echo "\`SHAPES=\"$SHAPES\" STEPS=$STEPS scripts/bench_cpu.sh\`: LoRA r16 all-linear, f32, random Qwen2 models (base: hidden 512, 8 layers, 8/2 heads, 4 x 256 tokens; wide: hidden 1024, 12 layers, 16/4 heads, 2 x 512 tokens); the quickstart as wall time of its 1000 steps."
+  echo "\`SHAPES=\"$SHAPES\" STEPS=$STEPS DTYPE=$DTYPE${BASELINE:+ BASELINE=$BASELINE} scripts/bench_cpu.sh\`: LoRA r16 all-linear, $DTYPE, random Qwen2 models (base: hidden 512, 8 layers, 8/2 heads, 4 x 256 tokens; wide: hidden 1024, 12 layers, 16/4 heads, 2 x 512 tokens); the quickstart as wall time of its 1000 steps."
   echo
   echo "| shape | run | tokens/s | peak RSS (MiB) |"
   echo "| --- | --- | ---: | ---: |"
   for s in $SHAPES; do
     case "$s" in
-      base|wide) tallow_run "$s"; peft_run "$s"; tallow_run "$s"; peft_run "$s" ;;
+      base|wide)
+        for _ in 1 2; do
+          tallow_run "$s"
+          [ -z "$BASELINE" ] || tallow_run "$s" "$BASELINE" "baseline ($BASELINE)"
+          peft_run "$s"
+        done ;;
       quickstart) quickstart_run tallow; quickstart_run pytorch; quickstart_run tallow; quickstart_run pytorch ;;
     esac
   done

@@ -16,6 +16,10 @@
 //! does the same IEEE operations in the same order as that path where it can (so f32 results
 //! agree to the last bit or within an ulp); `tests` compare the two, values and gradients, and
 //! `crate::ops`' finite-difference tests run through these kernels in f64.
+//!
+//! bf16 on the CPU: the chunked attention kernel and the LoRA linear widen bf16 operands to f32
+//! ([`widen_bf16`]) and round back where the bf16 graph would ([`round_bf16`], [`narrow_bf16`]:
+//! to nearest, ties to even, `half`'s bits without its branches), on rayon's threads.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
@@ -38,11 +42,13 @@ pub trait Real:
     fn sqrt(self) -> Self;
     fn recip(self) -> Self;
     fn tanh(self) -> Self;
+    /// The value rounded to bf16 precision (to nearest, ties to even) and back.
+    fn round_bf16(self) -> Self;
     const NEG_INF: Self;
 }
 
 macro_rules! real {
-    ($t:ty) => {
+    ($t:ty, $round_bf16:expr) => {
         impl Real for $t {
             #[inline]
             fn exp(self) -> Self {
@@ -60,12 +66,16 @@ macro_rules! real {
             fn tanh(self) -> Self {
                 <$t>::tanh(self)
             }
+            #[inline]
+            fn round_bf16(self) -> Self {
+                $round_bf16(self)
+            }
             const NEG_INF: Self = <$t>::NEG_INFINITY;
         }
     };
 }
-real!(f32);
-real!(f64);
+real!(f32, round_bf16);
+real!(f64, |x| half::bf16::from_f64(x).to_f64());
 
 /// Whether the fused kernels take a tensor of this device and dtype.
 pub fn supports(t: &Tensor) -> bool {
@@ -238,8 +248,56 @@ pub(crate) fn uninit<T: Real>(n: usize) -> Vec<T> {
     v
 }
 
+/// Elements per rayon task of the bf16 conversions below.
+const CONVERT_CHUNK: usize = 1 << 14;
+
+/// bf16 values widened to f32 (exact), on rayon's threads. Candle's own `to_dtype` and its bf16
+/// matmul widen on one thread, and the matmul widens the whole storage behind a view.
+pub(crate) fn widen_bf16(x: &[half::bf16]) -> Vec<f32> {
+    let mut out = uninit::<f32>(x.len());
+    out.par_chunks_mut(CONVERT_CHUNK)
+        .zip(x.par_chunks(CONVERT_CHUNK))
+        .for_each(|(o, x)| {
+            // the bits shifted up (`half`'s to_f32 also quiets a signaling NaN, in a branch
+            // that keeps the loop from vectorizing)
+            o.iter_mut()
+                .zip(x)
+                .for_each(|(o, x)| *o = f32::from_bits((x.to_bits() as u32) << 16))
+        });
+    out
+}
+
+/// f32 values rounded to bf16 (to nearest, ties to even: Candle's, `half`'s and PyTorch's
+/// rounding), on rayon's threads.
+pub(crate) fn narrow_bf16(x: &[f32]) -> Vec<half::bf16> {
+    let mut out = vec![half::bf16::ZERO; x.len()];
+    out.par_chunks_mut(CONVERT_CHUNK)
+        .zip(x.par_chunks(CONVERT_CHUNK))
+        .for_each(|(o, x)| {
+            for (o, &v) in o.iter_mut().zip(x) {
+                *o = half::bf16::from_bits((round_bf16(v).to_bits() >> 16) as u16);
+            }
+        });
+    out
+}
+
+/// x rounded to bf16 and back: the value a bf16 tensor holds after an op that computed x in
+/// f32. The same bits as `half::bf16::from_f32` (to nearest, ties to even; NaN stays NaN,
+/// quieted), without its branches, so that loops over it vectorize.
+#[inline(always)]
+pub(crate) fn round_bf16(x: f32) -> f32 {
+    let b = x.to_bits();
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000;
+    let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+    f32::from_bits(if nan {
+        (b | 0x0040_0000) & 0xffff_0000
+    } else {
+        rounded
+    })
+}
+
 /// Rows per rayon task: about 16 KiB of elements, at least one row.
-fn rows_per_task(row: usize) -> usize {
+pub(crate) fn rows_per_task(row: usize) -> usize {
     (4096 / row.max(1)).max(1)
 }
 
@@ -996,6 +1054,31 @@ mod tests {
     use super::*;
     use crate::ops;
     use candle_core::{Device, Var};
+
+    /// The branch-free bf16 rounding gives `half`'s bits (Candle's conversion) for every f32
+    /// whose low 16 bits are one of a set that covers ties (0x8000), just below and above them,
+    /// zero and all ones, under every high half: all signs, exponents (zero, subnormal, the
+    /// largest finite, inf, NaN) and mantissas. Rounding half up instead of to even, or letting a
+    /// NaN's low payload round into inf, fails it; so does the conversions' round trip.
+    #[test]
+    fn bf16_rounding_matches_half_bit_for_bit() {
+        let lows = [0u32, 1, 0x7fff, 0x8000, 0x8001, 0xc000, 0xffff];
+        for high in 0..=0xffffu32 {
+            for low in lows {
+                let x = f32::from_bits(high << 16 | low);
+                let want = half::bf16::from_f32(x).to_bits();
+                let got = (round_bf16(x).to_bits() >> 16) as u16;
+                assert_eq!(got, want, "{:#010x}", x.to_bits());
+            }
+        }
+        let xs: Vec<f32> = (0..70_000).map(|i| (i as f32 - 35_000.0) * 0.37).collect();
+        let narrowed = narrow_bf16(&xs);
+        let widened = widen_bf16(&narrowed);
+        for ((x, n), w) in xs.iter().zip(&narrowed).zip(&widened) {
+            assert_eq!(*n, half::bf16::from_f32(*x));
+            assert_eq!(*w, n.to_f32());
+        }
+    }
 
     /// Values and gradients (of every tracked input) of `f` on the inputs, for a fixed
     /// random upstream gradient.

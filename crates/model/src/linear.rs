@@ -6,16 +6,24 @@
 //! the weight is not a variable (`backprop.rs`, `Op::Matmul`), which for LoRA costs a model-sized
 //! gradient in time and memory. An NF4 base goes through [`Nf4Matmul`], which holds only the packed
 //! 4-bit weight and dequantizes it inside forward and again inside backward.
+//!
+//! On the CPU a LoRA linear over a frozen base is one op ([`LoraLinearOp`]): f32 / f64, and a
+//! bf16 model's (bf16 x, base and bias, f32 adapter), which widens its operands to f32 for the
+//! products and rounds to bf16 exactly where the unfused graph of Candle ops rounds (tested bit
+//! for bit), so a bf16 linear adds one node to the graph instead of about six.
 
 use candle_core::backend::BackendStorage;
 use std::sync::Arc;
 
 use candle_core::{
-    CpuStorage, CudaStorage, CustomOp1, CustomOp2, Layout, Shape, Storage, Tensor, Var,
+    CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Storage, Tensor, Var,
 };
+use half::bf16;
+use rayon::prelude::*;
 
 use crate::dropout::DropoutOp;
 use crate::error::Result;
+use crate::fused::{narrow_bf16, round_bf16, rows_per_task, uninit, widen_bf16};
 use crate::no_grad;
 pub use crate::peft::{lora_a_init, mix_seed, Adapter, Dora, Dropout, Lora};
 pub use crate::quant::nf4::{Nf4Matmul, Nf4Weight};
@@ -134,12 +142,14 @@ impl Linear {
         self.forward_unfused(x, lora_x)
     }
 
-    /// The LoRA linear as one op ([`LoraLinearOp`]) where it applies: the CPU, f32 / f64
-    /// throughout, a frozen dense or NF4 base, a frozen or no bias. None elsewhere.
-    fn forward_fused(&self, x: &Tensor) -> Result<Option<Tensor>> {
+    /// Whether [`Linear::forward`] of x takes the one-op path ([`LoraLinearOp`]): a LoRA
+    /// adapter on the CPU over a frozen dense or NF4 base and a frozen (or no) bias, all in x's
+    /// dtype, with x and the adapter both f32 / f64, or x bf16 and the adapter f32 (a bf16
+    /// model's adapter, PEFT's `autocast_adapter_dtype`).
+    fn fuses(&self, x: &Tensor) -> bool {
         // DoRA rescales the output by a norm of the whole weight: tensor ops (forward_unfused).
         let Some(Adapter::Lora(lora)) = self.active_adapter() else {
-            return Ok(None);
+            return false;
         };
         let dt = x.dtype();
         let base_ok = match &self.weight {
@@ -147,14 +157,24 @@ impl Linear {
             Base::Nf4(w) => w.dtype == dt,
             Base::Dense(Param::Trainable(_)) => false,
         };
-        let bias = match &self.bias {
-            None => None,
-            Some(Param::Frozen(b)) if b.dtype() == dt => Some(b.clone()),
-            Some(_) => return Ok(None),
+        let bias_ok = match &self.bias {
+            None => true,
+            Some(Param::Frozen(b)) => b.dtype() == dt,
+            Some(Param::Trainable(_)) => false,
         };
-        if !crate::fused::supports(x) || lora.a.dtype() != dt || !base_ok {
+        let dtypes_ok = match (dt, lora.a.dtype()) {
+            (DType::BF16, DType::F32) => x.device().is_cpu(),
+            (x_dt, a_dt) => x_dt == a_dt && crate::fused::supports(x),
+        };
+        base_ok && bias_ok && dtypes_ok
+    }
+
+    /// The LoRA linear as one op ([`LoraLinearOp`]) where [`Linear::fuses`]; None elsewhere.
+    fn forward_fused(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let (Some(Adapter::Lora(lora)), true) = (self.active_adapter(), self.fuses(x)) else {
             return Ok(None);
-        }
+        };
+        let bias = self.bias.as_ref().map(|b| b.tensor().clone());
         let (n, k) = self.weight.dims();
         if x.dim(candle_core::D::Minus1)? != k {
             return Err(candle_core::Error::Msg(format!(
@@ -355,6 +375,65 @@ impl LoraLinearOp {
     }
 }
 
+/// The base weight (N, K) of a bf16 model widened to f32, and the bias (N) when there is one.
+fn cpu_weight_f32(
+    base: &Base,
+    bias: Option<&Tensor>,
+) -> candle_core::Result<(Vec<f32>, Option<Vec<f32>>)> {
+    let w = cpu_weight(base)?;
+    let wide = |t: &Tensor| {
+        let (st, l) = t.storage_and_layout();
+        Ok::<_, candle_core::Error>(widen_bf16(crate::fused::storage_data(
+            &st,
+            l,
+            "lora linear weight",
+        )?))
+    };
+    Ok((wide(&w)?, bias.map(wide).transpose()?))
+}
+
+impl LoraLinearOp {
+    /// A bf16 model's LoRA linear: x, the base and the bias bf16, A and B f32 (PEFT keeps a bf16
+    /// model's adapter in f32). Rounded to bf16 where the unfused graph rounds: t = bf16(x Wᵀ)
+    /// (Candle's bf16 matmul: an f32 product of the widened operands), t = bf16(t + bias),
+    /// y = bf16(t + bf16(s · dropout(x) Aᵀ Bᵀ)), the adapter's side in f32 on x widened.
+    fn run_bf16(&self, x: &[bf16], a: &[f32], b: &[f32]) -> candle_core::Result<Vec<bf16>> {
+        let (m, k, n) = self.mkn;
+        let r = a.len() / k;
+        let x32 = widen_bf16(x); // (M, K)
+        let mut t = uninit::<f32>(m * n); // (M, N)
+        let (w32, bias) = cpu_weight_f32(&self.base, self.bias.as_ref())?;
+        gemm_into(&mut t, false, &x32, &w32, true, (m, n, k), 1.0);
+        drop(w32);
+        let dropped;
+        let xd: &[f32] = match &self.dropout {
+            Some(op) => {
+                dropped = op.run(&x32);
+                &dropped
+            }
+            None => &x32,
+        };
+        let mut xa = uninit::<f32>(m * r);
+        gemm_into(&mut xa, false, xd, a, true, (m, r, k), self.scale as f32); // s xd Aᵀ
+        let mut l = uninit::<f32>(m * n);
+        gemm_into(&mut l, false, &xa, b, true, (m, n, r), 1.0); // (s xd Aᵀ) Bᵀ
+        let rows = n * rows_per_task(n);
+        t.par_chunks_mut(rows)
+            .zip(l.par_chunks(rows))
+            .for_each(|(t, l)| match &bias {
+                None => t.iter_mut().zip(l).for_each(|(t, l)| {
+                    *t = round_bf16(*t) + round_bf16(*l);
+                }),
+                Some(bias) => t.chunks_mut(n).zip(l.chunks(n)).for_each(|(t, l)| {
+                    for ((t, l), c) in t.iter_mut().zip(l).zip(bias) {
+                        *t = round_bf16(round_bf16(*t) + c) + round_bf16(*l);
+                    }
+                }),
+            });
+        Ok(narrow_bf16(&t))
+    }
+}
+
 impl candle_core::CustomOp3 for LoraLinearOp {
     fn name(&self) -> &'static str {
         "lora-linear"
@@ -391,7 +470,12 @@ impl candle_core::CustomOp3 for LoraLinearOp {
             (CpuStorage::F64(x), CpuStorage::F64(a), CpuStorage::F64(b)) => {
                 CpuStorage::F64(self.run(&x[x0..x1], &a[a0..a1], &b[b0..b1])?)
             }
-            _ => candle_core::bail!("lora linear: x, A and B must all be f32 or all f64"),
+            (CpuStorage::BF16(x), CpuStorage::F32(a), CpuStorage::F32(b)) => {
+                CpuStorage::BF16(self.run_bf16(&x[x0..x1], &a[a0..a1], &b[b0..b1])?)
+            }
+            _ => candle_core::bail!(
+                "lora linear: x, A and B must all be f32 or all f64, or x bf16 with A, B f32"
+            ),
         };
         let mut dims = xl.shape().dims().to_vec();
         *dims.last_mut().expect("rank >= 1") = n;
@@ -408,15 +492,17 @@ impl candle_core::CustomOp3 for LoraLinearOp {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (m, k, n) = self.mkn;
         let (a, b) = (a.detach(), b.detach());
-        let x2 = x.detach().reshape((m, k))?;
+        // The adapter's side runs in its own dtype: a bf16 x and dY widened to f32 (exact).
+        let x2 = x.detach().reshape((m, k))?.to_dtype(a.dtype())?;
         let dy2 = dy.detach().contiguous()?.reshape((m, n))?;
+        let dy2a = dy2.to_dtype(a.dtype())?;
         let xd = match &self.dropout {
             Some(op) => x2.apply_op1_no_bwd(op)?,
             None => x2,
         };
-        let dyb = (dy2.matmul(&b)? * self.scale)?; // s (dY B): (M, r)
+        let dyb = (dy2a.matmul(&b)? * self.scale)?; // s (dY B): (M, r)
         let xa = (xd.matmul(&a.t()?)? * self.scale)?; // s (xd Aᵀ): (M, r)
-        let db = dy2.t()?.matmul(&xa)?; // (N, r)
+        let db = dy2a.t()?.matmul(&xa)?; // (N, r)
         let da = dyb.t()?.matmul(&xd)?; // (r, K)
         let dx = if x.track_op() {
             let dx = dy2.apply_op2_no_bwd(
@@ -476,6 +562,38 @@ impl LoraLinearDx {
     }
 }
 
+impl LoraLinearDx {
+    /// [`LoraLinearDx::run`] for a bf16 model: dY bf16, s (dY B) f32 -> dx = bf16(bf16(dY W) +
+    /// bf16(mask ⊙ (s dY B) A)), the base's share rounded as Candle's bf16 matmul rounds it and
+    /// the adapter's as its f32 -> bf16 cast does (PEFT: one cast per adapted linear).
+    fn run_bf16(&self, dy: &[bf16], dyb: &[f32]) -> candle_core::Result<Vec<bf16>> {
+        let (m, k, n) = self.mkn;
+        let dy32 = widen_bf16(dy); // (M, N)
+        let mut base = uninit::<f32>(m * k);
+        let (w32, _) = cpu_weight_f32(&self.base, None)?;
+        gemm_into(&mut base, false, &dy32, &w32, false, (m, k, n), 1.0); // dY W
+        drop((dy32, w32));
+        let mut lora = uninit::<f32>(m * k);
+        with_cpu_slice::<f32, _>(&self.a, |av| {
+            let r = av.len() / k;
+            gemm_into(&mut lora, false, dyb, av, false, (m, k, r), 1.0); // (s dY B) A
+            Ok(())
+        })?;
+        if let Some(op) = &self.dropout {
+            lora = op.run(&lora);
+        }
+        let rows = k * rows_per_task(k);
+        base.par_chunks_mut(rows)
+            .zip(lora.par_chunks(rows))
+            .for_each(|(d, l)| {
+                d.iter_mut()
+                    .zip(l)
+                    .for_each(|(d, l)| *d = round_bf16(*d) + round_bf16(*l))
+            });
+        Ok(narrow_bf16(&base))
+    }
+}
+
 impl CustomOp2 for LoraLinearDx {
     fn name(&self) -> &'static str {
         "lora-linear-dx"
@@ -501,7 +619,10 @@ impl CustomOp2 for LoraLinearDx {
             (CpuStorage::F64(dy), CpuStorage::F64(dyb)) => {
                 CpuStorage::F64(self.run(&dy[d0..d1], &dyb[e0..e1])?)
             }
-            _ => candle_core::bail!("lora linear dx: f32 / f64 only"),
+            (CpuStorage::BF16(dy), CpuStorage::F32(dyb)) => {
+                CpuStorage::BF16(self.run_bf16(&dy[d0..d1], &dyb[e0..e1])?)
+            }
+            _ => candle_core::bail!("lora linear dx: f32 / f64, or dY bf16 with dY B f32"),
         };
         Ok((dx, Shape::from((m, k))))
     }
@@ -511,7 +632,12 @@ impl CustomOp2 for LoraLinearDx {
 /// of them carry an adapter and x is not f32 already; None otherwise (each casts its own, or
 /// the cast is a no-op).
 pub fn adapter_input(linears: &[&Linear], x: &Tensor) -> Result<Option<Tensor>> {
-    let with_lora: Vec<&Lora> = linears.iter().filter_map(|l| l.lora()).collect();
+    // The one-op path casts x inside the op (and again in its backward): no f32 copy of x.
+    let with_lora: Vec<&Lora> = linears
+        .iter()
+        .filter(|l| !l.fuses(x))
+        .filter_map(|l| l.lora())
+        .collect();
     match with_lora.first() {
         Some(l) if with_lora.len() >= 2 && x.dtype() != l.a.dtype() => {
             Ok(Some(x.to_dtype(l.a.dtype())?))
@@ -781,6 +907,75 @@ mod tests {
                         .fold(0.0, f64::max);
                     assert!(e < tol, "{dtype:?} bias={with_bias} p={p} output {i}: {e}");
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// The fused LoRA linear of a bf16 model (x, base, bias bf16; A, B f32) against the unfused
+    /// graph: y and dx bit for bit in bf16 (the op rounds where the graph rounds), dA and dB
+    /// within 1e-5 relative (f32 sums in another order). A rounding step left out changes
+    /// some elements by one bf16 ulp; a missing scale, mask or term changes O(1e-1) of them.
+    #[test]
+    fn fused_bf16_lora_linear_rounds_where_the_unfused_graph_rounds() -> Result<()> {
+        let dev = Device::Cpu;
+        let bf = DType::BF16;
+        let w = Tensor::randn(0f32, 0.5, (48, 64), &dev)?.to_dtype(bf)?;
+        let bias = Tensor::randn(0f32, 1., 48, &dev)?.to_dtype(bf)?;
+        let nf4 = Arc::new({
+            let mut q = Nf4Weight::quantize(&w.to_dtype(DType::F32)?, true)?;
+            q.dtype = bf;
+            q
+        });
+        for (base, with_bias, p) in [
+            (Base::Dense(Param::Frozen(w.clone())), false, 0.0),
+            (Base::Dense(Param::Frozen(w.clone())), true, 0.0),
+            (Base::Dense(Param::Frozen(w.clone())), true, 0.3),
+            (Base::Nf4(nf4.clone()), false, 0.3),
+        ] {
+            let dropout = Arc::new(Dropout::new(p));
+            dropout.set(Some(1234));
+            let lora = Lora {
+                a: Var::from_tensor(&lora_a_init(4, 64, 7, &dev)?)?,
+                b: Var::randn(0f32, 1., (48, 4), &dev)?,
+                scale: 1.5,
+                dropout: Some(dropout),
+                id: 4,
+            };
+            let lin = Linear {
+                weight: base,
+                bias: with_bias.then(|| Param::Frozen(bias.clone())),
+                adapter: Some(Adapter::Lora(lora.clone())),
+            };
+            let x = Var::from_tensor(&Tensor::randn(0f32, 1., (3, 40, 64), &dev)?.to_dtype(bf)?)?;
+            let probe = Tensor::randn(0f32, 1., (3, 40, 48), &dev)?.to_dtype(bf)?;
+            assert!(lin.fuses(x.as_tensor()));
+            let run = |fused: bool| -> Result<Vec<Tensor>> {
+                let y = if fused {
+                    lin.forward_fused(x.as_tensor())?.expect("fused path taken")
+                } else {
+                    lin.forward_unfused(x.as_tensor(), None)?
+                };
+                let g = (&y * &probe)?.sum_all()?.backward()?;
+                Ok(vec![
+                    y,
+                    g.get(&x).expect("dx").clone(),
+                    g.get(&lora.a).expect("dA").clone(),
+                    g.get(&lora.b).expect("dB").clone(),
+                ])
+            };
+            let (f, u) = (run(true)?, run(false)?);
+            for (i, (a, b)) in f.iter().zip(&u).enumerate() {
+                assert_eq!(a.dtype(), b.dtype(), "output {i}");
+                let a = a.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+                let b = b.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+                let e = a
+                    .iter()
+                    .zip(&b)
+                    .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+                    .fold(0.0, f64::max);
+                let tol = if i < 2 { 0.0 } else { 1e-5 };
+                assert!(e <= tol, "bias={with_bias} p={p} output {i}: {e}");
             }
         }
         Ok(())
