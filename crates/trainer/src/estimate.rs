@@ -170,18 +170,45 @@ fn state_bytes(kind: OptimizerKind, n: usize) -> u64 {
     }
 }
 
+/// Which of the CPU's one-op paths a config takes; none on CUDA.
+#[derive(Clone, Copy)]
+struct CpuOps {
+    /// `tallow_model::fused`'s kernels (f32): one output per norm, rotary, SwiGLU and eager
+    /// attention core.
+    kernels: bool,
+    /// The one-op LoRA linear (`tallow_model::linear`, f32 and bf16): one output per adapted
+    /// linear, no adapter intermediates and no f32 copy of its input.
+    lora: bool,
+    /// Chunked attention's CPU kernel (f32, and bf16 without soft-capping), whose transients
+    /// are two 64-row score blocks per task (bf16: plus its operands widened to f32).
+    chunked: bool,
+}
+
+impl CpuOps {
+    fn of(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> Self {
+        let f32 = dtype_bytes(cfg.model.dtype) == 4;
+        let bf16 = cfg.model.dtype == ModelDtype::Bf16;
+        let capped = m.variant.attn_logit_softcapping.is_some();
+        CpuOps {
+            kernels: cpu && f32,
+            lora: cpu && (f32 || bf16),
+            chunked: cpu && (f32 || (bf16 && !capped)),
+        }
+    }
+}
+
 /// Bytes one decoder layer keeps alive for the backward, per micro-batch of `b` rows of `t`
 /// tokens, op by op as `tallow_model::model` runs them (s = model dtype bytes; LoRA runs in f32).
-/// `fused`: the CPU path in f32 (`tallow_model::fused` and the one-op LoRA linear), which keeps
-/// one output per linear, norm, rotary and SwiGLU and no adapter intermediates.
+/// `cpu`: the CPU's one-op paths where the dtype has them ([`CpuOps`]), which keep one output
+/// per linear, norm, rotary and SwiGLU and no adapter intermediates.
 pub fn layer_activation_bytes(
     m: &DecoderConfig,
     cfg: &TrainConfig,
     b: usize,
     t: usize,
-    fused: bool,
+    cpu: bool,
 ) -> u64 {
-    let halves = layer_halves(m, cfg, fused);
+    let halves = layer_halves(m, cfg, cpu);
     halves.attention_bytes(b, t) + (b * t * halves.mlp_per_token) as u64
 }
 
@@ -205,7 +232,8 @@ impl LayerHalves {
     }
 }
 
-fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> LayerHalves {
+fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves {
+    let ops = CpuOps::of(m, cfg, cpu);
     let s = dtype_bytes(cfg.model.dtype);
     let cast = |n: usize| if s == 4 { 0 } else { n }; // to_dtype is free when it is a no-op
     let (c, d) = (m.hidden_size, m.head_dim);
@@ -220,11 +248,12 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> LayerHalve
     // dropout op keeps no mask), x·Aᵀ and its scaled copy (r), B·(..) in f32, cast back, sum.
     let adapted = |l: &Lin| lora && targets.contains(&l.module());
     let dora = lora && cfg.lora.dora;
+    let one_op = |l: &Lin| ops.lora && !dora && adapted(l);
     let linear = |l: &Lin, shared: bool| -> usize {
         if dora && adapted(l) {
             return dora_linear(l, s, r, dropout, shared);
         }
-        if fused && (adapted(l) || !l.bias) {
+        if one_op(l) || !(adapted(l) || l.bias) {
             return s * l.out; // one op; its input is the previous output, A and B are params
         }
         let mut n = s * l.out + if l.bias { s * l.out } else { 0 };
@@ -234,9 +263,10 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> LayerHalve
         }
         n
     };
-    // Linears reading one input (q/k/v, gate/up) share its f32 cast when >= 2 are adapted.
+    // Linears reading one input (q/k/v, gate/up) share its f32 cast when >= 2 adapted ones
+    // take the unfused path (the one-op linear casts inside).
     let group = |ls: &[&Lin]| -> usize {
-        let shared = ls.iter().filter(|l| adapted(l)).count() >= 2;
+        let shared = ls.iter().filter(|l| adapted(l) && !one_op(l)).count() >= 2;
         let cast_once = if shared { cast(4 * ls[0].inp) } else { 0 };
         cast_once + ls.iter().map(|l| linear(l, shared)).sum::<usize>()
     };
@@ -268,7 +298,7 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> LayerHalve
         attn += s * (q + kvd); // q_norm, k_norm outputs (Qwen3's, Gemma 3's (1 + w) ones)
     }
     attn += s * (q + 2 * kvd); // transposed q, k, v (fused: the rotary op's outputs, v)
-    if !fused {
+    if !ops.kernels {
         attn += s * (q + kvd); // rotary embedding of q (scaled by 1/sqrt(D)), k
     }
     // (grouped-query heads share their kv head in the matmuls: no repeat_kv copies)
@@ -288,7 +318,7 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> LayerHalve
     mlp += group(&lgu);
     mlp += match m.variant.act {
         // silu and silu(gate) * up (fused: one SwiGLU output)
-        Activation::Silu => (if fused { 1 } else { 2 }) * s * m.intermediate_size,
+        Activation::Silu => (if ops.kernels { 1 } else { 2 }) * s * m.intermediate_size,
         // Gemma's GeGLU: one op on every device (`ops::geglu`), its output only
         Activation::GeluTanh => s * m.intermediate_size,
     };
@@ -308,7 +338,7 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> LayerHalve
         // probabilities). Gemma 2's soft-capped scores take the tensor-op path on every device
         // (`ops::causal_attention_capped`): the scores, their capped copy, the f32
         // probabilities and their cast.
-        match (m.variant.attn_logit_softcapping, fused) {
+        match (m.variant.attn_logit_softcapping, ops.kernels) {
             (Some(_), _) => 2 * s + 4 + cast(s),
             (None, true) => 4,
             (None, false) => s + 4 + cast(s),
@@ -329,14 +359,18 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> LayerHalve
 /// scores; on CUDA a block's scores are at most `BLOCK_SCORE_BYTES`, about 3 such in the
 /// forward (scores, exp, probabilities) and 6 in the backward (the recomputed ones, dP, dS and
 /// their casts), plus f32 dK / dV sums.
-fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> (u64, u64) {
+fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> (u64, u64) {
+    let ops = CpuOps::of(m, cfg, cpu);
     let (b, t) = (rows_per_micro_batch(cfg), cfg.data.max_seq_len);
     let (h, kv, d) = (m.num_attention_heads, m.num_key_value_heads, m.head_dim);
     let scores = (b * h * t * t * 4) as u64;
     // Gemma 2's soft-cap: the cap's derivative (1 - tanh²), one more score-sized buffer per
     // block on the chunked paths, and in the eager backward.
     let capped = m.variant.attn_logit_softcapping.is_some();
-    let fused = fused && !(capped && cfg.model.attention == Attention::Eager);
+    let fused = match cfg.model.attention {
+        Attention::Eager => ops.kernels && !capped,
+        Attention::Chunked => ops.chunked,
+    };
     match (cfg.model.attention, fused) {
         // The fused CPU op's backward reads its kept probabilities and holds one 64-row dS
         // block per task (measured at 1-4k tokens: the kept probabilities are the whole
@@ -346,7 +380,17 @@ fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, fused: bool) -> (u
         (Attention::Chunked, true) => {
             let block = (tallow_model::chunked::CPU_BLOCK * t * 4) as u64;
             let tasks = (b * kv) as u64;
-            return (2 * block * tasks, (2 + capped as u64) * block * tasks);
+            // bf16: q, k, v (and y, dY) widened to f32, and the f32 outputs before rounding
+            let (q, kvd) = ((b * t * h * d) as u64, (b * t * kv * d) as u64);
+            let (wide_fwd, wide_bwd) = if dtype_bytes(cfg.model.dtype) == 2 {
+                (4 * (2 * q + 2 * kvd), 4 * (4 * q + 4 * kvd))
+            } else {
+                (0, 0)
+            };
+            return (
+                2 * block * tasks + wide_fwd,
+                (2 + capped as u64) * block * tasks + wide_bwd,
+            );
         }
         (Attention::Chunked, false) => {}
     }
@@ -796,8 +840,8 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let acc_before = if cfg.train.grad_accum > 1 { acc } else { 0 };
 
     // Activations for the backward.
-    let fused = device == "cpu" && s == 4;
-    let per_layer = layer_activation_bytes(m, cfg, b, t, fused);
+    let cpu = device == "cpu";
+    let per_layer = layer_activation_bytes(m, cfg, b, t, cpu);
     let tokens = (b * t) as u64;
     let every = cfg.train.checkpoint_every.max(1);
     let checkpointed = if cfg.train.checkpointing {
@@ -879,7 +923,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // f32 and in bf16 (whose CPU matmuls work in f32). On CUDA the gradients stay in the model
     // dtype: six of them, 6 x s (not measured yet).
     let ffn_grad = if device == "cpu" { 24 } else { 6 * s };
-    let (scores_fwd, scores_bwd) = attention_transients(m, cfg, fused);
+    let (scores_fwd, scores_bwd) = attention_transients(m, cfg, cpu);
     let attn_bwd =
         scores_bwd + tokens * 4 * 4 * c as u64 + tokens * ffn_grad * m.intermediate_size as u64;
     let lm_bwd = ce_bwd + 8 * tokens * c as u64;
@@ -888,7 +932,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // tile's graph and gradients gone before the next, then the attention half's backward.
     // Alive throughout: the attention half's graph, dy and d(mid) (plus, offloaded, the input
     // back from the host and its copy as a variable).
-    let halves = layer_halves(m, cfg, fused);
+    let halves = layer_halves(m, cfg, cpu);
     let attention_graph = halves.attention_bytes(b, t);
     let tile = tokens.min(c as u64);
     let mlp_tile = tile * (halves.mlp_per_token as u64 + ffn_grad * m.intermediate_size as u64);
@@ -1335,8 +1379,7 @@ mod tests {
         }
         // In f32 (no CPU-only half-precision operand copies) CUDA adds the context and the
         // activations its unfused ops keep beyond the CPU's fused kernels (every layer kept:
-        // no checkpointing); in bf16 the CPU's f32 operand copies make the CPU's peak higher
-        // than the pool's. (Eager attention: its transients are the same on both devices.)
+        // no checkpointing). (Eager attention: its transients are the same on both devices.)
         let f32 = cfg(&["model.dtype=f32", "model.attention=eager"]);
         let cuda = estimate(&model(), &f32, "cuda");
         let cpu = estimate(&model(), &f32, "cpu");
@@ -1359,9 +1402,13 @@ mod tests {
         );
         assert_eq!(cuda.outside_pool_bytes, CUDA_CONTEXT_BYTES);
         assert_eq!(cpu.outside_pool_bytes, 0);
-        let cuda = estimate(&model(), &cfg(&[]), "cuda");
-        let cpu = estimate(&model(), &cfg(&[]), "cpu");
-        assert!(cuda.total_bytes - cuda.outside_pool_bytes < cpu.total_bytes);
+        // In bf16 the CPU's one-op LoRA linears keep one output each where CUDA's unfused
+        // linears keep the adapter's f32 intermediates and casts.
+        let bf16 = cfg(&[]);
+        let (b, t) = (bf16.train.micro_batch_size, bf16.data.max_seq_len);
+        let on_cuda = layer_activation_bytes(&model(), &bf16, b, t, false);
+        let on_cpu = layer_activation_bytes(&model(), &bf16, b, t, true);
+        assert!(on_cpu < on_cuda, "bf16: {on_cpu} (CPU) vs {on_cuda} (CUDA)");
     }
 
     /// Chunked attention's saved activations are linear in the sequence length, eager's are not;
