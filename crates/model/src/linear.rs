@@ -327,6 +327,23 @@ fn with_cpu_slice<T: crate::fused::Real, R>(
     f(crate::fused::storage_data(&st, l, "lora linear weight")?)
 }
 
+/// The base weight (N, K) of a bf16 model widened to f32, and the bias (N) when there is one.
+fn cpu_weight_f32(
+    base: &Base,
+    bias: Option<&Tensor>,
+) -> candle_core::Result<(Vec<f32>, Option<Vec<f32>>)> {
+    let w = cpu_weight(base)?;
+    let wide = |t: &Tensor| {
+        let (st, l) = t.storage_and_layout();
+        Ok::<_, candle_core::Error>(widen_bf16(crate::fused::storage_data(
+            &st,
+            l,
+            "lora linear weight",
+        )?))
+    };
+    Ok((wide(&w)?, bias.map(wide).transpose()?))
+}
+
 impl LoraLinearOp {
     /// y = x Wᵀ (+ bias) + s · dropout(x) Aᵀ Bᵀ, the adapter product accumulated by the gemm.
     fn run<T: crate::fused::Real + crate::dropout::num_like::Scale>(
@@ -373,26 +390,7 @@ impl LoraLinearOp {
         gemm_into(&mut y, true, &xa, b, true, (m, n, r), T::one()); // += (s xd Aᵀ) Bᵀ
         Ok(y)
     }
-}
 
-/// The base weight (N, K) of a bf16 model widened to f32, and the bias (N) when there is one.
-fn cpu_weight_f32(
-    base: &Base,
-    bias: Option<&Tensor>,
-) -> candle_core::Result<(Vec<f32>, Option<Vec<f32>>)> {
-    let w = cpu_weight(base)?;
-    let wide = |t: &Tensor| {
-        let (st, l) = t.storage_and_layout();
-        Ok::<_, candle_core::Error>(widen_bf16(crate::fused::storage_data(
-            &st,
-            l,
-            "lora linear weight",
-        )?))
-    };
-    Ok((wide(&w)?, bias.map(wide).transpose()?))
-}
-
-impl LoraLinearOp {
     /// A bf16 model's LoRA linear: x, the base and the bias bf16, A and B f32 (PEFT keeps a bf16
     /// model's adapter in f32). Rounded to bf16 where the unfused graph rounds: t = bf16(x Wᵀ)
     /// (Candle's bf16 matmul: an f32 product of the widened operands), t = bf16(t + bias),
@@ -560,9 +558,7 @@ impl LoraLinearDx {
         })?;
         Ok(dx)
     }
-}
 
-impl LoraLinearDx {
     /// [`LoraLinearDx::run`] for a bf16 model: dY bf16, s (dY B) f32 -> dx = bf16(bf16(dY W) +
     /// bf16(mask ⊙ (s dY B) A)), the base's share rounded as Candle's bf16 matmul rounds it and
     /// the adapter's as its f32 -> bf16 cast does (PEFT: one cast per adapted linear).
@@ -844,89 +840,26 @@ mod tests {
         Ok(())
     }
 
-    /// The fused LoRA linear (CPU, f32 / f64) against the unfused graph of Candle ops, value and
-    /// gradients of x, A and B: with and without a frozen bias, with dropout (the same masks
-    /// forward and backward), on a dense and an NF4 base. Tolerance 1e-5 relative in f32 (reordered
-    /// sums; a missing scale, mask or term is O(1e-1)), 1e-12 in f64.
-    #[test]
-    fn fused_lora_linear_matches_the_unfused_graph() -> Result<()> {
+    /// The fused LoRA linear against the unfused graph of Candle ops, for each case: a dense
+    /// base without and with a frozen bias, with dropout 0.3 (the same masks forward and
+    /// backward), and an NF4 base with dropout. x, the base and the bias in `dtype`, A (r, k) and
+    /// B (n, r) in `adapter`, x (rows.0, rows.1, k). Per case, the largest |a - b| / (1 + |b|)
+    /// of y, dx, dA and dB (each pair checked to have one dtype); the fused path must be taken.
+    fn fused_against_unfused(
+        dtype: DType,
+        adapter: DType,
+        (n, k, r): (usize, usize, usize),
+        rows: (usize, usize),
+    ) -> Result<Vec<(String, [f64; 4])>> {
         let dev = Device::Cpu;
-        for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
-            let w = Tensor::randn(0f32, 0.5, (6, 8), &dev)?.to_dtype(dtype)?;
-            let bias = Tensor::randn(0f32, 1., 6, &dev)?.to_dtype(dtype)?;
-            let nf4 = Arc::new({
-                let mut q = Nf4Weight::quantize(&w.to_dtype(DType::F32)?, true)?;
-                q.dtype = dtype;
-                q
-            });
-            for (base, with_bias, p) in [
-                (Base::Dense(Param::Frozen(w.clone())), false, 0.0),
-                (Base::Dense(Param::Frozen(w.clone())), true, 0.0),
-                (Base::Dense(Param::Frozen(w.clone())), true, 0.3),
-                (Base::Nf4(nf4.clone()), false, 0.3),
-            ] {
-                let dropout = Arc::new(Dropout::new(p));
-                dropout.set(Some(1234));
-                let lora = Lora {
-                    a: Var::from_tensor(&lora_a_init(3, 8, 7, &dev)?.to_dtype(dtype)?)?,
-                    b: Var::from_tensor(&Tensor::randn(0f32, 1., (6, 3), &dev)?.to_dtype(dtype)?)?,
-                    scale: 1.5,
-                    dropout: Some(dropout),
-                    id: 4,
-                };
-                let lin = Linear {
-                    weight: base,
-                    bias: with_bias.then(|| Param::Frozen(bias.clone())),
-                    adapter: Some(Adapter::Lora(lora.clone())),
-                };
-                let x =
-                    Var::from_tensor(&Tensor::randn(0f32, 1., (2, 5, 8), &dev)?.to_dtype(dtype)?)?;
-                let probe = Tensor::randn(0f32, 1., (2, 5, 6), &dev)?.to_dtype(dtype)?;
-                let run = |fused: bool| -> Result<Vec<Tensor>> {
-                    let y = if fused {
-                        lin.forward_fused(x.as_tensor())?.expect("fused path taken")
-                    } else {
-                        lin.forward_unfused(x.as_tensor(), None)?
-                    };
-                    let g = (&y * &probe)?.sum_all()?.backward()?;
-                    Ok(vec![
-                        y,
-                        g.get(&x).expect("dx").clone(),
-                        g.get(&lora.a).expect("dA").clone(),
-                        g.get(&lora.b).expect("dB").clone(),
-                    ])
-                };
-                let (f, u) = (run(true)?, run(false)?);
-                for (i, (a, b)) in f.iter().zip(&u).enumerate() {
-                    let a = a.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-                    let b = b.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-                    let e = a
-                        .iter()
-                        .zip(&b)
-                        .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
-                        .fold(0.0, f64::max);
-                    assert!(e < tol, "{dtype:?} bias={with_bias} p={p} output {i}: {e}");
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// The fused LoRA linear of a bf16 model (x, base, bias bf16; A, B f32) against the unfused
-    /// graph: y and dx bit for bit in bf16 (the op rounds where the graph rounds), dA and dB
-    /// within 1e-5 relative (f32 sums in another order). A rounding step left out changes
-    /// some elements by one bf16 ulp; a missing scale, mask or term changes O(1e-1) of them.
-    #[test]
-    fn fused_bf16_lora_linear_rounds_where_the_unfused_graph_rounds() -> Result<()> {
-        let dev = Device::Cpu;
-        let bf = DType::BF16;
-        let w = Tensor::randn(0f32, 0.5, (48, 64), &dev)?.to_dtype(bf)?;
-        let bias = Tensor::randn(0f32, 1., 48, &dev)?.to_dtype(bf)?;
+        let w = Tensor::randn(0f32, 0.5, (n, k), &dev)?.to_dtype(dtype)?;
+        let bias = Tensor::randn(0f32, 1., n, &dev)?.to_dtype(dtype)?;
         let nf4 = Arc::new({
             let mut q = Nf4Weight::quantize(&w.to_dtype(DType::F32)?, true)?;
-            q.dtype = bf;
+            q.dtype = dtype;
             q
         });
+        let mut errors = Vec::new();
         for (base, with_bias, p) in [
             (Base::Dense(Param::Frozen(w.clone())), false, 0.0),
             (Base::Dense(Param::Frozen(w.clone())), true, 0.0),
@@ -936,8 +869,8 @@ mod tests {
             let dropout = Arc::new(Dropout::new(p));
             dropout.set(Some(1234));
             let lora = Lora {
-                a: Var::from_tensor(&lora_a_init(4, 64, 7, &dev)?)?,
-                b: Var::randn(0f32, 1., (48, 4), &dev)?,
+                a: Var::from_tensor(&lora_a_init(r, k, 7, &dev)?.to_dtype(adapter)?)?,
+                b: Var::from_tensor(&Tensor::randn(0f32, 1., (n, r), &dev)?.to_dtype(adapter)?)?,
                 scale: 1.5,
                 dropout: Some(dropout),
                 id: 4,
@@ -947,8 +880,9 @@ mod tests {
                 bias: with_bias.then(|| Param::Frozen(bias.clone())),
                 adapter: Some(Adapter::Lora(lora.clone())),
             };
-            let x = Var::from_tensor(&Tensor::randn(0f32, 1., (3, 40, 64), &dev)?.to_dtype(bf)?)?;
-            let probe = Tensor::randn(0f32, 1., (3, 40, 48), &dev)?.to_dtype(bf)?;
+            let x = Tensor::randn(0f32, 1., (rows.0, rows.1, k), &dev)?.to_dtype(dtype)?;
+            let x = Var::from_tensor(&x)?;
+            let probe = Tensor::randn(0f32, 1., (rows.0, rows.1, n), &dev)?.to_dtype(dtype)?;
             assert!(lin.fuses(x.as_tensor()));
             let run = |fused: bool| -> Result<Vec<Tensor>> {
                 let y = if fused {
@@ -965,17 +899,49 @@ mod tests {
                 ])
             };
             let (f, u) = (run(true)?, run(false)?);
+            let mut e = [0.0; 4];
             for (i, (a, b)) in f.iter().zip(&u).enumerate() {
                 assert_eq!(a.dtype(), b.dtype(), "output {i}");
                 let a = a.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
                 let b = b.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-                let e = a
+                e[i] = a
                     .iter()
                     .zip(&b)
                     .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
                     .fold(0.0, f64::max);
+            }
+            errors.push((format!("{dtype:?} bias={with_bias} p={p}"), e));
+        }
+        Ok(errors)
+    }
+
+    /// The fused LoRA linear (CPU, f32 / f64) against the unfused graph of Candle ops, value and
+    /// gradients of x, A and B: with and without a frozen bias, with dropout (the same masks
+    /// forward and backward), on a dense and an NF4 base. Tolerance 1e-5 relative in f32 (reordered
+    /// sums; a missing scale, mask or term is O(1e-1)), 1e-12 in f64.
+    #[test]
+    fn fused_lora_linear_matches_the_unfused_graph() -> Result<()> {
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
+            for (case, errors) in fused_against_unfused(dtype, dtype, (6, 8, 3), (2, 5))? {
+                for (i, e) in errors.iter().enumerate() {
+                    assert!(*e < tol, "{case} output {i}: {e}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The fused LoRA linear of a bf16 model (x, base, bias bf16; A, B f32) against the unfused
+    /// graph: y and dx bit for bit in bf16 (the op rounds where the graph rounds), dA and dB
+    /// within 1e-5 relative (f32 sums in another order). A rounding step left out changes
+    /// some elements by one bf16 ulp; a missing scale, mask or term changes O(1e-1) of them.
+    #[test]
+    fn fused_bf16_lora_linear_rounds_where_the_unfused_graph_rounds() -> Result<()> {
+        let cases = fused_against_unfused(DType::BF16, DType::F32, (48, 64, 4), (3, 40))?;
+        for (case, errors) in cases {
+            for (i, e) in errors.iter().enumerate() {
                 let tol = if i < 2 { 0.0 } else { 1e-5 };
-                assert!(e <= tol, "bias={with_bias} p={p} output {i}: {e}");
+                assert!(*e <= tol, "{case} output {i}: {e}");
             }
         }
         Ok(())
