@@ -29,7 +29,8 @@ use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, D
 use rayon::prelude::*;
 
 use crate::fused::{
-    add_at_b, data, narrow_bf16, small_gemm, storage_data, supports, uninit, widen_bf16, Real,
+    add_at_b, data, group_grads, narrow_bf16, small_gemm, storage_data, supports, uninit,
+    widen_bf16, Real,
 };
 use crate::linear::InStorage;
 
@@ -695,25 +696,18 @@ fn bwd_groups<T: Real>(
     round: bool,
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
     let cap = softcap.map(T::from_f64);
-    let mut dq = uninit::<T>(q.len());
-    let mut dk = vec![T::zero(); k.len()];
-    let mut dv = vec![T::zero(); v.len()];
-    dq.par_chunks_mut(r * d)
-        .zip(dk.par_chunks_mut(t * d).zip(dv.par_chunks_mut(t * d)))
-        .enumerate()
-        .for_each(|(g, (dq, (dk, dv)))| {
-            let (qs, ts) = (g * r * d..(g + 1) * r * d, g * t * d..(g + 1) * t * d);
-            let ins = (
-                &q[qs.clone()],
-                &k[ts.clone()],
-                &v[ts],
-                &y[qs.clone()],
-                &dy[qs],
-                &lse[g * r..(g + 1) * r],
-            );
-            group_bwd(ins, mask, g / kv, dq, dk, dv, (t, d), cap, round)
-        });
-    (dq, dk, dv)
+    group_grads((q.len(), k.len()), (r, t, d), |g, dq, dk, dv| {
+        let (qs, ts) = (g * r * d..(g + 1) * r * d, g * t * d..(g + 1) * t * d);
+        let ins = (
+            &q[qs.clone()],
+            &k[ts.clone()],
+            &v[ts],
+            &y[qs.clone()],
+            &dy[qs],
+            &lse[g * r..(g + 1) * r],
+        );
+        group_bwd(ins, mask, g / kv, dq, dk, dv, (t, d), cap, round)
+    })
 }
 
 // ---------------------------------------------------------------------------------------------

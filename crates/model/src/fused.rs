@@ -860,31 +860,42 @@ fn attention_bwd<T: Real>(
     [q, k, v, p, dy]: [&[T]; 5],
     (_b, _kv, r, t, d): (usize, usize, usize, usize, usize),
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
-    let mut dq = uninit::<T>(q.len());
-    let mut dk = vec![T::zero(); k.len()];
-    let mut dv = vec![T::zero(); v.len()];
+    group_grads((q.len(), k.len()), (r, t, d), |g, dq, dk, dv| {
+        let (qs, ts, ps) = (
+            g * r * d..(g + 1) * r * d,
+            g * t * d..(g + 1) * t * d,
+            g * r * t..(g + 1) * r * t,
+        );
+        attention_group_bwd(
+            &q[qs.clone()],
+            &k[ts.clone()],
+            &v[ts],
+            &p[ps],
+            &dy[qs],
+            dq,
+            dk,
+            dv,
+            t,
+            d,
+        )
+    })
+}
+
+/// dq (groups of R x D rows), dk and dv (groups of T x D, zeroed) of an attention backward
+/// over (batch, kv head) groups, one rayon task per group: `f(g, dq, dk, dv)` writes group g's
+/// dq and accumulates its dk, dv. q_len and kv_len: dq's and dk's (dv's) lengths.
+pub(crate) fn group_grads<T: Real>(
+    (q_len, kv_len): (usize, usize),
+    (r, t, d): (usize, usize, usize),
+    f: impl Fn(usize, &mut [T], &mut [T], &mut [T]) + Sync,
+) -> (Vec<T>, Vec<T>, Vec<T>) {
+    let mut dq = uninit::<T>(q_len);
+    let mut dk = vec![T::zero(); kv_len];
+    let mut dv = vec![T::zero(); kv_len];
     dq.par_chunks_mut(r * d)
         .zip(dk.par_chunks_mut(t * d).zip(dv.par_chunks_mut(t * d)))
         .enumerate()
-        .for_each(|(g, (dq, (dk, dv)))| {
-            let (qs, ts, ps) = (
-                g * r * d..(g + 1) * r * d,
-                g * t * d..(g + 1) * t * d,
-                g * r * t..(g + 1) * r * t,
-            );
-            attention_group_bwd(
-                &q[qs.clone()],
-                &k[ts.clone()],
-                &v[ts],
-                &p[ps],
-                &dy[qs],
-                dq,
-                dk,
-                dv,
-                t,
-                d,
-            )
-        });
+        .for_each(|(g, (dq, (dk, dv)))| f(g, dq, dk, dv));
     (dq, dk, dv)
 }
 
