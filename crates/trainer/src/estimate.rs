@@ -253,7 +253,7 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
         if dora && adapted(l) {
             return dora_linear(l, s, r, dropout, shared);
         }
-        if one_op(l) || !(adapted(l) || l.bias) {
+        if one_op(l) {
             return s * l.out; // one op; its input is the previous output, A and B are params
         }
         let mut n = s * l.out + if l.bias { s * l.out } else { 0 };
