@@ -270,15 +270,11 @@ pub(crate) fn widen_bf16(x: &[half::bf16]) -> Vec<f32> {
 /// f32 values rounded to bf16 (to nearest, ties to even: Candle's, `half`'s and PyTorch's
 /// rounding), on rayon's threads.
 pub(crate) fn narrow_bf16(x: &[f32]) -> Vec<half::bf16> {
-    let mut out = vec![half::bf16::ZERO; x.len()];
-    out.par_chunks_mut(CONVERT_CHUNK)
-        .zip(x.par_chunks(CONVERT_CHUNK))
-        .for_each(|(o, x)| {
-            for (o, &v) in o.iter_mut().zip(x) {
-                *o = half::bf16::from_bits((round_bf16(v).to_bits() >> 16) as u16);
-            }
-        });
-    out
+    // collected in place: no zeroed buffer first
+    x.par_iter()
+        .with_min_len(CONVERT_CHUNK)
+        .map(|&v| half::bf16::from_bits((round_bf16(v).to_bits() >> 16) as u16))
+        .collect()
 }
 
 /// x rounded to bf16 and back: the value a bf16 tensor holds after an op that computed x in
