@@ -323,10 +323,22 @@ pub fn make_random_model(
     out: &std::path::Path,
     rows: usize,
 ) {
+    make_random_model_with(exe, config_json, out, rows, &[])
+}
+
+/// [`make_random_model`] with more of the tool's flags (`["--bnb-4bit", "true"]`).
+pub fn make_random_model_with(
+    exe: &str,
+    config_json: &std::path::Path,
+    out: &std::path::Path,
+    rows: usize,
+    flags: &[&str],
+) {
     let output = std::process::Command::new(exe)
         .arg(config_json)
         .arg(out)
         .args(["--rows", &rows.to_string()])
+        .args(flags)
         .output()
         .unwrap_or_else(|e| panic!("{exe}: {e}"));
     assert!(

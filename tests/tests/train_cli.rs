@@ -99,23 +99,24 @@ fn resume_at(config: &Path, step: usize, total: usize) {
         "the CLI names the checkpoint and step it resumed from (`{from}`): {}",
         r.stderr
     );
-    let run: Vec<usize> = r
-        .stderr
-        .lines()
-        .filter_map(|l| {
-            l.strip_prefix("step ")?
-                .split_whitespace()
-                .next()?
-                .parse()
-                .ok()
-        })
-        .collect();
+    let run: Vec<usize> = r.stderr.lines().filter_map(step_line).collect();
     assert_eq!(
         run,
         (step + 1..=total).collect::<Vec<_>>(),
         "steps run after resuming: {}",
         r.stderr
     );
+}
+
+/// The step of a plain progress line (`step 4/10  loss ...`); None for other lines (`step 4:
+/// eval loss ...`).
+fn step_line(line: &str) -> Option<usize> {
+    let (step, _total) = line
+        .strip_prefix("step ")?
+        .split_whitespace()
+        .next()?
+        .split_once('/')?;
+    step.parse().ok()
 }
 
 /// A run killed after its step-2 checkpoint and resumed equals the uninterrupted run, bit for bit
@@ -203,7 +204,8 @@ fn resume_without_a_checkpoint_says_it_starts_from_step_0() {
     );
     assert!(r.stderr.contains(&want), "`{want}` not in: {}", r.stderr);
     assert!(!r.stderr.contains("resumed from"), "{}", r.stderr);
-    assert!(r.stderr.contains("step 1 "), "{}", r.stderr);
+    let steps: Vec<usize> = r.stderr.lines().filter_map(step_line).collect();
+    assert_eq!(steps, [1], "{}", r.stderr);
 }
 
 #[test]
@@ -1130,4 +1132,207 @@ fn data_parallel_without_mpi_says_how_to_get_it() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("RANK=2 with WORLD_SIZE=2"), "{stderr}");
+}
+
+/// `tallow train ARGS` with stderr into the file `log` (not a terminal, as under Slurm, nohup or
+/// `2> train.log`): the exit code and the file's text.
+fn train_logged(args: &[&str], log: &Path) -> (i32, String) {
+    let file = std::fs::File::create(log).unwrap();
+    let out = std::process::Command::new(tallow_bin())
+        .args(args)
+        .stderr(file)
+        .output()
+        .unwrap();
+    let text = std::fs::read_to_string(log).unwrap();
+    (out.status.code().unwrap_or(-1), text)
+}
+
+/// Issue 34: with stderr not a terminal, the bar (which hides itself there and drops what is
+/// printed through it) gives way to plain lines: the notes, one line per `log_every` steps and
+/// the last, every evaluation and checkpoint; the same after `--resume`.
+#[test]
+fn logs_without_a_terminal_are_plain_lines() {
+    let dir = scratch("plain-log");
+    let c = config(
+        &dir,
+        "tiny-llama",
+        "rank = 4\nalpha = 8",
+        "max_steps = 3\nschedule = \"constant\"\nlog_every = 2\neval_every = 2\nsave_every = 2",
+    );
+    let c = c.to_str().unwrap();
+    let lines = |text: &str, what: &str| -> Vec<usize> {
+        text.lines()
+            .filter(|l| l.contains(what))
+            .filter_map(|l| l.strip_prefix("step ")?.split_once(':')?.0.parse().ok())
+            .collect()
+    };
+    let steps = |text: &str| -> Vec<usize> { text.lines().filter_map(step_line).collect() };
+
+    let (code, log) = train_logged(&["train", "--config", c], &dir.join("first.log"));
+    assert_eq!(code, 0, "{log}");
+    assert!(log.contains("training 3 steps on 4 rows"), "{log}");
+    assert!(log.contains("memory ("), "{log}");
+    // log_every = 2: steps 2 and the last, 3; eval and checkpoint at 2 and the last (eval at 0).
+    assert_eq!(steps(&log), [2, 3], "{log}");
+    assert!(
+        log.lines().any(|l| l.starts_with("step 2/3  loss ")
+            && l.contains(" lr ")
+            && l.contains(" tok/s")
+            && l.contains(" grad_norm ")
+            && l.contains(" peak fwd ")),
+        "{log}"
+    );
+    assert_eq!(lines(&log, ": eval loss "), [0, 2, 3], "{log}");
+    assert_eq!(lines(&log, ": checkpoint "), [2, 3], "{log}");
+
+    let (code, log) = train_logged(
+        &[
+            "train",
+            "--config",
+            c,
+            "--resume",
+            "--set",
+            "train.max_steps=7",
+        ],
+        &dir.join("resumed.log"),
+    );
+    assert_eq!(code, 0, "{log}");
+    assert!(
+        log.contains("training 7 steps on 4 rows")
+            && log.contains(&format!(
+                "resumed from {} at step 3",
+                dir.join("run/checkpoints/step-3").display()
+            )),
+        "{log}"
+    );
+    assert_eq!(steps(&log), [4, 6, 7], "{log}");
+    assert_eq!(lines(&log, ": eval loss "), [4, 6, 7], "{log}");
+    assert_eq!(lines(&log, ": checkpoint "), [4, 6, 7], "{log}");
+}
+
+/// A `tallow train` child running into `config` (long: `max_steps` 100000) with its output
+/// discarded, once it holds the output dir's lock.
+fn start_holder(config: &Path, lock: &Path) -> std::process::Child {
+    let mut child = std::process::Command::new(tallow_bin())
+        .args(["train", "--config", config.to_str().unwrap(), "--quiet"])
+        .args(["--set", "train.max_steps=100000"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while !lock.exists() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!(
+                "the first run ended ({status}) before taking {}",
+                lock.display()
+            );
+        }
+        assert!(
+            t0.elapsed().as_secs() < 120,
+            "no {} after 120 s",
+            lock.display()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child
+}
+
+/// Issue 34: a second run (or a `--nproc` launch) into an output dir a live run holds is refused
+/// at once, naming the holder's PID and host and the lock file.
+#[test]
+fn a_second_run_into_a_held_output_dir_is_refused() {
+    let dir = scratch("lock-held");
+    let c = config(&dir, "tiny-llama", "rank = 4\nalpha = 8", "");
+    let lock = dir.join("run/.tallow-lock");
+    let mut first = start_holder(&c, &lock);
+    let holder = format!(
+        "process {} on {}",
+        first.id(),
+        tallow_trainer::lock::hostname()
+    );
+    let cs = c.to_str().unwrap();
+    // max_steps = 1: a second run that is let in ends (with exit 0) instead of running on.
+    let t0 = std::time::Instant::now();
+    let second = tallow(["train", "--config", cs, "--set", "train.max_steps=1"]);
+    let took = t0.elapsed();
+    let nproc = tallow([
+        "train",
+        "--config",
+        cs,
+        "--set",
+        "train.max_steps=1",
+        "--set",
+        "train.device=cpu",
+        "--nproc",
+        "2",
+    ]);
+    let still_running = first.try_wait().unwrap().is_none();
+    first.kill().unwrap();
+    first.wait().unwrap();
+    assert_ne!(second.code, 0, "{}", second.stderr);
+    assert!(
+        second.stderr.contains("is in use by another run")
+            && second.stderr.contains(&holder)
+            && second.stderr.contains(&lock.display().to_string()),
+        "`{holder}` and {} not in: {}",
+        lock.display(),
+        second.stderr
+    );
+    assert!(took.as_secs() < 30, "refused after {took:?}");
+    assert!(still_running, "the first run ended while the second ran");
+    assert_ne!(nproc.code, 0, "{}", nproc.stderr);
+    assert!(nproc.stderr.contains(&holder), "{}", nproc.stderr);
+}
+
+/// Issue 34: a run killed with SIGKILL leaves its lock behind; `--resume` finds its process gone,
+/// takes the lock over (saying so) and continues from the last checkpoint; the lock is removed
+/// when the run ends.
+#[test]
+fn resume_takes_over_the_lock_of_a_killed_run() {
+    let dir = scratch("lock-stale");
+    let c = config(
+        &dir,
+        "tiny-llama",
+        "rank = 4\nalpha = 8",
+        "schedule = \"constant\"\nsave_every = 1",
+    );
+    let lock = dir.join("run/.tallow-lock");
+    let mut first = start_holder(&c, &lock);
+    let pid = first.id();
+    let t0 = std::time::Instant::now();
+    while !dir.join("run/checkpoints/step-1").exists() {
+        assert!(
+            t0.elapsed().as_secs() < 120,
+            "no step-1 checkpoint after 120 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    first.kill().unwrap(); // SIGKILL: no Drop runs
+    first.wait().unwrap();
+    assert!(lock.exists(), "a killed run leaves its lock");
+    let (step, _) = tallow_trainer::checkpoint::latest(&dir.join("run")).unwrap();
+    let total = format!("train.max_steps={}", step + 1);
+    let r = tallow([
+        "train",
+        "--config",
+        c.to_str().unwrap(),
+        "--resume",
+        "--quiet",
+        "--set",
+        &total,
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let note = format!("(process {pid} on {}", tallow_trainer::lock::hostname());
+    assert!(
+        r.stderr.contains(&note) && r.stderr.contains("is gone; lock taken over"),
+        "`{note}` not in: {}",
+        r.stderr
+    );
+    assert!(
+        r.stderr.contains(&format!("step-{step} at step {step}")),
+        "{}",
+        r.stderr
+    );
+    assert!(!lock.exists(), "the lock is removed at the end of the run");
 }

@@ -191,7 +191,8 @@ pub struct TrainArgs {
     /// Continue from the newest checkpoint in train.output_dir.
     #[arg(long)]
     pub resume: bool,
-    /// No progress bar: one log line per logged step on stderr.
+    /// No progress bar: plain lines on stderr, the notes and one per logged step
+    /// (train.log_every), as when stderr is not a terminal.
     #[arg(long)]
     pub quiet: bool,
     /// Emulate a device with this much memory (24GiB, 800MiB): a phase whose measured peak goes
@@ -228,6 +229,10 @@ pub struct MergeArgs {
     /// With --quantize nf4: quantize the per-block scales too (bitsandbytes double quantization).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub double_quant: bool,
+    /// Read the model's config.json as if this key were absent (repeatable): for a key tallow
+    /// refuses because transformers reads it, when you know it has no effect on this model.
+    #[arg(long = "ignore-config-key", value_name = "KEY")]
+    pub ignore_config_keys: Vec<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -277,6 +282,10 @@ pub struct EvalArgs {
     /// With --quantize nf4: quantize the per-block scales too (bitsandbytes double quantization).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub double_quant: bool,
+    /// Read the model's config.json as if this key were absent (repeatable): for a key tallow
+    /// refuses because transformers reads it, when you know it has no effect on this model.
+    #[arg(long = "ignore-config-key", value_name = "KEY")]
+    pub ignore_config_keys: Vec<String>,
     /// Print one JSON object instead of a line of text.
     #[arg(long)]
     pub json: bool,
@@ -328,6 +337,10 @@ pub struct DecodeArgs {
     /// With --quantize nf4: quantize the per-block scales too (bitsandbytes double quantization).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub double_quant: bool,
+    /// Read the model's config.json as if this key were absent (repeatable): for a key tallow
+    /// refuses because transformers reads it, when you know it has no effect on this model.
+    #[arg(long = "ignore-config-key", value_name = "KEY")]
+    pub ignore_config_keys: Vec<String>,
     /// Recompute every position at every step through the training forward instead of using the
     /// KV cache (slow; for checking the cache).
     #[arg(long)]

@@ -28,12 +28,19 @@ pub fn model_config(cfg: &TrainConfig) -> Result<DecoderConfig> {
         .with_context(|| format!("model.path {}", cfg.model.path.display()))?;
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("{}: cannot read the model's config.json", path.display()))?;
-    Ok(DecoderConfig::from_json_str(&text, &path)?)
+    Ok(DecoderConfig::from_json_str_ignoring(
+        &text,
+        &path,
+        &cfg.model.ignore_config_keys,
+    )?)
 }
 
 pub fn run(a: EstimateArgs) -> Result<()> {
     let cfg = TrainConfig::load(&a.config, &a.sets)?;
     let model = model_config(&cfg)?;
+    if let Some(note) = model.keys.line() {
+        eprintln!("{note}");
+    }
     let device = device_kind(&cfg.train.device);
     let world = a.nproc as usize;
     let est = estimate_per_rank(&model, &cfg, device, world);

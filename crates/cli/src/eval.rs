@@ -3,7 +3,6 @@
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use indicatif::{ProgressBar, ProgressStyle};
 use tallow_text::TextTokenizer;
 use tallow_trainer::eval::evaluate;
 use tallow_trainer::{load_jsonl, DataOptions, Format};
@@ -11,6 +10,7 @@ use tallow_trainer::{load_jsonl, DataOptions, Format};
 use crate::args::EvalArgs;
 use crate::device::{dtype_name, parse_device, parse_dtype};
 use crate::model;
+use crate::progress::Progress;
 
 pub fn run(a: EvalArgs) -> Result<()> {
     let start = Instant::now();
@@ -41,24 +41,31 @@ pub fn run(a: EvalArgs) -> Result<()> {
             a.max_seq_len
         );
     }
-    let opts = model::options(a.quantize, a.double_quant, dtype, &device);
+    let opts = model::options(
+        a.quantize,
+        a.double_quant,
+        dtype,
+        &device,
+        &a.ignore_config_keys,
+    );
     let (model, _) = model::load(&model_dir, &opts, a.adapter.as_deref())?;
     let pad = tok.batch_pad_id();
     if data.format == Format::Preference {
         return preference(&a, &model, &data, pad, start);
     }
 
-    let bar = ProgressBar::new(data.examples.len() as u64);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "eval {bar:30} {pos}/{len} rows  {elapsed_precise} (eta {eta})",
-        )
-        .expect("static template"),
+    // Off a terminal: a line per tenth of the rows.
+    let rows = data.examples.len() as u64;
+    let mut progress = Progress::new(
+        "eval rows",
+        "eval {bar:30} {pos}/{len} rows  {elapsed_precise} (eta {eta})",
+        false,
     );
+    progress.start(rows, 0, rows.div_ceil(10));
     let r = evaluate(&model, &data.examples, a.batch_size, pad, |done| {
-        bar.set_position(done as u64)
+        progress.update(done as u64, "")
     })?;
-    bar.finish_and_clear();
+    progress.finish();
 
     if a.json {
         let out = serde_json::json!({

@@ -33,7 +33,13 @@ pub fn load(a: &DecodeArgs) -> Result<Session> {
     let dtype = parse_dtype(&a.dtype, &device)?;
     let model_dir = model::dir(&a.model)?;
     let tok = TextTokenizer::from_model_dir(&model_dir)?;
-    let opts = model::options(a.quantize, a.double_quant, dtype, &device);
+    let opts = model::options(
+        a.quantize,
+        a.double_quant,
+        dtype,
+        &device,
+        &a.ignore_config_keys,
+    );
     let (model, _) = model::load(&model_dir, &opts, a.adapter.as_deref())?;
     let gc = GenerationConfig::from_dir(&model_dir, &model.config.eos_token_ids)?;
     // transformers: sampling only when do_sample is true; then temperature defaults to 1.0.

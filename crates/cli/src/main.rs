@@ -18,6 +18,7 @@ mod launch;
 mod merge;
 mod model;
 mod plot;
+mod progress;
 mod train;
 mod upload;
 

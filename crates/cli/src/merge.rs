@@ -19,7 +19,13 @@ pub fn run(mut a: MergeArgs) -> Result<()> {
     // Merge in f32 on the CPU whatever the output dtype: the sum W + s B A is rounded once.
     // An NF4 base (a bitsandbytes 4-bit checkpoint, or --quantize nf4) is merged into its
     // dequantized weights, as PEFT's merge_and_unload does: the output is a dense model.
-    let opts = model::options(a.quantize, a.double_quant, DType::F32, &Device::Cpu);
+    let opts = model::options(
+        a.quantize,
+        a.double_quant,
+        DType::F32,
+        &Device::Cpu,
+        &a.ignore_config_keys,
+    );
     let (mut model, spec) = model::load(&a.model, &opts, Some(&a.adapter))?;
     let spec = spec.expect("an adapter was given, so load returns its spec");
     merge_lora(&mut model)?;

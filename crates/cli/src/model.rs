@@ -26,16 +26,21 @@ pub fn dir(model: &Path) -> Result<PathBuf> {
 }
 
 /// Frozen base weights in `dtype` on `device`: quantized to NF4 with `--quantize nf4` (and
-/// `--double-quant`), dense otherwise.
+/// `--double-quant`), dense otherwise; config.json read without the `--ignore-config-key`s.
 pub fn options(
     quantize: Quantize,
     double_quant: bool,
     dtype: DType,
     device: &Device,
+    ignore_config_keys: &[String],
 ) -> LoadOptions {
-    match quantize {
+    let opts = match quantize {
         Quantize::Nf4 => LoadOptions::nf4(dtype, device, double_quant),
         Quantize::None => LoadOptions::frozen(dtype, device),
+    };
+    LoadOptions {
+        ignore_config_keys: ignore_config_keys.to_vec(),
+        ..opts
     }
 }
 
@@ -55,5 +60,10 @@ pub fn load(
             );
         }
     }
-    Ok(tallow_model::load(dir, opts, adapter)?)
+    let (model, spec) = tallow_model::load(dir, opts, adapter)?;
+    // config.json keys left out of the reading (unread by transformers, or dropped on request)
+    if let Some(note) = model.config.keys.line() {
+        eprintln!("{note}");
+    }
+    Ok((model, spec))
 }

@@ -1,7 +1,6 @@
 //! `tallow train`: read the config, run the training loop, show progress.
 
 use anyhow::{Context, Result};
-use indicatif::{ProgressBar, ProgressStyle};
 use tallow_trainer::config::TrainConfig;
 use tallow_trainer::error::TrainError;
 use tallow_trainer::estimate::{estimate, plan};
@@ -10,6 +9,7 @@ use tallow_trainer::train::{train_dist, Event};
 
 use crate::args::TrainArgs;
 use crate::device::parse_device_at;
+use crate::progress::Progress;
 
 pub fn run(a: TrainArgs) -> Result<()> {
     let cfg = TrainConfig::load(&a.config, &a.sets)?;
@@ -23,7 +23,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
             l.rank,
             l.world
         ),
-        (Some(n), None) if n > 1 => return crate::launch::run(n, &cfg.train.device),
+        (Some(n), None) if n > 1 => {
+            // Refused before any rank starts when a live run holds the output dir (rank 0
+            // takes the lock itself).
+            tallow_trainer::lock::check(&cfg.train.output_dir)?;
+            return crate::launch::run(n, &cfg.train.device);
+        }
         _ => {}
     }
     let rank = launch.as_ref().map_or(0, |l| l.rank);
@@ -62,27 +67,16 @@ pub fn run(a: TrainArgs) -> Result<()> {
         Some(l) => Some(parse_bytes(l).map_err(|e| anyhow::anyhow!("--memory-limit {e}"))?),
         None => None,
     };
-    // Rank 0 alone shows progress and notes; the other ranks print only their errors.
-    let quiet = a.quiet || !main;
-    let bar = if quiet {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(0)
-    };
-    bar.set_style(
-        ProgressStyle::with_template(
+    // Rank 0 alone shows progress and notes; the other ranks print only their errors. Off a
+    // terminal, and with --quiet, the bar is plain lines: one per train.log_every steps.
+    let mut progress = if main {
+        Progress::new(
+            "step",
             "{bar:30} step {pos}/{len}  {msg}  [{elapsed_precise} < {eta_precise}]",
+            a.quiet,
         )
-        .expect("static template"),
-    );
-    // A hidden bar drops println: in --quiet mode messages go straight to stderr.
-    let say = |msg: String| {
-        if !main {
-        } else if quiet {
-            eprintln!("{msg}")
-        } else {
-            bar.println(msg)
-        }
+    } else {
+        Progress::silent()
     };
     let mut on_event = |e: Event| match e {
         Event::Start {
@@ -95,11 +89,14 @@ pub fn run(a: TrainArgs) -> Result<()> {
             load_live_bytes,
             memory,
         } => {
-            bar.set_length(total_steps as u64);
-            bar.set_position(start_step as u64);
+            progress.start(
+                total_steps as u64,
+                start_step as u64,
+                cfg.train.log_every as u64,
+            );
             if dist.world > 1 {
                 let t = &cfg.train;
-                say(format!(
+                progress.note(&format!(
                     "data parallel: {} ranks ({}), {} rows per step ({} per rank: micro-batch {} \
                      x grad_accum {}){}",
                     dist.world,
@@ -118,9 +115,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
             let from = resumed_from
                 .map(|p| format!(", resumed from {} at step {start_step}", p.display()))
                 .unwrap_or_default();
-            say(format!("training {total_steps} steps on {rows} rows, {trainable_params} trainable parameters{from}"));
+            progress.note(&format!("training {total_steps} steps on {rows} rows, {trainable_params} trainable parameters{from}"));
             if let (Some(p), Some(l)) = (load_peak_bytes, load_live_bytes) {
-                say(format!(
+                progress.note(&format!(
                     "memory ({memory}): {} in use after loading, peak {} while loading",
                     human_bytes(l),
                     human_bytes(p)
@@ -128,7 +125,6 @@ pub fn run(a: TrainArgs) -> Result<()> {
             }
         }
         Event::Step(s) => {
-            bar.set_position(s.step as u64);
             // Preference runs: the step's reward accuracy beside the loss (TRL's
             // rewards/accuracies).
             let acc = s
@@ -138,8 +134,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 .map(|a| format!("  reward acc {a:.2}"))
                 .unwrap_or_default();
             let mut msg = format!(
-                "loss {:.4}{acc}  lr {:.2e}  {:.0} tok/s",
-                s.loss, s.lr, s.tokens_per_s
+                "loss {:.4}{acc}  lr {:.2e}  {:.0} tok/s  grad_norm {:.3}",
+                s.loss, s.lr, s.tokens_per_s, s.grad_norm
             );
             let p = &s.peak_bytes;
             if let (Some(f), Some(b), Some(o)) = (p.forward, p.backward, p.optimizer) {
@@ -150,21 +146,18 @@ pub fn run(a: TrainArgs) -> Result<()> {
                     human_bytes(o)
                 );
             }
-            if quiet && main {
-                eprintln!("step {}  {msg}  grad_norm {:.3}", s.step, s.grad_norm);
-            }
-            bar.set_message(msg);
+            progress.update(s.step as u64, &msg);
         }
-        Event::Eval { step, loss } => bar.println(format!("step {step}: eval loss {loss:.4}")),
+        Event::Eval { step, loss } => progress.note(&format!("step {step}: eval loss {loss:.4}")),
         Event::Checkpoint { step, path } => {
-            bar.println(format!("step {step}: checkpoint {}", path.display()))
+            progress.note(&format!("step {step}: checkpoint {}", path.display()))
         }
-        Event::Note(n) => say(n),
+        Event::Note(n) => progress.note(&n),
     };
     let summary = match train_dist(&cfg, &device, a.resume, limit, &dist, &mut on_event) {
         Ok(s) => s,
         Err(e @ TrainError::OutOfMemory { .. }) => {
-            bar.finish_and_clear();
+            progress.finish();
             return Err(out_of_memory(e, &a, &cfg, &device));
         }
         Err(e) if dist.world > 1 => {
@@ -172,7 +165,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         }
         Err(e) => return Err(e.into()),
     };
-    bar.finish_and_clear();
+    progress.finish();
     if !main {
         return Ok(());
     }

@@ -129,8 +129,88 @@ pub struct DecoderConfig {
     /// names under `model.language_model` (`crate::peft`). `raw` is then the tower's
     /// `Gemma3ForCausalLM` config, which is what merge and full fine-tuning write.
     pub text_tower: bool,
-    /// The raw config.json, kept so that saved models carry every key the user had.
+    /// A bitsandbytes 4-bit checkpoint (`quantization_config` with `load_in_4bit`): its decoder
+    /// linears load as NF4 whatever `model.quantize` says, and the estimate counts them so.
+    pub prequantized: Option<PreQuantized>,
+    /// The keys tallow ignored: for the note at load ([`KeyNote::line`]).
+    pub keys: KeyNote,
+    /// The raw config.json, kept so that saved models carry every key the user had (less the
+    /// ones `model.ignore_config_keys` dropped).
     pub raw: serde_json::Value,
+}
+
+/// What `quantization_config` of a bitsandbytes 4-bit checkpoint says about the stored weights.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PreQuantized {
+    /// `bnb_4bit_use_double_quant`: the per-block scales are 8-bit with an f32 per 256 blocks.
+    pub double_quant: bool,
+    /// `llm_int8_skip_modules`: modules stored unquantized (`lm_head`, and in unsloth's
+    /// "dynamic" repos whole layers' projections, `model.layers.1.mlp`); a linear whose name
+    /// contains one of them is dense.
+    pub skip_modules: Vec<String>,
+}
+
+impl PreQuantized {
+    /// Whether the decoder linear `name` (`model.layers.3.mlp.down_proj`) is stored in 4 bits.
+    /// transformers' bitsandbytes integration skips a module when a skip entry is a substring
+    /// of its name.
+    pub fn quantizes(&self, name: &str) -> bool {
+        !self.skip_modules.iter().any(|m| name.contains(m.as_str()))
+    }
+}
+
+/// The `config.json` keys that tallow left out of its reading, for one note line at load.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct KeyNote {
+    /// The file (messages name it).
+    pub path: std::path::PathBuf,
+    /// The class whose reading decides (`LlamaForCausalLM`).
+    pub class: String,
+    /// Keys that the class never reads, so they cannot change what it computes (nanotron's
+    /// `is_llama_config`, `auto_map`, ...): ignored as transformers ignores them.
+    pub unread: Vec<String>,
+    /// Keys the user asked to ignore (`model.ignore_config_keys`, `--ignore-config-key`) that
+    /// the file has: read as if absent.
+    pub dropped: Vec<String>,
+    /// Keys the user asked to ignore that the file does not have (a typo, or a stale list).
+    pub not_found: Vec<String>,
+}
+
+impl KeyNote {
+    /// One line for the log, or None when tallow read the file whole.
+    pub fn line(&self) -> Option<String> {
+        let mut parts = Vec::new();
+        if !self.unread.is_empty() {
+            parts.push(format!(
+                "ignored {} that transformers' {} never reads (so they cannot change what it \
+                 computes): {}",
+                plural(self.unread.len(), "key"),
+                self.class,
+                self.unread.join(", ")
+            ));
+        }
+        if !self.dropped.is_empty() {
+            parts.push(format!(
+                "read as if absent, as `ignore_config_keys` asks: {}",
+                self.dropped.join(", ")
+            ));
+        }
+        if !self.not_found.is_empty() {
+            parts.push(format!(
+                "`ignore_config_keys` names keys the file does not have: {}",
+                self.not_found.join(", ")
+            ));
+        }
+        (!parts.is_empty()).then(|| format!("note: {}: {}", self.path.display(), parts.join("; ")))
+    }
+}
+
+fn plural(n: usize, word: &str) -> String {
+    if n == 1 {
+        format!("1 {word}")
+    } else {
+        format!("{n} {word}s")
+    }
 }
 
 impl DecoderConfig {
@@ -428,12 +508,61 @@ mod tests {
                 &["`attention_dropout`", "0.1"],
             );
             refused(
-                json!({"attn_logit_softcapping": 50.0}),
-                &["`attn_logit_softcapping`", "not implemented", "50.0"],
-            );
-            refused(
                 json!({"is_encoder_decoder": true}),
                 &["`is_encoder_decoder`"],
+            );
+            refused(
+                json!({"partial_rotary_factor": 0.5}),
+                &["`partial_rotary_factor` = 0.5", "rotary init", "1.0 only"],
+            );
+            // every offending key of the file in one message
+            refused(
+                json!({"attention_dropout": 0.1, "rope_scaling": {"rope_type": "yarn",
+                    "factor": 4.0}, "is_causal": false, "hidden_act": "relu"}),
+                &[
+                    "these 4 keys",
+                    "`attention_dropout` = 0.1",
+                    "`rope_scaling` = {",
+                    "`yarn`",
+                    "`is_causal` = false",
+                    "`hidden_act` = \"relu\"",
+                    "model.ignore_config_keys",
+                ],
+            );
+            // A key another family reads (Gemma 2's soft-cap) that this family's transformers
+            // class never reads: ignored as transformers ignores it, and named in the note.
+            let c = parse(&with(
+                base(arch, mt),
+                json!({"attn_logit_softcapping": 50.0, "is_llama_config": true}),
+            ))
+            .unwrap();
+            assert_eq!(c.variant.attn_logit_softcapping, None, "{mt}");
+            assert_eq!(c.keys.unread, ["attn_logit_softcapping", "is_llama_config"]);
+            let note = c.keys.line().unwrap();
+            assert!(
+                note.contains("m/config.json")
+                    && note.contains(arch)
+                    && note.contains("never reads"),
+                "{note}"
+            );
+            // a key the user asks to ignore is read as absent, and the note says so
+            let v = with(base(arch, mt), json!({"attention_dropout": 0.1}));
+            let ignore = ["attention_dropout".to_string(), "no_such_key".to_string()];
+            let c = DecoderConfig::from_json_str_ignoring(
+                &v.to_string(),
+                Path::new("m/config.json"),
+                &ignore,
+            )
+            .unwrap();
+            assert_eq!(
+                (&c.keys.dropped[..], &c.keys.not_found[..]),
+                (&ignore[..1], &ignore[1..])
+            );
+            assert!(c.raw.get("attention_dropout").is_none());
+            let note = c.keys.line().unwrap();
+            assert!(
+                note.contains("attention_dropout") && note.contains("no_such_key"),
+                "{note}"
             );
         }
     }
@@ -785,12 +914,19 @@ mod tests {
         assert_eq!(w["model_type"], json!("gemma3_text"));
         let back = parse(&w).unwrap();
         assert!(!back.text_tower && back.hidden_size == 2560);
-        let bad = with(cond.clone(), json!({"audio_config": {}}));
+        // a top-level key Gemma3Config never reads is ignored and noted; a generic one with a
+        // value tallow lacks is refused
+        let unread = with(cond.clone(), json!({"audio_config": {}}));
+        assert_eq!(parse(&unread).unwrap().keys.unread, ["audio_config"]);
+        let bad = with(cond.clone(), json!({"is_encoder_decoder": true}));
         let e = parse(&bad).unwrap_err().to_string();
-        assert!(e.contains("`audio_config`"), "{e}");
+        assert!(e.contains("`is_encoder_decoder` = true"), "{e}");
         let mut bad = cond;
         bad["text_config"]["rope_scaling"] = json!({"rope_type": "yarn", "factor": 8.0});
         let e = parse(&bad).unwrap_err().to_string();
-        assert!(e.contains("`rope_scaling`") && e.contains("`yarn`"), "{e}");
+        assert!(
+            e.contains("`text_config.rope_scaling`") && e.contains("`yarn`"),
+            "{e}"
+        );
     }
 }

@@ -36,6 +36,22 @@ pub enum ModelError {
         msg: String,
     },
 
+    /// Every key of a `config.json` that tallow refuses, at once (`crate::hf_keys::Refusals`).
+    #[error(
+        "{path}: tallow cannot compute what transformers' {class} computes with {}:\n{}\n\
+         If a key really has no effect on this model, list it in `model.ignore_config_keys` \
+         (train, estimate) or pass `--ignore-config-key KEY` (eval, generate, chat, merge): \
+         tallow then reads the file as if the key were absent, and config.json (in the Hub \
+         cache a shared file) stays as it is",
+        if refusals.len() == 1 { "this key".to_string() } else { format!("these {} keys", refusals.len()) },
+        refusals.iter().map(|r| format!("  - {r}")).collect::<Vec<_>>().join("\n")
+    )]
+    Refused {
+        path: PathBuf,
+        class: String,
+        refusals: Vec<crate::hf_keys::Refusal>,
+    },
+
     #[error(
         "{dir}: no weights found: expected `model.safetensors` or `model.safetensors.index.json`"
     )]

@@ -1,6 +1,6 @@
-//! The decoder-only causal LM shared by the Llama, Qwen2 and Qwen3 families: written once, with
+//! The decoder-only causal LM shared by every family (`crate::families`): written once, with
 //! the family differences (biases, qk-norm, head_dim, rope scaling, tying, Phi-3's fused
-//! projections and partial rotary) taken from [`DecoderConfig`]. Tensor names follow the HF safetensors keys (`model.layers.0.self_attn.q_proj.weight`).
+//! projections and partial rotary, Gemma's norms and soft-caps) taken from [`DecoderConfig`]. Tensor names follow the HF safetensors keys (`model.layers.0.self_attn.q_proj.weight`).
 //!
 //! This is training code: the forward is cache-free, returns every position, and every op has a
 //! backward. Inference with a key/value cache reuses these layers from [`crate::generate`]. Shape legend: B = batch, T = time, C = hidden size, H = heads, KV = key/value heads,
@@ -33,6 +33,9 @@ pub struct LoadOptions {
     /// tensor at a time; embeddings, norms and lm_head stay in `dtype`. A bitsandbytes 4-bit
     /// checkpoint loads as NF4 whatever this says.
     pub quantize: Option<Nf4Options>,
+    /// `config.json` keys to read as if absent (`model.ignore_config_keys`): for a key tallow
+    /// refuses that the user knows has no effect (`crate::hf_keys`).
+    pub ignore_config_keys: Vec<String>,
 }
 
 impl LoadOptions {
@@ -42,6 +45,7 @@ impl LoadOptions {
             device: device.clone(),
             train_base: false,
             quantize: None,
+            ignore_config_keys: Vec::new(),
         }
     }
 
@@ -596,7 +600,7 @@ pub enum Mask {
 impl CausalLM {
     /// Loads an HF-layout model directory (config.json + safetensors).
     pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Self> {
-        let config = DecoderConfig::from_dir(dir)?;
+        let config = DecoderConfig::from_dir_ignoring(dir, &opts.ignore_config_keys)?;
         let mut weights = Weights::from_dir(dir)?;
         if config.text_tower {
             weights = weights.text_tower();

@@ -214,6 +214,61 @@ pub enum TrainError {
     /// A collective between the ranks of a data-parallel run failed.
     #[error("data-parallel run: {0}")]
     Dist(#[from] tallow_dist::DistError),
+    /// `train.output_dir` is held by another run ([`crate::lock`]).
+    #[error(transparent)]
+    Lock(#[from] LockError),
+}
+
+/// The run lock `train.output_dir/.tallow-lock` could not be taken ([`crate::lock::RunLock`]).
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    /// A live run on this host holds the directory.
+    #[error(
+        "train.output_dir {} is in use by another run: process {pid} on {host} (started \
+         {started}) holds {}. Wait for it to finish or set another train.output_dir; if that \
+         process is gone, remove {}",
+        dir.display(), lock.display(), lock.display()
+    )]
+    Held {
+        dir: PathBuf,
+        lock: PathBuf,
+        pid: u32,
+        host: String,
+        /// "3 min ago"
+        started: String,
+    },
+    /// A run on another host holds the directory (a shared file system): tallow cannot tell
+    /// whether it is still alive.
+    #[error(
+        "train.output_dir {} is held by a run on another host, {host} (process {pid}, started \
+         {started}; lock {}), whose processes cannot be checked from here. Wait for it or set \
+         another train.output_dir; if that run is gone, delete {} to take over",
+        dir.display(), lock.display(), lock.display()
+    )]
+    HeldElsewhere {
+        dir: PathBuf,
+        lock: PathBuf,
+        pid: u32,
+        host: String,
+        started: String,
+    },
+    /// The lock file is there but does not say who holds it.
+    #[error(
+        "{} is not a tallow run lock ({detail}); if no run is using train.output_dir {}, \
+         remove it",
+        lock.display(), dir.display()
+    )]
+    Unreadable {
+        dir: PathBuf,
+        lock: PathBuf,
+        detail: String,
+    },
+    #[error("cannot take the run lock {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// The model dir's tokenizer files, as the data pipeline reports them.

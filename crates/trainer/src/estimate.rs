@@ -760,18 +760,29 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // Preference methods run a pair's chosen and rejected sequences in one batch.
     let (b, t) = (rows_per_micro_batch(cfg), cfg.data.max_seq_len);
     let (c, v, layers) = (m.hidden_size, m.vocab_size, m.num_hidden_layers);
-    let nf4 = cfg.model.quantize == Quantize::Nf4;
+    // A bitsandbytes 4-bit checkpoint loads its decoder linears as NF4 whatever
+    // `model.quantize` says (`tallow_model::quant::nf4::Nf4Weight::from_bnb`), with its own
+    // double quantization, and the modules it skipped dense.
+    let pre = m.prequantized.as_ref();
+    let nf4 = cfg.model.quantize == Quantize::Nf4 || pre.is_some();
+    let double_quant = pre.map_or(cfg.model.double_quant, |p| p.double_quant);
 
     // Weights: decoder linears (dense or NF4), and the rest (embeddings, lm_head when untied,
     // norms, biases) in the model dtype.
     let mut linear_nf4 = 0u64;
     let mut largest_linear = 0usize;
-    for l in m.layer_linears() {
-        linear_nf4 += nf4_bytes(l.inp * l.out, cfg.model.double_quant);
-        largest_linear = largest_linear.max(l.inp * l.out);
+    for layer in 0..layers {
+        for l in m.layer_linears() {
+            let n = l.inp * l.out;
+            let name = format!("model.layers.{layer}.{}", l.path);
+            linear_nf4 += match pre {
+                Some(p) if !p.quantizes(&name) => s * n as u64,
+                _ => nf4_bytes(n, double_quant),
+            };
+            largest_linear = largest_linear.max(n);
+        }
     }
     let linear_elems = m.linear_weight_elems();
-    let linear_nf4 = linear_nf4 * layers as u64;
     let other = m.num_params() - linear_elems;
     let dt = cfg.model.dtype.name();
     let dora = !full && cfg.lora.dora;
@@ -806,12 +817,13 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     } else {
         let what = if nf4 {
             format!(
-                "decoder linears NF4{} ({}), the rest {dt}",
-                if cfg.model.double_quant {
-                    " + double quant"
+                "decoder linears NF4{}{} ({}), the rest {dt}",
+                if pre.is_some() {
+                    " as the bitsandbytes checkpoint stores them"
                 } else {
                     ""
                 },
+                if double_quant { " + double quant" } else { "" },
                 mib(linear_nf4)
             )
         } else {
@@ -992,8 +1004,11 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     };
     let rebuilt_forward = if checkpointed > 0 { rebuilt_forward } else { 0 };
     let workspace_forward = (rebuilt_forward + dequantized + scores_fwd).max(loss_forward);
-    // Load: bf16/f32 tensors are converted one at a time; NF4 quantizes from an f32 copy.
-    let load_transient = if nf4 {
+    // Load: bf16/f32 tensors are converted one at a time; NF4 quantizes from an f32 copy; a
+    // bitsandbytes checkpoint's packed codes are read and reordered (two copies of n / 2).
+    let load_transient = if pre.is_some() {
+        largest_linear as u64
+    } else if nf4 {
         4 * largest_linear as u64
     } else {
         s * largest_linear as u64
@@ -1136,6 +1151,9 @@ const LEVERS: [&str; 8] = [
 
 /// The index of the optimizer-state sharding in [`LEVERS`].
 const SHARD_LEVER: usize = 2;
+
+/// The index of NF4 base weights in [`LEVERS`].
+const NF4_LEVER: usize = 6;
 
 /// The index of "shorter sequences" in [`LEVERS`]: the last resort.
 const SEQ_LEVER: usize = LEVERS.len() - 1;
@@ -1285,6 +1303,10 @@ pub fn plan_per_rank(
                     }
                     None => ok = false,
                 }
+                continue;
+            }
+            // a bitsandbytes 4-bit checkpoint is NF4 already
+            if i == NF4_LEVER && model.prequantized.is_some() {
                 continue;
             }
             match apply_lever(i, &c, world) {

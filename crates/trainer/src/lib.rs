@@ -16,6 +16,7 @@ pub mod estimate;
 pub mod eval;
 pub mod grads;
 pub mod host;
+pub mod lock;
 pub mod memory;
 pub mod opcount;
 pub mod optim;

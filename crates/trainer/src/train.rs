@@ -34,6 +34,7 @@ use crate::error::{DataError, TrainError};
 use crate::eval::evaluate;
 use crate::grads::{clip_grad_norm, GradAccumulator};
 use crate::host;
+use crate::lock::RunLock;
 use crate::memory::{PhasePeaks, Probe};
 use crate::opcount;
 use crate::optim::{self, Optimizer};
@@ -240,10 +241,13 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
         quantize: (cfg.model.quantize == Quantize::Nf4).then_some(Nf4Options {
             double_quant: cfg.model.double_quant,
         }),
+        ignore_config_keys: cfg.model.ignore_config_keys.clone(),
     };
     // lora.init: the adapter a LoRA run continues from (a full fine-tune has none).
     let init = if full { None } else { cfg.lora.init.as_deref() };
     let (mut model, init_spec) = tallow_model::load(model_dir, &opts, init)?;
+    // config.json keys left out of the reading (unread by transformers, or dropped on request)
+    notes.extend(model.config.keys.line());
     model.attention = cfg.model.attention.into();
     if cfg.train.checkpointing {
         model.set_checkpointing(Some(cfg.train.checkpoint_every));
@@ -556,6 +560,8 @@ struct Session<'a> {
     objective: Option<Objective>,
     /// `preference.precompute_ref`: each train row's reference log-prob sum.
     reference_cache: Option<Vec<f32>>,
+    /// Rank 0: `out/.tallow-lock`, released when the session ends (returned or failed).
+    _lock: Option<RunLock>,
 }
 
 /// What the forward and backward passes of a step leave for its update (the gradients
@@ -617,6 +623,18 @@ impl<'a> Session<'a> {
         let out = t.output_dir.clone();
         std::fs::create_dir_all(&out)
             .map_err(|e| TrainError::Invalid(format!("{}: {e}", out.display())))?;
+        // One run per output dir: rank 0 takes `.tallow-lock` before writing anything (a
+        // second run, or a second data-parallel job, is refused), held until the session drops.
+        let lock = match main {
+            true => {
+                let (lock, note) = RunLock::acquire(&out)?;
+                if let Some(n) = note {
+                    on_event(Event::Note(n));
+                }
+                Some(lock)
+            }
+            false => None,
+        };
         // The resolved config is the first thing written: the run directory says what ran.
         if main {
             tallow_model::io::write_atomic(
@@ -832,6 +850,7 @@ impl<'a> Session<'a> {
             tensorboard,
             objective,
             reference_cache,
+            _lock: lock,
         })
     }
 

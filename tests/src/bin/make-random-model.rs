@@ -3,23 +3,77 @@
 //! needed). Weights ~ N(0, 0.02), norms 1.
 //!
 //!   cargo run --release -p tallow-tests --bin make-random-model -- \
-//!       CONFIG_JSON OUT_DIR [--dtype bf16|f32] [--rows 64] [--row-words 600]
+//!       CONFIG_JSON OUT_DIR [--dtype bf16|f32] [--rows 64] [--row-words 600] [--bnb-4bit true]
 //!
 //! Writes OUT_DIR/{config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
 //! bench.jsonl}. Tensors are generated and written one shard (~2 GB) at a time.
+//!
+//! `--bnb-4bit true` writes a pre-quantized checkpoint as transformers saves a bitsandbytes
+//! 4-bit model (NF4, double quantization, `QuantState.as_dict(packed=True)`'s tensors and a
+//! `quantization_config` in config.json), its decoder linears quantized by tallow's NF4
+//! quantizer: a `*-bnb-4bit` repo of any size for the estimate's tests, where the real
+//! bitsandbytes fixture (`tiny-qwen2-bnb-4bit`) is too small to measure.
 
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
+use tallow_model::quant::dynamic::dynamic_map;
+use tallow_model::quant::nf4::{Absmax, Nf4Weight, NF4_CODE};
 use tallow_model::DecoderConfig;
 
 fn usage() -> ! {
     eprintln!(
-        "usage: make-random-model CONFIG_JSON OUT_DIR [--dtype bf16|f32] [--rows N] [--row-words N]"
+        "usage: make-random-model CONFIG_JSON OUT_DIR [--dtype bf16|f32] [--rows N] \
+         [--row-words N] [--bnb-4bit true|false]"
     );
     std::process::exit(2)
+}
+
+/// The tensors transformers saves for one bitsandbytes NF4 weight with double quantization
+/// (`{name}`, `.absmax`, `.quant_map`, `.nested_absmax`, `.nested_quant_map`,
+/// `.quant_state.bitsandbytes__nf4`), from tallow's quantization of `w`.
+fn bnb_tensors(
+    name: &str,
+    w: &Tensor,
+    dtype: DType,
+) -> Result<Vec<(String, Tensor)>, Box<dyn std::error::Error>> {
+    let q = Nf4Weight::quantize(w, true)?;
+    let Absmax::Double { nested, offset } = &q.absmax else {
+        unreachable!("double quantization asked for")
+    };
+    let n = q.elem_count();
+    let state = serde_json::json!({
+        "quant_type": "nf4",
+        "blocksize": q.block,
+        "dtype": if dtype == DType::BF16 { "bfloat16" } else { "float32" },
+        "shape": [q.shape.0, q.shape.1],
+        "nested_blocksize": nested.block,
+        "nested_offset": offset,
+    });
+    let state = state.to_string().into_bytes();
+    let cpu = &Device::Cpu;
+    Ok(vec![
+        (
+            name.to_string(),
+            q.bnb_packed()?.reshape((n.div_ceil(2), 1))?,
+        ),
+        (format!("{name}.absmax"), nested.codes.clone()),
+        (
+            format!("{name}.quant_map"),
+            Tensor::new(&NF4_CODE[..], cpu)?,
+        ),
+        (format!("{name}.nested_absmax"), nested.absmax.clone()),
+        (
+            format!("{name}.nested_quant_map"),
+            Tensor::new(&dynamic_map(true)[..], cpu)?,
+        ),
+        (
+            format!("{name}.quant_state.bitsandbytes__nf4"),
+            Tensor::from_vec(state.clone(), state.len(), cpu)?,
+        ),
+    ])
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -29,6 +83,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let (config, out) = (PathBuf::from(&args[0]), PathBuf::from(&args[1]));
     let (mut dtype, mut rows, mut row_words) = (DType::BF16, 64usize, 600usize);
+    let mut bnb = false;
     let mut it = args[2..].iter();
     while let Some(flag) = it.next() {
         let v = it.next().unwrap_or_else(|| usage());
@@ -42,12 +97,32 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             "--rows" => rows = v.parse()?,
             "--row-words" => row_words = v.parse()?,
+            "--bnb-4bit" => bnb = v.parse()?,
             _ => usage(),
         }
     }
     std::fs::create_dir_all(&out)?;
     std::fs::copy(&config, out.join("config.json"))?;
     let c = DecoderConfig::from_dir(&out)?;
+    if bnb {
+        // what transformers writes for a model loaded with BitsAndBytesConfig(load_in_4bit=True,
+        // bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+        let mut raw = c.raw.clone();
+        raw["quantization_config"] = serde_json::json!({
+            "quant_method": "bitsandbytes", "load_in_4bit": true, "load_in_8bit": false,
+            "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": true,
+            "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8",
+            "llm_int8_skip_modules": null,
+        });
+        std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&raw)?)?;
+    }
+    let linears: Vec<String> = (0..c.num_hidden_layers)
+        .flat_map(|i| {
+            c.layer_linears()
+                .into_iter()
+                .map(move |l| format!("model.layers.{i}.{}.weight", l.path))
+        })
+        .collect();
     let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tokenizers/bos");
     for f in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(tok.join(f), out.join(f))?;
@@ -86,6 +161,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             } else {
                 Tensor::randn(0f32, 0.02, s.as_slice(), &Device::Cpu)?
             };
+            if bnb && linears.contains(&n) {
+                for (k, v) in bnb_tensors(&n, &t.to_dtype(dtype)?, dtype)? {
+                    index.insert(k.clone(), file.clone().into());
+                    tensors.insert(k, v);
+                }
+                continue;
+            }
             index.insert(n.clone(), file.clone().into());
             tensors.insert(n, t.to_dtype(dtype)?);
         }

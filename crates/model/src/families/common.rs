@@ -8,6 +8,7 @@ use serde::Deserialize;
 
 use crate::config::{Activation, Arch, DecoderConfig, RopeScaling, Variant};
 use crate::error::{ModelError, Result};
+use crate::hf_keys::Refusals;
 
 /// The `config.json` keys every family reads, with HF's defaults (a family with another
 /// default for `max_position_embeddings` gives it in [`FamilyShape`]).
@@ -112,30 +113,41 @@ pub struct RopeExtras {
 
 impl CommonKeys {
     /// Checks the shared keys and builds the decoder's config with the family's `shape`.
-    /// `family` names it in messages.
+    /// `family` names it in messages. Every refused value goes into `refusals`; None when one
+    /// leaves nothing to build (sizes of zero), else the config (which the caller discards if
+    /// anything was refused).
     pub fn into_config(
         self,
         arch: Arch,
         family: &str,
         shape: FamilyShape,
         extras: FamilyExtras,
-        path: &Path,
-    ) -> Result<DecoderConfig> {
+        refusals: &mut Refusals,
+    ) -> Option<DecoderConfig> {
+        let path = refusals.path().to_path_buf();
+        let path = path.as_path();
         // A family with its own activation key (Gemma 2's `hidden_activation`) has checked it;
         // its modeling code never reads `hidden_act`.
         if shape.variant.act == Activation::Silu {
-            check_act(&self.hidden_act, path)?;
+            refusals.take(check_act(&self.hidden_act, path));
         }
         let kv = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
-        check_heads(self.hidden_size, self.num_attention_heads, kv, path)?;
-        check_attention_dropout(self.attention_dropout, path)?;
-        let types = layer_types(
-            &self.layer_types,
-            self.num_hidden_layers,
-            shape.layer_types,
-            family,
+        refusals.take(check_heads(
+            self.hidden_size,
+            self.num_attention_heads,
+            kv,
             path,
-        )?;
+        ))?;
+        refusals.take(check_attention_dropout(self.attention_dropout, path));
+        let types = refusals
+            .take(layer_types(
+                &self.layer_types,
+                self.num_hidden_layers,
+                shape.layer_types,
+                family,
+                path,
+            ))
+            .unwrap_or_else(|| vec!["full_attention".to_string()]);
         let max_position_embeddings = self
             .max_position_embeddings
             .unwrap_or(shape.max_position_embeddings);
@@ -149,25 +161,31 @@ impl CommonKeys {
             Some(_) => vec!["full_attention".to_string()],
             None => types.clone(),
         };
-        let (rope_theta, rope_scaling, partial) = rope(
-            self.rope_theta,
-            &self.rope_scaling,
-            &self.rope_parameters,
-            &global_types,
-            extras.default_rope_theta.unwrap_or(DEFAULT_THETA),
-            &ctx,
-            path,
-        )?;
+        let default_theta = extras.default_rope_theta.unwrap_or(DEFAULT_THETA);
+        let (rope_theta, rope_scaling, partial) = refusals
+            .take(rope(
+                self.rope_theta,
+                &self.rope_scaling,
+                &self.rope_parameters,
+                &global_types,
+                default_theta,
+                &ctx,
+                path,
+            ))
+            .unwrap_or((default_theta, None, 1.0));
         let mut variant = shape.variant;
         if let Some(local) = extras.local_rope {
-            variant.rope_local_base_freq =
-                Some(local_rope_theta(local, &self.rope_parameters, &ctx, path)?);
+            variant.rope_local_base_freq = refusals
+                .take(local_rope_theta(local, &self.rope_parameters, &ctx, path))
+                .or(Some(local.default));
         }
         let head_dim = shape
             .head_dim
             .unwrap_or(self.hidden_size / self.num_attention_heads);
-        let rotary_dim = rotary_dim(head_dim, partial, rope_scaling.as_ref(), path)?;
-        Ok(DecoderConfig {
+        let rotary_dim = refusals
+            .take(rotary_dim(head_dim, partial, rope_scaling.as_ref(), path))
+            .unwrap_or(head_dim);
+        Some(DecoderConfig {
             arch,
             vocab_size: self.vocab_size,
             hidden_size: self.hidden_size,
@@ -194,6 +212,8 @@ impl CommonKeys {
             bos_token_id: self.bos_token_id,
             eos_token_ids: self.eos_token_id.into_vec(),
             text_tower: false,
+            prequantized: None,
+            keys: Default::default(),
             raw: serde_json::Value::Null,
         })
     }
@@ -462,7 +482,8 @@ fn rope_object(
         "longrope" | "su" if ctx.extras.is_some() => Some(longrope(obj, ctx, &err)?),
         other => {
             return Err(err(format!(
-                "rope type `{other}` is not supported (supported: default, llama3, linear)"
+                "rope type `{other}` (transformers rescales the rotary frequencies with it) is \
+                 not supported (supported: default, llama3, linear)"
             )))
         }
     };
@@ -630,6 +651,31 @@ pub fn layer_types(
     Ok(distinct)
 }
 
+/// `head_dim` of a family whose config class has no such key but whose modeling code reads it
+/// with `getattr` (Qwen2, Phi-3): accepted when it equals hidden_size / num_attention_heads,
+/// which is what tallow computes for the family.
+pub fn check_derived_head_dim(
+    head_dim: Option<usize>,
+    common: &CommonKeys,
+    family: &str,
+    refusals: &mut Refusals,
+) {
+    let derived = common
+        .hidden_size
+        .checked_div(common.num_attention_heads)
+        .unwrap_or(0);
+    if let Some(d) = head_dim.filter(|&d| d != derived) {
+        refusals.push(
+            "head_dim",
+            format!(
+                "{family}'s attention and rotary init read it in place of hidden_size / \
+                 num_attention_heads ({derived}); tallow's {family} implements {derived} only, \
+                 not {d}"
+            ),
+        );
+    }
+}
+
 /// `attention_dropout`: transformers drops attention probabilities while training; tallow's
 /// attention has no dropout, so only 0 is accepted.
 pub fn check_attention_dropout(p: f64, path: &Path) -> Result<()> {
@@ -638,8 +684,9 @@ pub fn check_attention_dropout(p: f64, path: &Path) -> Result<()> {
             path: path.to_path_buf(),
             key: "attention_dropout".into(),
             msg: format!(
-                "{p} is not supported (tallow's attention has no dropout); set it to 0.0 \
-                 (LoRA dropout is `lora.dropout` in the training config)"
+                "drops attention probabilities in training; {p} is not supported (tallow's \
+                 attention has no dropout): set it to 0.0 (LoRA dropout is `lora.dropout` in \
+                 the training config)"
             ),
         });
     }
@@ -651,7 +698,7 @@ pub fn check_act(act: &str, path: &Path) -> Result<()> {
         return Err(ModelError::Config {
             path: path.to_path_buf(),
             key: "hidden_act".into(),
-            msg: format!("`{act}` is not supported (only `silu`)"),
+            msg: format!("the MLP's activation; `{act}` is not supported (only `silu`)"),
         });
     }
     Ok(())

@@ -15,14 +15,12 @@
 //!   transformers 4.57 and 5.x build it: even layers slide, odd layers attend to everything);
 //! - embeddings tied to the LM head unless config.json says otherwise.
 
-use std::path::Path;
-
 use serde::Deserialize;
 
-use super::common::{refuse, CommonKeys, FamilyShape};
+use super::common::{CommonKeys, FamilyShape};
 use super::Family;
 use crate::config::{Activation, Variant};
-use crate::error::Result;
+use crate::hf_keys::Refusals;
 
 /// The `config.json` keys only Gemma 2 reads, with HF's defaults (`Gemma2Config`).
 #[derive(Debug, Clone, Deserialize)]
@@ -77,17 +75,17 @@ impl Family for Gemma2Keys {
     /// layer's window itself).
     const IGNORED: &'static [&'static str] = &["cache_implementation"];
 
-    fn shape(&self, common: &CommonKeys, path: &Path) -> Result<FamilyShape> {
+    fn shape(&self, common: &CommonKeys, refusals: &mut Refusals) -> FamilyShape {
         if self.hidden_activation != "gelu_pytorch_tanh" {
             let msg = format!(
-                "`{}` is not supported (Gemma 2's MLP: gelu_pytorch_tanh)",
+                "the MLP's activation; `{}` is not supported (Gemma 2's MLP: gelu_pytorch_tanh)",
                 self.hidden_activation
             );
-            return Err(refuse("hidden_activation", &msg, path));
+            refusals.push("hidden_activation", msg);
         }
         if self.use_bidirectional_attention == Some(true) {
-            let msg = "bidirectional (non-causal) attention is not supported; set it to false";
-            return Err(refuse("use_bidirectional_attention", msg, path));
+            let msg = "true drops the causal mask (an encoder); tallow's attention is causal";
+            refusals.push("use_bidirectional_attention", msg);
         }
         for (key, v) in [
             ("query_pre_attn_scalar", Some(self.query_pre_attn_scalar)),
@@ -95,7 +93,7 @@ impl Family for Gemma2Keys {
             ("attn_logit_softcapping", self.attn_logit_softcapping),
         ] {
             if v.is_some_and(|x| !(x > 0.0 && x.is_finite())) {
-                return Err(refuse(key, "must be a positive number (or null)", path));
+                refusals.push(key, "must be a positive number (or null)");
             }
         }
         // Which layers slide: `layer_types` when given (checked against num_hidden_layers by
@@ -108,7 +106,7 @@ impl Family for Gemma2Keys {
                 .collect(),
             (None, Some(_)) => (0..n).filter(|i| i % 2 == 1).collect(),
         };
-        Ok(FamilyShape {
+        FamilyShape {
             layer_types: &["sliding_attention", "full_attention"],
             head_dim: Some(self.head_dim),
             max_position_embeddings: 8192,
@@ -129,6 +127,6 @@ impl Family for Gemma2Keys {
                 full_attention_layers,
                 rope_local_base_freq: None,
             },
-        })
+        }
     }
 }

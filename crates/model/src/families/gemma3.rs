@@ -19,16 +19,14 @@
 //! The window is transformers' (4.57 and 5.x, `masking_utils.sliding_window_overlay`): query q
 //! sees key k when q - window < k <= q, as Mistral's and Gemma 2's.
 
-use std::path::Path;
-
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::common::{refuse, CommonKeys, FamilyExtras, FamilyShape, LocalRope};
+use super::common::{CommonKeys, FamilyExtras, FamilyShape, LocalRope};
 use super::Family;
 use crate::config::{Activation, Variant};
 use crate::error::{ModelError, Result};
-use crate::hf_keys::GENERIC_IGNORED;
+use crate::hf_keys::{check_keys, KeyPolicy, Refusals};
 
 /// The `config.json` keys only Gemma 3 reads, with HF's defaults (`Gemma3TextConfig`).
 #[derive(Debug, Clone, Deserialize)]
@@ -88,17 +86,17 @@ impl Family for Gemma3Keys {
     /// `sliding_window_pattern`).
     const IGNORED: &'static [&'static str] = &["cache_implementation", "_sliding_window_pattern"];
 
-    fn shape(&self, common: &CommonKeys, path: &Path) -> Result<FamilyShape> {
+    fn shape(&self, common: &CommonKeys, refusals: &mut Refusals) -> FamilyShape {
         if self.hidden_activation != "gelu_pytorch_tanh" {
             let msg = format!(
-                "`{}` is not supported (Gemma 3's MLP: gelu_pytorch_tanh)",
+                "the MLP's activation; `{}` is not supported (Gemma 3's MLP: gelu_pytorch_tanh)",
                 self.hidden_activation
             );
-            return Err(refuse("hidden_activation", &msg, path));
+            refusals.push("hidden_activation", msg);
         }
         if self.use_bidirectional_attention == Some(true) {
-            let msg = "bidirectional (non-causal) attention is not supported; set it to false";
-            return Err(refuse("use_bidirectional_attention", msg, path));
+            let msg = "true drops the causal mask (EmbeddingGemma); tallow's attention is causal";
+            refusals.push("use_bidirectional_attention", msg);
         }
         for (key, v) in [
             ("query_pre_attn_scalar", Some(self.query_pre_attn_scalar)),
@@ -107,17 +105,22 @@ impl Family for Gemma3Keys {
             ("rope_local_base_freq", self.rope_local_base_freq),
         ] {
             if v.is_some_and(|x| !(x > 0.0 && x.is_finite())) {
-                return Err(refuse(key, "must be a positive number (or null)", path));
+                refusals.push(key, "must be a positive number (or null)");
             }
         }
-        let Some(window) = self.sliding_window.filter(|&w| w > 0) else {
-            let msg = "Gemma 3's sliding layers need a positive window";
-            return Err(refuse("sliding_window", msg, path));
+        let window = match self.sliding_window.filter(|&w| w > 0) {
+            Some(w) => w,
+            None => {
+                let msg = "Gemma 3's sliding layers need a positive window";
+                refusals.push("sliding_window", msg);
+                1
+            }
         };
         let n = common.num_hidden_layers;
-        let pattern = self.sliding_window_pattern.unwrap_or(PATTERN);
+        let mut pattern = self.sliding_window_pattern.unwrap_or(PATTERN);
         if pattern == 0 {
-            return Err(refuse("sliding_window_pattern", "must be positive", path));
+            refusals.push("sliding_window_pattern", "must be positive");
+            pattern = PATTERN;
         }
         let by_pattern: Vec<usize> = (0..n).filter(|i| (i + 1) % pattern == 0).collect();
         let full_attention_layers: Vec<usize> = match &common.layer_types {
@@ -131,13 +134,13 @@ impl Family for Gemma3Keys {
                         "{pattern} makes layers {by_pattern:?} global but `layer_types` makes \
                          {full:?} global; remove the stale one"
                     );
-                    return Err(refuse("sliding_window_pattern", &msg, path));
+                    refusals.push("sliding_window_pattern", msg);
                 }
                 full
             }
             None => by_pattern,
         };
-        Ok(FamilyShape {
+        FamilyShape {
             layer_types: &["sliding_attention", "full_attention"],
             head_dim: Some(self.head_dim),
             max_position_embeddings: 131_072,
@@ -158,7 +161,7 @@ impl Family for Gemma3Keys {
                 full_attention_layers,
                 rope_local_base_freq: None, // set by into_config from `extras`
             },
-        })
+        }
     }
 
     fn extras(&self) -> FamilyExtras {
@@ -193,7 +196,7 @@ pub const CONDITIONAL_CLASS: &str = "Gemma3ForConditionalGeneration";
 
 /// Top-level keys of a `Gemma3Config` (image-text) that do not change the text tower's output:
 /// the vision tower's config and the image tokens' ids (tallow feeds no images), and the keys
-/// every config has ([`GENERIC_IGNORED`]).
+/// every config has ([`crate::hf_keys::GENERIC_IGNORED`]).
 const CONDITIONAL_KEYS: &[&str] = &[
     "text_config",
     "vision_config",
@@ -214,28 +217,27 @@ const CONDITIONAL_KEYS: &[&str] = &[
 /// The text tower's `config.json` of a `Gemma3ForConditionalGeneration` config (`text_config`),
 /// as a `Gemma3ForCausalLM` config: its keys, the top-level `tie_word_embeddings` when the tower
 /// has none, and the CausalLM's class and model_type. What tallow saves from such a base
-/// (merge, full fine-tuning) is therefore a text-only `Gemma3ForCausalLM`. Top-level keys
-/// other than the vision tower's and the image tokens' are refused by name.
-pub fn text_config_of(raw: &Value, path: &Path) -> Result<Value> {
+/// (merge, full fine-tuning) is therefore a text-only `Gemma3ForCausalLM`. Returns it and the
+/// top-level keys `Gemma3Config` never reads (ignored, for the note); a generic key with a
+/// value tallow does not implement (`is_encoder_decoder: true`) goes into `refusals`.
+pub fn text_config_of(raw: &Value, refusals: &mut Refusals) -> Result<(Value, Vec<String>)> {
+    let path = refusals.path().to_path_buf();
     let err = |key: &str, msg: String| ModelError::Config {
-        path: path.to_path_buf(),
+        path: path.clone(),
         key: key.into(),
         msg,
     };
     let obj = raw
         .as_object()
         .ok_or_else(|| err("(config.json)", "expected an object".into()))?;
-    for k in obj.keys() {
-        if !CONDITIONAL_KEYS.contains(&k.as_str()) && !GENERIC_IGNORED.contains(&k.as_str()) {
-            return Err(err(
-                k,
-                format!(
-                    "is not a key tallow knows for {CONDITIONAL_CLASS} (it reads the text tower, \
-                     `text_config`, only)"
-                ),
-            ));
-        }
-    }
+    let policy = KeyPolicy {
+        family: "Gemma 3 (image-text)",
+        class: CONDITIONAL_CLASS,
+        read: CONDITIONAL_KEYS.to_vec(),
+        ignored: &[],
+        fixed: &[],
+    };
+    let unread = check_keys(&policy, raw, refusals).unread;
     let mut text = match obj.get("text_config") {
         Some(Value::Object(t)) => t.clone(),
         None | Some(Value::Null) => serde_json::Map::new(), // all Gemma3TextConfig defaults
@@ -266,5 +268,5 @@ pub fn text_config_of(raw: &Value, path: &Path) -> Result<Value> {
     }
     text.insert("architectures".into(), json!([Gemma3Keys::CLASS]));
     text.insert("model_type".into(), json!(Gemma3Keys::MODEL_TYPE));
-    Ok(Value::Object(text))
+    Ok((Value::Object(text), unread))
 }

@@ -4,13 +4,11 @@
 //! Features used from the shared decoder: GQA, optional q/k/v/o bias (`attention_bias`), optional
 //! MLP bias, `rope_scaling` (llama3, linear), tied or untied embeddings.
 
-use std::path::Path;
-
 use serde::Deserialize;
 
-use super::common::{refuse, CommonKeys, FamilyShape};
+use super::common::{CommonKeys, FamilyShape};
 use super::Family;
-use crate::error::Result;
+use crate::hf_keys::{Fixed, Refusals};
 
 /// The `config.json` keys only Llama reads, with HF's defaults.
 #[derive(Debug, Clone, Deserialize)]
@@ -30,12 +28,21 @@ impl Family for LlamaKeys {
     const CLASS: &'static str = "LlamaForCausalLM";
     const MODEL_TYPE: &'static str = "llama";
     const IGNORED: &'static [&'static str] = &[];
+    /// LlamaModel builds no sliding layers, but transformers' KV cache reads the key: with a
+    /// window, `generate` would keep only the last `sliding_window` tokens.
+    const FIXED: &'static [Fixed] = &[Fixed {
+        key: "sliding_window",
+        accepted: &["null"],
+        what: "makes the KV cache of `generate` keep only the last this many tokens",
+    }];
 
-    fn shape(&self, _common: &CommonKeys, path: &Path) -> Result<FamilyShape> {
+    fn shape(&self, _common: &CommonKeys, refusals: &mut Refusals) -> FamilyShape {
         if self.pretraining_tp.unwrap_or(1) != 1 {
-            return Err(refuse("pretraining_tp", "only 1 is supported", path));
+            let msg = "splits each projection into this many slices (transformers 4's \
+                       pretraining_tp > 1 path, whose rounding differs); tallow implements 1 only";
+            refusals.push("pretraining_tp", msg);
         }
-        Ok(FamilyShape {
+        FamilyShape {
             layer_types: &["full_attention"],
             head_dim: self.head_dim,
             max_position_embeddings: 2048,
@@ -46,6 +53,6 @@ impl Family for LlamaKeys {
             sliding_window: None,
             tie_word_embeddings: false,
             variant: Default::default(),
-        })
+        }
     }
 }

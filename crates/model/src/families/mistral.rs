@@ -6,13 +6,11 @@
 //! token sees itself and the w - 1 tokens before it, in training, eval and the KV cache. v0.2 and
 //! later set `sliding_window` to null (full attention).
 
-use std::path::Path;
-
 use serde::Deserialize;
 
 use super::common::{CommonKeys, FamilyShape};
 use super::Family;
-use crate::error::Result;
+use crate::hf_keys::Refusals;
 
 /// The `config.json` keys only Mistral reads, with HF's defaults.
 #[derive(Debug, Clone, Deserialize)]
@@ -34,8 +32,8 @@ impl Family for MistralKeys {
     const MODEL_TYPE: &'static str = "mistral";
     const IGNORED: &'static [&'static str] = &[];
 
-    fn shape(&self, _common: &CommonKeys, _path: &Path) -> Result<FamilyShape> {
-        Ok(FamilyShape {
+    fn shape(&self, _common: &CommonKeys, _refusals: &mut Refusals) -> FamilyShape {
+        FamilyShape {
             layer_types: match self.sliding_window {
                 Some(_) => &["sliding_attention"],
                 None => &["full_attention"],
@@ -49,6 +47,6 @@ impl Family for MistralKeys {
             sliding_window: self.sliding_window,
             tie_word_embeddings: false,
             variant: Default::default(),
-        })
+        }
     }
 }

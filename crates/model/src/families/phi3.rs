@@ -14,13 +14,11 @@
 //! No biases; `sliding_window` (Phi-3-mini-4k: 2047) is Mistral's window, through the same
 //! mask and KV cache.
 
-use std::path::Path;
-
 use serde::Deserialize;
 
-use super::common::{refuse, CommonKeys, FamilyExtras, FamilyShape, RopeExtras};
+use super::common::{CommonKeys, FamilyExtras, FamilyShape, RopeExtras};
 use super::Family;
-use crate::error::Result;
+use crate::hf_keys::Refusals;
 
 /// The `config.json` keys only Phi-3 reads, with HF's defaults (`Phi3Config`).
 #[derive(Debug, Clone, Deserialize)]
@@ -38,6 +36,11 @@ pub struct Phi3Keys {
     /// null: full attention (Phi3Config's default; Phi-3.5-mini writes 262144).
     #[serde(default)]
     pub sliding_window: Option<usize>,
+    /// Not a key of Phi3Config, but Phi-3's attention and rotary init read it
+    /// (`getattr(config, "head_dim", hidden_size // num_attention_heads)`, 4.57 and 5.x):
+    /// accepted when it is that quotient.
+    #[serde(default)]
+    pub head_dim: Option<usize>,
 }
 
 fn original_max() -> usize {
@@ -56,16 +59,15 @@ impl Family for Phi3Keys {
     /// applies it (no embedding dropout module).
     const IGNORED: &'static [&'static str] = &["embd_pdrop"];
 
-    fn shape(&self, _common: &CommonKeys, path: &Path) -> Result<FamilyShape> {
+    fn shape(&self, common: &CommonKeys, refusals: &mut Refusals) -> FamilyShape {
         if self.resid_pdrop != 0.0 {
-            let msg = format!(
-                "{} is not supported (tallow's decoder has no residual dropout); set it to 0.0 \
-                 (LoRA dropout is `lora.dropout` in the training config)",
-                self.resid_pdrop
-            );
-            return Err(refuse("resid_pdrop", &msg, path));
+            let msg = "drops the attention and MLP outputs before each residual add in training; \
+                       tallow's decoder has no residual dropout (LoRA dropout is `lora.dropout` \
+                       in the training config): set it to 0.0";
+            refusals.push("resid_pdrop", msg);
         }
-        Ok(FamilyShape {
+        super::common::check_derived_head_dim(self.head_dim, common, "Phi-3", refusals);
+        FamilyShape {
             layer_types: match self.sliding_window {
                 Some(_) => &["sliding_attention"],
                 None => &["full_attention"],
@@ -80,7 +82,7 @@ impl Family for Phi3Keys {
             // Phi3Config's default; Phi-4-mini's config.json sets true
             tie_word_embeddings: false,
             variant: Default::default(),
-        })
+        }
     }
 
     fn extras(&self) -> FamilyExtras {

@@ -4,19 +4,22 @@
 //! Differs from Llama by a bias on the q/k/v projections (not o_proj); small models tie the
 //! embeddings (`tie_word_embeddings`).
 
-use std::path::Path;
-
 use serde::Deserialize;
 
-use super::common::{refuse, CommonKeys, FamilyShape};
+use super::common::{CommonKeys, FamilyShape};
 use super::Family;
-use crate::error::Result;
+use crate::hf_keys::Refusals;
 
 /// The `config.json` keys only Qwen2 reads, with HF's defaults.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Qwen2Keys {
     #[serde(default)]
     pub use_sliding_window: bool,
+    /// Not a key of Qwen2Config, but Qwen2's attention and rotary init read it
+    /// (`getattr(config, "head_dim", hidden_size // num_attention_heads)`, 4.57 and 5.x):
+    /// accepted when it is that quotient.
+    #[serde(default)]
+    pub head_dim: Option<usize>,
 }
 
 impl Family for Qwen2Keys {
@@ -26,12 +29,14 @@ impl Family for Qwen2Keys {
     /// Only used with `use_sliding_window = true`, which is refused.
     const IGNORED: &'static [&'static str] = &["sliding_window", "max_window_layers"];
 
-    fn shape(&self, _common: &CommonKeys, path: &Path) -> Result<FamilyShape> {
+    fn shape(&self, common: &CommonKeys, refusals: &mut Refusals) -> FamilyShape {
         if self.use_sliding_window {
-            let msg = "sliding-window Qwen2 is not supported; set it to false";
-            return Err(refuse("use_sliding_window", msg, path));
+            let msg = "true gives the layers from `max_window_layers` on a sliding window of \
+                       `sliding_window` tokens; tallow's Qwen2 attends to every token";
+            refusals.push("use_sliding_window", msg);
         }
-        Ok(FamilyShape {
+        super::common::check_derived_head_dim(self.head_dim, common, "Qwen2", refusals);
+        FamilyShape {
             layer_types: &["full_attention"],
             head_dim: None,
             max_position_embeddings: 32768,
@@ -42,6 +47,6 @@ impl Family for Qwen2Keys {
             sliding_window: None,
             tie_word_embeddings: false,
             variant: Default::default(),
-        })
+        }
     }
 }

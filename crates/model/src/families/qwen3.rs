@@ -5,13 +5,11 @@
 //! embedding, no q/k/v bias by default, and an explicit `head_dim` that need not equal
 //! hidden_size / num_attention_heads.
 
-use std::path::Path;
-
 use serde::Deserialize;
 
-use super::common::{refuse, CommonKeys, FamilyShape};
+use super::common::{CommonKeys, FamilyShape};
 use super::Family;
-use crate::error::Result;
+use crate::hf_keys::Refusals;
 
 /// The `config.json` keys only Qwen3 reads, with HF's defaults.
 #[derive(Debug, Clone, Deserialize)]
@@ -35,12 +33,13 @@ impl Family for Qwen3Keys {
     /// Only used with `use_sliding_window = true`, which is refused.
     const IGNORED: &'static [&'static str] = &["sliding_window", "max_window_layers"];
 
-    fn shape(&self, _common: &CommonKeys, path: &Path) -> Result<FamilyShape> {
+    fn shape(&self, _common: &CommonKeys, refusals: &mut Refusals) -> FamilyShape {
         if self.use_sliding_window {
-            let msg = "sliding-window Qwen3 is not supported; set it to false";
-            return Err(refuse("use_sliding_window", msg, path));
+            let msg = "true gives the layers from `max_window_layers` on a sliding window of \
+                       `sliding_window` tokens; tallow's Qwen3 attends to every token";
+            refusals.push("use_sliding_window", msg);
         }
-        Ok(FamilyShape {
+        FamilyShape {
             layer_types: &["full_attention"],
             head_dim: Some(self.head_dim),
             max_position_embeddings: 32768,
@@ -51,6 +50,6 @@ impl Family for Qwen3Keys {
             sliding_window: None,
             tie_word_embeddings: false,
             variant: Default::default(),
-        })
+        }
     }
 }

@@ -28,6 +28,8 @@ pub(super) enum Kind {
     Choice(&'static [&'static str]),
     /// A list of these strings.
     Choices(&'static [&'static str]),
+    /// A list of strings.
+    Strs,
 }
 
 impl Kind {
@@ -44,6 +46,7 @@ impl Kind {
             }
             Kind::Choice(names) => format!("one of {}", quoted(names)),
             Kind::Choices(names) => format!("a list of {}", quoted(names)),
+            Kind::Strs => "a list of strings, e.g. [\"is_llama_config\"]".into(),
         }
     }
 }
@@ -58,6 +61,7 @@ pub(super) const SECTIONS: [(&str, &[(&str, Kind)]); 5] = [
             ("quantize", Kind::Choice(Quantize::NAMES)),
             ("double_quant", Kind::Bool),
             ("attention", Kind::Choice(Attention::NAMES)),
+            ("ignore_config_keys", Kind::Strs),
         ],
     ),
     (

@@ -118,6 +118,10 @@ pub struct ModelSection {
     pub double_quant: bool,
     /// chunked | eager: attention without or with (T, T) activations (default chunked).
     pub attention: Attention,
+    /// `config.json` keys to read as if absent (default none): for a key tallow refuses
+    /// because transformers reads it, when the user knows it has no effect on this model
+    /// (`tallow_model::hf_keys`). Keys transformers never reads need no entry.
+    pub ignore_config_keys: Vec<String>,
 }
 
 /// `[lora]`: the adapters, used when `train.method = "lora"`. No key is required, so serde

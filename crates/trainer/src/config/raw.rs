@@ -35,6 +35,7 @@ pub(super) struct RawModel {
     pub quantize: Quantize,
     pub double_quant: bool,
     pub attention: Attention,
+    pub ignore_config_keys: Vec<String>,
 }
 
 impl Default for RawModel {
@@ -45,6 +46,7 @@ impl Default for RawModel {
             quantize: Quantize::None,
             double_quant: true,
             attention: Attention::default(),
+            ignore_config_keys: Vec::new(),
         }
     }
 }
@@ -226,6 +228,7 @@ impl RawConfig {
                 quantize: self.model.quantize,
                 double_quant: self.model.double_quant,
                 attention: self.model.attention,
+                ignore_config_keys: self.model.ignore_config_keys,
             },
             lora: self.lora,
             data: DataSection {
@@ -261,6 +264,7 @@ impl From<&TrainConfig> for RawConfig {
                 quantize: c.model.quantize,
                 double_quant: c.model.double_quant,
                 attention: c.model.attention,
+                ignore_config_keys: c.model.ignore_config_keys.clone(),
             },
             lora: c.lora.clone(),
             data: RawData {
