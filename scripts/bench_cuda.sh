@@ -23,12 +23,15 @@
 #                 binary with `tallow-cuda` beside it (it hands `--device cuda` over). No Rust
 #                 toolchain is needed on the GPU machine: only the built binary.
 #   PY=python     a Python with torch, transformers, peft (QLoRA: bitsandbytes, accelerate); as
-#                 in scripts/requirements-fixtures.txt, with a CUDA torch on the GPU machine. Its
+#                 in scripts/requirements-fixtures.txt, with a CUDA torch on the GPU machine.
+#                 Without torch the PEFT side is not run (each row says so) and the models must
+#                 come from MAKE; the table is still written (CI's smoke run has no torch). Its
 #                 `nvidia/cu13/lib` and `nvidia/nccl/lib`, when present, are put on tallow's
 #                 LD_LIBRARY_PATH (the CUDA 13 libraries and NCCL scripts/build_cuda.sh links
 #                 against).
 #   WORK=dir      models and cell outputs (default target/bench-cuda; smoke: target/bench-cuda-smoke)
 #   MAKE=path     make the models with a carried `make-random-model` binary instead of Python
+#                 (with --smoke: `--shrink true`, the same toy shapes as Python's --shrink)
 #   COMMIT=sha    recorded in the header when the copy has no .git
 #   GPU=index     the GPU nvidia-smi samples (default 0: the one both sides use)
 #   DEVICE=cpu    the real shapes on CPU (a check of the model files and both sides; slow)
@@ -129,6 +132,7 @@ fi
 tallow() { LD_LIBRARY_PATH=$TALLOW_LD "$TALLOW" "$@"; }
 TALLOW_VERSION=$(tallow --version 2>&1 | head -1) || {
   echo "cannot run $TALLOW: $TALLOW_VERSION (set TALLOW=path/to/tallow)" >&2; exit 1; }
+NO_TORCH=
 VERSIONS=$($PY - <<'PY' 2>&1
 import importlib
 out = []
@@ -141,7 +145,14 @@ import torch
 out.append(f"CUDA {torch.version.cuda}, visible: {torch.cuda.is_available()}")
 print(", ".join(out))
 PY
-) || { echo "cannot run $PY with torch: $VERSIONS (set PY=path/to/python)" >&2; exit 1; }
+) || {
+  # No torch: tallow's side alone (the summary below needs only the Python standard library).
+  $PY -c 'import json' 2>/dev/null || { echo "cannot run $PY (set PY=path/to/python3)" >&2; exit 1; }
+  [ -n "${MAKE:-}" ] || { echo "cannot run $PY with torch: $(echo "$VERSIONS" | tail -1); set PY=path/to/python with torch, or MAKE=path/to/make-random-model for tallow's side alone" >&2; exit 1; }
+  NO_TORCH="no torch in $PY: $(echo "$VERSIONS" | tail -1 | cut -c1-80)"
+  VERSIONS=$NO_TORCH
+  SIDES=$(echo ",$SIDES," | sed 's/,peft,/,/; s/^,//; s/,$//')
+}
 SMI=0
 if [ "$DEVICE" = cuda ] && command -v nvidia-smi >/dev/null; then
   SMI=1
@@ -220,8 +231,8 @@ make_model() { # name dir
   t=$(left)
   [ "$t" -gt 0 ] || return 1
   echo "making $dir" >&2
-  if [ -n "${MAKE:-}" ] && [ "$SMOKE" = 0 ]; then
-    timeout -k 10 "$t" "$MAKE" "$json" "$dir" --rows 32 --row-words 1000 >&2 || rc=$?
+  if [ -n "${MAKE:-}" ]; then
+    timeout -k 10 "$t" "$MAKE" "$json" "$dir" --rows 32 --row-words 1000 --shrink "$([ "$SMOKE" = 1 ] && echo true || echo false)" >&2 || rc=$?
   else
     local shrink=()
     [ "$SMOKE" = 1 ] && shrink=(--shrink --device cpu)
@@ -267,7 +278,7 @@ for m in ${MODELS//,/ }; do
         --data "$dir/bench.jsonl" --steps "$STEPS" --warmup "$WARMUP" --micro-batch 1 --seq "$s" \
         --threads "$THREADS" --device "$DEVICE" --dtype bf16 --quantize "$quant" "${ckf[@]}"
     fi
-    $PY - "$cell" "$m" "$q" "$c" "$s" "$WARMUP" >> "$OUT" <<'PY'
+    NO_TORCH=$NO_TORCH $PY - "$cell" "$m" "$q" "$c" "$s" "$WARMUP" >> "$OUT" <<'PY'
 import json, os, sys
 cell, model, method, ckpt, seq, warm = sys.argv[1:7]
 warm = int(warm)
@@ -298,7 +309,9 @@ smi = [read(f"{cell}/{side}.smi") for side in ("tallow", "peft")]
 def ran(side, name):
     """The side's exit status, or None (noted) when it did not run."""
     rc = read(f"{cell}/{side}.rc")
-    if rc is None:
+    if rc is None and side == "peft" and os.environ.get("NO_TORCH"):
+        notes.append(f"{name} not run: {os.environ['NO_TORCH']}")
+    elif rc is None:
         notes.append(f"{name} not run (--sides)")
     elif rc == "deadline":
         notes.append(f"{name} not run: --deadline reached")

@@ -4,6 +4,7 @@
 //!
 //!   cargo run --release -p tallow-tests --bin make-random-model -- \
 //!       CONFIG_JSON OUT_DIR [--dtype bf16|f32] [--rows 64] [--row-words 600] [--bnb-4bit true]
+//!       [--shrink true]
 //!
 //! Writes OUT_DIR/{config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
 //! bench.jsonl}. Tensors are generated and written one shard (~2 GB) at a time.
@@ -13,6 +14,10 @@
 //! `quantization_config` in config.json), its decoder linears quantized by tallow's NF4
 //! quantizer: a `*-bnb-4bit` repo of any size for the estimate's tests, where the real
 //! bitsandbytes fixture (`tiny-qwen2-bnb-4bit`) is too small to measure.
+//!
+//! `--shrink true` keeps the config's architecture (family, biases, tying, rope scaling) at toy
+//! sizes, as `scripts/bench_peft_reference.py make-model --shrink` does: hidden 64, 2 layers,
+//! 4 heads (2 key/value heads), vocabulary 384 (just above the fixture tokenizer's ids).
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -26,7 +31,7 @@ use tallow_model::DecoderConfig;
 fn usage() -> ! {
     eprintln!(
         "usage: make-random-model CONFIG_JSON OUT_DIR [--dtype bf16|f32] [--rows N] \
-         [--row-words N] [--bnb-4bit true|false]"
+         [--row-words N] [--bnb-4bit true|false] [--shrink true|false]"
     );
     std::process::exit(2)
 }
@@ -83,7 +88,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let (config, out) = (PathBuf::from(&args[0]), PathBuf::from(&args[1]));
     let (mut dtype, mut rows, mut row_words) = (DType::BF16, 64usize, 600usize);
-    let mut bnb = false;
+    let (mut bnb, mut shrink) = (false, false);
     let mut it = args[2..].iter();
     while let Some(flag) = it.next() {
         let v = it.next().unwrap_or_else(|| usage());
@@ -98,11 +103,35 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--rows" => rows = v.parse()?,
             "--row-words" => row_words = v.parse()?,
             "--bnb-4bit" => bnb = v.parse()?,
+            "--shrink" => shrink = v.parse()?,
             _ => usage(),
         }
     }
     std::fs::create_dir_all(&out)?;
     std::fs::copy(&config, out.join("config.json"))?;
+    if shrink {
+        // scripts/bench_peft_reference.py's SHRINK, key for key
+        let mut raw: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config)?)?;
+        for (k, v) in [
+            ("hidden_size", 64),
+            ("intermediate_size", 128),
+            ("num_hidden_layers", 2),
+            ("num_attention_heads", 4),
+            ("num_key_value_heads", 2),
+            ("vocab_size", 384),
+            ("bos_token_id", 320),
+            ("eos_token_id", 321),
+        ] {
+            raw[k] = v.into();
+        }
+        if raw.get("head_dim").is_some() {
+            raw["head_dim"] = 16.into();
+        }
+        if raw.get("max_window_layers").is_some() {
+            raw["max_window_layers"] = 2.into();
+        }
+        std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&raw)?)?;
+    }
     let c = DecoderConfig::from_dir(&out)?;
     if bnb {
         // what transformers writes for a model loaded with BitsAndBytesConfig(load_in_4bit=True,
