@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor, Var};
-use tallow_model::quant::dynamic::dynamic_map;
+use tallow_model::kernels::blockwise8::dynamic_map;
 use tallow_tests::*;
 use tallow_trainer::optim::{AdamW8bit, AdamWParams, Optimizer, STEP_KEY};
 

@@ -7,7 +7,8 @@
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
-use tallow_model::{lm_head_nll, ops, CausalLM, LoadOptions, Targets};
+use tallow_model::nn::ops;
+use tallow_model::{lm_head_nll, CausalLM, LoadOptions, Targets};
 use tallow_tests::*;
 
 fn fixture() -> HashMap<String, Tensor> {

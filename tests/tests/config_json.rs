@@ -2,7 +2,7 @@
 //! `tests/fixtures/reference/config-keys.json` (made by `scripts/make_config_key_fixtures.py`
 //! under each transformers version) holds every key its config class carries (`keys`) and every
 //! name transformers reads from the config while it builds, trains and runs the model
-//! (`reads`). The rule of `tallow_model::hf_keys`, checked here against those sets: every name
+//! (`reads`). The rule of `tallow_model::config::hf_keys`, checked here against those sets: every name
 //! transformers reads is read by tallow, known not to change the output, or accepted with some
 //! values only; any other key is ignored (as transformers ignores it) and named in the note.
 
@@ -10,8 +10,8 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use serde_json::{json, Value};
+use tallow_model::config::hf_keys::{key_use, KeyUse};
 use tallow_model::families::key_policy;
-use tallow_model::hf_keys::{key_use, KeyUse};
 use tallow_model::{Arch, DecoderConfig};
 use tallow_tests::*;
 

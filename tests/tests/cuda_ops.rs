@@ -13,7 +13,7 @@ use std::cell::Cell;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
-use tallow_model::quant::nf4::Nf4Matmul;
+use tallow_model::kernels::nf4::Nf4Matmul;
 use tallow_model::Nf4Weight;
 use tallow_trainer::optim::{AdamW8bit, AdamWParams, Optimizer};
 

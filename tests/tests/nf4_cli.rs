@@ -142,8 +142,8 @@ fn eval_nf4_equals_eval_of_the_round_trip_model() {
 /// where that ulp crosses a rounding boundary (a few positions at most).
 #[test]
 fn bnb_4bit_checkpoint_loads_as_quantizing_the_original() {
-    use tallow_model::quant::dynamic::quantize_blockwise;
-    use tallow_model::quant::nf4::Absmax;
+    use tallow_model::kernels::blockwise8::quantize_blockwise;
+    use tallow_model::kernels::nf4::Absmax;
     let opts = LoadOptions::frozen(DType::F32, &Device::Cpu);
     let bnb = CausalLM::load(&bnb_dir(), &opts).unwrap();
     let original = tallow_model::Weights::from_dir(&model_dir("tiny-qwen2")).unwrap();

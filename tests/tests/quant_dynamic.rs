@@ -1,8 +1,8 @@
-//! Parity of `tallow_model::quant::dynamic` with bitsandbytes 0.50.2 (fixture written by
+//! Parity of `tallow_model::kernels::blockwise8` with bitsandbytes 0.50.2 (fixture written by
 //! `scripts/make_quant_fixtures.py`: `tests/fixtures/reference/quant-dynamic.safetensors`).
 
 use candle_core::{DType, Device, Tensor};
-use tallow_model::quant::dynamic::{dequantize_blockwise, dynamic_map, quantize_blockwise};
+use tallow_model::kernels::blockwise8::{dequantize_blockwise, dynamic_map, quantize_blockwise};
 use tallow_tests::fixtures;
 
 fn load() -> (

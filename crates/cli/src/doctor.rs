@@ -29,7 +29,7 @@ fn build() -> serde_json::Value {
 #[cfg(feature = "cuda")]
 fn toolkit() -> &'static str {
     // The marker, not just the version: printing it keeps it in the binary for the CPU build.
-    tallow_model::cuda::TOOLKIT_MARKER
+    tallow_model::kernels::cuda::TOOLKIT_MARKER
         .trim_start_matches("tallow-cuda-toolkit:")
         .trim_end_matches(';')
 }

@@ -36,7 +36,7 @@ pub enum ModelError {
         msg: String,
     },
 
-    /// Every key of a `config.json` that tallow refuses, at once (`crate::hf_keys::Refusals`).
+    /// Every key of a `config.json` that tallow refuses, at once (`crate::config::hf_keys::Refusals`).
     #[error(
         "{path}: tallow cannot compute what transformers' {class} computes with {}:\n{}\n\
          If a key really has no effect on this model, list it in `model.ignore_config_keys` \
@@ -49,7 +49,7 @@ pub enum ModelError {
     Refused {
         path: PathBuf,
         class: String,
-        refusals: Vec<crate::hf_keys::Refusal>,
+        refusals: Vec<crate::config::hf_keys::Refusal>,
     },
 
     #[error(

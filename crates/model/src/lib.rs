@@ -13,46 +13,31 @@
 //! - `generate`: inference only: KV cache, cached forward, decoding loop; `sampling`: next-token
 //!   choice (greedy, temperature, top-k, top-p, repetition penalty).
 
-pub mod checkpointing;
-pub mod chunked;
 pub mod config;
-pub mod consts;
-#[cfg(feature = "cuda")]
-pub mod cuda;
-pub mod dropout;
+pub mod decoder;
 pub mod error;
 pub mod families;
-pub mod fused;
 pub mod generate;
-pub mod hf_keys;
 pub mod io;
-pub mod layout;
-pub mod linear;
+pub mod kernels;
 pub mod load;
-pub mod loss;
-pub mod model;
-pub mod no_grad;
-mod offload;
-pub mod ops;
+pub mod nn;
 pub mod peft;
-pub mod quant;
-pub mod sampling;
-pub mod weights;
 
+pub use config::layout::{LinearSpec, LINEAR_PATHS};
 pub use config::{Arch, DecoderConfig, RopeScaling};
+pub use decoder::{AttentionImpl, CausalLM, LoadOptions};
 pub use error::{LoadError, ModelError, Result};
+pub use generate::sampling::{Sampler, SamplingParams};
 pub use generate::{generate, GenerateOptions, Generation, GenerationConfig, KvCache};
-pub use layout::{LinearSpec, LINEAR_PATHS};
-pub use linear::{Base, Linear, Param};
+pub use io::weights::Weights;
+pub use kernels::nf4::{Nf4Options, Nf4Weight};
 pub use load::load;
-pub use loss::{lm_head_nll, Targets};
-pub use model::{AttentionImpl, CausalLM, LoadOptions};
-pub use no_grad::no_grad;
+pub use nn::linear::{Base, Linear, Param};
+pub use nn::loss::{lm_head_nll, Targets};
+pub use nn::no_grad::no_grad;
 pub use peft::Lora;
 pub use peft::{
     attach_lora, load_peft, lora_vars, merge_lora, save_hf_model, save_peft, set_dropout,
     set_dropout_rate, Adapter, Dora, LoraSpec,
 };
-pub use quant::nf4::{Nf4Options, Nf4Weight};
-pub use sampling::{Sampler, SamplingParams};
-pub use weights::Weights;

@@ -5,8 +5,8 @@
 
 use std::path::Path;
 
+use crate::decoder::{CausalLM, LoadOptions};
 use crate::error::LoadError;
-use crate::model::{CausalLM, LoadOptions};
 use crate::peft::{load_peft, LoraSpec};
 
 /// Loads the model in `dir` with `opts`, then the adapter in `adapter` (ours or PEFT's) onto it;

@@ -4,7 +4,7 @@
 //!
 //! Packing (`data.pack = true`) concatenates several examples into one row of at most
 //! `max_seq_len` tokens; each keeps its own segment id, so attention stays inside it and its
-//! positions restart at 0 (see `tallow_model::ops::attention_mask`).
+//! positions restart at 0 (see `tallow_model::nn::ops::attention_mask`).
 
 use candle_core::{Device, Tensor};
 use tallow_model::Targets;

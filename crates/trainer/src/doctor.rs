@@ -24,11 +24,12 @@ use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use tallow_model::dropout::DropoutOp;
-use tallow_model::linear::{FrozenMatmul, TrainableMatmul};
-use tallow_model::loss::{lm_head_nll, Targets};
-use tallow_model::quant::nf4::Nf4Matmul;
-use tallow_model::{ops, Adapter, Base, CausalLM, Linear, LoadOptions, Lora, Nf4Weight, Param};
+use tallow_model::kernels::dropout::DropoutOp;
+use tallow_model::kernels::nf4::Nf4Matmul;
+use tallow_model::nn::linear::{FrozenMatmul, TrainableMatmul};
+use tallow_model::nn::loss::{lm_head_nll, Targets};
+use tallow_model::nn::ops;
+use tallow_model::{Adapter, Base, CausalLM, Linear, LoadOptions, Lora, Nf4Weight, Param};
 
 use crate::optim::{AdamW, AdamW8bit, AdamWParams, Optimizer};
 
@@ -416,7 +417,7 @@ fn chunked_attention_with(
     q_scale: f64,
     softcap: Option<f64>,
 ) -> R<Vec<Tensor>> {
-    use tallow_model::chunked::{self, AttentionMask};
+    use tallow_model::kernels::chunked::{self, AttentionMask};
     let r = &mut rng(13);
     let (b, kv, n_rep, t, d) = (2, 2, 2, 40, 16);
     let q = Var::from_tensor(&(input(r, &[b, kv, n_rep * t, d], dev, dt)? * q_scale)?)?;
@@ -506,7 +507,7 @@ fn nf4_matmul(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
 
 /// The mask applied to ones (f32, the adapter dtype whatever the model's), and the backward of
 /// a probe through it. `generic` on the CPU: the mask recomputed element by element from
-/// [`tallow_model::dropout::mix`], the function the CPU loop and the CUDA kernel implement.
+/// [`tallow_model::kernels::dropout::mix`], the function the CPU loop and the CUDA kernel implement.
 fn dropout(dev: &Device, _dt: DType, generic: bool) -> R<Vec<Tensor>> {
     let op = DropoutOp {
         seed: 0x5eed,
@@ -518,7 +519,7 @@ fn dropout(dev: &Device, _dt: DType, generic: bool) -> R<Vec<Tensor>> {
         let scale = (1.0 / (1.0 - 0.25f64)) as f32;
         let v: Vec<f32> = (0..n)
             .map(|i| {
-                let h = tallow_model::dropout::mix(
+                let h = tallow_model::kernels::dropout::mix(
                     op.seed
                         .wrapping_add((i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
                 );

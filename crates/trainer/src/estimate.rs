@@ -37,10 +37,10 @@ use tallow_model::DecoderConfig;
 use crate::config::{Attention, ModelDtype, Quantize, TrainConfig};
 use crate::optim::OptimizerKind;
 
-/// Elements of one logits chunk of the LM head.
-use tallow_model::loss::CHUNK_ELEMS as LOSS_CHUNK_ELEMS;
 /// NF4 block size, and double quantization's groups of 8-bit block scales with one f32 each.
-use tallow_model::quant::nf4::{BLOCK as NF4_BLOCK, NESTED_BLOCK as NF4_NESTED_BLOCK};
+use tallow_model::kernels::nf4::{BLOCK as NF4_BLOCK, NESTED_BLOCK as NF4_NESTED_BLOCK};
+/// Elements of one logits chunk of the LM head.
+use tallow_model::nn::loss::CHUNK_ELEMS as LOSS_CHUNK_ELEMS;
 /// adamw8bit: block size and smallest 8-bit tensor (see `optim::adamw8bit`).
 const ADAM8_BLOCK: usize = crate::optim::adamw8bit::BLOCK;
 const ADAM8_MIN: usize = crate::optim::adamw8bit::MIN_8BIT_ELEMS;
@@ -173,10 +173,10 @@ fn state_bytes(kind: OptimizerKind, n: usize) -> u64 {
 /// Which of the CPU's one-op paths a config takes; none on CUDA.
 #[derive(Clone, Copy)]
 struct CpuOps {
-    /// `tallow_model::fused`'s kernels (f32): one output per norm, rotary, SwiGLU and eager
+    /// `tallow_model::kernels::fused`'s kernels (f32): one output per norm, rotary, SwiGLU and eager
     /// attention core.
     kernels: bool,
-    /// The one-op LoRA linear (`tallow_model::linear`, f32 and bf16): one output per adapted
+    /// The one-op LoRA linear (`tallow_model::nn::linear`, f32 and bf16): one output per adapted
     /// linear, no adapter intermediates and no f32 copy of its input.
     lora: bool,
     /// Chunked attention's CPU kernel (f32, and bf16 without soft-capping), whose transients
@@ -198,7 +198,7 @@ impl CpuOps {
 }
 
 /// Bytes one decoder layer keeps alive for the backward, per micro-batch of `b` rows of `t`
-/// tokens, op by op as `tallow_model::model` runs them (s = model dtype bytes; LoRA runs in f32).
+/// tokens, op by op as `tallow_model::decoder` runs them (s = model dtype bytes; LoRA runs in f32).
 /// `cpu`: the CPU's one-op paths where the dtype has them ([`CpuOps`]), which keep one output
 /// per linear, norm, rotary and SwiGLU and no adapter intermediates.
 pub fn layer_activation_bytes(
@@ -328,7 +328,7 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
     }
     mlp += s * c; // residual add
     let per_score = if cfg.model.attention == Attention::Chunked {
-        // Chunked attention (`tallow_model::chunked`) keeps its output (counted above as
+        // Chunked attention (`tallow_model::kernels::chunked`) keeps its output (counted above as
         // probs · v) and one f32 log-sum-exp per head and token: nothing T x T.
         attn += 4 * h;
         0
@@ -355,7 +355,7 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
 /// One layer's attention transients beyond what the graph keeps, forward and backward.
 /// Eager: the backward's score-sized gradients, f32 (the forward's scores are kept, counted in
 /// [`layer_activation_bytes`]); the CPU's fused op needs none of them. Chunked
-/// (`tallow_model::chunked`): on the CPU each (batch, kv head) task holds two 64-row blocks of
+/// (`tallow_model::kernels::chunked`): on the CPU each (batch, kv head) task holds two 64-row blocks of
 /// scores; on CUDA a block's scores are at most `BLOCK_SCORE_BYTES`, about 3 such in the
 /// forward (scores, exp, probabilities) and 6 in the backward (the recomputed ones, dP, dS and
 /// their casts), plus f32 dK / dV sums.
@@ -378,7 +378,7 @@ fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> (u64
         (Attention::Eager, true) => return (0, (64 * t * 4 * b * kv) as u64),
         (Attention::Eager, false) => return (0, (3 + capped as u64) * scores),
         (Attention::Chunked, true) => {
-            let block = (tallow_model::chunked::CPU_BLOCK * t * 4) as u64;
+            let block = (tallow_model::kernels::chunked::CPU_BLOCK * t * 4) as u64;
             let tasks = (b * kv) as u64;
             // bf16: q, k, v (and y, dY) widened to f32, and the f32 outputs before rounding
             let (q, kvd) = ((b * t * h * d) as u64, (b * t * kv * d) as u64);
@@ -394,7 +394,7 @@ fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> (u64
         }
         (Attention::Chunked, false) => {}
     }
-    let rows = tallow_model::chunked::block_rows(b, h, t);
+    let rows = tallow_model::kernels::chunked::block_rows(b, h, t);
     let block = (b * h * rows * t * 4) as u64;
     let extra = capped as u64 * block;
     (
@@ -761,7 +761,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let (b, t) = (rows_per_micro_batch(cfg), cfg.data.max_seq_len);
     let (c, v, layers) = (m.hidden_size, m.vocab_size, m.num_hidden_layers);
     // A bitsandbytes 4-bit checkpoint loads its decoder linears as NF4 whatever
-    // `model.quantize` says (`tallow_model::quant::nf4::Nf4Weight::from_bnb`), with its own
+    // `model.quantize` says (`tallow_model::kernels::nf4::Nf4Weight::from_bnb`), with its own
     // double quantization, and the modules it skipped dense.
     let pre = m.prequantized.as_ref();
     let nf4 = cfg.model.quantize == Quantize::Nf4 || pre.is_some();
@@ -905,7 +905,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let cpu_half = device == "cpu" && s == 2;
     let f32_copy = |n: usize| if cpu_half { 4 * n as u64 } else { 0 };
     let logits = chunk * v as u64;
-    // On the CPU the cross-entropy runs in the f32 logits' own buffer (`tallow_model::fused`,
+    // On the CPU the cross-entropy runs in the f32 logits' own buffer (`tallow_model::kernels::fused`,
     // `ce_nll_sum` / `ce_grad_in_place`): one f32 logits chunk (with bf16 / f16, also the
     // matmul's f32 head copy and half-precision output). Elsewhere the tensor ops keep up to
     // three f32 logits-sized buffers at once (log-softmax / softmax: input, shifted, exp;
@@ -915,7 +915,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
         (true, false) => logits * 4,
         (false, _) => logits * 12,
     };
-    // Gemma 2's final-logit soft-cap (`tallow_model::loss`): the chunk's logits divided, tanh,
+    // Gemma 2's final-logit soft-cap (`tallow_model::nn::loss`): the chunk's logits divided, tanh,
     // multiplied (in the model dtype, two alive at once) before the cross-entropy; in the
     // backward the cap's derivative, f32, next to the logits' gradient, and their product.
     let (cap_fwd, cap_bwd) = match m.variant.final_logit_softcapping {
@@ -939,7 +939,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let attn_bwd =
         scores_bwd + tokens * 4 * 4 * c as u64 + tokens * ffn_grad * m.intermediate_size as u64;
     let lm_bwd = ce_bwd + 8 * tokens * c as u64;
-    // A checkpointed layer (`tallow_model::checkpointing`) is rebuilt in two halves: the
+    // A checkpointed layer (`tallow_model::decoder::checkpointing`) is rebuilt in two halves: the
     // attention half with its graph, then the MLP half tile by tile (tiles of C tokens), each
     // tile's graph and gradients gone before the next, then the attention half's backward.
     // Alive throughout: the attention half's graph, dy and d(mid) (plus, offloaded, the input
@@ -1030,7 +1030,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
         what += "; CUDA context + cuBLAS workspace (outside the memory pool)";
         if cfg.train.optimizer == OptimizerKind::AdamW8bit {
             // The tensor-op quantizer's bucket tables, uploaded once (CPU runs its kernel).
-            overhead += tallow_model::quant::dynamic::generic_table_bytes() as u64;
+            overhead += tallow_model::kernels::blockwise8::generic_table_bytes() as u64;
             what += "; 8-bit quantizer tables";
         }
     }

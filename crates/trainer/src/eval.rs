@@ -3,14 +3,14 @@
 //! loss = (sum of target-token NLL over all rows) / (number of target tokens), i.e. not a mean of
 //! per-row or per-batch means, so the batch size and padding do not change it.
 //!
-//! The forward runs inside [`tallow_model::no_grad`]: trainable weights (LoRA A/B, or every
+//! The forward runs inside [`tallow_model::nn::no_grad`]: trainable weights (LoRA A/B, or every
 //! weight in full fine-tuning) enter it detached, so Candle records no graph and each
 //! intermediate is freed as soon as it is used. Evaluating a batch therefore needs less memory
 //! than a training forward of the same batch, and the trainer evaluates at its training
 //! micro-batch: evaluation cannot be what runs out of memory.
 
 use candle_core::DType;
-use tallow_model::no_grad::{self, no_grad};
+use tallow_model::nn::no_grad::{self, no_grad};
 use tallow_model::{lm_head_nll, CausalLM};
 
 use crate::batch::Batch;

@@ -21,7 +21,7 @@
 //! same when micro-batches hold equally many pairs).
 
 use candle_core::{DType, Device, Tensor};
-use tallow_model::no_grad::{self, no_grad};
+use tallow_model::nn::no_grad::{self, no_grad};
 use tallow_model::peft::adapters_off;
 use tallow_model::{lm_head_nll, CausalLM, Targets};
 

@@ -18,7 +18,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::Serialize;
 use tallow_dist::Dist;
-use tallow_model::linear::mix_seed;
+use tallow_model::nn::linear::mix_seed;
 use tallow_model::{
     attach_lora, lm_head_nll, lora_vars, save_hf_model, save_peft, set_dropout, set_dropout_rate,
     CausalLM, LoadOptions, LoraSpec, Nf4Options,

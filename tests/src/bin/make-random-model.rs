@@ -24,8 +24,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use tallow_model::quant::dynamic::dynamic_map;
-use tallow_model::quant::nf4::{Absmax, Nf4Weight, NF4_CODE};
+use tallow_model::kernels::blockwise8::dynamic_map;
+use tallow_model::kernels::nf4::{Absmax, Nf4Weight, NF4_CODE};
 use tallow_model::DecoderConfig;
 
 fn usage() -> ! {

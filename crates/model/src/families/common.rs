@@ -6,9 +6,9 @@ use std::path::Path;
 
 use serde::Deserialize;
 
+use crate::config::hf_keys::Refusals;
 use crate::config::{Activation, Arch, DecoderConfig, RopeScaling, Variant};
 use crate::error::{ModelError, Result};
-use crate::hf_keys::Refusals;
 
 /// The `config.json` keys every family reads, with HF's defaults (a family with another
 /// default for `max_position_embeddings` gives it in [`FamilyShape`]).

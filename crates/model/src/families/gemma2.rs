@@ -19,8 +19,8 @@ use serde::Deserialize;
 
 use super::common::{CommonKeys, FamilyShape};
 use super::Family;
+use crate::config::hf_keys::Refusals;
 use crate::config::{Activation, Variant};
-use crate::hf_keys::Refusals;
 
 /// The `config.json` keys only Gemma 2 reads, with HF's defaults (`Gemma2Config`).
 #[derive(Debug, Clone, Deserialize)]

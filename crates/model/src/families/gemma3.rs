@@ -24,9 +24,9 @@ use serde_json::{json, Value};
 
 use super::common::{CommonKeys, FamilyExtras, FamilyShape, LocalRope};
 use super::Family;
+use crate::config::hf_keys::{check_keys, KeyPolicy, Refusals};
 use crate::config::{Activation, Variant};
 use crate::error::{ModelError, Result};
-use crate::hf_keys::{check_keys, KeyPolicy, Refusals};
 
 /// The `config.json` keys only Gemma 3 reads, with HF's defaults (`Gemma3TextConfig`).
 #[derive(Debug, Clone, Deserialize)]
@@ -196,7 +196,7 @@ pub const CONDITIONAL_CLASS: &str = "Gemma3ForConditionalGeneration";
 
 /// Top-level keys of a `Gemma3Config` (image-text) that do not change the text tower's output:
 /// the vision tower's config and the image tokens' ids (tallow feeds no images), and the keys
-/// every config has ([`crate::hf_keys::GENERIC_IGNORED`]).
+/// every config has ([`crate::config::hf_keys::GENERIC_IGNORED`]).
 const CONDITIONAL_KEYS: &[&str] = &[
     "text_config",
     "vision_config",

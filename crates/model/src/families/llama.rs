@@ -8,7 +8,7 @@ use serde::Deserialize;
 
 use super::common::{CommonKeys, FamilyShape};
 use super::Family;
-use crate::hf_keys::{Fixed, Refusals};
+use crate::config::hf_keys::{Fixed, Refusals};
 
 /// The `config.json` keys only Llama reads, with HF's defaults.
 #[derive(Debug, Clone, Deserialize)]

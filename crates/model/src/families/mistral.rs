@@ -10,7 +10,7 @@ use serde::Deserialize;
 
 use super::common::{CommonKeys, FamilyShape};
 use super::Family;
-use crate::hf_keys::Refusals;
+use crate::config::hf_keys::Refusals;
 
 /// The `config.json` keys only Mistral reads, with HF's defaults.
 #[derive(Debug, Clone, Deserialize)]

@@ -5,7 +5,7 @@
 //! for word), its HF class and `model_type`, the keys its transformers classes read that
 //! tallow ignores (`IGNORED`) or accepts with some values only (`FIXED`), and a `shape` that
 //! checks its keys and gives [`CommonKeys::into_config`] the family's [`FamilyShape`]. Keys
-//! transformers never reads are ignored and noted (`crate::hf_keys`).
+//! transformers never reads are ignored and noted (`crate::config::hf_keys`).
 //!
 //! Adding a Llama-like family: a file here, and its two lines below (`pub mod` and its row in
 //! [`FAMILIES`]).
@@ -15,9 +15,9 @@ use std::path::Path;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
+use crate::config::hf_keys::{check_keys, field_names, Fixed, KeyCheck, KeyPolicy, Refusals};
 use crate::config::{Arch, DecoderConfig, KeyNote, PreQuantized};
 use crate::error::{ModelError, Result};
-use crate::hf_keys::{check_keys, field_names, Fixed, KeyCheck, KeyPolicy, Refusals};
 
 pub mod common;
 pub mod gemma2;

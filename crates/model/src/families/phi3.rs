@@ -5,7 +5,7 @@
 //! Llama's block with three differences:
 //! - fused projections: `self_attn.qkv_proj` (out = (H + 2 KV) D: q, then k, then v) and
 //!   `mlp.gate_up_proj` (out = 2 I: gate, then up, as `Phi3MLP` chunks it), which LoRA and
-//!   PEFT target as one module each (`crate::layout`);
+//!   PEFT target as one module each (`crate::config::layout`);
 //! - LongRoPE (`rope_scaling` type `longrope`, formerly `su`): per-frequency short / long
 //!   factors and an attention factor on cos / sin (`RopeScaling::LongRope`);
 //! - partial rotary embedding (`partial_rotary_factor`, Phi-4-mini 0.75): only the first
@@ -18,7 +18,7 @@ use serde::Deserialize;
 
 use super::common::{CommonKeys, FamilyExtras, FamilyShape, RopeExtras};
 use super::Family;
-use crate::hf_keys::Refusals;
+use crate::config::hf_keys::Refusals;
 
 /// The `config.json` keys only Phi-3 reads, with HF's defaults (`Phi3Config`).
 #[derive(Debug, Clone, Deserialize)]

@@ -9,7 +9,7 @@ use serde::Deserialize;
 
 use super::common::{CommonKeys, FamilyShape};
 use super::Family;
-use crate::hf_keys::Refusals;
+use crate::config::hf_keys::Refusals;
 
 /// The `config.json` keys only Qwen3 reads, with HF's defaults.
 #[derive(Debug, Clone, Deserialize)]

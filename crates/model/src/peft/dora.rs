@@ -29,7 +29,7 @@
 use candle_core::{DType, Tensor, Var};
 
 use crate::error::Result;
-use crate::linear::{Base, Linear};
+use crate::nn::linear::{Base, Linear};
 use crate::peft::Lora;
 
 /// A DoRA adapter: LoRA's A and B plus the magnitude vector.
@@ -63,7 +63,7 @@ impl Dora {
     /// n = ||W + s B A|| per output row, (out) f32, from detached tensors (no graph).
     pub fn weight_norm(&self, lin: &Linear) -> Result<Tensor> {
         let a = self.lora.a.as_tensor().detach(); // (r, in)
-        let wa = crate::no_grad(|| base_times(lin, &a))?.t()?; // (out, r) = W Aᵀ
+        let wa = crate::nn::no_grad::no_grad(|| base_times(lin, &a))?.t()?; // (out, r) = W Aᵀ
         self.norm_with(&wa)
     }
 
@@ -91,7 +91,7 @@ impl Dora {
     ) -> Result<Tensor> {
         let dt = base.dtype();
         let n = self.weight_norm(lin)?; // (out), constant
-        let m = crate::no_grad::enter(self.magnitude.as_tensor());
+        let m = crate::nn::no_grad::enter(self.magnitude.as_tensor());
         let scale = m.broadcast_div(&n)?; // (out): m / n, gradient to m only
         let y = match self.lora.active_dropout() {
             None => {
@@ -149,7 +149,7 @@ mod tests {
     use candle_core::Device;
 
     use super::*;
-    use crate::linear::Param;
+    use crate::nn::linear::Param;
     use crate::peft::{lora_a_init, Adapter, Dropout};
     use crate::Nf4Weight;
 

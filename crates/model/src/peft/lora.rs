@@ -7,7 +7,7 @@
 //!   └──► A (r × in) ──► B (out × r) ─┘      s = alpha / r   (rsLoRA: alpha / sqrt(r))
 //! ```
 //!
-//! On the CPU in f32 / f64 the whole LoRA linear runs as one op ([`crate::linear`]'s
+//! On the CPU in f32 / f64 the whole LoRA linear runs as one op ([`crate::nn::linear`]'s
 //! `LoraLinearOp`); elsewhere [`Lora::forward`] adds the adapter's output from tensor ops.
 
 use std::sync::Arc;
@@ -15,10 +15,10 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 
-pub use crate::dropout::Dropout;
-use crate::dropout::DropoutOp;
 use crate::error::Result;
-use crate::no_grad;
+pub use crate::kernels::dropout::Dropout;
+use crate::kernels::dropout::DropoutOp;
+use crate::nn::no_grad;
 
 /// A LoRA adapter on one linear layer. A and B are f32 whatever the base dtype (as PEFT keeps
 /// them), so small updates are not lost to bf16 rounding.
@@ -65,10 +65,10 @@ impl Lora {
     }
 
     /// The dropout op of the current micro-batch while training with p > 0; None otherwise.
-    /// Inside a token tile ([`crate::dropout::at_row`]) it draws that tile's rows of the
+    /// Inside a token tile ([`crate::kernels::dropout::at_row`]) it draws that tile's rows of the
     /// batch's masks.
     pub(crate) fn active_dropout(&self) -> Option<DropoutOp> {
-        let skip = crate::dropout::first_row() * self.a.dim(1).unwrap_or(0);
+        let skip = crate::kernels::dropout::first_row() * self.a.dim(1).unwrap_or(0);
         self.dropout
             .as_ref()
             .and_then(|d| d.seed())

@@ -18,11 +18,11 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
+use crate::decoder::CausalLM;
 use crate::error::{ModelError, Result};
+use crate::io::weights::Weights;
 use crate::io::{replace_dir, save_safetensors, staging_dir, write_atomic};
-use crate::linear::{Base, Param};
-use crate::model::CausalLM;
-use crate::weights::Weights;
+use crate::nn::linear::{Base, Param};
 
 pub mod dora;
 pub mod lora;
@@ -89,7 +89,7 @@ impl Adapter {
 }
 
 /// The modules LoRA can target, by their HF names (the module part of
-/// [`crate::layout::LINEAR_PATHS`]).
+/// [`crate::config::layout::LINEAR_PATHS`]).
 pub const LINEAR_MODULES: [&str; 7] = [
     "q_proj",
     "k_proj",
@@ -101,7 +101,7 @@ pub const LINEAR_MODULES: [&str; 7] = [
 ];
 
 /// Phi-3's fused linears, by PEFT's names (the module part of
-/// [`crate::layout::FUSED_LINEAR_PATHS`]).
+/// [`crate::config::layout::FUSED_LINEAR_PATHS`]).
 pub const FUSED_MODULES: [&str; 4] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"];
 
 /// Every module name LoRA can target on some family (a training config is checked against
@@ -178,7 +178,7 @@ struct PeftConfig {
     init_lora_weights: serde_json::Value,
 }
 
-use crate::layout::module_name;
+use crate::config::layout::module_name;
 
 /// The PEFT module name (key prefix) of layer `i`'s linear `path` (`self_attn.q_proj`).
 pub fn peft_prefix(i: usize, path: &str) -> String {

@@ -120,7 +120,7 @@ pub struct ModelSection {
     pub attention: Attention,
     /// `config.json` keys to read as if absent (default none): for a key tallow refuses
     /// because transformers reads it, when the user knows it has no effect on this model
-    /// (`tallow_model::hf_keys`). Keys transformers never reads need no entry.
+    /// (`tallow_model::config::hf_keys`). Keys transformers never reads need no entry.
     pub ignore_config_keys: Vec<String>,
 }
 

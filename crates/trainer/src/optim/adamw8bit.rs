@@ -10,7 +10,7 @@
 //!
 //! Each step dequantizes m and v to f32, applies the AdamW update with tensor ops, and
 //! requantizes; everything stays on the parameter's device (quantization runs a CPU kernel on the
-//! CPU and Candle tensor ops elsewhere, see `tallow_model::quant::dynamic`; both give the same
+//! CPU and Candle tensor ops elsewhere, see `tallow_model::kernels::blockwise8`; both give the same
 //! codes, so on the CPU the generic path gives the CPU path's bits, which a test checks).
 //!
 //! **Groups.** The 8-bit parameters are updated in groups (consecutive 8-bit parameters on one
@@ -41,10 +41,10 @@
 use std::collections::HashMap;
 
 use candle_core::{DType, Shape, Tensor, Var};
-use tallow_model::consts::{cached, ConstKey};
-use tallow_model::quant::dynamic::{
+use tallow_model::kernels::blockwise8::{
     dequantize_blockwise, quantize_blockwise, quantize_blockwise_generic, Blockwise8,
 };
+use tallow_model::kernels::consts::{cached, ConstKey};
 use tallow_model::ModelError;
 
 use super::adamw::{adamw_math, adamw_update, AdamWParams, StepConstants};

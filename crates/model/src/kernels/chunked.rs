@@ -10,7 +10,7 @@
 //!
 //! Two implementations of the same maths, chosen by device and dtype:
 //! - f32 / f64 on the CPU, and bf16 without soft-capping: one fused kernel, rayon over (batch,
-//!   kv head) groups, blocks of [`CPU_BLOCK`] query rows ([`crate::fused::small_gemm`] for the
+//!   kv head) groups, blocks of [`CPU_BLOCK`] query rows ([`crate::kernels::fused::small_gemm`] for the
 //!   products). bf16 inputs are widened to f32 and the kernel rounds to bf16 where the tensor-op
 //!   path does (the scores, the probabilities, dP and dS, the outputs), except that dK and dV
 //!   are summed over all blocks in f32 and rounded once, as one eager matmul would;
@@ -28,11 +28,11 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::fused::{
+use crate::kernels::fused::{
     add_at_b, data, group_grads, narrow_bf16, small_gemm, storage_data, supports, uninit,
     widen_bf16, Real,
 };
-use crate::linear::InStorage;
+use crate::nn::linear::InStorage;
 
 type R<T> = candle_core::Result<T>;
 
@@ -956,7 +956,7 @@ mod tests {
         let segs = segments(t);
         for window in [None, Some(20)] {
             let (qkv, w) = inputs(DType::F32, t)?;
-            let dense = crate::ops::attention_mask(&segs, window, DType::F32, &Device::Cpu)
+            let dense = crate::nn::ops::attention_mask(&segs, window, DType::F32, &Device::Cpu)
                 .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
             let eager = run(
                 |q, k, v| {
@@ -1095,7 +1095,7 @@ mod tests {
         let t = 70;
         let cap = 1.5;
         let segs = vec![(0..t).map(|i| (i >= 30) as u32).collect::<Vec<u32>>(); 2];
-        let dense = crate::ops::attention_mask(&segs, Some(25), DType::F32, &Device::Cpu)
+        let dense = crate::nn::ops::attention_mask(&segs, Some(25), DType::F32, &Device::Cpu)
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let mask = AttentionMask::new(&segs, Some(25), &Device::Cpu)?;
         let (qkv, w) = inputs(DType::F32, t)?;

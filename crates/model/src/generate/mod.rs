@@ -2,8 +2,8 @@
 //! `generation_config.json`.
 //!
 //! Outside the training path: [`CausalLM::forward_hidden`] stays cache-free. The cached forward
-//! here runs the same layer weights through the same [`crate::linear::Linear::forward`],
-//! [`crate::model::Mlp`] and [`crate::ops`] functions; only attention differs, because the new
+//! here runs the same layer weights through the same [`crate::nn::linear::Linear::forward`],
+//! [`crate::decoder::Mlp`] and [`crate::nn::ops`] functions; only attention differs, because the new
 //! queries attend to keys and values kept from earlier calls.
 //!
 //! Shape legend: B = batch, t = positions fed in this call, P = positions already cached,
@@ -18,17 +18,19 @@
 //! key/value heads: queries are grouped per key/value head instead), no mask is built, and
 //! logits are computed for the last position only, (B, V).
 
+pub mod sampling;
+
 use std::path::Path;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, D};
 use serde_json::Value as Json;
 
-use crate::chunked::AttentionMask;
+use crate::decoder::{Attention, AttentionImpl, CausalLM, DecoderLayer};
 use crate::error::{ModelError, Result};
-use crate::model::{Attention, AttentionImpl, CausalLM, DecoderLayer};
-use crate::ops;
-use crate::sampling::{Sampler, SamplingParams};
+use crate::generate::sampling::{Sampler, SamplingParams};
+use crate::kernels::chunked::AttentionMask;
+use crate::nn::ops;
 
 /// Keys and values of every layer for the positions seen so far, in tensors allocated once.
 pub struct KvCache {
@@ -121,7 +123,7 @@ struct Step<'a> {
     /// (t, L), or None (t = 1: the new query sees every cached key).
     mask: Option<&'a Tensor>,
     /// A prefill (nothing cached yet) with chunked attention: the prompt's attention through
-    /// [`crate::chunked`], no (t, L) mask.
+    /// [`crate::kernels::chunked`], no (t, L) mask.
     chunked: Option<&'a AttentionMask>,
     past: usize,
     window: Option<usize>,
@@ -154,7 +156,13 @@ fn attention_cached(
     v_cache.slice_set(&v, 2, past)?;
     if let Some(m) = step.chunked {
         let q = q.reshape((b, kv, r * t, d))?; // (B, KV, R*t, D)
-        let y = crate::chunked::chunked_attention_capped(&q, &k, &v.contiguous()?, m, a.softcap)?;
+        let y = crate::kernels::chunked::chunked_attention_capped(
+            &q,
+            &k,
+            &v.contiguous()?,
+            m,
+            a.softcap,
+        )?;
         let y = y.reshape((b, h, t, d))?.transpose(1, 2)?.contiguous()?; // (B, t, H, D)
         return a.o_proj.forward(&y.reshape((b, t, h * d))?);
     }
@@ -496,7 +504,7 @@ pub fn generate(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::LoadOptions;
+    use crate::decoder::LoadOptions;
     use std::path::PathBuf;
 
     fn fixture_model(name: &str) -> CausalLM {

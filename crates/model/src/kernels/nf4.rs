@@ -47,11 +47,13 @@ use std::sync::{Arc, OnceLock};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::dynamic::{dequantize_blockwise, dynamic_map, pad_to, quantize_blockwise, Blockwise8};
-use crate::consts::{cached, ConstKey};
+use super::blockwise8::{
+    dequantize_blockwise, dynamic_map, pad_to, quantize_blockwise, Blockwise8,
+};
 use crate::error::{ModelError, Result};
-use crate::linear::InStorage;
-use crate::weights::Weights;
+use crate::io::weights::Weights;
+use crate::kernels::consts::{cached, ConstKey};
+use crate::nn::linear::InStorage;
 
 /// The NF4 codebook (`bitsandbytes.functional.get_4bit_type("nf4")`), sorted, index 0..15.
 /// Written with bitsandbytes' printed digits (they round to the same f32 values).
@@ -688,7 +690,7 @@ impl Dequant {
                 let func = dev.get_or_load_custom_func(
                     &format!("tallow_nf4_dequant_{kernel}"),
                     "tallow",
-                    crate::cuda::PTX,
+                    crate::kernels::cuda::PTX,
                 )?;
                 let mut b = func.builder();
                 b.arg(packed);
@@ -701,7 +703,7 @@ impl Dequant {
                 unsafe { b.launch(cfg) }.w()?;
             }
             Absmax::Double { nested, offset } => {
-                let map_t = super::dynamic::map_tensor(nested.signed, &device)?;
+                let map_t = super::blockwise8::map_tensor(nested.signed, &device)?;
                 let (map_st, map_l) = map_t.storage_and_layout();
                 let map_v = view::<f32>(&map_st, &map_l, "the dynamic map")?;
                 let (c_st, c_l) = nested.codes.storage_and_layout();
@@ -712,7 +714,7 @@ impl Dequant {
                 let func = dev.get_or_load_custom_func(
                     &format!("tallow_nf4_dequant_dq_{kernel}"),
                     "tallow",
-                    crate::cuda::PTX,
+                    crate::kernels::cuda::PTX,
                 )?;
                 let nested_block = nested.block;
                 let mut b = func.builder();
@@ -756,13 +758,13 @@ impl CustomOp1 for Dequant {
         };
         let scales = match (&self.absmax, &absmax_t, &codes_t, &nested_t) {
             (Absmax::F32(_), Some((st, l)), _, _) => {
-                Scales::F32(crate::fused::storage_data(st, l, "nf4 absmax")?)
+                Scales::F32(crate::kernels::fused::storage_data(st, l, "nf4 absmax")?)
             }
             (Absmax::Double { nested, offset }, _, Some((cs, cl)), Some((ns, nl))) => {
                 Scales::Double {
-                    codes: crate::fused::storage_data(cs, cl, "nf4 absmax codes")?,
-                    nested: crate::fused::storage_data(ns, nl, "nf4 nested absmax")?,
-                    map: Box::new(super::dynamic::dynamic_map(nested.signed)),
+                    codes: crate::kernels::fused::storage_data(cs, cl, "nf4 absmax codes")?,
+                    nested: crate::kernels::fused::storage_data(ns, nl, "nf4 nested absmax")?,
+                    map: Box::new(super::blockwise8::dynamic_map(nested.signed)),
                     nested_block: nested.block,
                     offset: *offset,
                 }
@@ -817,7 +819,7 @@ impl Nf4Matmul {
             );
         }
         let w = self.w.dequantize_candle()?; // (N, K)
-        crate::linear::matmul_wt(s, l, &w, "nf4 matmul")
+        crate::nn::linear::matmul_wt(s, l, &w, "nf4 matmul")
     }
 }
 

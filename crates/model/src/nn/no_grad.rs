@@ -50,7 +50,7 @@ pub fn enter(w: &Tensor) -> Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::linear::{lora_a_init, Adapter, Base, Linear, Lora, Param};
+    use crate::nn::linear::{lora_a_init, Adapter, Base, Linear, Lora, Param};
     use candle_core::{DType, Device, Var};
 
     /// A linear layer with every kind of trainable weight: base, bias, LoRA A and B.

@@ -11,11 +11,11 @@
 //! | [`swiglu`] | silu(g) * u | dg, du in one pass | 2; ~7 |
 //! | [`causal_attention`] | softmax(q kᵀ + mask) v, keys up to each 64-row block only | dQ, dK, dV per block | 2 matmuls, softmax, their backward |
 //!
-//! They run for f32 and f64 CPU tensors; [`crate::ops`] dispatches to them there and keeps the
+//! They run for f32 and f64 CPU tensors; [`crate::nn::ops`] dispatches to them there and keeps the
 //! device-generic tensor-op path for CUDA (and bf16 / f16 on the CPU) until a kernel exists. Each
 //! does the same IEEE operations in the same order as that path where it can (so f32 results
 //! agree to the last bit or within an ulp); `tests` compare the two, values and gradients, and
-//! `crate::ops`' finite-difference tests run through these kernels in f64.
+//! `crate::nn::ops`' finite-difference tests run through these kernels in f64.
 //!
 //! bf16 on the CPU: the chunked attention kernel and the LoRA linear widen bf16 operands to f32
 //! ([`widen_bf16`]) and round back where the bf16 graph would ([`round_bf16`], [`narrow_bf16`]:
@@ -1059,7 +1059,7 @@ impl Kernel<3> for SwiGluBwd {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops;
+    use crate::nn::ops;
     use candle_core::{Device, Var};
 
     /// The branch-free bf16 rounding gives `half`'s bits (Candle's conversion) for every f32
@@ -1263,7 +1263,7 @@ mod tests {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Cross-entropy over a chunk of LM-head logits (crate::loss), with no logits-sized temporary.
+// Cross-entropy over a chunk of LM-head logits (crate::nn::loss), with no logits-sized temporary.
 
 /// max and sum of exp(x - max) of a row (the exp in the row's type, the sum in f64: rows are a
 /// whole vocabulary long, up to ~256k terms).
@@ -1367,7 +1367,7 @@ mod ce_tests {
             let x = (Tensor::randn(0f64, 3., (5, 37), &dev)?).to_dtype(dt)?;
             let labels = [0u32, 36, 7, 7, 20];
             let lab = Tensor::new(&labels[..], &dev)?.unsqueeze(1)?;
-            let logp = crate::ops::log_softmax_last_dim(&x).unwrap();
+            let logp = crate::nn::ops::log_softmax_last_dim(&x).unwrap();
             let want = -logp
                 .gather(&lab, 1)?
                 .sum_all()?
@@ -1379,7 +1379,7 @@ mod ce_tests {
                 "{dt:?}: {got} vs {want}"
             );
             let g = 0.25;
-            let p = crate::ops::softmax_last_dim(&x).unwrap();
+            let p = crate::nn::ops::softmax_last_dim(&x).unwrap();
             let onehot = lab
                 .broadcast_eq(&Tensor::arange(0u32, 37, &dev)?.unsqueeze(0)?)?
                 .to_dtype(dt)?;

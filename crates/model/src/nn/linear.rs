@@ -21,12 +21,12 @@ use candle_core::{
 use half::bf16;
 use rayon::prelude::*;
 
-use crate::dropout::DropoutOp;
 use crate::error::Result;
-use crate::fused::{narrow_bf16, round_bf16, rows_per_task, uninit, widen_bf16};
-use crate::no_grad;
+use crate::kernels::dropout::DropoutOp;
+use crate::kernels::fused::{narrow_bf16, round_bf16, rows_per_task, uninit, widen_bf16};
+pub use crate::kernels::nf4::{Nf4Matmul, Nf4Weight};
+use crate::nn::no_grad;
 pub use crate::peft::{lora_a_init, mix_seed, Adapter, Dora, Dropout, Lora};
-pub use crate::quant::nf4::{Nf4Matmul, Nf4Weight};
 
 /// A model weight: frozen (a plain tensor, never differentiated) or trainable (a `Var`).
 #[derive(Clone)]
@@ -164,7 +164,7 @@ impl Linear {
         };
         let dtypes_ok = match (dt, lora.a.dtype()) {
             (DType::BF16, DType::F32) => x.device().is_cpu(),
-            (x_dt, a_dt) => x_dt == a_dt && crate::fused::supports(x),
+            (x_dt, a_dt) => x_dt == a_dt && crate::kernels::fused::supports(x),
         };
         base_ok && bias_ok && dtypes_ok
     }
@@ -270,7 +270,7 @@ fn cpu_weight(base: &Base) -> candle_core::Result<Tensor> {
 /// false: dst's old contents are ignored (it may be uninitialized). Candle's own CPU matmul
 /// kernel (`gemm`), on as many threads as Candle gives it.
 #[allow(clippy::too_many_arguments)]
-fn gemm_into<T: crate::fused::Real>(
+fn gemm_into<T: crate::kernels::fused::Real>(
     dst: &mut [T],
     read_dst: bool,
     lhs: &[T],
@@ -319,12 +319,16 @@ fn gemm_into<T: crate::fused::Real>(
 }
 
 /// The contiguous elements of a tensor on the CPU, for `f` (the storage guard lives meanwhile).
-fn with_cpu_slice<T: crate::fused::Real, R>(
+fn with_cpu_slice<T: crate::kernels::fused::Real, R>(
     t: &Tensor,
     f: impl FnOnce(&[T]) -> candle_core::Result<R>,
 ) -> candle_core::Result<R> {
     let (st, l) = t.storage_and_layout();
-    f(crate::fused::storage_data(&st, l, "lora linear weight")?)
+    f(crate::kernels::fused::storage_data(
+        &st,
+        l,
+        "lora linear weight",
+    )?)
 }
 
 /// The base weight (N, K) of a bf16 model widened to f32, and the bias (N) when there is one.
@@ -335,7 +339,7 @@ fn cpu_weight_f32(
     let w = cpu_weight(base)?;
     let wide = |t: &Tensor| {
         let (st, l) = t.storage_and_layout();
-        Ok::<_, candle_core::Error>(widen_bf16(crate::fused::storage_data(
+        Ok::<_, candle_core::Error>(widen_bf16(crate::kernels::fused::storage_data(
             &st,
             l,
             "lora linear weight",
@@ -346,7 +350,7 @@ fn cpu_weight_f32(
 
 impl LoraLinearOp {
     /// y = x Wᵀ (+ bias) + s · dropout(x) Aᵀ Bᵀ, the adapter product accumulated by the gemm.
-    fn run<T: crate::fused::Real + crate::dropout::num_like::Scale>(
+    fn run<T: crate::kernels::fused::Real + crate::kernels::dropout::num_like::Scale>(
         &self,
         x: &[T],
         a: &[T],
@@ -354,7 +358,7 @@ impl LoraLinearOp {
     ) -> candle_core::Result<Vec<T>> {
         let (m, k, n) = self.mkn;
         let r = a.len() / k;
-        let mut y = crate::fused::uninit::<T>(m * n);
+        let mut y = crate::kernels::fused::uninit::<T>(m * n);
         // Start from the bias (then the base gemm accumulates onto it), or from nothing.
         let read = match &self.bias {
             Some(bias) => with_cpu_slice::<T, _>(bias, |bv| {
@@ -377,7 +381,7 @@ impl LoraLinearOp {
             }
             None => x,
         };
-        let mut xa = crate::fused::uninit::<T>(m * r);
+        let mut xa = crate::kernels::fused::uninit::<T>(m * r);
         gemm_into(
             &mut xa,
             false,
@@ -529,13 +533,13 @@ struct LoraLinearDx {
 }
 
 impl LoraLinearDx {
-    fn run<T: crate::fused::Real + crate::dropout::num_like::Scale>(
+    fn run<T: crate::kernels::fused::Real + crate::kernels::dropout::num_like::Scale>(
         &self,
         dy: &[T],
         dyb: &[T],
     ) -> candle_core::Result<Vec<T>> {
         let (m, k, n) = self.mkn;
-        let mut dx = crate::fused::uninit::<T>(m * k);
+        let mut dx = crate::kernels::fused::uninit::<T>(m * k);
         let w = cpu_weight(&self.base)?;
         with_cpu_slice::<T, _>(&w, |wv| {
             gemm_into(&mut dx, false, dy, wv, false, (m, k, n), T::one()); // dY W
@@ -548,7 +552,7 @@ impl LoraLinearDx {
                 None => gemm_into(&mut dx, true, dyb, av, false, (m, k, r), T::one()),
                 Some(op) => {
                     // The mask applies to the adapter's share only: its own buffer, masked, added.
-                    let mut lora = crate::fused::uninit::<T>(m * k);
+                    let mut lora = crate::kernels::fused::uninit::<T>(m * k);
                     gemm_into(&mut lora, false, dyb, av, false, (m, k, r), T::one());
                     let lora = op.run(&lora);
                     dx.iter_mut().zip(&lora).for_each(|(d, &l)| *d += l);

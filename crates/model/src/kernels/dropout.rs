@@ -172,7 +172,8 @@ impl CustomOp1 for DropoutOp {
         })?;
         let x = x.slice(start..end);
         let n = end - start;
-        let func = dev.get_or_load_custom_func("tallow_dropout_f32", "tallow", crate::cuda::PTX)?;
+        let func =
+            dev.get_or_load_custom_func("tallow_dropout_f32", "tallow", crate::kernels::cuda::PTX)?;
         // SAFETY: every element is written by the kernel.
         let y = unsafe { dev.alloc::<f32>(n)? };
         let (seed, threshold, scale) = (self.seed, self.threshold(), self.scale());
@@ -203,7 +204,7 @@ thread_local! {
 /// Runs `f` on a tile of a batch's tokens that starts at row `first_row` of the flattened
 /// (B * T, in) inputs: the LoRA dropout masks drawn inside are the whole batch's rows from
 /// `first_row` on, so a layer run in tiles (activation checkpointing's token tiles) draws the
-/// masks of the untiled forward. Per thread and scoped, like [`crate::no_grad::no_grad`].
+/// masks of the untiled forward. Per thread and scoped, like [`crate::nn::no_grad::no_grad`].
 pub(crate) fn at_row<R>(first_row: usize, f: impl FnOnce() -> R) -> R {
     struct Restore(usize);
     impl Drop for Restore {

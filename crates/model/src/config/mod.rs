@@ -2,6 +2,9 @@
 //! the name of its family ([`Arch`]). Reading `config.json` is the families'
 //! business (`crate::families`: the shared keys, one small file per family, the dispatch).
 
+pub mod hf_keys;
+pub mod layout;
+
 /// A model family tallow implements, as HF names it: the class in `architectures[0]` and the
 /// `model_type`. Which families exist, and how each reads `config.json`, is the registration in
 /// `crate::families` (`Arch::from_hf` and `Arch::supported` live there).
@@ -111,7 +114,7 @@ pub struct DecoderConfig {
     /// with `(1 + w)`, `Variant::norm_plus_one`).
     pub qk_norm: bool,
     /// Phi-3: q, k, v in one `qkv_proj` and gate, up in one `gate_up_proj` (see
-    /// [`crate::layout`]).
+    /// [`crate::config::layout`]).
     pub fused_projections: bool,
     /// The leading dims of each head that rotary embedding rotates: head_dim, or
     /// head_dim * `partial_rotary_factor` (Phi-4-mini: 0.75); the rest pass through.

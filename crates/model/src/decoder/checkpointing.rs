@@ -34,22 +34,22 @@
 //! link's gradient (a zero). Candle's backward runs layer i + 1's op before layer i's (the link
 //! orders them), so the slot is always filled first. On the CPU the host copy is the tensor
 //! itself: the same code path, no saving. On CUDA the copies go to pinned host memory, queued on
-//! the device's stream without waiting ([`crate::offload`]); they share that stream with the
+//! the device's stream without waiting ([`crate::decoder::offload`]); they share that stream with the
 //! compute, so they are not overlapped with it.
 //!
 //! The recomputation sees the same LoRA dropout masks as the forward: masks are a pure
 //! function of the dropout seed the trainer sets per micro-batch, which is still set when that
 //! micro-batch's backward runs, and of the element's position in the batch, which a tile keeps
-//! through [`crate::dropout::at_row`].
+//! through [`crate::kernels::dropout::at_row`].
 
 use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
+use crate::decoder::offload::HostCopy;
+use crate::decoder::{DecoderLayer, RopeMask};
 use crate::error::Result;
-use crate::model::{DecoderLayer, RopeMask};
-use crate::offload::HostCopy;
 
 /// Checkpointing settings of a model plus the side store of parameter gradients.
 pub struct Checkpointing {
@@ -124,8 +124,8 @@ impl Checkpointing {
     ) -> Result<(Tensor, Option<Link>)> {
         let tile = self.tile_rows.unwrap_or(x.dim(2)?);
         // Nothing of the layer's graph is built: the backward recomputes it.
-        let y = crate::no_grad::no_grad(|| forward_tiled(layer, &x.detach(), rope, tile))?;
-        let anchor = first_var(layer).filter(|_| !crate::no_grad::is_on());
+        let y = crate::nn::no_grad::no_grad(|| forward_tiled(layer, &x.detach(), rope, tile))?;
+        let anchor = first_var(layer).filter(|_| !crate::nn::no_grad::is_on());
         let device = x.device().clone();
         // x goes to the host unless the graph must hold it to hand it its gradient (the first
         // layer's input in full fine-tuning).
@@ -155,7 +155,7 @@ impl Checkpointing {
         };
         let (layer, rope, grads) = (layer.clone(), rope.clone(), self.grads.clone());
         let slot = out_slot.clone();
-        let out = crate::ops::attach2(
+        let out = crate::nn::ops::attach2(
             "layer-checkpoint",
             &graph_in,
             &anchor,
@@ -206,7 +206,9 @@ fn forward_tiled(layer: &DecoderLayer, x: &Tensor, rope: &RopeMask, tile: usize)
     for start in (0..n).step_by(tile) {
         let rows = tile.min(n - start);
         let xt = flat.narrow(0, start, rows)?.unsqueeze(0)?; // (1, rows, C)
-        parts.push(crate::dropout::at_row(start, || layer.mlp_half(&xt))?);
+        parts.push(crate::kernels::dropout::at_row(start, || {
+            layer.mlp_half(&xt)
+        })?);
     }
     Ok(Tensor::cat(&parts, 1)?.reshape((b, t, c))?)
 }
@@ -260,7 +262,7 @@ fn mlp_half_backward(
     for start in (0..n).step_by(tile) {
         let rows = tile.min(n - start);
         let xt = Var::from_tensor(&flat.narrow(0, start, rows)?.unsqueeze(0)?)?; // (1, rows, C)
-        let yt = crate::dropout::at_row(start, || layer.mlp_half(xt.as_tensor()))?;
+        let yt = crate::kernels::dropout::at_row(start, || layer.mlp_half(xt.as_tensor()))?;
         let dyt = dflat.narrow(0, start, rows)?.unsqueeze(0)?;
         let mut store = (yt * dyt)?.sum_all()?.backward()?;
         let dxt = store.remove(xt.as_tensor()).ok_or_else(|| {

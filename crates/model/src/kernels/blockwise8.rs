@@ -26,7 +26,7 @@
 //! [`Buckets`]) that finds the code in 5 element-wise ops, with no search loop.
 //!
 //! Device cost (kernel launches; "full" = one pass over the n elements, "small" = over the n/256
-//! block scales), constants cached per device ([`crate::consts`]), no host-device copies:
+//! block scales), constants cached per device ([`crate::kernels::consts`]), no host-device copies:
 //! - [`dequantize_blockwise`]: 3 full (codes to u32, gather `map[code]`, multiply by the block
 //!   absmax).
 //! - [`quantize_blockwise`] on a non-CPU device: 2 full for the absmax (`abs`, row `max`), 2 small
@@ -38,8 +38,8 @@ use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor};
 
-use crate::consts::{cached, ConstKey};
 use crate::error::ModelError;
+use crate::kernels::consts::{cached, ConstKey};
 
 /// Number of codes of an 8-bit map.
 const CODES: usize = 256;

@@ -6,20 +6,23 @@
 //! backward. Inference with a key/value cache reuses these layers from [`crate::generate`]. Shape legend: B = batch, T = time, C = hidden size, H = heads, KV = key/value heads,
 //! D = head dim, I = intermediate size, V = vocab.
 
+pub mod checkpointing;
+mod offload;
+
 use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::checkpointing::Checkpointing;
+use crate::config::layout::LinearSpec;
 use crate::config::{Activation, DecoderConfig, RopeScaling};
+use crate::decoder::checkpointing::Checkpointing;
 use crate::error::{ModelError, Result};
-use crate::layout::LinearSpec;
-use crate::linear::{adapter_input, Base, Linear, Param};
-use crate::no_grad::enter;
-use crate::ops;
-use crate::quant::nf4::{Nf4Options, Nf4Weight};
-use crate::weights::Weights;
+use crate::io::weights::Weights;
+use crate::kernels::nf4::{Nf4Options, Nf4Weight};
+use crate::nn::linear::{adapter_input, Base, Linear, Param};
+use crate::nn::no_grad::enter;
+use crate::nn::ops;
 
 /// How to load a model.
 #[derive(Clone, Debug)]
@@ -34,7 +37,7 @@ pub struct LoadOptions {
     /// checkpoint loads as NF4 whatever this says.
     pub quantize: Option<Nf4Options>,
     /// `config.json` keys to read as if absent (`model.ignore_config_keys`): for a key tallow
-    /// refuses that the user knows has no effect (`crate::hf_keys`).
+    /// refuses that the user knows has no effect (`crate::config::hf_keys`).
     pub ignore_config_keys: Vec<String>,
 }
 
@@ -189,7 +192,7 @@ impl Attention {
                 Some(cap) => ops::causal_attention_capped(&q, &k, &v, m, cap)?,
             },
             Mask::Chunked(m) => {
-                crate::chunked::chunked_attention_capped(&q, &k, &v, m, self.softcap)?
+                crate::kernels::chunked::chunked_attention_capped(&q, &k, &v, m, self.softcap)?
             }
         }; // (B, KV, n_rep*T, D)
         let y = y.reshape((b, h, t, d))?; // (B, H, T, D)
@@ -449,7 +452,7 @@ pub struct CausalLM {
     pub(crate) rotary: Rotary,
     dtype: DType,
     device: Device,
-    /// Activation checkpointing, when on (see [`crate::checkpointing`]).
+    /// Activation checkpointing, when on (see [`crate::decoder::checkpointing`]).
     checkpointing: Option<Checkpointing>,
     /// How the training / eval forward computes attention (`model.attention`).
     pub attention: AttentionImpl,
@@ -581,7 +584,7 @@ impl Rotary {
 /// `model.attention`: how the full-sequence forward computes attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AttentionImpl {
-    /// Blocks of queries, nothing T x T kept ([`crate::chunked`]); the default.
+    /// Blocks of queries, nothing T x T kept ([`crate::kernels::chunked`]); the default.
     #[default]
     Chunked,
     /// HF's eager attention: the (T, T) mask, scores and probabilities of every layer.
@@ -593,8 +596,8 @@ pub enum AttentionImpl {
 pub enum Mask {
     /// (B, 1, T, T), 0 or -inf
     Dense(Tensor),
-    /// Per-token segment ids and the window ([`crate::chunked::AttentionMask`]).
-    Chunked(crate::chunked::AttentionMask),
+    /// Per-token segment ids and the window ([`crate::kernels::chunked::AttentionMask`]).
+    Chunked(crate::kernels::chunked::AttentionMask),
 }
 
 impl CausalLM {
@@ -669,7 +672,7 @@ impl CausalLM {
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            // The linears in `layer_linears` order (crate::layout): seven, or Phi-3's four.
+            // The linears in `layer_linears` order (crate::config::layout): seven, or Phi-3's four.
             let mut lins = c
                 .layer_linears()
                 .iter()
@@ -772,7 +775,7 @@ impl CausalLM {
 
     /// With checkpointing on: keep the checkpointed layers' inputs in host memory between the
     /// forward and the backward (`train.offload_checkpoints`; no saving on the CPU, where the
-    /// host copy is the tensor itself). See [`crate::checkpointing`].
+    /// host copy is the tensor itself). See [`crate::decoder::checkpointing`].
     pub fn set_offload_checkpoints(&mut self, on: bool) {
         if let Some(c) = &mut self.checkpointing {
             c.offload = on;
@@ -837,11 +840,9 @@ impl CausalLM {
                     self.dtype,
                     &self.device,
                 )?),
-                AttentionImpl::Chunked => Mask::Chunked(crate::chunked::AttentionMask::new(
-                    segments,
-                    window,
-                    &self.device,
-                )?),
+                AttentionImpl::Chunked => Mask::Chunked(
+                    crate::kernels::chunked::AttentionMask::new(segments, window, &self.device)?,
+                ),
             })
         };
         let mask = make(self.config.sliding_window)?;
@@ -920,7 +921,7 @@ impl CausalLM {
     }
 
     /// Full logits, upcast to f32 (f64 for an f64 model). Only for small inputs (tests, debugging):
-    /// training and eval use the chunked loss in [`crate::loss`].
+    /// training and eval use the chunked loss in [`crate::nn::loss`].
     /// input_ids: (B, T) -> (B, T, V)
     pub fn logits(&self, input_ids: &Tensor) -> Result<Tensor> {
         let h = self.forward_hidden(input_ids, None)?;

@@ -195,8 +195,8 @@ impl DecoderConfig {
 
 #[cfg(test)]
 mod tests {
+    use crate::config::layout::{module_name, FUSED_LINEAR_PATHS, LINEAR_PATHS};
     use crate::config::DecoderConfig;
-    use crate::layout::{module_name, FUSED_LINEAR_PATHS, LINEAR_PATHS};
     use crate::peft::{FUSED_MODULES, KNOWN_MODULES, LINEAR_MODULES};
 
     /// PEFT's target names are the module part of the layout's paths, in the same order.
@@ -212,7 +212,7 @@ mod tests {
     }
 
     fn phi3() -> DecoderConfig {
-        let text = include_str!("../../../benchmarks/models/phi-3.5-mini-instruct.json");
+        let text = include_str!("../../../../benchmarks/models/phi-3.5-mini-instruct.json");
         DecoderConfig::from_json_str(text, std::path::Path::new("phi3.json")).unwrap()
     }
 

@@ -1,5 +1,5 @@
 //! Host copies of offloaded checkpoint inputs (`train.offload_checkpoints`, see
-//! [`crate::checkpointing`]): [`HostCopy::of`] after a layer's forward, [`HostCopy::back`]
+//! [`crate::decoder::checkpointing`]): [`HostCopy::of`] after a layer's forward, [`HostCopy::back`]
 //! before its backward.
 //!
 //! - **CPU:** the copy is the tensor itself (same storage): the same code path, no saving.

@@ -10,9 +10,9 @@
 
 use candle_core::Tensor;
 
-use crate::consts::ConstKey;
 use crate::error::{ModelError, Result};
-use crate::ops;
+use crate::kernels::consts::ConstKey;
+use crate::nn::ops;
 
 /// Elements of f32 logits per chunk (16 Mi elements = 64 MiB): bounds the transient memory.
 pub const CHUNK_ELEMS: usize = 16 << 20;
@@ -130,7 +130,7 @@ fn nll_sum_no_grad(
         let len = step.min(n - start);
         let logits = chunk_logits(&h.narrow(0, start, len)?, head, softcap)?; // (n, V)
         if let Some(y) = &host_labels {
-            host_total += crate::fused::ce_nll_sum(&logits, &y[start..start + len])?;
+            host_total += crate::kernels::fused::ce_nll_sum(&logits, &y[start..start + len])?;
             continue;
         }
         let logp = ops::log_softmax_last_dim(&logits)?;
@@ -173,8 +173,8 @@ fn nll_bwd(
     let w = head.detach();
     let g = grad.to_dtype(up)?; // scalar
     let key = ConstKey::with("arange.u32", [v as u64]);
-    // (1, V), uploaded once per device and vocabulary size (crate::consts)
-    let vocab = crate::consts::cached(h.device(), key, |d| {
+    // (1, V), uploaded once per device and vocabulary size (crate::kernels::consts)
+    let vocab = crate::kernels::consts::cached(h.device(), key, |d| {
         Tensor::arange(0u32, v as u32, d)?.unsqueeze(0)
     })?;
     let step = chunk_rows(v);
@@ -198,7 +198,7 @@ fn nll_bwd(
         let dlogits = match &host_labels {
             // CPU: softmax - onehot, scaled, in the logits' own buffer.
             Some(y) => {
-                crate::fused::ce_grad_in_place(&logits, &y[start..start + len], g_host)?;
+                crate::kernels::fused::ce_grad_in_place(&logits, &y[start..start + len], g_host)?;
                 let d = match &dcap {
                     Some(dc) => (&logits * dc)?.to_dtype(h.dtype())?,
                     None => logits.to_dtype(h.dtype())?, // the same buffer in f32 / f64
