@@ -367,7 +367,8 @@ pub fn dropout_keep_masks(
     rows: usize,
     t: usize,
 ) -> HashMap<String, Tensor> {
-    use tallow_model::{load_peft, peft::peft_prefix, set_dropout_rate, CausalLM, LoadOptions};
+    use tallow_model::peft::names::peft_prefix;
+    use tallow_model::{load_peft, set_dropout_rate, CausalLM, LoadOptions};
     let dev = Device::Cpu;
     let mut m = CausalLM::load(model, &LoadOptions::frozen(candle_core::DType::F32, &dev)).unwrap();
     load_peft(&mut m, adapter).unwrap();

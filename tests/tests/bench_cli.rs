@@ -183,7 +183,7 @@ fn estimate_is_within_10_percent_on_the_grid_dora() {
         4,
         &[
             "--set",
-            "lora.dora=true",
+            "lora.kind=dora",
             "--set",
             "lora.dropout=0.05",
             "--grid",
@@ -288,7 +288,10 @@ fn random_levers(d: &mut Draw) -> Vec<String> {
         format!("train.method={method}"),
         format!("lora.rank={}", d.pick(&[8, 16, 32])),
         format!("lora.dropout={}", d.pick(&["0.0", "0.05"])),
-        format!("lora.dora={}", d.range(0, 3) == 0),
+        format!(
+            "lora.kind={}",
+            if d.range(0, 3) == 0 { "dora" } else { "lora" }
+        ),
         format!("train.checkpointing={}", d.coin()),
         format!("train.optimizer={}", d.pick(&["adamw", "adamw8bit", "sgd"])),
         format!("train.micro_batch_size={}", d.range(1, 2)),

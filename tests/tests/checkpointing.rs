@@ -103,7 +103,11 @@ fn adapter_gradients_with_checkpointing(model_name: &str, dora: bool) {
             .map(|s| s.to_string())
             .collect(),
         rslora: false,
-        dora,
+        kind: if dora {
+            tallow_model::AdapterKind::Dora
+        } else {
+            tallow_model::AdapterKind::Lora
+        },
     };
     attach_lora(&mut model, &spec, 1).unwrap();
     let vars = lora_vars(&model);

@@ -1,4 +1,4 @@
-//! DoRA (`lora.dora = true`, PEFT's `use_dora`) against PEFT 0.17.1 + transformers 4.57
+//! DoRA (`lora.kind = "dora"`, PEFT's `use_dora`) against PEFT 0.17.1 + transformers 4.57
 //! (fixtures from `scripts/make_dora_fixtures.py`): adapters PEFT wrote load here and give
 //! PEFT's loss, merged or not; one plain-SGD step from a non-zero adapter (magnitude away from
 //! the weight norm) matches PEFT's update of A, B and the magnitude; an adapter tallow wrote

@@ -60,7 +60,7 @@ fn evaluation_records_no_graph_and_needs_less_memory_than_a_training_forward() {
                     .map(String::from)
                     .to_vec(),
                 rslora: false,
-                dora: false,
+                kind: tallow_model::AdapterKind::Lora,
             };
             attach_lora(&mut model, &spec, 1).unwrap();
         }

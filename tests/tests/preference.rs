@@ -470,7 +470,7 @@ fn dpo_and_orpo_train_qdora_adapters() {
                 "--set",
                 "lora.init=",
                 "--set",
-                "lora.dora=true",
+                "lora.kind=dora",
                 "--set",
                 "lora.rank=4",
                 "--set",

@@ -121,10 +121,14 @@ pub fn model_card(dir: &Path, repo_id: &str) -> String {
     );
     y += "pipeline_tag: text-generation\ntags:\n";
     let mut tags = vec!["tallow".to_string(), "transformers".to_string()];
-    if let Some(a) = &adapter {
+    // The adapter's kind, as its adapter_config.json flags it (PEFT's `use_dora`).
+    let kind = adapter
+        .as_ref()
+        .map(|a| tallow_model::AdapterKind::from_use_dora(a["use_dora"].as_bool() == Some(true)));
+    if let Some(kind) = kind {
         tags.push("lora".into());
-        if a["use_dora"].as_bool() == Some(true) {
-            tags.push("dora".into());
+        if kind != tallow_model::AdapterKind::Lora {
+            tags.push(kind.name().into());
         }
         if let Some(b) = &base_id {
             tags.push(format!("base_model:adapter:{b}"));
@@ -157,11 +161,7 @@ pub fn model_card(dir: &Path, repo_id: &str) -> String {
             y += &format!(
                 "A {} adapter (rank {}, alpha {}, on {targets}) for {base_words}, trained with \
                  tallow. It is a PEFT adapter: transformers + PEFT load it as it is.\n\n",
-                if a["use_dora"].as_bool() == Some(true) {
-                    "DoRA"
-                } else {
-                    "LoRA"
-                },
+                kind.map_or("LoRA", |k| k.spec().label()),
                 a["r"],
                 a["lora_alpha"],
             );

@@ -49,7 +49,7 @@ pub enum ModelError {
     Refused {
         path: PathBuf,
         class: String,
-        refusals: Vec<crate::config::hf_keys::Refusal>,
+        refusals: Vec<Refusal>,
     },
 
     #[error(
@@ -89,6 +89,24 @@ pub enum ModelError {
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;
+
+/// One refused key: its name (dotted for a nested one, `rope_parameters.full_attention`), its
+/// value as the file has it (short), and what transformers does with it / what tallow lacks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Refusal {
+    pub key: String,
+    pub value: Option<String>,
+    pub msg: String,
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.value {
+            Some(v) => write!(f, "`{}` = {v}: {}", self.key, self.msg),
+            None => write!(f, "`{}`: {}", self.key, self.msg),
+        }
+    }
+}
 
 /// A [`ModelError`] of [`crate::load()`], with the step that failed and its directory.
 ///

@@ -1,4 +1,5 @@
-//! tallow-model: Llama, Qwen2 and Qwen3 causal LMs in Candle, written for training.
+//! tallow-model: decoder-only causal LMs (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3)
+//! in Candle, written for training.
 //!
 //! - `config` + one file per family (`llama`, `qwen2`, `qwen3`): config.json -> [`DecoderConfig`].
 //! - `model`: the decoder, written once; `linear`: the one linear layer (frozen / trainable base,
@@ -26,6 +27,7 @@ pub mod peft;
 
 pub use config::layout::{LinearSpec, LINEAR_PATHS};
 pub use config::{Arch, DecoderConfig, RopeScaling};
+pub use decoder::save::save_hf_model;
 pub use decoder::{AttentionImpl, CausalLM, LoadOptions};
 pub use error::{LoadError, ModelError, Result};
 pub use generate::sampling::{Sampler, SamplingParams};
@@ -33,11 +35,12 @@ pub use generate::{generate, GenerateOptions, Generation, GenerationConfig, KvCa
 pub use io::weights::Weights;
 pub use kernels::nf4::{Nf4Options, Nf4Weight};
 pub use load::load;
+pub use nn::linear::Adapter;
 pub use nn::linear::{Base, Linear, Param};
+pub use nn::lora::Lora;
 pub use nn::loss::{lm_head_nll, Targets};
 pub use nn::no_grad::no_grad;
-pub use peft::Lora;
-pub use peft::{
-    attach_lora, load_peft, lora_vars, merge_lora, save_hf_model, save_peft, set_dropout,
-    set_dropout_rate, Adapter, Dora, LoraSpec,
-};
+pub use peft::attach::{attach_lora, lora_vars, merge_lora, set_dropout, set_dropout_rate};
+pub use peft::dora::Dora;
+pub use peft::format::{load_peft, save_peft};
+pub use peft::{AdapterKind, LoraSpec};

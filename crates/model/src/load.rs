@@ -7,7 +7,8 @@ use std::path::Path;
 
 use crate::decoder::{CausalLM, LoadOptions};
 use crate::error::LoadError;
-use crate::peft::{load_peft, LoraSpec};
+use crate::peft::format::load_peft;
+use crate::peft::LoraSpec;
 
 /// Loads the model in `dir` with `opts`, then the adapter in `adapter` (ours or PEFT's) onto it;
 /// returns the adapter's spec when there is one.

@@ -58,9 +58,23 @@ pub struct LoraState {
     pub alpha: f64,
     pub targets: Vec<String>,
     pub rslora: bool,
-    /// Absent in checkpoints written before DoRA existed: false.
-    #[serde(default)]
+    /// The adapter kind ("lora", "dora"). Checkpoints written before kinds had `dora: bool`
+    /// (absent: false), read by [`LoraState::kind`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<tallow_model::AdapterKind>,
+    #[serde(default, skip_serializing)]
     pub dora: bool,
+}
+
+impl LoraState {
+    /// The adapter kind, from `kind` or an older checkpoint's `dora`.
+    pub fn kind(&self) -> tallow_model::AdapterKind {
+        self.kind.unwrap_or(if self.dora {
+            tallow_model::AdapterKind::Dora
+        } else {
+            tallow_model::AdapterKind::Lora
+        })
+    }
 }
 
 fn no_quantize() -> String {

@@ -25,11 +25,11 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use tallow_model::kernels::dropout::DropoutOp;
+use tallow_model::kernels::matmul::{FrozenMatmul, TrainableMatmul};
 use tallow_model::kernels::nf4::Nf4Matmul;
-use tallow_model::nn::linear::{FrozenMatmul, TrainableMatmul};
 use tallow_model::nn::loss::{lm_head_nll, Targets};
 use tallow_model::nn::ops;
-use tallow_model::{Adapter, Base, CausalLM, Linear, LoadOptions, Lora, Nf4Weight, Param};
+use tallow_model::{Base, CausalLM, Linear, LoadOptions, Lora, Nf4Weight, Param};
 
 use crate::optim::{AdamW, AdamW8bit, AdamWParams, Optimizer};
 
@@ -594,7 +594,7 @@ fn lora_linear(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
         let lin = Linear {
             weight: Base::Dense(Param::Frozen(w)),
             bias: None,
-            adapter: Some(Adapter::Lora(Lora {
+            adapter: Some(Box::new(Lora {
                 a: a.clone(),
                 b: b.clone(),
                 scale,
@@ -697,7 +697,7 @@ fn checkpointed(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
             .map(|s| s.to_string())
             .collect(),
         rslora: false,
-        dora: false,
+        kind: tallow_model::AdapterKind::Lora,
     };
     tallow_model::attach_lora(&mut model, &spec, 1).map_err(to_candle)?;
     tallow_model::set_dropout(&model, Some(7));

@@ -30,8 +30,10 @@
 //! plus the gradient all-reduce's buckets in the optimizer phase and, with
 //! `train.shard_optimizer`, the optimizer state of the tensors the rank owns.
 
+use candle_core::DType;
 use serde::Serialize;
 use tallow_model::config::Activation;
+use tallow_model::kernels::dispatch::{Backend, Paths};
 use tallow_model::DecoderConfig;
 
 use crate::config::{Attention, ModelDtype, Quantize, TrainConfig};
@@ -170,36 +172,28 @@ fn state_bytes(kind: OptimizerKind, n: usize) -> u64 {
     }
 }
 
-/// Which of the CPU's one-op paths a config takes; none on CUDA.
-#[derive(Clone, Copy)]
-struct CpuOps {
-    /// `tallow_model::kernels::fused`'s kernels (f32): one output per norm, rotary, SwiGLU and eager
-    /// attention core.
-    kernels: bool,
-    /// The one-op LoRA linear (`tallow_model::nn::linear`, f32 and bf16): one output per adapted
-    /// linear, no adapter intermediates and no f32 copy of its input.
-    lora: bool,
-    /// Chunked attention's CPU kernel (f32, and bf16 without soft-capping), whose transients
-    /// are two 64-row score blocks per task (bf16: plus its operands widened to f32).
-    chunked: bool,
-}
-
-impl CpuOps {
-    fn of(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> Self {
-        let f32 = dtype_bytes(cfg.model.dtype) == 4;
-        let bf16 = cfg.model.dtype == ModelDtype::Bf16;
-        let capped = m.variant.attn_logit_softcapping.is_some();
-        CpuOps {
-            kernels: cpu && f32,
-            lora: cpu && (f32 || bf16),
-            chunked: cpu && (f32 || (bf16 && !capped)),
-        }
-    }
+/// The paths the model crate's dispatch rule gives a config's step
+/// (`tallow_model::kernels::dispatch`): one-op CPU kernels keep one output where the tensor-op
+/// path keeps several.
+fn paths(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> Paths {
+    let backend = if cpu { Backend::Cpu } else { Backend::Cuda };
+    let dtype = match cfg.model.dtype {
+        ModelDtype::F32 => DType::F32,
+        ModelDtype::Bf16 => DType::BF16,
+        ModelDtype::F16 => DType::F16,
+    };
+    // adapters are f32 whatever the base dtype (PEFT's `autocast_adapter_dtype`)
+    Paths::of(
+        backend,
+        dtype,
+        DType::F32,
+        m.variant.attn_logit_softcapping.is_some(),
+    )
 }
 
 /// Bytes one decoder layer keeps alive for the backward, per micro-batch of `b` rows of `t`
 /// tokens, op by op as `tallow_model::decoder` runs them (s = model dtype bytes; LoRA runs in f32).
-/// `cpu`: the CPU's one-op paths where the dtype has them ([`CpuOps`]), which keep one output
+/// `cpu`: the CPU's one-op paths where the dtype has them ([`paths`]), which keep one output
 /// per linear, norm, rotary and SwiGLU and no adapter intermediates.
 pub fn layer_activation_bytes(
     m: &DecoderConfig,
@@ -233,7 +227,7 @@ impl LayerHalves {
 }
 
 fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves {
-    let ops = CpuOps::of(m, cfg, cpu);
+    let ops = paths(m, cfg, cpu);
     let s = dtype_bytes(cfg.model.dtype);
     let cast = |n: usize| if s == 4 { 0 } else { n }; // to_dtype is free when it is a no-op
     let (c, d) = (m.hidden_size, m.head_dim);
@@ -247,21 +241,16 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
     // `shared`: one cast for the group, counted by `group_cast`), the dropped-out x (the
     // dropout op keeps no mask), x·Aᵀ and its scaled copy (r), B·(..) in f32, cast back, sum.
     let adapted = |l: &Lin| lora && targets.contains(&l.module());
-    let dora = lora && cfg.lora.dora;
-    let one_op = |l: &Lin| ops.lora && !dora && adapted(l);
+    let kind = cfg.lora.kind.spec();
+    let one_op = |l: &Lin| ops.lora_one_op && kind.additive() && adapted(l);
     let linear = |l: &Lin, shared: bool| -> usize {
-        if dora && adapted(l) {
-            return dora_linear(l, s, r, dropout, shared);
-        }
         if one_op(l) {
             return s * l.out; // one op; its input is the previous output, A and B are params
         }
-        let mut n = s * l.out + if l.bias { s * l.out } else { 0 };
         if adapted(l) {
-            n += if shared { 0 } else { cast(4 * l.inp) } + if dropout { 4 * l.inp } else { 0 };
-            n += 8 * r + 4 * l.out + cast(s * l.out) + s * l.out;
+            return kind.activation_bytes(l, s, r, dropout, shared);
         }
-        n
+        s * l.out + if l.bias { s * l.out } else { 0 }
     };
     // Linears reading one input (q/k/v, gate/up) share its f32 cast when >= 2 adapted ones
     // take the unfused path (the one-op linear casts inside).
@@ -298,7 +287,7 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
         attn += s * (q + kvd); // q_norm, k_norm outputs (Qwen3's, Gemma 3's (1 + w) ones)
     }
     attn += s * (q + 2 * kvd); // transposed q, k, v (fused: the rotary op's outputs, v)
-    if !ops.kernels {
+    if !ops.fused {
         attn += s * (q + kvd); // rotary embedding of q (scaled by 1/sqrt(D)), k
     }
     // (grouped-query heads share their kv head in the matmuls: no repeat_kv copies)
@@ -318,7 +307,7 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
     mlp += group(&lgu);
     mlp += match m.variant.act {
         // silu and silu(gate) * up (fused: one SwiGLU output)
-        Activation::Silu => (if ops.kernels { 1 } else { 2 }) * s * m.intermediate_size,
+        Activation::Silu => (if ops.fused { 1 } else { 2 }) * s * m.intermediate_size,
         // Gemma's GeGLU: one op on every device (`ops::geglu`), its output only
         Activation::GeluTanh => s * m.intermediate_size,
     };
@@ -338,7 +327,7 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
         // probabilities). Gemma 2's soft-capped scores take the tensor-op path on every device
         // (`ops::causal_attention_capped`): the scores, their capped copy, the f32
         // probabilities and their cast.
-        match (m.variant.attn_logit_softcapping, ops.kernels) {
+        match (m.variant.attn_logit_softcapping, ops.fused) {
             (Some(_), _) => 2 * s + 4 + cast(s),
             (None, true) => 4,
             (None, false) => s + 4 + cast(s),
@@ -360,7 +349,7 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
 /// forward (scores, exp, probabilities) and 6 in the backward (the recomputed ones, dP, dS and
 /// their casts), plus f32 dK / dV sums.
 fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> (u64, u64) {
-    let ops = CpuOps::of(m, cfg, cpu);
+    let ops = paths(m, cfg, cpu);
     let (b, t) = (rows_per_micro_batch(cfg), cfg.data.max_seq_len);
     let (h, kv, d) = (m.num_attention_heads, m.num_key_value_heads, m.head_dim);
     let scores = (b * h * t * t * 4) as u64;
@@ -368,8 +357,8 @@ fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> (u64
     // block on the chunked paths, and in the eager backward.
     let capped = m.variant.attn_logit_softcapping.is_some();
     let fused = match cfg.model.attention {
-        Attention::Eager => ops.kernels && !capped,
-        Attention::Chunked => ops.chunked,
+        Attention::Eager => ops.fused && !capped,
+        Attention::Chunked => ops.chunked_kernel,
     };
     match (cfg.model.attention, fused) {
         // The fused CPU op's backward reads its kept probabilities and holds one 64-row dS
@@ -401,27 +390,6 @@ fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> (u64
         3 * block + extra,
         6 * block + extra + (2 * b * t * kv * d * 4) as u64,
     )
-}
-
-/// What a DoRA linear keeps per token (`tallow_model::peft::dora`, tensor ops on every device):
-/// the base output, its f32 copy (bf16 / f16), the adapter input cast and dropped out, x·Aᵀ and
-/// its scaled copy, the adapter output, (W x + s B A x), the rescaled sum, the cast back and the
-/// bias add; with dropout also the dropped input in the model dtype, the second base matmul on it
-/// and its f32 copy, and PEFT's two extra (M, out) sums.
-fn dora_linear(l: &Lin, s: usize, r: usize, dropout: bool, shared: bool) -> usize {
-    let cast = |n: usize| if s == 4 { 0 } else { n };
-    let mut n = s * l.out + cast(4 * l.out); // base output, in f32
-    n += if shared { 0 } else { cast(4 * l.inp) }; // adapter input in f32
-    n += 8 * r + 4 * l.out; // x·Aᵀ, scaled, ·Bᵀ
-    n += 4 * l.out + 4 * l.out + cast(s * l.out); // sum, rescaled, cast back
-    if l.bias {
-        n += s * l.out;
-    }
-    if dropout {
-        n += 4 * l.inp + cast(s * l.inp); // dropped input, in the model dtype
-        n += s * l.out + cast(4 * l.out) + 2 * 4 * l.out; // W xd, in f32, two more sums
-    }
-    n
 }
 
 fn mib(b: u64) -> String {
@@ -682,7 +650,14 @@ pub fn trainable_params(m: &DecoderConfig, cfg: &TrainConfig) -> u64 {
                 .layer_linears()
                 .iter()
                 .filter(|l| targets.contains(&l.module()))
-                .map(|l| cfg.lora.rank * (l.inp + l.out) + if cfg.lora.dora { l.out } else { 0 })
+                .map(|l| {
+                    let sizes = cfg
+                        .lora
+                        .kind
+                        .spec()
+                        .tensor_sizes(l.out, l.inp, cfg.lora.rank);
+                    sizes.iter().sum::<usize>()
+                })
                 .sum();
             (per_layer * m.num_hidden_layers) as u64
         }
@@ -708,11 +683,12 @@ pub fn trainable_tensor_sizes(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize
     for _ in 0..m.num_hidden_layers {
         for l in m.layer_linears() {
             if targets.contains(&l.module()) {
-                v.push(cfg.lora.rank * l.inp);
-                v.push(cfg.lora.rank * l.out);
-                if cfg.lora.dora {
-                    v.push(l.out); // the magnitude
-                }
+                v.extend(
+                    cfg.lora
+                        .kind
+                        .spec()
+                        .tensor_sizes(l.out, l.inp, cfg.lora.rank),
+                );
             }
         }
     }
@@ -785,21 +761,23 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let linear_elems = m.linear_weight_elems();
     let other = m.num_params() - linear_elems;
     let dt = cfg.model.dtype.name();
-    let dora = !full && cfg.lora.dora;
-    // DoRA keeps ||W_i||² per output row of each adapted linear (f32, computed once).
-    let dora_norms = if dora {
-        let targets = lora_targets(m, cfg);
-        let outs: usize = m
-            .layer_linears()
-            .iter()
-            .filter(|l| targets.contains(&l.module()))
-            .map(|l| l.out)
-            .sum();
-        4 * (outs * layers) as u64
-    } else {
-        0
+    // What the adapter kind keeps beside its trainable tensors (DoRA: ||W_i||² per output row
+    // of each adapted linear, f32, computed once).
+    let kind = (!full).then(|| cfg.lora.kind.spec());
+    let adapter_kept = match kind {
+        Some(kind) => {
+            let targets = lora_targets(m, cfg);
+            let per_layer: usize = m
+                .layer_linears()
+                .iter()
+                .filter(|l| targets.contains(&l.module()))
+                .map(|l| kind.kept_bytes(l.out))
+                .sum();
+            (per_layer * layers) as u64
+        }
+        None => 0,
     };
-    let base_bytes = dora_norms
+    let base_bytes = adapter_kept
         + if nf4 {
             linear_nf4 + s * other as u64
         } else {
@@ -835,7 +813,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
                 4 * tp,
                 format!(
                     "{} r{} on {}, {tp} parameters in f32",
-                    if dora { "DoRA" } else { "LoRA" },
+                    cfg.lora.kind.spec().label(),
                     cfg.lora.rank,
                     lora_targets(m, cfg).join(",")
                 ),
@@ -959,14 +937,12 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // allocates only its output in the compute dtype (`quant::nf4`); a bf16 / f16 matmul on
     // the CPU then reads it as an f32 copy.
     let dequantized = if nf4 { s * largest_linear as u64 } else { 0 } + f32_copy(largest_linear);
-    // DoRA's weight norm reads a bf16 / f16 (or NF4-dequantized) weight in f32, one linear at a
-    // time (`tallow_model::peft::dora`): a transient the size of the largest weight.
-    let dora_norm = if dora && s != 4 {
-        (4 + if nf4 { s } else { 0 }) * largest_linear as u64
-    } else {
-        0
-    };
-    let dequantized = dequantized.max(dora_norm);
+    // An adapter that reads the weight (DoRA's norm of a bf16 / f16 or NF4-dequantized weight in
+    // f32, one linear at a time): a transient the size of the largest weight.
+    let adapter_read = kind.map_or(0, |k| {
+        k.weight_transient_bytes(largest_linear, s as usize, nf4)
+    }) as u64;
+    let dequantized = dequantized.max(adapter_read);
     // Two high points: the end of the backward (every gradient in Candle's store, or in the
     // checkpointed layers' side stores, plus what is in flight), and adding them to the f32
     // accumulator (without checkpointing the whole store is alive next to the sums; with it,

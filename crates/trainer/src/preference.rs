@@ -7,7 +7,7 @@
 //! Log-probs are sums over a completion's tokens; IPO and ORPO use their per-token means.
 //!
 //! - DPO: margin = (pi_c - pi_r) - (ref_c - ref_r), with `ref` the same model with its
-//!   adapters off ([`tallow_model::peft::adapters_off`], PEFT's `disable_adapter()`), computed
+//!   adapters off ([`tallow_model::nn::linear::adapters_off`], PEFT's `disable_adapter()`), computed
 //!   in the step without a graph or once before training (`preference.precompute_ref`).
 //!   sigmoid: -(1 - ls) log sigmoid(beta margin) - ls log sigmoid(-beta margin);
 //!   ipo: (margin - 1 / (2 beta))^2 on mean log-probs. Rewards: beta (pi - ref).
@@ -21,8 +21,8 @@
 //! same when micro-batches hold equally many pairs).
 
 use candle_core::{DType, Device, Tensor};
+use tallow_model::nn::linear::adapters_off;
 use tallow_model::nn::no_grad::{self, no_grad};
-use tallow_model::peft::adapters_off;
 use tallow_model::{lm_head_nll, CausalLM, Targets};
 
 use crate::batch::{Batch, Row};

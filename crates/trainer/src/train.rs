@@ -18,7 +18,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::Serialize;
 use tallow_dist::Dist;
-use tallow_model::nn::linear::mix_seed;
+use tallow_model::nn::lora::mix_seed;
 use tallow_model::{
     attach_lora, lm_head_nll, lora_vars, save_hf_model, save_peft, set_dropout, set_dropout_rate,
     CausalLM, LoadOptions, LoraSpec, Nf4Options,
@@ -263,12 +263,16 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
     } else {
         let spec = if let (Some(mut spec), Some(init)) = (init_spec, init) {
             // rank / alpha / targets come from the adapter; dropout from this config.
-            if cfg.lora.dora && !spec.dora {
+            if cfg.lora.kind != spec.kind {
                 return Err(TrainError::Invalid(format!(
-                    "lora.dora = true, but the adapter in lora.init ({}) is plain LoRA \
-                     (use_dora false in its adapter_config.json): remove lora.dora, or start \
-                     from a DoRA adapter",
-                    init.display()
+                    "lora.kind = \"{}\", but the adapter in lora.init ({}) is {} (use_dora {} in \
+                     its adapter_config.json): set lora.kind = \"{}\", or start from an adapter \
+                     of that kind",
+                    cfg.lora.kind.name(),
+                    init.display(),
+                    spec.kind.spec().label(),
+                    spec.kind.spec().use_dora(),
+                    spec.kind.name(),
                 )));
             }
             spec.dropout = cfg.lora.dropout;
@@ -1556,7 +1560,8 @@ fn checkpoint_identity(
             alpha: s.alpha,
             targets: s.targets.clone(),
             rslora: s.rslora,
-            dora: s.dora,
+            kind: Some(s.kind),
+            dora: false,
         }),
         trainable: params
             .iter()

@@ -28,7 +28,7 @@ use std::path::{Path, PathBuf};
 use serde::de::{self, DeserializeOwned, Visitor};
 use serde_json::Value;
 
-use crate::error::{ModelError, Result};
+use crate::error::{ModelError, Refusal, Result};
 
 /// Keys that transformers reads but that never change a decoder's output: names, bookkeeping,
 /// storage dtype, runtime switches of the Python objects, generation defaults (`tallow
@@ -346,24 +346,6 @@ pub struct Refusals {
     /// The file's keys, for the values the message quotes.
     raw: Value,
     list: Vec<Refusal>,
-}
-
-/// One refused key: its name (dotted for a nested one, `rope_parameters.full_attention`), its
-/// value as the file has it (short), and what transformers does with it / what tallow lacks.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Refusal {
-    pub key: String,
-    pub value: Option<String>,
-    pub msg: String,
-}
-
-impl std::fmt::Display for Refusal {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.value {
-            Some(v) => write!(f, "`{}` = {v}: {}", self.key, self.msg),
-            None => write!(f, "`{}`: {}", self.key, self.msg),
-        }
-    }
 }
 
 impl Refusals {

@@ -47,8 +47,8 @@ use std::sync::{Arc, Mutex};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
+use crate::decoder::layer::{DecoderLayer, RopeMask};
 use crate::decoder::offload::HostCopy;
-use crate::decoder::{DecoderLayer, RopeMask};
 use crate::error::Result;
 
 /// Checkpointing settings of a model plus the side store of parameter gradients.

@@ -29,10 +29,9 @@ use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, D
 use rayon::prelude::*;
 
 use crate::kernels::fused::{
-    add_at_b, data, group_grads, narrow_bf16, small_gemm, storage_data, supports, uninit,
-    widen_bf16, Real,
+    add_at_b, data, group_grads, narrow_bf16, small_gemm, storage_data, uninit, widen_bf16, Real,
 };
-use crate::nn::linear::InStorage;
+use crate::kernels::matmul::InStorage;
 
 type R<T> = candle_core::Result<T>;
 
@@ -193,8 +192,11 @@ fn attention(
     if mask.first.len() != b || mask.first.iter().any(|s| s.len() != t) {
         candle_core::bail!("chunked attention: the mask is not {b} rows of {t} ids");
     }
-    let kernel_dtype =
-        supports(&q) || (q.dtype() == DType::BF16 && q.device().is_cpu() && softcap.is_none());
+    let kernel_dtype = crate::kernels::dispatch::chunked_kernel(
+        crate::kernels::dispatch::Backend::of(q.device()),
+        q.dtype(),
+        softcap.is_some(),
+    );
     let fused = kernel_dtype && k.dtype() == q.dtype() && v.dtype() == q.dtype();
     let tracked = q.track_op() || k.track_op() || v.track_op();
     if !fused || rows.is_some() {

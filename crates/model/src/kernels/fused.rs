@@ -77,11 +77,6 @@ macro_rules! real {
 real!(f32, round_bf16);
 real!(f64, |x| half::bf16::from_f64(x).to_f64());
 
-/// Whether the fused kernels take a tensor of this device and dtype.
-pub fn supports(t: &Tensor) -> bool {
-    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
-}
-
 /// The contiguous elements of a CPU storage.
 pub(crate) fn data<'a, T: candle_core::WithDType>(
     s: &'a CpuStorage,
@@ -1256,9 +1251,13 @@ mod tests {
     #[test]
     fn the_fused_ops_take_f32_and_f64_on_the_cpu_only() {
         let x = Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap();
-        assert!(supports(&x));
-        assert!(supports(&x.to_dtype(DType::F64).unwrap()));
-        assert!(!supports(&x.to_dtype(DType::BF16).unwrap()));
+        assert!(crate::kernels::dispatch::fused_for(&x));
+        assert!(crate::kernels::dispatch::fused_for(
+            &x.to_dtype(DType::F64).unwrap()
+        ));
+        assert!(!crate::kernels::dispatch::fused_for(
+            &x.to_dtype(DType::BF16).unwrap()
+        ));
     }
 }
 

@@ -7,6 +7,9 @@ pub mod chunked;
 pub mod consts;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod dispatch;
 pub mod dropout;
 pub mod fused;
+pub mod lora_linear;
+pub mod matmul;
 pub mod nf4;

@@ -53,7 +53,7 @@ use super::blockwise8::{
 use crate::error::{ModelError, Result};
 use crate::io::weights::Weights;
 use crate::kernels::consts::{cached, ConstKey};
-use crate::nn::linear::InStorage;
+use crate::kernels::matmul::InStorage;
 
 /// The NF4 codebook (`bitsandbytes.functional.get_4bit_type("nf4")`), sorted, index 0..15.
 /// Written with bitsandbytes' printed digits (they round to the same f32 values).
@@ -819,7 +819,7 @@ impl Nf4Matmul {
             );
         }
         let w = self.w.dequantize_candle()?; // (N, K)
-        crate::nn::linear::matmul_wt(s, l, &w, "nf4 matmul")
+        crate::kernels::matmul::matmul_wt(s, l, &w, "nf4 matmul")
     }
 }
 

@@ -50,7 +50,9 @@ pub fn enter(w: &Tensor) -> Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nn::linear::{lora_a_init, Adapter, Base, Linear, Lora, Param};
+    use crate::nn::linear::{Base, Linear, Param};
+    use crate::nn::lora::Lora;
+    use crate::peft::lora::lora_a_init;
     use candle_core::{DType, Device, Var};
 
     /// A linear layer with every kind of trainable weight: base, bias, LoRA A and B.
@@ -58,7 +60,7 @@ mod tests {
         Ok(Linear {
             weight: Base::Dense(Param::new(Tensor::randn(0f32, 1., (6, 4), dev)?, true)?),
             bias: Some(Param::new(Tensor::randn(0f32, 1., 6, dev)?, true)?),
-            adapter: Some(Adapter::Lora(Lora {
+            adapter: Some(Box::new(Lora {
                 a: Var::from_tensor(&lora_a_init(2, 4, 7, dev)?)?,
                 b: Var::from_tensor(&Tensor::randn(0f32, 1., (6, 2), dev)?)?,
                 scale: 2.0,

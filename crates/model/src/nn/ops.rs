@@ -26,7 +26,7 @@ pub fn upcast(dtype: DType) -> DType {
 /// result cast back to the input dtype before the weight multiply.
 /// x: (..., C), w: (C) -> (..., C)
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    if crate::kernels::fused::supports(x) && w.dtype() == x.dtype() {
+    if crate::kernels::dispatch::fused_for(x) && w.dtype() == x.dtype() {
         return Ok(crate::kernels::fused::rms_norm(x, w, eps)?); // one pass forward, one backward
     }
     rms_norm_generic(x, w, eps)
@@ -63,7 +63,7 @@ pub fn rms_norm_generic(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 /// result cast back to x's dtype (Llama's casts before the weight multiply).
 /// x: (..., C), w: (C) -> (..., C)
 pub fn rms_norm_plus_one(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    if crate::kernels::fused::supports(x) && w.dtype() == x.dtype() {
+    if crate::kernels::dispatch::fused_for(x) && w.dtype() == x.dtype() {
         // f32 / f64: no cast between the two products, so this is [`rms_norm`] with weight
         // 1 + w (computed in x's dtype, as `1.0 + weight.float()`); the offset's backward is
         // the identity.
@@ -145,7 +145,7 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 /// scores: (B, H, T, T), mask: (B, 1, T, T) additive (0 / -inf) -> (B, H, T, T) in the upcast dtype
 /// Grouped query heads may come as (B, KV, n_rep * T, T): row y takes mask row y mod T.
 pub fn masked_softmax(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
-    if crate::kernels::fused::supports(scores) && mask.dtype() == scores.dtype() {
+    if crate::kernels::dispatch::fused_for(scores) && mask.dtype() == scores.dtype() {
         return Ok(crate::kernels::fused::masked_softmax(scores, mask)?);
     }
     let (b, x, y, s) = scores.dims4()?;
@@ -451,7 +451,7 @@ pub fn apply_rope_scaled(x: &Tensor, cos: &Tensor, sin: &Tensor, scale: f64) -> 
 /// [`apply_rope_scaled`].
 /// x: (B, T, H, D), cos/sin: (B, 1, T, D) -> (B, H, T, D)
 pub fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor, scale: f64) -> Result<Tensor> {
-    if crate::kernels::fused::supports(x) && cos.dtype() == x.dtype() {
+    if crate::kernels::dispatch::fused_for(x) && cos.dtype() == x.dtype() {
         return Ok(crate::kernels::fused::rope_heads(x, cos, sin, scale)?);
     }
     apply_rope_scaled(&x.transpose(1, 2)?.contiguous()?, cos, sin, scale)
@@ -463,7 +463,8 @@ pub fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor, scale: f64) -> Result<
 /// ([`crate::kernels::fused::causal_attention`]); elsewhere the eager matmul / softmax / matmul, the
 /// softmax in f32, as HF's eager attention.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
-    if crate::kernels::fused::supports(q) && k.dtype() == q.dtype() && mask.dtype() == q.dtype() {
+    if crate::kernels::dispatch::fused_for(q) && k.dtype() == q.dtype() && mask.dtype() == q.dtype()
+    {
         return Ok(crate::kernels::fused::causal_attention(q, k, v, mask)?);
     }
     let scores = q.matmul(&k.t()?)?; // (B, KV, n_rep*T, T)
@@ -490,7 +491,7 @@ pub fn causal_attention_capped(
 /// SwiGLU's gate: silu(g) * u, one fused pass on the CPU (and one back), Candle ops elsewhere.
 /// g, u: (..., I) -> (..., I)
 pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
-    if crate::kernels::fused::supports(g) && u.dtype() == g.dtype() {
+    if crate::kernels::dispatch::fused_for(g) && u.dtype() == g.dtype() {
         return Ok(crate::kernels::fused::swiglu(g, u)?);
     }
     Ok((g.silu()? * u)?) // Candle's silu has a backward

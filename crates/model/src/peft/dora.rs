@@ -28,9 +28,11 @@
 
 use candle_core::{DType, Tensor, Var};
 
+use super::kind::KindSpec;
+use crate::config::layout::LinearSpec;
 use crate::error::Result;
-use crate::nn::linear::{Base, Linear};
-use crate::peft::Lora;
+use crate::nn::linear::{Adapter, Base, Linear};
+use crate::nn::lora::Lora;
 
 /// A DoRA adapter: LoRA's A and B plus the magnitude vector.
 #[derive(Clone)]
@@ -82,7 +84,7 @@ impl Dora {
 
     /// The DoRA linear's output from the base output `base` = x Wᵀ (M, out), the bias and the
     /// adapter input `x` (M, in) in f32. Returns (M, out) in the base output's dtype.
-    pub(crate) fn forward(
+    fn dora_forward(
         &self,
         lin: &Linear,
         base: Tensor,
@@ -117,13 +119,127 @@ impl Dora {
 
     /// The merged weight m ⊙ (W + s B A) / ||W + s B A|| (out, in) in the base's dtype, computed
     /// in f32 as PEFT's `merge_and_unload` does (the norm of the summed weight itself).
-    pub fn merged_weight(&self, lin: &Linear) -> Result<Tensor> {
+    fn dora_merged(&self, lin: &Linear) -> Result<Tensor> {
         let w = lin.weight.dense()?; // (out, in)
         let delta = (self.lora.b.matmul(self.lora.a.as_tensor())? * self.lora.scale)?;
         let full = (w.to_dtype(DType::F32)? + delta)?; // (out, in)
         let n = full.sqr()?.sum_keepdim(1)?.sqrt()?; // (out, 1)
         let factor = self.magnitude.as_tensor().unsqueeze(1)?.broadcast_div(&n)?; // (out, 1)
         Ok(full.broadcast_mul(&factor)?.to_dtype(w.dtype())?)
+    }
+}
+
+impl Adapter for Dora {
+    fn kind(&self) -> &'static str {
+        DoraKind.name()
+    }
+
+    fn lora(&self) -> &Lora {
+        &self.lora
+    }
+
+    fn lora_mut(&mut self) -> &mut Lora {
+        &mut self.lora
+    }
+
+    fn forward(
+        &self,
+        lin: &Linear,
+        base: Tensor,
+        bias: Option<&Tensor>,
+        x: &Tensor,
+    ) -> Result<Tensor> {
+        self.dora_forward(lin, base, bias, x)
+    }
+
+    fn vars(&self) -> Vec<(&'static str, &Var)> {
+        vec![
+            ("lora_A.weight", &self.lora.a),
+            ("lora_B.weight", &self.lora.b),
+            ("lora_magnitude_vector", &self.magnitude),
+        ]
+    }
+
+    fn merged_weight(&self, lin: &Linear) -> Result<Tensor> {
+        self.dora_merged(lin)
+    }
+
+    fn clone_box(&self) -> Box<dyn Adapter> {
+        Box::new(self.clone())
+    }
+}
+
+/// The DoRA kind (`lora.kind = "dora"`, PEFT's `use_dora`).
+pub struct DoraKind;
+
+impl KindSpec for DoraKind {
+    fn name(&self) -> &'static str {
+        "dora"
+    }
+
+    fn label(&self) -> &'static str {
+        "DoRA"
+    }
+
+    fn use_dora(&self) -> bool {
+        true
+    }
+
+    /// m starts as the row norms of W (B = 0), so the model is unchanged.
+    fn attach(&self, lin: &Linear, lora: Lora) -> Result<Box<dyn Adapter>> {
+        Ok(Box::new(Dora::new(lin, lora)?))
+    }
+
+    /// A (r, in), B (out, r), m (out).
+    fn tensor_sizes(&self, out: usize, inp: usize, rank: usize) -> Vec<usize> {
+        vec![rank * inp, rank * out, out]
+    }
+
+    /// ||W_i||² per output row, f32, computed once.
+    fn kept_bytes(&self, out: usize) -> usize {
+        4 * out
+    }
+
+    fn additive(&self) -> bool {
+        false
+    }
+
+    /// Per token (tensor ops on every device): the base output, its f32 copy (bf16 / f16), the
+    /// adapter input cast and dropped out, x·Aᵀ and its scaled copy, the adapter output,
+    /// (W x + s B A x), the rescaled sum, the cast back and the bias add; with dropout also the
+    /// dropped input in the model dtype, the second base matmul on it and its f32 copy, and
+    /// PEFT's two extra (M, out) sums.
+    fn activation_bytes(
+        &self,
+        l: &LinearSpec,
+        s: usize,
+        r: usize,
+        dropout: bool,
+        shared: bool,
+    ) -> usize {
+        let cast = |n: usize| if s == 4 { 0 } else { n };
+        let mut n = s * l.out + cast(4 * l.out); // base output, in f32
+        n += if shared { 0 } else { cast(4 * l.inp) }; // adapter input in f32
+        n += 8 * r + 4 * l.out; // x·Aᵀ, scaled, ·Bᵀ
+        n += 4 * l.out + 4 * l.out + cast(s * l.out); // sum, rescaled, cast back
+        if l.bias {
+            n += s * l.out;
+        }
+        if dropout {
+            n += 4 * l.inp + cast(s * l.inp); // dropped input, in the model dtype
+            n += s * l.out + cast(4 * l.out) + 2 * 4 * l.out; // W xd, in f32, two more sums
+        }
+        n
+    }
+
+    /// The weight norm reads a bf16 / f16 (or NF4-dequantized) weight in f32, one linear at a
+    /// time: a transient the size of the weight in f32 (plus the dequantized copy for NF4).
+    fn weight_transient_bytes(&self, elems: usize, s: usize, nf4: bool) -> usize {
+        if s == 4 {
+            0
+        } else {
+            (4 + if nf4 { s } else { 0 }) * elems
+        }
     }
 }
 
@@ -149,9 +265,10 @@ mod tests {
     use candle_core::Device;
 
     use super::*;
+    use crate::kernels::dropout::Dropout;
+    use crate::kernels::nf4::Nf4Weight;
     use crate::nn::linear::Param;
-    use crate::peft::{lora_a_init, Adapter, Dropout};
-    use crate::Nf4Weight;
+    use crate::peft::lora::lora_a_init;
 
     fn max_rel(a: &Tensor, b: &Tensor) -> f64 {
         let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
@@ -177,7 +294,7 @@ mod tests {
         let dora = Dora::new(&lin, lora).unwrap();
         let m = (dora.magnitude.as_tensor() * 1.3).unwrap();
         dora.magnitude.set(&m).unwrap();
-        lin.adapter = Some(Adapter::Dora(dora.clone()));
+        lin.adapter = Some(Box::new(dora.clone()));
         (lin, dora)
     }
 
@@ -262,7 +379,7 @@ mod tests {
                 dropout: None,
                 id: 0,
             };
-            lin.adapter = Some(Adapter::Dora(Dora::new(&lin, lora).unwrap()));
+            lin.adapter = Some(Box::new(Dora::new(&lin, lora).unwrap()));
             lin
         };
         let y4 = mk(Base::Nf4(q)).forward(&x)?;

@@ -1,110 +1,109 @@
 //! LoRA (Hu et al. 2021, arXiv:2106.09685) as PEFT's `LoraLayer`: a rank-r update added to a
-//! linear layer's output.
+//! linear layer's output, y = W x + b + s · B A dropout(x). The factors and their product are
+//! [`crate::nn::lora::Lora`]; this file is the adapter kind: the trait the linear calls, a
+//! fresh adapter's init, and what one costs (for the estimate).
 //!
-//! ```text
-//!   x ──► W (frozen) ────────────────┐
-//!   │                                 (+) ──► y = W x + b + s · B A x
-//!   └──► A (r × in) ──► B (out × r) ─┘      s = alpha / r   (rsLoRA: alpha / sqrt(r))
-//! ```
-//!
-//! On the CPU in f32 / f64 the whole LoRA linear runs as one op ([`crate::nn::linear`]'s
-//! `LoraLinearOp`); elsewhere [`Lora::forward`] adds the adapter's output from tensor ops.
-
-use std::sync::Arc;
+//! On the CPU (f32 / f64, and a bf16 model's f32 adapter) the whole LoRA linear runs as one op
+//! (`crate::kernels::lora_linear`, chosen by `crate::nn::dispatch`); elsewhere
+//! [`Adapter::forward`] adds the adapter's output from tensor ops.
 
 use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 
+use super::kind::KindSpec;
+use crate::config::layout::LinearSpec;
 use crate::error::Result;
-pub use crate::kernels::dropout::Dropout;
-use crate::kernels::dropout::DropoutOp;
-use crate::nn::no_grad;
+use crate::nn::linear::{add_bias, Adapter, Linear};
+use crate::nn::lora::Lora;
 
-/// A LoRA adapter on one linear layer. A and B are f32 whatever the base dtype (as PEFT keeps
-/// them), so small updates are not lost to bf16 rounding.
-#[derive(Clone)]
-pub struct Lora {
-    /// (r, in), Kaiming-uniform at init.
-    pub a: Var,
-    /// (out, r), zeros at init, so a fresh adapter leaves the model unchanged.
-    pub b: Var,
-    pub scale: f64,
-    /// Dropout on the adapter's input (PEFT's `lora_dropout`), shared by all adapters of a model.
-    pub dropout: Option<Arc<Dropout>>,
-    /// Index of this adapter in the model, mixed into the dropout seed.
-    pub id: u64,
-}
-
-/// SplitMix64 finalizer: mixes an adapter id into a seed.
-pub fn mix_seed(seed: u64, id: u64) -> u64 {
-    let mut z = seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-impl Lora {
-    pub fn rank(&self) -> usize {
-        self.a.dim(0).unwrap_or(0)
+impl Adapter for Lora {
+    fn kind(&self) -> &'static str {
+        LoraKind.name()
     }
 
-    /// The dropout mask this adapter multiplies its input by in the micro-batch whose seed is
-    /// `micro_seed` (what the trainer passes to `set_dropout`), for an input of `dims` ((M, in)):
-    /// 0 with probability p, else 1/(1-p); None without dropout. A pure function of
-    /// (micro_seed, adapter id, element index): [`DropoutOp`] applied to ones.
-    pub fn dropout_mask(
+    fn lora(&self) -> &Lora {
+        self
+    }
+
+    fn lora_mut(&mut self) -> &mut Lora {
+        self
+    }
+
+    fn additive(&self) -> bool {
+        true
+    }
+
+    fn forward(
         &self,
-        micro_seed: u64,
-        dims: &[usize],
-        device: &Device,
-    ) -> Result<Option<Tensor>> {
-        match self.dropout_op(micro_seed) {
-            Some(op) => Ok(Some(op.apply(&Tensor::ones(dims, DType::F32, device)?)?)),
-            None => Ok(None),
-        }
+        _: &Linear,
+        base: Tensor,
+        bias: Option<&Tensor>,
+        x: &Tensor,
+    ) -> Result<Tensor> {
+        let y = add_bias(base, bias)?;
+        Ok((y.clone() + Lora::forward(self, x)?.to_dtype(y.dtype())?)?)
     }
 
-    /// The dropout op of the current micro-batch while training with p > 0; None otherwise.
-    /// Inside a token tile ([`crate::kernels::dropout::at_row`]) it draws that tile's rows of the
-    /// batch's masks.
-    pub(crate) fn active_dropout(&self) -> Option<DropoutOp> {
-        let skip = crate::kernels::dropout::first_row() * self.a.dim(1).unwrap_or(0);
-        self.dropout
-            .as_ref()
-            .and_then(|d| d.seed())
-            .and_then(|s| self.dropout_op(s))
-            .map(|op| op.skip(skip))
+    fn vars(&self) -> Vec<(&'static str, &Var)> {
+        vec![("lora_A.weight", &self.a), ("lora_B.weight", &self.b)]
     }
 
-    fn dropout_op(&self, micro_seed: u64) -> Option<DropoutOp> {
-        match &self.dropout {
-            Some(d) if d.p > 0.0 => Some(DropoutOp {
-                seed: mix_seed(micro_seed, self.id),
-                p: d.p,
-            }),
-            _ => None,
-        }
+    /// W + s B A.
+    fn merged_weight(&self, lin: &Linear) -> Result<Tensor> {
+        let w = lin.weight.dense()?; // (out, in)
+        let delta = (self.b.matmul(self.a.as_tensor())? * self.scale)?; // (out, in)
+        Ok((w.to_dtype(DType::F32)? + delta)?.to_dtype(w.dtype())?)
     }
 
-    /// s · B A dropout(x) for x: (M, in) in any float dtype -> (M, out) in f32.
-    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mut x = x.to_dtype(self.a.dtype())?;
-        if let Some(op) = self.active_dropout() {
-            // One element-wise op whose backward is itself on dy: no mask is stored.
-            x = op.apply(&x)?;
-        }
-        self.forward_dropped(&x)
+    fn clone_box(&self) -> Box<dyn Adapter> {
+        Box::new(self.clone())
+    }
+}
+
+/// The LoRA kind (`lora.kind = "lora"`, PEFT's default).
+pub struct LoraKind;
+
+impl KindSpec for LoraKind {
+    fn name(&self) -> &'static str {
+        "lora"
     }
 
-    /// s · B A x for an input already dropped out (or without dropout): (M, in) -> (M, out) f32.
-    pub(crate) fn forward_dropped(&self, x: &Tensor) -> Result<Tensor> {
-        let x = x.to_dtype(self.a.dtype())?;
-        // The scale is applied to the rank-r intermediate rather than to the (M, out) output
-        // (PEFT's order): same value up to rounding, and the graph keeps an (M, r) tensor less
-        // instead of an (M, out) one.
-        let (a, b) = (no_grad::enter(&self.a), no_grad::enter(&self.b));
-        let xa = (x.matmul(&a.t()?)? * self.scale)?; // (M, r)
-        Ok(xa.matmul(&b.t()?)?) // (M, out)
+    fn label(&self) -> &'static str {
+        "LoRA"
+    }
+
+    fn use_dora(&self) -> bool {
+        false
+    }
+
+    fn attach(&self, _: &Linear, lora: Lora) -> Result<Box<dyn Adapter>> {
+        Ok(Box::new(lora))
+    }
+
+    /// A (r, in), B (out, r).
+    fn tensor_sizes(&self, out: usize, inp: usize, rank: usize) -> Vec<usize> {
+        vec![rank * inp, rank * out]
+    }
+
+    fn additive(&self) -> bool {
+        true
+    }
+
+    /// Per token, on the tensor-op path: the base output (and the bias add), x cast to f32
+    /// (unless `shared`: one cast for the group), the dropped-out x (the dropout op keeps no
+    /// mask), x·Aᵀ and its scaled copy (r), B·(..) in f32, cast back, the sum.
+    fn activation_bytes(
+        &self,
+        l: &LinearSpec,
+        s: usize,
+        r: usize,
+        dropout: bool,
+        shared: bool,
+    ) -> usize {
+        let cast = |n: usize| if s == 4 { 0 } else { n };
+        let mut n = s * l.out + if l.bias { s * l.out } else { 0 };
+        n += if shared { 0 } else { cast(4 * l.inp) } + if dropout { 4 * l.inp } else { 0 };
+        n + 8 * r + 4 * l.out + cast(s * l.out) + s * l.out
     }
 }
 

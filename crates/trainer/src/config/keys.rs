@@ -9,8 +9,8 @@ use super::choice::quoted;
 use super::suggest::{normalize, suggest_anywhere, suggest_key, suggest_section};
 use super::ALL_LINEAR;
 use super::{
-    Attention, ConfigError, Format, LogSink, Method, ModelDtype, OptimizerKind, PreferenceLoss,
-    Quantize, Schedule,
+    AdapterKind, Attention, ConfigError, Format, LogSink, Method, ModelDtype, OptimizerKind,
+    PreferenceLoss, Quantize, Schedule,
 };
 
 /// The TOML type a key takes.
@@ -72,7 +72,7 @@ pub(super) const SECTIONS: [(&str, &[(&str, Kind)]); 5] = [
             ("dropout", Kind::Float),
             ("targets", Kind::Targets),
             ("rslora", Kind::Bool),
-            ("dora", Kind::Bool),
+            ("kind", Kind::Choice(&AdapterKind::NAMES)),
             ("init", Kind::Str),
         ],
     ),
@@ -157,8 +157,11 @@ pub(super) const ALIASES: &[(&str, &str)] = &[
     ("lora_target_modules", "lora.targets"),
     ("lora_targets", "lora.targets"),
     ("use_rslora", "lora.rslora"),
-    ("use_dora", "lora.dora"),
-    ("peft_use_dora", "lora.dora"),
+    ("use_dora", "lora.kind"),
+    ("peft_use_dora", "lora.kind"),
+    ("dora", "lora.kind"),
+    ("adapter_type", "lora.kind"),
+    ("peft_type", "lora.kind"),
     ("lora_model_dir", "lora.init"),
     ("adapter", "lora.init"),
     ("base_model", "model.path"),

@@ -61,6 +61,7 @@ pub use error::{ConfigError, InvalidValue};
 /// layer; `lora.targets = "all-linear"` means all of them. The model crate's list, so config
 /// validation and adapter attachment cannot disagree.
 pub use tallow_model::peft::LINEAR_MODULES as LORA_TARGETS;
+pub use tallow_model::AdapterKind;
 
 /// A checked training config: what `tallow train` runs.
 ///
@@ -139,9 +140,10 @@ pub struct LoraSection {
     pub targets: LoraTargets,
     /// Rank-stabilized LoRA scaling alpha / sqrt(rank) (Kalajdzievski 2023, arXiv:2312.03732).
     pub rslora: bool,
-    /// DoRA (Liu et al. 2024, arXiv:2402.09353), as PEFT's `use_dora`: a trainable magnitude per
-    /// output feature times the direction (W + s B A) / ||W + s B A|| (default false).
-    pub dora: bool,
+    /// The adapter kind: lora | dora (default lora). DoRA (Liu et al. 2024, arXiv:2402.09353),
+    /// PEFT's `use_dora`: a trainable magnitude per output feature times the direction
+    /// (W + s B A) / ||W + s B A||.
+    pub kind: AdapterKind,
     /// A PEFT adapter dir to start from; rank, alpha and targets then come from it.
     #[serde(with = "raw::optional_path_str")]
     pub init: Option<PathBuf>,
@@ -291,7 +293,7 @@ impl LoraSection {
             dropout: self.dropout,
             targets: self.targets().iter().map(|s| s.to_string()).collect(),
             rslora: self.rslora,
-            dora: self.dora,
+            kind: self.kind,
         }
     }
 

@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    Attention, ConfigError, DataSection, LogSink, LoraSection, LoraTargets, Method, ModelDtype,
-    ModelSection, OptimizerKind, PreferenceLoss, PreferenceSection, Quantize, Schedule,
+    AdapterKind, Attention, ConfigError, DataSection, LogSink, LoraSection, LoraTargets, Method,
+    ModelDtype, ModelSection, OptimizerKind, PreferenceLoss, PreferenceSection, Quantize, Schedule,
     TrainConfig, TrainSection,
 };
 use crate::data::{Format, DEFAULT_MAX_SEQ_LEN};
@@ -73,7 +73,7 @@ impl Default for LoraSection {
             dropout: 0.05,
             targets: LoraTargets::default(),
             rslora: false,
-            dora: false,
+            kind: AdapterKind::Lora,
             init: None,
         }
     }

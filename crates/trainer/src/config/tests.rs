@@ -375,7 +375,7 @@ fn spec_scale_and_targets() {
     l.targets = LoraTargets::List(vec!["v_proj".into()]);
     assert_eq!(l.targets(), vec!["v_proj"]);
     l.dropout = 0.1;
-    l.dora = true;
+    l.kind = tallow_model::AdapterKind::Dora;
     assert_eq!(
         l.spec(),
         tallow_model::LoraSpec {
@@ -384,7 +384,7 @@ fn spec_scale_and_targets() {
             dropout: 0.1,
             targets: vec!["v_proj".into()],
             rslora: true,
-            dora: true,
+            kind: tallow_model::AdapterKind::Dora,
         }
     );
 }

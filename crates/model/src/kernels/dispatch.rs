@@ -1,0 +1,137 @@
+//! The dispatch rule: which path an op of the training step takes on a device and dtype, a
+//! kernel of tallow's own or the device-generic tensor-op path. The forward asks it at each op
+//! (`crate::nn::ops`, `crate::nn::linear`, chunked attention) and `tallow estimate` asks it for
+//! the whole step ([`Paths::of`]), so the estimate counts the tensors the forward keeps.
+//!
+//! | path | taken when |
+//! | --- | --- |
+//! | fused element-wise kernels (norms, rotary, softmax, SwiGLU, eager attention's core; `super::fused`) | CPU, f32 / f64 |
+//! | the one-op LoRA linear (`super::lora_linear`) | CPU: x f32 / f64 with an adapter of x's dtype, or x bf16 with an f32 adapter; an additive adapter (LoRA) over a frozen base (the linear checks that) |
+//! | chunked attention's kernel (`super::chunked`) | CPU: f32 / f64, or bf16 without soft-capping |
+//!
+//! Everything else (CUDA, f16, bf16 element-wise ops on the CPU) is Candle's tensor ops, which
+//! every kernel's tests and `tallow doctor` compare the kernel with.
+
+use candle_core::{DType, Device, Tensor};
+
+/// The device an op runs on, as the rule sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Cpu,
+    Cuda,
+}
+
+impl Backend {
+    pub fn of(device: &Device) -> Self {
+        if device.is_cpu() {
+            Backend::Cpu
+        } else {
+            Backend::Cuda
+        }
+    }
+
+    /// `tallow estimate`'s device names ("cpu", "cuda").
+    pub fn named(device: &str) -> Self {
+        if device == "cpu" {
+            Backend::Cpu
+        } else {
+            Backend::Cuda
+        }
+    }
+}
+
+/// The fused element-wise kernels take tensors of `dtype` on `backend`.
+pub fn fused(backend: Backend, dtype: DType) -> bool {
+    backend == Backend::Cpu && matches!(dtype, DType::F32 | DType::F64)
+}
+
+/// [`fused`] for a tensor.
+pub fn fused_for(t: &Tensor) -> bool {
+    fused(Backend::of(t.device()), t.dtype())
+}
+
+/// A LoRA linear with input `x` and adapter factors of `adapter` dtype may run as one op.
+pub fn lora_one_op(backend: Backend, x: DType, adapter: DType) -> bool {
+    match (x, adapter) {
+        (DType::BF16, DType::F32) => backend == Backend::Cpu,
+        (x, a) => x == a && fused(backend, x),
+    }
+}
+
+/// Chunked attention runs its CPU kernel on q, k, v of `dtype` (soft-capped or not).
+pub fn chunked_kernel(backend: Backend, dtype: DType, softcapped: bool) -> bool {
+    fused(backend, dtype) || (backend == Backend::Cpu && dtype == DType::BF16 && !softcapped)
+}
+
+/// The paths of a whole step: activations in `dtype` on `backend`, adapters in `adapter`
+/// dtype, attention scores soft-capped or not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Paths {
+    pub fused: bool,
+    pub lora_one_op: bool,
+    pub chunked_kernel: bool,
+}
+
+impl Paths {
+    pub fn of(backend: Backend, dtype: DType, adapter: DType, softcapped: bool) -> Self {
+        Paths {
+            fused: fused(backend, dtype),
+            lora_one_op: lora_one_op(backend, dtype, adapter),
+            chunked_kernel: chunked_kernel(backend, dtype, softcapped),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rule_per_device_and_dtype() {
+        let p = |b, d, capped| Paths::of(b, d, DType::F32, capped);
+        use Backend::{Cpu, Cuda};
+        assert_eq!(
+            p(Cpu, DType::F32, true),
+            Paths {
+                fused: true,
+                lora_one_op: true,
+                chunked_kernel: true
+            }
+        );
+        assert_eq!(
+            p(Cpu, DType::BF16, false),
+            Paths {
+                fused: false,
+                lora_one_op: true,
+                chunked_kernel: true
+            }
+        );
+        assert_eq!(
+            p(Cpu, DType::BF16, true),
+            Paths {
+                fused: false,
+                lora_one_op: true,
+                chunked_kernel: false
+            }
+        );
+        assert_eq!(
+            p(Cpu, DType::F16, false),
+            Paths {
+                fused: false,
+                lora_one_op: false,
+                chunked_kernel: false
+            }
+        );
+        for d in [DType::F32, DType::BF16, DType::F16] {
+            assert_eq!(
+                p(Cuda, d, false),
+                Paths {
+                    fused: false,
+                    lora_one_op: false,
+                    chunked_kernel: false
+                }
+            );
+        }
+        assert!(!lora_one_op(Cpu, DType::F32, DType::BF16));
+    }
+}
