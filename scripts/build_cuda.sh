@@ -137,7 +137,7 @@ export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-80}
 # (one on a 2-core CI machine) while nothing else can build: use them all.
 export CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-$(nproc)}
 export LIBRARY_PATH=$ROOT/lib64:$STUBS${LIBRARY_PATH:+:$LIBRARY_PATH}
-# `nccl`: the NCCL backend for CUDA ranks (tallow-dist) and `tallow doctor`'s multi-GPU check.
+# `nccl`: the NCCL backend for CUDA ranks (tallow-data-parallel) and `tallow doctor`'s multi-GPU check.
 # NCCL is loaded at run time (libnccl.so.2), not linked: nothing here needs it.
 FEATURES=tallow/cuda,tallow/nccl
 if [ "${SETUP_ONLY:-0}" = 1 ]; then
@@ -147,7 +147,7 @@ if [ "${SETUP_ONLY:-0}" = 1 ]; then
   done
 elif [ "${CI_COMPILE:-0}" = 1 ]; then
   # Every target with the CUDA and NCCL code compiled in: the binary, the test binaries, the
-  # tools. One build: `tallow/nccl` turns on tallow-dist's `nccl` for the whole workspace.
+  # tools. One build: `tallow/nccl` turns on tallow-data-parallel's `nccl` for the whole workspace.
   # (A `cargo build -p tallow` plus a `cargo check` of the other targets was timed at 7.7 min
   # against this build's 5: the check compiles every dependency again, in metadata mode.)
   cargo build --workspace --all-targets --features $FEATURES,tallow-tests/cuda

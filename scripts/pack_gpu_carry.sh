@@ -17,7 +17,7 @@ if [ ! -x "$BIN" ]; then
   echo "no $BIN: build it first with scripts/build_cuda.sh (15-30 min on 2 cores)" >&2
   exit 1
 fi
-if ! strings "$BIN" | grep -q 'tallow-cuda-toolkit:'; then
+if ! grep -qa 'tallow-cuda-toolkit:[0-9]' "$BIN"; then
   echo "$BIN is not a CUDA build (no toolkit mark): scripts/build_cuda.sh makes one" >&2
   exit 1
 fi
@@ -29,11 +29,11 @@ cp "$BIN" "$STAGE/tallow-cuda"
 tar -cf - -C "$STAGE" tallow-cuda | xz -9e -T0 > "$CARRY/tallow-cuda.tar.xz"
 rm -rf "$STAGE"
 size() { du -cb "$@" 2>/dev/null | tail -1 | cut -f1; }
-tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
-untracked=0
-if [ -n "$(git ls-files --others --exclude-standard)" ]; then
-  untracked=$(git ls-files -z --others --exclude-standard | xargs -0 du -cb | tail -1 | cut -f1)
-fi
+# bytes of the files a list names (NUL-separated), those that exist (a deleted tracked file
+# does not travel)
+bytes() { xargs -0 -r stat -c %s 2>/dev/null | awk '{ s += $1 } END { print s + 0 }' || true; }
+tree=$(git ls-files -z | bytes)
+untracked=$(git ls-files -z --others --exclude-standard | bytes)
 carry=$(size "$CARRY")
 total=$((tree + untracked + carry))
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }

@@ -261,7 +261,7 @@ fn loaded_trainable_sizes(model: &Path, config: &Path, full: bool) -> Vec<usize>
 /// `--nproc N`: the estimate is one rank's. Without train.shard_optimizer every rank keeps all
 /// the state, and only the optimizer phase changes: the gradient all-reduce's two f32 buckets
 /// (DDP's 25 MiB, here computed from the loaded model's tensors), or the update's temporaries
-/// after it, whichever is larger. With it, the optimizer state is the share `tallow_dist::owners`
+/// after it, whichever is larger. With it, the optimizer state is the share `tallow_data_parallel::owners`
 /// gives the rank the estimate names (the largest share), over the same tensors. With N = 1 no
 /// rank field and no all-reduce line.
 #[test]
@@ -342,7 +342,7 @@ fn per_rank_estimate_all_reduce_and_sharded_optimizer_state() {
                 .concat(),
             );
             let r = &v["ranks"];
-            let owner = tallow_dist::owners(&sizes, world);
+            let owner = tallow_data_parallel::owners(&sizes, world);
             let mut share = vec![0u64; world];
             for (i, &n) in sizes.iter().enumerate() {
                 share[owner[i]] += 8 * n as u64;

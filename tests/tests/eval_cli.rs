@@ -4,8 +4,9 @@
 use candle_core::{DType, Device};
 use tallow_model::{CausalLM, LoadOptions};
 use tallow_tests::*;
+use tallow_text::TextTokenizer;
 use tallow_trainer::eval::evaluate;
-use tallow_trainer::{load_jsonl, DataOptions, Format, TextTokenizer};
+use tallow_trainer::{load_jsonl, DataOptions, Format};
 
 /// CLI loss equals transformers' loss within 1e-4 for every model and data format.
 #[test]

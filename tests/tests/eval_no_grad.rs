@@ -8,10 +8,11 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device};
 use tallow_model::{attach_lora, lm_head_nll, no_grad, CausalLM, LoadOptions, LoraSpec};
+use tallow_text::TextTokenizer;
 use tallow_trainer::batch::Batch;
 use tallow_trainer::eval::evaluate;
 use tallow_trainer::memory::{mark_counting_installed, CountingAlloc, Probe};
-use tallow_trainer::{load_jsonl, DataOptions, Example, Format, TextTokenizer};
+use tallow_trainer::{load_jsonl, DataOptions, Example, Format};
 
 #[global_allocator]
 static GLOBAL: CountingAlloc<System> = CountingAlloc(System);

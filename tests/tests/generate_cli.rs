@@ -149,7 +149,7 @@ fn generation_stops_at_eos_from_generation_config() {
         let out = generate_json(&a);
         assert_eq!(ids(&out["generated_ids"]), want, "cache {cache}");
         assert_eq!(out["stopped"], true);
-        let tok = tallow_trainer::TextTokenizer::from_model_dir(&model_dir("tiny-llama")).unwrap();
+        let tok = tallow_text::TextTokenizer::from_model_dir(&model_dir("tiny-llama")).unwrap();
         assert_eq!(
             out["text"].as_str().unwrap(),
             tok.decode(&full[..k]).unwrap()
@@ -209,7 +209,7 @@ fn json_shape_and_streamed_text() {
     }
     let gen = ids(&out["generated_ids"]);
     assert_eq!(gen.len(), 12);
-    let tok = tallow_trainer::TextTokenizer::from_model_dir(&dir).unwrap();
+    let tok = tallow_text::TextTokenizer::from_model_dir(&dir).unwrap();
     assert_eq!(
         ids(&out["prompt_ids"]),
         tok.encode("hello world", true).unwrap()

@@ -11,7 +11,7 @@ use tallow_trainer::config::Quantize;
 #[command(
     name = "tallow",
     version,
-    about = "Fine-tune Llama / Qwen models from the shell, in pure Rust"
+    about = "Fine-tune Llama, Mistral, Qwen, Gemma and Phi-3 models from the shell, in pure Rust"
 )]
 pub struct Cli {
     #[command(subcommand)]

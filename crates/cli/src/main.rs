@@ -1,4 +1,4 @@
-//! `tallow`: fine-tune Llama / Qwen models from the shell.
+//! `tallow`: fine-tune decoder-only LLMs (Llama, Mistral, Qwen, Gemma, Phi-3) from the shell.
 //!
 //! A thin binary: parse arguments, call the command, print errors with their whole chain and exit
 //! non-zero (1 for a failed command; clap exits 2 for a usage error).
@@ -14,11 +14,11 @@ mod estimate;
 mod eval;
 mod generate;
 mod gpu;
-mod launch;
 mod merge;
 mod model;
 mod plot;
 mod progress;
+mod spawn_ranks;
 mod train;
 mod upload;
 

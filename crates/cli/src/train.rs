@@ -14,7 +14,7 @@ use crate::progress::Progress;
 pub fn run(a: TrainArgs) -> Result<()> {
     let cfg = TrainConfig::load(&a.config, &a.sets)?;
     // Data parallel: this process is a rank its launcher started, or starts N of them.
-    let launch = tallow_dist::launch::from_env()?;
+    let launch = tallow_data_parallel::rank::from_env()?;
     match (a.nproc, &launch) {
         (Some(n), Some(l)) if n != l.world => anyhow::bail!(
             "--nproc {n} in a process that {} started as rank {} of {}: leave --nproc out \
@@ -27,7 +27,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             // Refused before any rank starts when a live run holds the output dir (rank 0
             // takes the lock itself).
             tallow_trainer::lock::check(&cfg.train.output_dir)?;
-            return crate::launch::run(n, &cfg.train.device);
+            return crate::spawn_ranks::run(n, &cfg.train.device);
         }
         _ => {}
     }
@@ -57,7 +57,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     tallow_trainer::threads::apply(threads);
     let local_rank = launch.as_ref().map_or(0, |l| l.local_rank);
     let device = parse_device_at(&cfg.train.device, local_rank).context("train.device")?;
-    let dist = tallow_dist::init(
+    let dist = tallow_data_parallel::init(
         launch.as_ref(),
         &device,
         std::time::Duration::from_secs(cfg.train.dist_timeout_s as u64),

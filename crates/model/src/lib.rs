@@ -1,18 +1,15 @@
 //! tallow-model: decoder-only causal LMs (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3)
 //! in Candle, written for training.
 //!
-//! - `config` + one file per family (`llama`, `qwen2`, `qwen3`): config.json -> [`DecoderConfig`].
-//! - `model`: the decoder, written once; `linear`: the one linear layer (frozen / trainable base,
-//!   optional adapter); `peft`: the adapters (LoRA, DoRA) and PEFT's file format; `ops`: differentiable norms, softmax, rotary embedding, masks; `no_grad`:
-//!   forward passes that record no graph (evaluation); `dropout`: LoRA dropout as a hash op.
-//! - `consts`: small constant tensors (codebooks, tables) uploaded once per device; `cuda`
-//!   (feature `cuda`): tallow's own kernels (`kernels/tallow.cu`).
-//! - `loss`: chunked cross-entropy fused with the LM head; `weights`: safetensors loading.
-//! - `load`: [`load()`], the one load of a model dir plus an optional adapter that every command
-//!   (train, eval, generate, chat, merge) calls. The tokenizer and chat template are not here:
-//!   they are the `tallow-text` crate's.
-//! - `generate`: inference only: KV cache, cached forward, decoding loop; `sampling`: next-token
-//!   choice (greedy, temperature, top-k, top-p, repetition penalty).
+//! Rooms, bottom to top, each using only those below it (`tests/layers.rs` checks it; the map
+//! with a line per room is docs/architecture.md): [`error`], [`io`] (files, safetensors),
+//! [`config`] (the checked model config, the layers' layout, which `config.json` keys are
+//! read), [`families`] (one file per family, building the config), [`kernels`] (each op's CPU
+//! kernel and CUDA twin, and the rule that picks one), [`nn`] (the linear layer and its
+//! `Adapter` trait, the differentiable ops, the LM head's loss), [`decoder`] (the layer, the
+//! causal LM, checkpointing, saving), [`peft`] (adapter kinds, PEFT's files), [`generate`]
+//! (inference), [`load()`] (a model dir plus an optional adapter, as every command loads it).
+//! The tokenizer and chat template are the `tallow-text` crate's.
 
 pub mod config;
 pub mod decoder;

@@ -213,7 +213,7 @@ pub enum TrainError {
     Invalid(String),
     /// A collective between the ranks of a data-parallel run failed.
     #[error("data-parallel run: {0}")]
-    Dist(#[from] tallow_dist::DistError),
+    Dist(#[from] tallow_data_parallel::DistError),
     /// `train.output_dir` is held by another run ([`crate::lock`]).
     #[error(transparent)]
     Lock(#[from] LockError),

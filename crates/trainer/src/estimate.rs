@@ -98,7 +98,7 @@ pub struct Ranks {
     /// Ranks of the job (`tallow train --nproc N`).
     pub world: usize,
     /// `train.shard_optimizer`: each rank keeps the optimizer state of the tensors
-    /// `tallow_dist::owners` gives it.
+    /// `tallow_data_parallel::owners` gives it.
     pub shard_optimizer: bool,
     /// The rank whose optimizer share the estimate counts (the largest peak, the lowest rank on
     /// a tie); 0 without sharding.
@@ -111,7 +111,7 @@ pub struct Ranks {
     pub state_bytes: u64,
     /// The optimizer state of every trainable tensor: one rank's without sharding.
     pub unsharded_state_bytes: u64,
-    /// The gradient all-reduce's buckets at most (`tallow_dist::transient_bytes`), in the
+    /// The gradient all-reduce's buckets at most (`tallow_data_parallel::transient_bytes`), in the
     /// optimizer phase.
     pub all_reduce_bytes: u64,
 }
@@ -440,11 +440,11 @@ fn peak(p: &PhaseBytes) -> (&'static str, u64) {
 /// the whole model, the full trainable set and its gradients, and runs `micro_batch_size` rows
 /// per micro-batch (the global batch is `world` times that), so weights, activations and
 /// gradients are one process's. After the backward the gradients are summed over the ranks by
-/// `tallow_dist::Dist::all_reduce_sum`, whose buckets add `tallow_dist::transient_bytes` in the
+/// `tallow_data_parallel::Dist::all_reduce_sum`, whose buckets add `tallow_data_parallel::transient_bytes` in the
 /// optimizer phase (freed before the update; with `train.shard_optimizer` the updated weights
 /// go round in another all-reduce of the same buckets, after the update). With
 /// `train.shard_optimizer` (ZeRO stage 1) a rank keeps the optimizer state of, and updates,
-/// only the tensors `tallow_dist::owners` gives it: the estimate is the rank whose peak is the
+/// only the tensors `tallow_data_parallel::owners` gives it: the estimate is the rank whose peak is the
 /// largest. `world = 1` is [`estimate`].
 pub fn estimate_per_rank(
     model: &DecoderConfig,
@@ -457,7 +457,7 @@ pub fn estimate_per_rank(
     let mut all_reduce = 0;
     if world > 1 {
         let sizes = trainable_tensor_sizes(model, cfg);
-        all_reduce = tallow_dist::transient_bytes(&sizes) as u64;
+        all_reduce = tallow_data_parallel::transient_bytes(&sizes) as u64;
         let mut r = Ranks {
             world,
             shard_optimizer: cfg.train.shard_optimizer,
@@ -469,7 +469,7 @@ pub fn estimate_per_rank(
             all_reduce_bytes: all_reduce,
         };
         if cfg.train.shard_optimizer {
-            let owner = tallow_dist::owners(&sizes, world);
+            let owner = tallow_data_parallel::owners(&sizes, world);
             // Each rank's state and update temporaries over the tensors it owns (in the
             // trainable order, as its optimizer gets them); the estimate is the largest peak.
             let mut worst: Option<(u64, usize, Vec<usize>)> = None;
@@ -884,7 +884,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let f32_copy = |n: usize| if cpu_half { 4 * n as u64 } else { 0 };
     let logits = chunk * v as u64;
     // On the CPU the cross-entropy runs in the f32 logits' own buffer (`tallow_model::kernels::fused`,
-    // `ce_nll_sum` / `ce_grad_in_place`): one f32 logits chunk (with bf16 / f16, also the
+    // `kernels::cross_entropy`): one f32 logits chunk (with bf16 / f16, also the
     // matmul's f32 head copy and half-precision output). Elsewhere the tensor ops keep up to
     // three f32 logits-sized buffers at once (log-softmax / softmax: input, shifted, exp;
     // backward: probabilities, one-hot, their difference).

@@ -10,7 +10,6 @@ pub mod best;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
-pub mod doctor;
 pub mod error;
 pub mod estimate;
 pub mod eval;
@@ -32,6 +31,3 @@ pub use data::{
     DEFAULT_MAX_SEQ_LEN,
 };
 pub use error::{DataError, RowError};
-// The text types moved to `tallow_text`; re-exported so code written against the trainer keeps
-// compiling.
-pub use tallow_text::{ChatTemplate, Message, TextTokenizer};

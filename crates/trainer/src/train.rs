@@ -17,7 +17,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::Serialize;
-use tallow_dist::Dist;
+use tallow_data_parallel::Dist;
 use tallow_model::nn::lora::mix_seed;
 use tallow_model::{
     attach_lora, lm_head_nll, lora_vars, save_hf_model, save_peft, set_dropout, set_dropout_rate,
@@ -28,7 +28,7 @@ use tallow_text::TextTokenizer;
 use crate::batch::{pack, Batch, Row};
 use crate::best::BestEval;
 use crate::checkpoint::{self, CheckpointState, LoraState};
-use crate::config::{Quantize, TrainConfig};
+use crate::config::{AdapterKind, Quantize, TrainConfig};
 use crate::data::{load_file, load_hub_split, DataOptions, Dataset, Example, Format};
 use crate::error::{DataError, TrainError};
 use crate::eval::evaluate;
@@ -37,6 +37,7 @@ use crate::host;
 use crate::lock::RunLock;
 use crate::memory::{PhasePeaks, Probe};
 use crate::opcount;
+use crate::optim::sharded::Shard;
 use crate::optim::{self, Optimizer};
 use crate::preference::{self, Metrics, Objective, PairBatch};
 use crate::schedule::lr_at;
@@ -263,7 +264,9 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
     } else {
         let spec = if let (Some(mut spec), Some(init)) = (init_spec, init) {
             // rank / alpha / targets come from the adapter; dropout from this config.
-            if cfg.lora.kind != spec.kind {
+            // The adapter brings its own kind, as its rank and targets; a kind the config asks
+            // for explicitly (not the default) must be the adapter's.
+            if cfg.lora.kind != AdapterKind::default() && cfg.lora.kind != spec.kind {
                 return Err(TrainError::Invalid(format!(
                     "lora.kind = \"{}\", but the adapter in lora.init ({}) is {} (use_dora {} in \
                      its adapter_config.json): set lora.kind = \"{}\", or start from an adapter \
@@ -513,7 +516,7 @@ struct Session<'a> {
     dist: &'a Dist,
     /// The trainable variables whose optimizer state this rank keeps and which it updates
     /// (indices into `vars`): all of them, or its share with `train.shard_optimizer`.
-    owned: Vec<usize>,
+    shard: Shard,
     /// `train.output_dir`: `config.toml`, `metrics.jsonl`, `checkpoints/`, `adapter/` or `model/`.
     out: PathBuf,
     /// The memory probe, `--memory-limit` and `metrics.jsonl`.
@@ -568,6 +571,32 @@ struct Session<'a> {
     _lock: Option<RunLock>,
 }
 
+/// [`Session::open_output`]'s result.
+struct Output {
+    dir: PathBuf,
+    lock: Option<RunLock>,
+    tensorboard: Option<crate::tensorboard::EventWriter>,
+}
+
+/// [`Session::plan`]'s result.
+struct Planned {
+    vars: Vec<Var>,
+    opt: Box<dyn Optimizer>,
+    objective: Option<Objective>,
+    plan: Schedule,
+    total_steps: usize,
+    identity: CheckpointState,
+    shard: Shard,
+}
+
+/// [`Session::begin`]'s result.
+struct Begun {
+    trainable_params: usize,
+    load_peak_bytes: Option<u64>,
+    eval_loss_start: Option<f64>,
+    reference_cache: Option<Vec<f32>>,
+}
+
 /// What the forward and backward passes of a step leave for its update (the gradients
 /// themselves are in [`Session::acc`]).
 struct ForwardBackward {
@@ -608,10 +637,12 @@ struct StepTally {
 }
 
 impl<'a> Session<'a> {
-    /// Phase "load": writes the resolved config, loads data, model and adapters (a device OOM or
-    /// a peak over `--memory-limit` stops the run as out of memory), builds the optimizer and the
-    /// step plan, and with `resume` loads the newest checkpoint into the trainable variables and
-    /// the optimizer. Then reports [`Event::Start`] and, on a fresh start, writes the step-0
+    /// Phase "load", in four parts: [`Session::open_output`] (the lock, the resolved config,
+    /// TensorBoard), [`Session::load`] (data, model and adapters; a device OOM or a peak over
+    /// `--memory-limit` stops the run as out of memory), [`Session::plan`] (the optimizer, its
+    /// shard, the step plan and the checkpoint identity), [`Session::resume`] (with `resume`,
+    /// the newest checkpoint into the trainable variables and the optimizer); then
+    /// [`Session::begin`] reports [`Event::Start`] and, on a fresh start, writes the step-0
     /// metrics line and evaluates once. Costs: the load, the probe's reset and its two reads
     /// (load peak and live bytes), and the evaluation (one host read) when there is an eval set.
     fn start(
@@ -622,122 +653,26 @@ impl<'a> Session<'a> {
         dist: &'a Dist,
         on_event: &mut dyn FnMut(Event),
     ) -> Result<Self, TrainError> {
-        let t = &cfg.train;
         let main = dist.is_main();
-        let out = t.output_dir.clone();
-        std::fs::create_dir_all(&out)
-            .map_err(|e| TrainError::Invalid(format!("{}: {e}", out.display())))?;
-        // One run per output dir: rank 0 takes `.tallow-lock` before writing anything (a
-        // second run, or a second data-parallel job, is refused), held until the session drops.
-        let lock = match main {
-            true => {
-                let (lock, note) = RunLock::acquire(&out)?;
-                if let Some(n) = note {
-                    on_event(Event::Note(n));
-                }
-                Some(lock)
-            }
-            false => None,
-        };
-        // The resolved config is the first thing written: the run directory says what ran.
-        if main {
-            tallow_model::io::write_atomic(
-                &out.join("config.toml"),
-                cfg.to_toml_string().as_bytes(),
-            )?;
-        }
-        let metrics = out.join("metrics.jsonl");
-        let mut tensorboard = match main && t.log.contains(&crate::config::LogSink::Tensorboard) {
-            true => {
-                let dir = out.join("tensorboard");
-                Some(
-                    crate::tensorboard::EventWriter::create(&dir)
-                        .map_err(|e| tensorboard_error(&dir, e))?,
-                )
-            }
-            false => None,
-        };
-
-        set_tf32(device, t.tf32);
-
-        // Data, model, adapters; then the optimizer, the step plan and the checkpoint identity.
-        let memory = Memory::start(device, memory_limit, metrics, main);
-        let Setup {
-            model_dir,
-            model,
-            params,
-            lora,
-            rows,
-            eval,
-            pad,
-            skipped,
-            notes,
-        } = memory.check(setup(cfg, device), "load", 0, &None)?;
-        for n in notes {
-            on_event(Event::Note(n));
-        }
-        let unit = if cfg.train.method.preference() {
-            "pairs"
-        } else {
-            "rows"
-        };
-        for (key, n) in [("data.train", skipped.0), ("data.eval", skipped.1)] {
-            if n > 0 {
-                on_event(Event::Note(format!(
-                    "{key}: {n} {unit} skipped: nothing left to train after cutting to \
-                     data.max_seq_len = {} tokens",
-                    cfg.data.max_seq_len
-                )));
-            }
-        }
-        let vars: Vec<Var> = params.iter().map(|(_, v)| v.clone()).collect();
-        let mut opt: Box<dyn Optimizer> = optim::build(t.optimizer, t.betas, t.eps, t.weight_decay);
-        // A data-parallel step: `grad_accum` micro-batches on each rank.
-        let rows_per_step = t.micro_batch_size * t.grad_accum * dist.world;
-        // Preference runs schedule pairs (rows 2i and 2i + 1), the others rows.
-        let objective = Objective::of(cfg);
-        let units = if objective.is_some() {
-            rows.len() / 2
-        } else {
-            rows.len()
-        };
-        let plan = Schedule::new(units, rows_per_step, cfg.data.shuffle, t.seed);
-        let total_steps = if t.max_steps > 0 {
-            t.max_steps
-        } else {
-            t.epochs * plan.steps_per_epoch
-        };
-        let identity =
-            checkpoint_identity(cfg, &model, &params, lora.as_ref(), opt.name(), dist.world);
-        // train.shard_optimizer (ZeRO stage 1): this rank's tensors; else all of them.
-        let owned: Vec<usize> = if t.shard_optimizer && dist.world > 1 {
-            let sizes: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
-            let owner = tallow_dist::owners(&sizes, dist.world);
-            (0..vars.len()).filter(|&i| owner[i] == dist.rank).collect()
-        } else {
-            (0..vars.len()).collect()
-        };
-
-        // Resume: the newest checkpoint's weights, optimizer state and counters.
-        let resumed = if resume {
-            let resumed = resume_from(
-                &out,
+        let output = Self::open_output(cfg, main, on_event)?;
+        set_tf32(device, cfg.train.tf32);
+        let memory = Memory::start(device, memory_limit, output.dir.join("metrics.jsonl"), main);
+        let loaded = Self::load(cfg, device, &memory, on_event)?;
+        let planned = Self::plan(cfg, dist, &loaded);
+        let mut opt = planned.opt;
+        let resumed = match resume {
+            true => Self::resume(
+                &output.dir,
                 device,
-                &identity,
-                &params,
-                (&vars, &owned),
+                &planned.identity,
+                &loaded.params,
+                (&planned.vars, &planned.shard),
                 opt.as_mut(),
-                main.then_some(memory.metrics.as_path()),
-            )?;
-            if resumed.is_none() {
-                on_event(Event::Note(format!(
-                    "no checkpoint in {}: starting from step 0",
-                    checkpoint::checkpoints_dir(&out).display()
-                )));
-            }
-            resumed
-        } else {
-            None
+                &memory,
+                main,
+                on_event,
+            )?,
+            false => None,
         };
         if resumed.is_none() && main {
             let _ = std::fs::remove_file(&memory.metrics);
@@ -751,24 +686,250 @@ impl<'a> Session<'a> {
             .map(|r| r.best_eval.clone())
             .unwrap_or_default();
         // A run that stopped early and is resumed with the same patience stays stopped.
-        let stopped_early = best_eval.exhausted(t.early_stopping_patience);
+        let stopped_early = best_eval.exhausted(cfg.train.early_stopping_patience);
         let resumed_from = resumed.map(|r| r.dir);
 
-        // Start: the event, the step-0 metrics line and the first evaluation.
-        let trainable_params = params.iter().map(|(_, v)| v.elem_count()).sum();
+        let mut tensorboard = output.tensorboard;
+        let begun = Self::begin(
+            cfg,
+            &loaded,
+            &planned.objective,
+            (start_step, planned.total_steps),
+            resumed_from.as_deref(),
+            &memory,
+            &mut tensorboard,
+            dist,
+            on_event,
+        )?;
+
+        let acc = GradAccumulator::new(&planned.vars);
+        let Setup {
+            model_dir,
+            model,
+            params,
+            lora,
+            rows,
+            eval,
+            pad,
+            ..
+        } = loaded;
+        Ok(Session {
+            cfg,
+            device,
+            dist,
+            shard: planned.shard,
+            out: output.dir,
+            memory,
+            model_dir,
+            model,
+            params,
+            vars: planned.vars,
+            lora,
+            rows,
+            eval,
+            pad,
+            opt,
+            plan: planned.plan,
+            identity: planned.identity,
+            start_step,
+            total_steps: planned.total_steps,
+            trainable_params: begun.trainable_params,
+            load_peak_bytes: begun.load_peak_bytes,
+            eval_loss_start: begun.eval_loss_start,
+            tokens_seen,
+            elapsed_before,
+            started: Instant::now(),
+            acc,
+            last_loss: None,
+            eval_loss_end: None,
+            last_checkpoint: resumed_from,
+            best_eval,
+            stopped_early,
+            steps_done: start_step,
+            run_peaks: PhasePeaks::default(),
+            tensorboard,
+            objective: planned.objective,
+            reference_cache: begun.reference_cache,
+            _lock: output.lock,
+        })
+    }
+
+    /// `train.output_dir`: created; rank 0 takes `.tallow-lock` before writing anything (a
+    /// second run, or a second data-parallel job, is refused; held until the session drops),
+    /// writes the resolved config first (the run directory says what ran) and opens the
+    /// TensorBoard event file when `train.log` asks for one.
+    fn open_output(
+        cfg: &TrainConfig,
+        main: bool,
+        on_event: &mut dyn FnMut(Event),
+    ) -> Result<Output, TrainError> {
+        let t = &cfg.train;
+        let dir = t.output_dir.clone();
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| TrainError::Invalid(format!("{}: {e}", dir.display())))?;
+        if !main {
+            return Ok(Output {
+                dir,
+                lock: None,
+                tensorboard: None,
+            });
+        }
+        let (lock, note) = RunLock::acquire(&dir)?;
+        if let Some(n) = note {
+            on_event(Event::Note(n));
+        }
+        tallow_model::io::write_atomic(&dir.join("config.toml"), cfg.to_toml_string().as_bytes())?;
+        let tensorboard = match t.log.contains(&crate::config::LogSink::Tensorboard) {
+            true => {
+                let tb = dir.join("tensorboard");
+                Some(
+                    crate::tensorboard::EventWriter::create(&tb)
+                        .map_err(|e| tensorboard_error(&tb, e))?,
+                )
+            }
+            false => None,
+        };
+        Ok(Output {
+            dir,
+            lock: Some(lock),
+            tensorboard,
+        })
+    }
+
+    /// Data, model and adapters ([`setup`]) under the memory check, and their notes (rows that
+    /// had nothing left to train after cutting to `data.max_seq_len`).
+    fn load(
+        cfg: &TrainConfig,
+        device: &Device,
+        memory: &Memory,
+        on_event: &mut dyn FnMut(Event),
+    ) -> Result<Setup, TrainError> {
+        let loaded = memory.check(setup(cfg, device), "load", 0, &None)?;
+        for n in &loaded.notes {
+            on_event(Event::Note(n.clone()));
+        }
+        let unit = if cfg.train.method.preference() {
+            "pairs"
+        } else {
+            "rows"
+        };
+        for (key, n) in [
+            ("data.train", loaded.skipped.0),
+            ("data.eval", loaded.skipped.1),
+        ] {
+            if n > 0 {
+                on_event(Event::Note(format!(
+                    "{key}: {n} {unit} skipped: nothing left to train after cutting to \
+                     data.max_seq_len = {} tokens",
+                    cfg.data.max_seq_len
+                )));
+            }
+        }
+        Ok(loaded)
+    }
+
+    /// The optimizer and its shard of the trainable tensors, the step plan (a data-parallel
+    /// step is `grad_accum` micro-batches on each rank; preference runs schedule pairs, rows 2i
+    /// and 2i + 1) and the identity a checkpoint of this run must match.
+    fn plan(cfg: &TrainConfig, dist: &Dist, loaded: &Setup) -> Planned {
+        let t = &cfg.train;
+        let vars: Vec<Var> = loaded.params.iter().map(|(_, v)| v.clone()).collect();
+        let opt: Box<dyn Optimizer> = optim::build(t.optimizer, t.betas, t.eps, t.weight_decay);
+        let rows_per_step = t.micro_batch_size * t.grad_accum * dist.world;
+        let objective = Objective::of(cfg);
+        let units = match objective {
+            Some(_) => loaded.rows.len() / 2,
+            None => loaded.rows.len(),
+        };
+        let plan = Schedule::new(units, rows_per_step, cfg.data.shuffle, t.seed);
+        let total_steps = if t.max_steps > 0 {
+            t.max_steps
+        } else {
+            t.epochs * plan.steps_per_epoch
+        };
+        let identity = checkpoint_identity(
+            cfg,
+            &loaded.model,
+            &loaded.params,
+            loaded.lora.as_ref(),
+            opt.name(),
+            dist.world,
+        );
+        // train.shard_optimizer (ZeRO stage 1): this rank's tensors; else all of them.
+        let sizes: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
+        let shard = Shard::new(&sizes, dist, t.shard_optimizer);
+        Planned {
+            vars,
+            opt,
+            objective,
+            plan,
+            total_steps,
+            identity,
+            shard,
+        }
+    }
+
+    /// `--resume`: the newest checkpoint's weights, optimizer state and counters ([`resume_from`]),
+    /// or a note that there is none and the run starts from step 0.
+    #[allow(clippy::too_many_arguments)]
+    fn resume(
+        out: &Path,
+        device: &Device,
+        identity: &CheckpointState,
+        params: &[(String, Var)],
+        vars: (&[Var], &Shard),
+        opt: &mut dyn Optimizer,
+        memory: &Memory,
+        main: bool,
+        on_event: &mut dyn FnMut(Event),
+    ) -> Result<Option<Resumed>, TrainError> {
+        let resumed = resume_from(
+            out,
+            device,
+            identity,
+            params,
+            vars,
+            opt,
+            main.then_some(memory.metrics.as_path()),
+        )?;
+        if resumed.is_none() {
+            on_event(Event::Note(format!(
+                "no checkpoint in {}: starting from step 0",
+                checkpoint::checkpoints_dir(out).display()
+            )));
+        }
+        Ok(resumed)
+    }
+
+    /// The start of training: [`Event::Start`], the reference log-probs of every train row
+    /// once (`preference.precompute_ref`), and on a fresh start the step-0 metrics line and the
+    /// first evaluation.
+    #[allow(clippy::too_many_arguments)]
+    fn begin(
+        cfg: &TrainConfig,
+        loaded: &Setup,
+        objective: &Option<Objective>,
+        (start_step, total_steps): (usize, usize),
+        resumed_from: Option<&Path>,
+        memory: &Memory,
+        tensorboard: &mut Option<crate::tensorboard::EventWriter>,
+        dist: &Dist,
+        on_event: &mut dyn FnMut(Event),
+    ) -> Result<Begun, TrainError> {
+        let main = dist.is_main();
+        let trainable_params = loaded.params.iter().map(|(_, v)| v.elem_count()).sum();
         let load_peak_bytes = memory.probe.peak();
         let load_live_bytes = memory.probe.current();
         on_event(Event::Start {
             total_steps,
             start_step,
             trainable_params,
-            rows: rows.len(),
-            resumed_from: resumed_from.as_deref(),
+            rows: loaded.rows.len(),
+            resumed_from,
             load_peak_bytes,
             load_live_bytes,
             memory: memory.probe.what(),
         });
-        // preference.precompute_ref: the reference log-probs of every train row, once.
         let reference_cache = match objective {
             Some(o) if o.needs_reference() && cfg.preference.precompute_ref => {
                 let mut note = |n: String| on_event(Event::Note(n));
@@ -777,9 +938,9 @@ impl<'a> Session<'a> {
                 let weights_moved = cfg.trains_full() && start_step > 0;
                 Some(preference::reference_cache(
                     cfg,
-                    &model,
-                    &rows,
-                    pad,
+                    &loaded.model,
+                    &loaded.rows,
+                    loaded.pad,
                     weights_moved,
                     main,
                     &mut note,
@@ -788,11 +949,18 @@ impl<'a> Session<'a> {
             _ => None,
         };
         let eval_start = if start_step == 0 {
-            eval_loss(&model, &eval, t.micro_batch_size, pad, objective, dist)?
+            let mb = cfg.train.micro_batch_size;
+            eval_loss(
+                &loaded.model,
+                &loaded.eval,
+                mb,
+                loaded.pad,
+                *objective,
+                dist,
+            )?
         } else {
             None
         };
-        let eval_loss_start = eval_start.as_ref().map(|e| e.loss);
         if resumed_from.is_none() && main {
             append_metrics(
                 &memory.metrics,
@@ -807,54 +975,18 @@ impl<'a> Session<'a> {
         }
         if let Some(e) = &eval_start {
             if main {
-                record_eval(&memory.metrics, &mut tensorboard, 0, e)?;
+                record_eval(&memory.metrics, tensorboard, 0, e)?;
             }
             on_event(Event::Eval {
                 step: 0,
                 loss: e.loss,
             });
         }
-
-        let started = Instant::now();
-        let acc = GradAccumulator::new(&vars);
-        Ok(Session {
-            cfg,
-            device,
-            dist,
-            owned,
-            out,
-            memory,
-            model_dir,
-            model,
-            params,
-            vars,
-            lora,
-            rows,
-            eval,
-            pad,
-            opt,
-            plan,
-            identity,
-            start_step,
-            total_steps,
+        Ok(Begun {
             trainable_params,
             load_peak_bytes,
-            eval_loss_start,
-            tokens_seen,
-            elapsed_before,
-            started,
-            acc,
-            last_loss: None,
-            eval_loss_end: None,
-            last_checkpoint: resumed_from,
-            best_eval,
-            stopped_early,
-            steps_done: start_step,
-            run_peaks: PhasePeaks::default(),
-            tensorboard,
-            objective,
+            eval_loss_start: eval_start.as_ref().map(|e| e.loss),
             reference_cache,
-            _lock: lock,
         })
     }
 
@@ -865,24 +997,14 @@ impl<'a> Session<'a> {
     }
 
     /// Phase "forward" + "backward" of optimizer step `step` (0-based): over its `grad_accum`
-    /// micro-batches, each with its own dropout seed, the loss is the micro-batch's NLL over the
-    /// step's target tokens (its share of the step mean); the gradients are summed in the
-    /// accumulator and the NLL on the device (no host read). A step that measures memory
-    /// resets and reads the probe around each pass (4 probe calls per micro-batch, each a
-    /// stream sync on CUDA; under `--memory-limit` one more per pass, its check); the others
-    /// make no probe call.
+    /// micro-batches ([`micro_batches`]), the loss is the micro-batch's NLL over the step's
+    /// target tokens (its share of the step mean); the gradients are summed in the accumulator
+    /// and the NLL on the device (no host read).
     fn forward_backward(&mut self, step: usize) -> Result<ForwardBackward, TrainError> {
         if let Some(objective) = self.objective {
             return self.forward_backward_pairs(step, objective);
         }
-        let t = &self.cfg.train;
-        let started = Instant::now();
-        // A step that measures its memory: logged, or checked against --memory-limit. The
-        // others never probe (on CUDA each probe call synchronizes the stream).
-        let measure = self.memory.limit.is_some() || self.logged(step + 1);
-        let probe = self.memory.probe.on_step(measure);
-        let probes_before = crate::memory::probes();
-        let (mut ops_forward, mut ops_backward) = (0, 0);
+        let mut tally = self.tally_start(step);
         let step_rows: Vec<&Row> = self
             .plan
             .rows(step)
@@ -891,76 +1013,36 @@ impl<'a> Session<'a> {
             .collect();
         // Over all ranks: the loss is the step's mean over every rank's targets.
         let step_targets: usize = step_rows.iter().map(|r| r.n_targets()).sum();
-        let step_tokens: usize = step_rows.iter().map(|r| r.ids.len()).sum();
-        let reads_before = host::reads();
-        // The step's summed NLL stays on the device until the one read of the step.
-        let mut nll_sum: Option<Tensor> = None;
-        let mut peaks = PhasePeaks::default();
-
-        let model = &self.model;
-        // This rank's block of the step's micro-batches (numbered over the whole step, so the
-        // dropout masks are those of one process running them all).
-        let micros: Vec<&[&Row]> = step_rows.chunks(t.micro_batch_size).collect();
-        for m in self.dist.block(micros.len(), t.grad_accum) {
-            let micro = micros[m];
-            set_dropout(model, Some(dropout_seed(t.seed, step, m)));
-            let batch = Batch::from_rows(micro, self.pad, self.device)?;
-            probe.start_phase();
-            let forward = || -> Result<_, TrainError> {
-                let hidden = model.forward_hidden(&batch.input_ids, batch.segments.as_deref())?; // (B, T, C)
-                let nll = lm_head_nll(
-                    &hidden,
-                    model.lm_head_weight(),
-                    &batch.targets,
-                    model.config.variant.final_logit_softcapping,
-                )?; // sum over targets
-                let loss = (&nll / step_targets as f64)?; // this micro-batch's share of the step mean
-                Ok((hidden, nll, loss))
-            };
-            let ops = opcount::mark();
-            let (hidden, nll, loss) =
-                self.memory
-                    .check(forward(), "forward", step + 1, &self.last_checkpoint)?;
-            ops_forward += opcount::since(ops);
-            let forward_peak = probe.peak();
-            probe.start_phase();
-            ops_backward += backward_micro(
-                &self.memory,
-                &mut self.acc,
-                model,
-                &loss,
-                step,
-                &self.last_checkpoint,
-            )?;
-            add_on_device(&mut nll_sum, nll.detach())?;
-            drop((hidden, nll, loss));
-            peaks = peaks.merge(&PhasePeaks {
-                forward: forward_peak,
-                backward: probe.peak(),
-                optimizer: None,
-            });
-        }
-        set_dropout(model, None);
-
+        tally.tokens = step_rows.iter().map(|r| r.ids.len()).sum();
+        tally.target_tokens = step_targets;
+        let micros: Vec<&[&Row]> = step_rows.chunks(self.cfg.train.micro_batch_size).collect();
+        let (pad, device) = (self.pad, self.device);
+        let prepare = |m: usize| Ok(Batch::from_rows(micros[m], pad, device)?);
+        let forward = |model: &CausalLM, batch: &Batch| -> Result<MicroForward, TrainError> {
+            let hidden = model.forward_hidden(&batch.input_ids, batch.segments.as_deref())?; // (B, T, C)
+            let nll = lm_head_nll(
+                &hidden,
+                model.lm_head_weight(),
+                &batch.targets,
+                model.config.variant.final_logit_softcapping,
+            )?; // sum over targets
+            Ok(MicroForward {
+                loss: (&nll / step_targets as f64)?, // this micro-batch's share of the step mean
+                sums: vec![nll.detach()],
+            })
+        };
+        let run = micro_batches(
+            loop_parts!(self, step, &mut tally),
+            micros.len(),
+            &prepare,
+            &forward,
+        )?;
         Ok(ForwardBackward {
             // A rank with no micro-batch in a short last step adds nothing.
-            nll_sum: match nll_sum {
-                Some(s) => s,
-                None => Tensor::zeros((), DType::F32, self.device)?,
-            },
+            nll_sum: run.sum(0, &[], self.device)?,
             loss_divisor: step_targets as f64,
             preference: None,
-            tally: StepTally {
-                started,
-                measure,
-                probes_before,
-                reads_before,
-                tokens: step_tokens,
-                target_tokens: step_targets,
-                peaks,
-                ops_forward,
-                ops_backward,
-            },
+            tally,
         })
     }
 
@@ -975,122 +1057,97 @@ impl<'a> Session<'a> {
         step: usize,
         objective: Objective,
     ) -> Result<ForwardBackward, TrainError> {
-        let t = &self.cfg.train;
-        let started = Instant::now();
-        let measure = self.memory.limit.is_some() || self.logged(step + 1);
-        let probe = self.memory.probe.on_step(measure);
-        let probes_before = crate::memory::probes();
-        let reads_before = host::reads();
-        let (mut ops_forward, mut ops_backward) = (0, 0);
+        let mut tally = self.tally_start(step);
         let pair_ids = self.plan.rows(step);
         let step_pairs: Vec<(&Row, &Row)> = pair_ids
             .iter()
             .map(|&i| (&self.rows[2 * i], &self.rows[2 * i + 1]))
             .collect();
-        let step_targets: usize = step_pairs
+        tally.target_tokens = step_pairs
             .iter()
             .map(|(c, r)| c.n_targets() + r.n_targets())
             .sum();
-        let step_tokens: usize = step_pairs
+        tally.tokens = step_pairs
             .iter()
             .map(|(c, r)| c.ids.len() + r.ids.len())
             .sum();
         let n_pairs = step_pairs.len();
         let chosen_tokens = preference::chosen_tokens(step_pairs.iter().copied());
-        let mut loss_sum: Option<Tensor> = None;
-        let mut sums: Option<Tensor> = None;
-        let mut peaks = PhasePeaks::default();
-        let model = &self.model;
+        let mb = self.cfg.train.micro_batch_size;
         #[allow(clippy::type_complexity)]
-        let micros: Vec<(&[(&Row, &Row)], &[usize])> = step_pairs
-            .chunks(t.micro_batch_size)
-            .zip(pair_ids.chunks(t.micro_batch_size))
-            .collect();
-        for m in self.dist.block(micros.len(), t.grad_accum) {
+        let micros: Vec<(&[(&Row, &Row)], &[usize])> =
+            step_pairs.chunks(mb).zip(pair_ids.chunks(mb)).collect();
+        let (pad, device, cache) = (self.pad, self.device, &self.reference_cache);
+        let prepare = |m: usize| -> Result<_, TrainError> {
             let (micro, ids) = micros[m];
-            set_dropout(model, Some(dropout_seed(t.seed, step, m)));
-            let pb = PairBatch::new(micro, self.pad, self.device)?;
-            probe.start_phase();
-            let forward = || -> Result<_, TrainError> {
-                let reference = match (&self.reference_cache, objective.needs_reference()) {
-                    (_, false) => None,
-                    (Some(cache), true) => {
-                        // (2m): the chosen rows' cached values, then the rejected rows'.
-                        let v: Vec<f32> = ids
-                            .iter()
-                            .map(|&i| cache[2 * i])
-                            .chain(ids.iter().map(|&i| cache[2 * i + 1]))
-                            .collect();
-                        Some(Tensor::from_vec(v, 2 * ids.len(), self.device)?)
-                    }
-                    (None, true) => Some(preference::reference_logps(model, &pb)?),
-                };
-                let b = &pb.batch;
-                let hidden = model.forward_hidden(&b.input_ids, b.segments.as_deref())?; // (2m, T, C)
-                let ml = preference::micro_loss(
-                    &objective,
-                    model,
-                    &hidden,
-                    &pb,
-                    reference.as_ref(),
-                    n_pairs,
-                    chosen_tokens,
-                )?;
-                Ok((hidden, ml))
+            Ok((PairBatch::new(micro, pad, device)?, ids))
+        };
+        let forward = |model: &CausalLM,
+                       (pb, ids): &(PairBatch, &[usize])|
+         -> Result<MicroForward, TrainError> {
+            let reference = match (cache, objective.needs_reference()) {
+                (_, false) => None,
+                (Some(cache), true) => {
+                    // (2m): the chosen rows' cached values, then the rejected rows'.
+                    let v: Vec<f32> = ids
+                        .iter()
+                        .map(|&i| cache[2 * i])
+                        .chain(ids.iter().map(|&i| cache[2 * i + 1]))
+                        .collect();
+                    Some(Tensor::from_vec(v, 2 * ids.len(), device)?)
+                }
+                (None, true) => Some(preference::reference_logps(model, pb)?),
             };
-            let ops = opcount::mark();
-            let (hidden, ml) =
-                self.memory
-                    .check(forward(), "forward", step + 1, &self.last_checkpoint)?;
-            ops_forward += opcount::since(ops);
-            let forward_peak = probe.peak();
-            probe.start_phase();
-            ops_backward += backward_micro(
-                &self.memory,
-                &mut self.acc,
+            let b = &pb.batch;
+            let hidden = model.forward_hidden(&b.input_ids, b.segments.as_deref())?; // (2m, T, C)
+            let ml = preference::micro_loss(
+                &objective,
                 model,
-                &ml.loss,
-                step,
-                &self.last_checkpoint,
+                &hidden,
+                pb,
+                reference.as_ref(),
+                n_pairs,
+                chosen_tokens,
             )?;
-            add_on_device(&mut loss_sum, ml.loss.detach())?;
-            add_on_device(&mut sums, ml.sums.clone())?;
-            drop((hidden, ml));
-            peaks = peaks.merge(&PhasePeaks {
-                forward: forward_peak,
-                backward: probe.peak(),
-                optimizer: None,
-            });
-        }
-        set_dropout(model, None);
-        // A rank with no micro-batch in a short last step adds nothing.
-        let zeros = |n: usize| Tensor::zeros(n, DType::F64, self.device);
+            Ok(MicroForward {
+                sums: vec![ml.loss.detach(), ml.sums],
+                loss: ml.loss,
+            })
+        };
+        let run = micro_batches(
+            loop_parts!(self, step, &mut tally),
+            micros.len(),
+            &prepare,
+            &forward,
+        )?;
         Ok(ForwardBackward {
-            nll_sum: match loss_sum {
-                Some(s) => s,
-                None => Tensor::zeros((), DType::F32, self.device)?,
-            },
+            // A rank with no micro-batch in a short last step adds nothing.
+            nll_sum: run.sum(0, &[], self.device)?,
             loss_divisor: 1.0,
             preference: Some((
-                match sums {
-                    Some(s) => s,
-                    None => zeros(preference::METRIC_NAMES.len())?,
-                },
+                run.sum(1, &[preference::METRIC_NAMES.len()], self.device)?,
                 n_pairs,
                 chosen_tokens,
             )),
-            tally: StepTally {
-                started,
-                measure,
-                probes_before,
-                reads_before,
-                tokens: step_tokens,
-                target_tokens: step_targets,
-                peaks,
-                ops_forward,
-                ops_backward,
-            },
+            tally,
         })
+    }
+
+    /// A step's tally at its start: the clock, whether it measures memory (logged, or checked
+    /// against --memory-limit; the others never probe: on CUDA each probe call synchronizes the
+    /// stream), and the probe and host-read counters.
+    fn tally_start(&self, step: usize) -> StepTally {
+        StepTally {
+            started: Instant::now(),
+            measure: self.memory.limit.is_some() || self.logged(step + 1),
+            probes_before: crate::memory::probes(),
+            reads_before: host::reads(),
+            tokens: 0,
+            target_tokens: 0,
+            peaks: PhasePeaks::default(),
+            ops_forward: 0,
+            ops_backward: 0,
+        }
     }
 
     /// Phase "optimizer" of step `step`: takes the summed gradients, clips them to
@@ -1165,13 +1222,9 @@ impl<'a> Session<'a> {
             }
         }
         let lr = lr_at(t.schedule, t.lr, step, t.warmup_steps, self.total_steps);
-        let stepped = step_owned(
-            self.opt.as_mut(),
-            (&self.vars, &self.owned),
-            self.dist,
-            &grads,
-            lr,
-        );
+        let stepped = self
+            .shard
+            .step(self.opt.as_mut(), &self.vars, self.dist, &grads, lr);
         self.memory
             .check(stepped, "optimizer", step + 1, &self.last_checkpoint)?;
         drop(grads);
@@ -1406,8 +1459,8 @@ impl Session<'_> {
     /// trainable list. With `train.shard_optimizer` every rank's share is gathered (each rank
     /// must call this; rank 0 gets the whole state, the others their own).
     fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>, TrainError> {
-        let local = global_state_names(self.opt.state(), &self.owned);
-        if self.owned.len() == self.vars.len() {
+        let local = self.shard.global_state_names(self.opt.state());
+        if self.shard.owns_all(self.vars.len()) {
             return Ok(local);
         }
         let cpu: Vec<(String, Tensor)> = local
@@ -1601,7 +1654,7 @@ fn resume_from(
     device: &Device,
     identity: &CheckpointState,
     params: &[(String, Var)],
-    (vars, owned): (&[Var], &[usize]),
+    (vars, shard): (&[Var], &Shard),
     opt: &mut dyn Optimizer,
     metrics: Option<&Path>,
 ) -> Result<Option<Resumed>, TrainError> {
@@ -1611,8 +1664,10 @@ fn resume_from(
     let ck = checkpoint::load(&dir, device)?;
     checkpoint::check_compatible(&ck.state, identity, &dir)?;
     set_trainable(params, &ck, &dir)?;
-    let owned_vars: Vec<Var> = owned.iter().map(|&i| vars[i].clone()).collect();
-    opt.load_state(&owned_vars, &local_state_names(&ck.optimizer, owned))?;
+    opt.load_state(
+        &shard.owned_vars(vars),
+        &shard.local_state_names(&ck.optimizer),
+    )?;
     if let Some(metrics) = metrics {
         truncate_metrics(metrics, ck.state.step)?;
     }
@@ -1623,6 +1678,134 @@ fn resume_from(
         elapsed_s: ck.state.elapsed_s,
         best_eval: ck.state.best_eval,
     }))
+}
+
+/// The session's [`LoopParts`] for step `$step`, each field borrowed on its own so that the
+/// forward closure may borrow the rows beside them.
+macro_rules! loop_parts {
+    ($s:ident, $step:expr, $tally:expr) => {
+        LoopParts {
+            memory: &$s.memory,
+            acc: &mut $s.acc,
+            model: &$s.model,
+            dist: $s.dist,
+            train: &$s.cfg.train,
+            last_checkpoint: &$s.last_checkpoint,
+            step: $step,
+            tally: $tally,
+        }
+    };
+}
+use loop_parts;
+
+/// What one micro-batch's forward gives the loop: its share of the step's loss (what the
+/// backward starts from) and the values the step sums on the device.
+struct MicroForward {
+    loss: Tensor,
+    sums: Vec<Tensor>,
+}
+
+/// The session's parts the micro-batch loop uses (borrowed apart from the rows and caches the
+/// forward reads).
+struct LoopParts<'a> {
+    memory: &'a Memory,
+    acc: &'a mut GradAccumulator,
+    model: &'a CausalLM,
+    dist: &'a Dist,
+    train: &'a crate::config::TrainSection,
+    last_checkpoint: &'a Option<PathBuf>,
+    step: usize,
+    /// The step's tally: whether it measures memory; the loop adds its peaks and op counts.
+    tally: &'a mut StepTally,
+}
+
+/// What the loop leaves for the step: its sums (one per value of [`MicroForward::sums`]; None
+/// on a rank with no micro-batch in a short last step), phase peaks and op counts.
+struct MicroRun {
+    sums: Vec<Option<Tensor>>,
+    peaks: PhasePeaks,
+    ops_forward: u64,
+    ops_backward: u64,
+}
+
+impl MicroRun {
+    /// Sum `i`, or zeros of `shape` (a rank that ran nothing adds nothing).
+    fn sum(&self, i: usize, shape: &[usize], device: &Device) -> candle_core::Result<Tensor> {
+        match self.sums.get(i).and_then(|s| s.clone()) {
+            Some(s) => Ok(s),
+            None if shape.is_empty() => Tensor::zeros((), DType::F32, device),
+            None => Tensor::zeros(shape, DType::F64, device),
+        }
+    }
+}
+
+impl StepTally {
+    fn add(&mut self, run: &MicroRun) {
+        self.peaks = self.peaks.merge(&run.peaks);
+        self.ops_forward += run.ops_forward;
+        self.ops_backward += run.ops_backward;
+    }
+}
+
+/// The micro-batch loop both objectives share: for this rank's block of the step's `n`
+/// micro-batches (numbered over the whole step, so the dropout masks are those of one process
+/// running them all), with each one's dropout seed, its batch (`prepare(m)`, before the
+/// phase's probe), phase "forward" (`forward(model, batch)`, under the memory check), phase
+/// "backward" ([`backward_micro`]), the sums kept on the device. A step
+/// that measures memory resets and reads the probe around each pass (4 probe calls per
+/// micro-batch, each a stream sync on CUDA; under `--memory-limit` one more per pass, its
+/// check); the others make no probe call.
+fn micro_batches<B>(
+    p: LoopParts<'_>,
+    n: usize,
+    prepare: &dyn Fn(usize) -> Result<B, TrainError>,
+    forward: &dyn Fn(&CausalLM, &B) -> Result<MicroForward, TrainError>,
+) -> Result<MicroRun, TrainError> {
+    let probe = p.memory.probe.on_step(p.tally.measure);
+    let mut run = MicroRun {
+        sums: Vec::new(),
+        peaks: PhasePeaks::default(),
+        ops_forward: 0,
+        ops_backward: 0,
+    };
+    for m in p.dist.block(n, p.train.grad_accum) {
+        set_dropout(p.model, Some(dropout_seed(p.train.seed, p.step, m)));
+        let batch = prepare(m)?;
+        probe.start_phase();
+        let ops = opcount::mark();
+        let out = p.memory.check(
+            forward(p.model, &batch),
+            "forward",
+            p.step + 1,
+            p.last_checkpoint,
+        )?;
+        run.ops_forward += opcount::since(ops);
+        let forward_peak = probe.peak();
+        probe.start_phase();
+        run.ops_backward += backward_micro(
+            p.memory,
+            p.acc,
+            p.model,
+            &out.loss,
+            p.step,
+            p.last_checkpoint,
+        )?;
+        if run.sums.len() < out.sums.len() {
+            run.sums.resize(out.sums.len(), None);
+        }
+        for (sum, value) in run.sums.iter_mut().zip(out.sums) {
+            add_on_device(sum, value)?;
+        }
+        drop((out.loss, batch));
+        run.peaks = run.peaks.merge(&PhasePeaks {
+            forward: forward_peak,
+            backward: probe.peak(),
+            optimizer: None,
+        });
+    }
+    set_dropout(p.model, None);
+    p.tally.add(&run);
+    Ok(run)
 }
 
 /// Phase "backward" of one micro-batch of step `step` (0-based): the gradients of `loss`, and
@@ -1646,79 +1829,6 @@ fn backward_micro(
     };
     memory.check(run(), "backward", step + 1, last_checkpoint)?;
     Ok(opcount::since(ops))
-}
-
-/// The optimizer update of the tensors this rank owns; with `train.shard_optimizer`, then
-/// each rank's updated tensors to every rank (an all-reduce where the others add zeros: a
-/// broadcast view, nothing allocated; x + 0 = x exactly, so every rank holds the same
-/// weights bit for bit).
-fn step_owned(
-    opt: &mut dyn Optimizer,
-    (vars, owned): (&[Var], &[usize]),
-    dist: &Dist,
-    grads: &[Tensor],
-    lr: f64,
-) -> Result<(), TrainError> {
-    if owned.len() == vars.len() {
-        return Ok(opt.step(vars, grads, lr)?);
-    }
-    let owned_vars: Vec<Var> = owned.iter().map(|&i| vars[i].clone()).collect();
-    let owned_grads: Vec<Tensor> = owned.iter().map(|&i| grads[i].clone()).collect();
-    opt.step(&owned_vars, &owned_grads, lr)?;
-    drop(owned_grads);
-    let mut mine = vec![false; vars.len()];
-    for &i in owned {
-        mine[i] = true;
-    }
-    let contributions: Vec<Tensor> = vars
-        .iter()
-        .zip(&mine)
-        .map(|(v, &m)| match m {
-            true => Ok(v.as_tensor().clone()),
-            false => Tensor::zeros((), v.dtype(), v.device())?.broadcast_as(v.shape()),
-        })
-        .collect::<candle_core::Result<_>>()?;
-    dist.all_reduce_sum_each(
-        contributions,
-        "sharing the updated weights (train.shard_optimizer)",
-        |i, t| {
-            if !mine[i] {
-                vars[i].set(&t)?;
-            }
-            Ok(())
-        },
-    )?;
-    Ok(())
-}
-
-/// Optimizer state named by the optimizer's own (local) parameter indices, renamed to the
-/// indices `owned[i]` of the whole trainable list (`"{i}.exp_avg"` -> `"{owned[i]}.exp_avg"`);
-/// names without an index ([`optim::STEP_KEY`]) are kept.
-fn global_state_names(state: Vec<(String, Tensor)>, owned: &[usize]) -> Vec<(String, Tensor)> {
-    state
-        .into_iter()
-        .map(|(name, t)| match optim::state_index(&name) {
-            Some((i, what)) => (format!("{}.{what}", owned[i]), t),
-            None => (name, t),
-        })
-        .collect()
-}
-
-/// The inverse of [`global_state_names`] for a checkpoint's whole state: the tensors of the
-/// owned indices, renamed to the optimizer's local indices; the others dropped.
-fn local_state_names(
-    state: &std::collections::HashMap<String, Tensor>,
-    owned: &[usize],
-) -> std::collections::HashMap<String, Tensor> {
-    let local: std::collections::HashMap<usize, usize> =
-        owned.iter().enumerate().map(|(l, &g)| (g, l)).collect();
-    state
-        .iter()
-        .filter_map(|(name, t)| match optim::state_index(name) {
-            Some((g, what)) => local.get(&g).map(|l| (format!("{l}.{what}"), t.clone())),
-            None => Some((name.clone(), t.clone())),
-        })
-        .collect()
 }
 
 /// `sum += value` for a running sum kept on the device (read once at the end of the step).

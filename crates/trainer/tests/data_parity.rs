@@ -7,7 +7,8 @@
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use tallow_trainer::{load_jsonl, DataOptions, Format, Message, TextTokenizer};
+use tallow_text::{Message, TextTokenizer};
+use tallow_trainer::{load_jsonl, DataOptions, Format};
 
 const MODELS: [&str; 7] = [
     "tiny-llama",

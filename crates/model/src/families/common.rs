@@ -453,7 +453,7 @@ fn rope_object(
                 .ok_or_else(|| err(format!("`rope_theta` must be a number, found {t}")))?,
         ),
     };
-    // transformers 5 keeps a partial rotary fraction here; the Llama / Qwen layout rotates
+    // transformers 5 keeps a partial rotary fraction here; the other families rotate
     // the whole head, Phi-3 reads it.
     let mut partial_rotary_factor = None;
     if let Some(f) = obj.get("partial_rotary_factor") {

@@ -1,10 +1,32 @@
-//! The kernels: each op's CPU kernel and its CUDA twin side by side, and the storage helpers
-//! they share. Everything above (`crate::nn`) reaches a kernel through the dispatch rule
-//! (`crate::nn::dispatch`).
+//! The kernels: each op's CPU kernel and its CUDA twin side by side, the storage helpers they
+//! share, and the rule that picks one ([`dispatch`]). Everything above (`crate::nn`) reaches a
+//! kernel through that rule, so a new kernel is one file here, one row below, its branch in
+//! `dispatch` and a `tallow doctor` check against its CPU twin.
+//!
+//! | op (forward + backward) | file | CPU | CUDA | `tallow doctor` check |
+//! | --- | --- | --- | --- | --- |
+//! | RMSNorm (and Gemma's `1 + w`) | [`fused`] | kernel, f32 / f64 | tensor ops (`crate::nn::ops`) | rmsnorm fwd+bwd |
+//! | rotary embedding (with the head transpose) | [`fused`] | kernel, f32 / f64 | tensor ops | rope fwd+bwd |
+//! | masked softmax | [`fused`] | kernel, f32 / f64 | tensor ops | softmax fwd+bwd |
+//! | SwiGLU | [`fused`] | kernel, f32 / f64 | tensor ops | checkpointed layer gradients |
+//! | eager attention's core (64-row blocks) | [`fused`] | kernel, f32 / f64 | tensor ops | checkpointed layer gradients |
+//! | chunked attention (no T x T; packed rows, windows, soft-caps) | [`chunked`] | kernel, f32 / f64, bf16 uncapped | tensor ops per block | chunked attention (softcap) fwd+bwd |
+//! | cross-entropy of a logits chunk (gradient in place) | [`cross_entropy`] | kernel, f32 / f64 | tensor ops (`crate::nn::loss`) | fused loss fwd+bwd |
+//! | frozen / trainable base matmul | [`matmul`] | gemm | cuBLAS | frozen / trainable matmul fwd+bwd |
+//! | the LoRA linear as one op | [`lora_linear`] | kernel, f32 / f64, bf16 x with f32 adapter | tensor ops (`crate::nn::linear`) | lora linear fwd+bwd |
+//! | NF4 quantize / dequantize, NF4 matmul | [`nf4`] | kernel | CUDA kernel (`kernels/tallow.cu`) + cuBLAS | nf4 dequantize (double quant), nf4 matmul fwd+bwd |
+//! | LoRA dropout mask (a hash of the seed and index) | [`dropout`] | kernel | CUDA kernel (`kernels/tallow.cu`) | lora dropout mask (bit for bit) |
+//! | blockwise 8-bit (de)quantization (AdamW8bit's moments, NF4's double quant) | [`blockwise8`] | kernel | tensor ops | adamw8bit 3 steps |
+//!
+//! Storage helpers: [`fused`]'s `Real`, `data`, `uninit`, the bf16 widening and rounding;
+//! [`matmul`]'s `InStorage` / `matmul_wt` (one generic body for an op's CPU and CUDA forward);
+//! [`consts`]' small tables uploaded once per device; [`cuda`]'s PTX of tallow's own CUDA
+//! kernels (feature `cuda`).
 
 pub mod blockwise8;
 pub mod chunked;
 pub mod consts;
+pub mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dispatch;

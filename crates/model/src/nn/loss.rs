@@ -130,7 +130,8 @@ fn nll_sum_no_grad(
         let len = step.min(n - start);
         let logits = chunk_logits(&h.narrow(0, start, len)?, head, softcap)?; // (n, V)
         if let Some(y) = &host_labels {
-            host_total += crate::kernels::fused::ce_nll_sum(&logits, &y[start..start + len])?;
+            host_total +=
+                crate::kernels::cross_entropy::ce_nll_sum(&logits, &y[start..start + len])?;
             continue;
         }
         let logp = ops::log_softmax_last_dim(&logits)?;
@@ -198,7 +199,11 @@ fn nll_bwd(
         let dlogits = match &host_labels {
             // CPU: softmax - onehot, scaled, in the logits' own buffer.
             Some(y) => {
-                crate::kernels::fused::ce_grad_in_place(&logits, &y[start..start + len], g_host)?;
+                crate::kernels::cross_entropy::ce_grad_in_place(
+                    &logits,
+                    &y[start..start + len],
+                    g_host,
+                )?;
                 let d = match &dcap {
                     Some(dc) => (&logits * dc)?.to_dtype(h.dtype())?,
                     None => logits.to_dtype(h.dtype())?, // the same buffer in f32 / f64

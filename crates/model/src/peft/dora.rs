@@ -81,10 +81,24 @@ impl Dora {
         // Rounding can only push a zero row's square below zero by a few ulps.
         Ok(sq.relu()?.sqrt()?)
     }
+}
+
+impl Adapter for Dora {
+    fn kind(&self) -> &'static str {
+        DoraKind.name()
+    }
+
+    fn lora(&self) -> &Lora {
+        &self.lora
+    }
+
+    fn lora_mut(&mut self) -> &mut Lora {
+        &mut self.lora
+    }
 
     /// The DoRA linear's output from the base output `base` = x Wᵀ (M, out), the bias and the
     /// adapter input `x` (M, in) in f32. Returns (M, out) in the base output's dtype.
-    fn dora_forward(
+    fn forward(
         &self,
         lin: &Linear,
         base: Tensor,
@@ -117,41 +131,6 @@ impl Dora {
         })
     }
 
-    /// The merged weight m ⊙ (W + s B A) / ||W + s B A|| (out, in) in the base's dtype, computed
-    /// in f32 as PEFT's `merge_and_unload` does (the norm of the summed weight itself).
-    fn dora_merged(&self, lin: &Linear) -> Result<Tensor> {
-        let w = lin.weight.dense()?; // (out, in)
-        let delta = (self.lora.b.matmul(self.lora.a.as_tensor())? * self.lora.scale)?;
-        let full = (w.to_dtype(DType::F32)? + delta)?; // (out, in)
-        let n = full.sqr()?.sum_keepdim(1)?.sqrt()?; // (out, 1)
-        let factor = self.magnitude.as_tensor().unsqueeze(1)?.broadcast_div(&n)?; // (out, 1)
-        Ok(full.broadcast_mul(&factor)?.to_dtype(w.dtype())?)
-    }
-}
-
-impl Adapter for Dora {
-    fn kind(&self) -> &'static str {
-        DoraKind.name()
-    }
-
-    fn lora(&self) -> &Lora {
-        &self.lora
-    }
-
-    fn lora_mut(&mut self) -> &mut Lora {
-        &mut self.lora
-    }
-
-    fn forward(
-        &self,
-        lin: &Linear,
-        base: Tensor,
-        bias: Option<&Tensor>,
-        x: &Tensor,
-    ) -> Result<Tensor> {
-        self.dora_forward(lin, base, bias, x)
-    }
-
     fn vars(&self) -> Vec<(&'static str, &Var)> {
         vec![
             ("lora_A.weight", &self.lora.a),
@@ -160,8 +139,15 @@ impl Adapter for Dora {
         ]
     }
 
+    /// The merged weight m ⊙ (W + s B A) / ||W + s B A|| (out, in) in the base's dtype, computed
+    /// in f32 as PEFT's `merge_and_unload` does (the norm of the summed weight itself).
     fn merged_weight(&self, lin: &Linear) -> Result<Tensor> {
-        self.dora_merged(lin)
+        let w = lin.weight.dense()?; // (out, in)
+        let delta = (self.lora.b.matmul(self.lora.a.as_tensor())? * self.lora.scale)?;
+        let full = (w.to_dtype(DType::F32)? + delta)?; // (out, in)
+        let n = full.sqr()?.sum_keepdim(1)?.sqrt()?; // (out, 1)
+        let factor = self.magnitude.as_tensor().unsqueeze(1)?.broadcast_div(&n)?; // (out, 1)
+        Ok(full.broadcast_mul(&factor)?.to_dtype(w.dtype())?)
     }
 
     fn clone_box(&self) -> Box<dyn Adapter> {

@@ -132,7 +132,10 @@ pub fn read_peft_config(dir: &Path) -> Result<LoraSpec> {
         ));
     }
     if cfg.fan_in_fan_out {
-        return Err(bad("fan_in_fan_out", "must be false for Llama / Qwen"));
+        return Err(bad(
+            "fan_in_fan_out",
+            "must be false (the HF layout stores weights (out, in))",
+        ));
     }
     let targets: Vec<String> = match &cfg.target_modules {
         serde_json::Value::String(s) if s == "all-linear" => {

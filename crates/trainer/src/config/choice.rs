@@ -19,10 +19,11 @@
 /// ```
 ///
 /// The enum derives `Debug, Clone, Copy, PartialEq, Eq` (add others, such as `Default`, above
-/// it) and gets `ALL`, `NAMES`, `name()`, `from_name()`, `Display` and a serde `Serialize` /
+/// it) and gets `ALL`, `NAMES`, `name()`, `from_name()`, `Display`, a serde `Serialize` /
 /// `Deserialize` that write and read the name (an unknown one is serde's `unknown variant`
-/// error listing `NAMES`). `FromStr` is left to each enum (their error types differ);
-/// [`any_case_from_str!`] writes the usual one.
+/// error listing `NAMES`) and the `KeyType` that lets a config key have it (`Kind::Choice`).
+/// `FromStr` is left to each enum (their error types differ); [`any_case_from_str!`] writes the
+/// usual one.
 macro_rules! choices {
     (
         $(#[$meta:meta])*
@@ -68,6 +69,20 @@ macro_rules! choices {
                         $crate::config::choice::or_list(Self::NAMES)
                     )
                 })
+            }
+        }
+
+        /// A key of this type takes one of [`Self::NAMES`].
+        impl $crate::config::section::KeyType for $name {
+            const KIND: $crate::config::section::Kind =
+                $crate::config::section::Kind::Choice(Self::NAMES);
+
+            fn read(value: &::toml::Value) -> Option<Self> {
+                value.as_str().and_then(Self::from_name)
+            }
+
+            fn write(&self) -> ::toml::Value {
+                ::toml::Value::String(self.name().to_string())
             }
         }
 

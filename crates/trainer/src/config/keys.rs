@@ -1,149 +1,21 @@
-//! The keys: every section and key with the TOML type it takes (`SECTIONS`), the names other
-//! trainers use for them (`ALIASES`), and the check that rejects an unknown section or key of
-//! a file with a message that lists the valid ones and suggests the closest
-//! ([`super::suggest`]). A test keeps `SECTIONS` in step with the raw structs.
+//! The key table: every section and its keys (`SECTIONS`, from the declarations in
+//! `sections.rs`), the names other trainers use for them (`ALIASES`), and the check that
+//! rejects an unknown section or key of a file with a message that lists the valid ones and
+//! suggests the closest ([`super::suggest`]).
 
 use toml::{Table, Value};
 
-use super::choice::quoted;
+use super::section::{Key, Kind, Section};
 use super::suggest::{normalize, suggest_anywhere, suggest_key, suggest_section};
-use super::ALL_LINEAR;
-use super::{
-    AdapterKind, Attention, ConfigError, Format, LogSink, Method, ModelDtype, OptimizerKind,
-    PreferenceLoss, Quantize, Schedule,
-};
-
-/// The TOML type a key takes.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum Kind {
-    Str,
-    Uint,
-    Float,
-    Bool,
-    /// Two floats.
-    Pair,
-    /// `"all-linear"` or a list of strings.
-    Targets,
-    /// One of these strings: an enum's `NAMES`.
-    Choice(&'static [&'static str]),
-    /// A list of these strings.
-    Choices(&'static [&'static str]),
-    /// A list of strings.
-    Strs,
-}
-
-impl Kind {
-    /// What a value of this kind must be, after "must be".
-    pub(super) fn expected(self) -> String {
-        match self {
-            Kind::Str => "a string".into(),
-            Kind::Uint => "a whole number >= 0".into(),
-            Kind::Float => "a number".into(),
-            Kind::Bool => "true or false".into(),
-            Kind::Pair => "a list of two numbers, e.g. [0.9, 0.999]".into(),
-            Kind::Targets => {
-                format!("\"{ALL_LINEAR}\" or a list of module names, e.g. [\"q_proj\", \"v_proj\"]")
-            }
-            Kind::Choice(names) => format!("one of {}", quoted(names)),
-            Kind::Choices(names) => format!("a list of {}", quoted(names)),
-            Kind::Strs => "a list of strings, e.g. [\"is_llama_config\"]".into(),
-        }
-    }
-}
+use super::{ConfigError, DataSection, LoraSection, ModelSection, PreferenceSection, TrainSection};
 
 /// Every section and its keys, in the order [`super::TrainConfig::to_toml_string`] writes them.
-pub(super) const SECTIONS: [(&str, &[(&str, Kind)]); 5] = [
-    (
-        "model",
-        &[
-            ("path", Kind::Str),
-            ("dtype", Kind::Choice(ModelDtype::NAMES)),
-            ("quantize", Kind::Choice(Quantize::NAMES)),
-            ("double_quant", Kind::Bool),
-            ("attention", Kind::Choice(Attention::NAMES)),
-            ("ignore_config_keys", Kind::Strs),
-        ],
-    ),
-    (
-        "lora",
-        &[
-            ("rank", Kind::Uint),
-            ("alpha", Kind::Float),
-            ("dropout", Kind::Float),
-            ("targets", Kind::Targets),
-            ("rslora", Kind::Bool),
-            ("kind", Kind::Choice(&AdapterKind::NAMES)),
-            ("init", Kind::Str),
-        ],
-    ),
-    (
-        "data",
-        &[
-            ("train", Kind::Str),
-            ("eval", Kind::Str),
-            ("train_split", Kind::Str),
-            ("eval_split", Kind::Str),
-            ("dataset_config", Kind::Str),
-            ("max_rows", Kind::Uint),
-            ("format", Kind::Choice(Format::NAMES)),
-            ("max_seq_len", Kind::Uint),
-            ("add_eos", Kind::Bool),
-            ("shuffle", Kind::Bool),
-            ("pack", Kind::Bool),
-            ("alpaca_prompt", Kind::Str),
-            ("alpaca_prompt_no_input", Kind::Str),
-        ],
-    ),
-    (
-        "train",
-        &[
-            ("method", Kind::Choice(Method::NAMES)),
-            ("micro_batch_size", Kind::Uint),
-            ("grad_accum", Kind::Uint),
-            ("max_steps", Kind::Uint),
-            ("epochs", Kind::Uint),
-            ("optimizer", Kind::Choice(OptimizerKind::NAMES)),
-            ("lr", Kind::Float),
-            ("weight_decay", Kind::Float),
-            ("betas", Kind::Pair),
-            ("eps", Kind::Float),
-            ("schedule", Kind::Choice(Schedule::NAMES)),
-            ("warmup_steps", Kind::Uint),
-            ("max_grad_norm", Kind::Float),
-            ("seed", Kind::Uint),
-            ("device", Kind::Str),
-            ("output_dir", Kind::Str),
-            ("log_every", Kind::Uint),
-            ("log", Kind::Choices(LogSink::NAMES)),
-            ("eval_every", Kind::Uint),
-            ("save_every", Kind::Uint),
-            ("save_total_limit", Kind::Uint),
-            ("early_stopping_patience", Kind::Uint),
-            ("early_stopping_threshold", Kind::Float),
-            ("keep_best", Kind::Bool),
-            ("checkpointing", Kind::Bool),
-            ("checkpoint_every", Kind::Uint),
-            ("offload_checkpoints", Kind::Bool),
-            ("shard_optimizer", Kind::Bool),
-            ("dist_timeout_s", Kind::Uint),
-            ("tf32", Kind::Bool),
-            ("threads", Kind::Uint),
-            ("push_to_hub", Kind::Str),
-            ("hub_private_repo", Kind::Bool),
-        ],
-    ),
-    (
-        "preference",
-        &[
-            ("beta", Kind::Float),
-            ("loss", Kind::Choice(PreferenceLoss::NAMES)),
-            ("label_smoothing", Kind::Float),
-            ("lambda", Kind::Float),
-            ("precompute_ref", Kind::Bool),
-            ("max_prompt_len", Kind::Uint),
-            ("full", Kind::Bool),
-        ],
-    ),
+pub(super) const SECTIONS: [(&str, &[Key]); 5] = [
+    (ModelSection::NAME, ModelSection::KEYS),
+    (LoraSection::NAME, LoraSection::KEYS),
+    (DataSection::NAME, DataSection::KEYS),
+    (TrainSection::NAME, TrainSection::KEYS),
+    (PreferenceSection::NAME, PreferenceSection::KEYS),
 ];
 
 /// Names other trainers (HF TrainingArguments, PEFT, axolotl, torchtune, litgpt) use for our keys.
@@ -257,7 +129,7 @@ pub(super) const SECTION_ALIASES: &[(&str, &str)] = &[
 ];
 
 /// The keys of `section`, or `None` for an unknown section.
-pub(super) fn section_keys(section: &str) -> Option<&'static [(&'static str, Kind)]> {
+pub(super) fn section_keys(section: &str) -> Option<&'static [Key]> {
     SECTIONS
         .iter()
         .find(|(name, _)| *name == section)
@@ -268,8 +140,8 @@ pub(super) fn section_keys(section: &str) -> Option<&'static [(&'static str, Kin
 pub(super) fn key_kind(section: &str, key: &str) -> Option<Kind> {
     section_keys(section)?
         .iter()
-        .find(|(name, _)| *name == key)
-        .map(|(_, kind)| *kind)
+        .find(|k| k.name == key)
+        .map(|k| k.kind)
 }
 
 /// `[model], [lora], [data], [train]`.
@@ -283,7 +155,7 @@ pub(super) fn valid_keys(section: &str) -> String {
     let keys: Vec<&str> = section_keys(section)
         .unwrap_or_default()
         .iter()
-        .map(|(k, _)| *k)
+        .map(|k| k.name)
         .collect();
     keys.join(", ")
 }
@@ -329,11 +201,11 @@ pub(super) fn check_keys(table: &Table, origin: &str) -> Result<(), ConfigError>
 
 #[cfg(test)]
 mod tests {
-    use super::super::TrainConfig;
+    use super::super::{OptimizerKind, TrainConfig};
     use super::*;
 
-    /// `SECTIONS` (used for error messages and --set) lists exactly the keys of the raw structs,
-    /// in the order `to_toml_string` writes them.
+    /// `SECTIONS` (used for error messages and --set) lists exactly the keys `to_toml_string`
+    /// writes, in its order.
     #[test]
     fn key_table_matches_structs() {
         let text = TrainConfig::new("m", "t").to_toml_string();
@@ -361,7 +233,7 @@ mod tests {
                 }
                 in_string ^= l.matches("\"\"\"").count() % 2 == 1;
             }
-            let listed: Vec<&str> = keys.iter().map(|(k, _)| *k).collect();
+            let listed: Vec<&str> = keys.iter().map(|k| k.name).collect();
             assert_eq!(written, listed, "[{section}]");
             assert_eq!(table[section].as_table().unwrap().len(), keys.len());
         }

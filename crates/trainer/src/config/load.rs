@@ -1,17 +1,17 @@
-//! Reading a config: TOML text -> `toml::Table` (keys checked) -> each `--set` applied -> the
-//! raw sections (a value of the wrong type is an error naming the key and the type it must
-//! have) -> [`TrainConfig`] -> [`TrainConfig::validate`].
+//! Reading a config: TOML text -> `toml::Table` (keys checked) -> each `--set` applied -> each
+//! section's keys read into it over its defaults (a value of the wrong type is an error naming
+//! the key and the type it must have) -> the required keys present -> [`TrainConfig`] ->
+//! [`TrainConfig::validate`].
 
-use serde::de::DeserializeOwned;
 use toml::{Table, Value};
 
 use super::error::WrongType;
-use super::keys::{check_keys, key_kind, section_keys, section_list, valid_keys, Kind};
-use super::raw::RawConfig;
+use super::keys::{check_keys, key_kind, section_keys, section_list, valid_keys, SECTIONS};
+use super::section::{Kind, Section};
 use super::suggest::{closest, normalize, suggest_anywhere, suggest_key, suggest_section};
 use super::{ConfigError, TrainConfig};
 
-/// [`TrainConfig::from_toml_str`]: parse, check keys, apply `sets`, deserialize, validate.
+/// [`TrainConfig::from_toml_str`]: parse, check keys, apply `sets`, read, validate.
 pub(super) fn from_toml_str(
     text: &str,
     origin: &str,
@@ -39,14 +39,14 @@ pub(super) fn from_toml_str(
             .map(|(_, s)| s.clone())
     };
 
-    let raw = RawConfig {
-        model: section(&table, "model", origin, &set_of)?,
-        lora: section(&table, "lora", origin, &set_of)?,
-        data: section(&table, "data", origin, &set_of)?,
-        train: section(&table, "train", origin, &set_of)?,
-        preference: section(&table, "preference", origin, &set_of)?,
+    let config = TrainConfig {
+        model: section(&table, origin, &set_of)?,
+        lora: section(&table, origin, &set_of)?,
+        data: section(&table, origin, &set_of)?,
+        train: section(&table, origin, &set_of)?,
+        preference: section(&table, origin, &set_of)?,
     };
-    let config = raw.into_config(origin)?;
+    check_required(&table, origin)?;
     config.validate().map_err(|invalid| ConfigError::Invalid {
         origin: origin.to_string(),
         set: set_of(invalid.key),
@@ -127,51 +127,66 @@ fn set_value(text: &str, kind: Kind) -> Value {
     }
 }
 
-/// Deserializes one section (absent: all defaults). On a type error, finds the key by
-/// deserializing the section's keys one at a time.
-fn section<T: DeserializeOwned + Default>(
+/// Reads one section: its defaults, then each key the table gives (absent: all defaults). A
+/// value that is not of its key's type is an error naming the key.
+fn section<T: Section>(
     table: &Table,
-    name: &'static str,
     origin: &str,
     set_of: &dyn Fn(&str) -> Option<String>,
 ) -> Result<T, ConfigError> {
-    let Some(Value::Table(sec)) = table.get(name) else {
-        return Ok(T::default());
+    let mut section = T::defaults();
+    let Some(Value::Table(sec)) = table.get(T::NAME) else {
+        return Ok(section);
     };
-    Value::Table(sec.clone()).try_into::<T>().map_err(|err| {
-        for (key, value) in sec {
-            let one = Table::from_iter([(key.clone(), value.clone())]);
-            if Value::Table(one).try_into::<T>().is_err() {
-                let kind = key_kind(name, key).expect("check_keys passed");
-                let suggestion = match (kind, value) {
-                    (Kind::Choice(names), Value::String(s)) => {
-                        closest(&normalize(s), names.iter().copied()).map(str::to_string)
-                    }
-                    (Kind::Choices(names), Value::Array(items)) => items
-                        .iter()
-                        .filter_map(Value::as_str)
-                        .find(|s| !names.contains(s))
-                        .and_then(|s| closest(&normalize(s), names.iter().copied()))
-                        .map(str::to_string),
-                    _ => None,
-                };
-                let full = format!("{name}.{key}");
-                return ConfigError::WrongType(Box::new(WrongType {
+    for (key, value) in sec {
+        if section.set(key, value) {
+            continue;
+        }
+        let kind = key_kind(T::NAME, key).expect("check_keys passed");
+        let suggestion = match (kind, value) {
+            (Kind::Choice(names), Value::String(s)) => {
+                closest(&normalize(s), names.iter().copied()).map(str::to_string)
+            }
+            (Kind::Choices(names), Value::Array(items)) => items
+                .iter()
+                .filter_map(Value::as_str)
+                .find(|s| !names.contains(s))
+                .and_then(|s| closest(&normalize(s), names.iter().copied()))
+                .map(str::to_string),
+            _ => None,
+        };
+        let full = format!("{}.{key}", T::NAME);
+        return Err(ConfigError::WrongType(Box::new(WrongType {
+            origin: origin.to_string(),
+            set: set_of(&full),
+            key: full,
+            expected: kind.expected(),
+            found: describe(value),
+            suggestion,
+        })));
+    }
+    Ok(section)
+}
+
+/// The required keys (`model.path`, `data.train`): each must be in the file or a `--set`.
+fn check_required(table: &Table, origin: &str) -> Result<(), ConfigError> {
+    for (section, keys) in SECTIONS {
+        for key in keys {
+            let Some(hint) = key.required else { continue };
+            let given = table
+                .get(section)
+                .and_then(Value::as_table)
+                .is_some_and(|sec| sec.contains_key(key.name));
+            if !given {
+                return Err(ConfigError::Missing {
                     origin: origin.to_string(),
-                    set: set_of(&full),
-                    key: full,
-                    expected: kind.expected(),
-                    found: describe(value),
-                    suggestion,
-                }));
+                    key: key.full,
+                    hint,
+                });
             }
         }
-        // Not reached while each field deserializes on its own; keep serde's message.
-        ConfigError::Parse {
-            origin: origin.to_string(),
-            message: format!("in [{name}]: {}", err.message()),
-        }
-    })
+    }
+    Ok(())
 }
 
 /// A TOML value as the error messages name it: `the string "x"`, `the integer 3`.

@@ -56,7 +56,7 @@ pub(super) fn suggest_key(section: &str, key: &str) -> Option<String> {
     let norm = normalize(key);
     let own = section_keys(section).unwrap_or_default();
     // Spelling variants of one of our keys (`max-seq-len`, `LR`).
-    if own.iter().any(|(k, _)| *k == norm) {
+    if own.iter().any(|k| k.name == norm) {
         return Some(format!("{section}.{norm}"));
     }
     // Another trainer's name for it (`learning_rate`).
@@ -64,7 +64,7 @@ pub(super) fn suggest_key(section: &str, key: &str) -> Option<String> {
         return Some(full.to_string());
     }
     // A typo of a key of this section.
-    if let Some(k) = closest(&norm, own.iter().map(|(k, _)| *k)) {
+    if let Some(k) = closest(&norm, own.iter().map(|k| k.name)) {
         return Some(format!("{section}.{k}"));
     }
     // A key of another section (`lora.lr`), or a typo of one.
@@ -75,7 +75,7 @@ pub(super) fn suggest_key(section: &str, key: &str) -> Option<String> {
 pub(super) fn suggest_anywhere(key: &str) -> Option<String> {
     let all = SECTIONS
         .iter()
-        .flat_map(|(s, keys)| keys.iter().map(move |(k, _)| (*s, *k)));
+        .flat_map(|(s, keys)| keys.iter().map(move |k| (*s, k.name)));
     if let Some((s, k)) = all.clone().find(|(_, k)| *k == key) {
         return Some(format!("{s}.{k}"));
     }

@@ -1,10 +1,15 @@
-//! [`TrainConfig::validate`]: the checks on values, one function per section, then the checks
-//! that involve two sections. Each failure names the key, the value found and what it must be.
+//! [`TrainConfig::validate`]: each key's own check (declared with the key in `sections.rs`,
+//! from the helpers here), then the checks that read several keys. Each failure names the key,
+//! the value found and what it must be.
 
+use std::ops::Range;
+use std::path::Path;
+
+use super::section::Section;
 use super::suggest::closest;
 use super::{
-    DataSection, InvalidValue, LogSink, LoraSection, Method, ModelSection, OptimizerKind,
-    PreferenceLoss, Quantize, TrainConfig, TrainSection, ALL_LINEAR,
+    DataSection, InvalidValue, Method, ModelSection, OptimizerKind, PreferenceLoss, Quantize,
+    TrainConfig, TrainSection, ALL_LINEAR,
 };
 use tallow_model::peft::KNOWN_MODULES;
 
@@ -21,41 +26,116 @@ fn bad(key: &'static str, message: impl Into<String>) -> Checked {
 impl TrainConfig {
     /// Checks every value; the error names the key, the value found and what it must be.
     pub fn validate(&self) -> Result<(), InvalidValue> {
-        validate_model(&self.model)?;
-        validate_lora(&self.lora)?;
-        validate_data(&self.data)?;
-        validate_train(&self.train)?;
+        self.model.check()?;
+        self.lora.check()?;
+        self.data.check()?;
+        self.train.check()?;
+        self.preference.check()?;
+        validate_hub_dataset_keys(&self.data)?;
+        validate_train_length(&self.train)?;
         validate_quantize_with_method(&self.model, &self.train)?;
         validate_best_with_eval(&self.data, &self.train)?;
         validate_preference(self)
     }
 }
 
+// The helpers of the keys' own checks: each gives the message after the key, or `Ok`.
+
+/// `Err(message)` unless `ok`.
+pub(super) fn ensure(ok: bool, message: impl Into<String>) -> Result<(), String> {
+    if ok {
+        Ok(())
+    } else {
+        Err(message.into())
+    }
+}
+
+/// A finite number > 0; `usual` says what is usual.
+pub(super) fn positive(x: f64, usual: &str) -> Result<(), String> {
+    ensure(
+        x > 0.0 && x.is_finite(),
+        format!("must be > 0, found {x} ({usual})"),
+    )
+}
+
+/// A finite number >= 0; `note` (with its leading space) follows "must be >= 0".
+pub(super) fn non_negative(x: f64, note: &str) -> Result<(), String> {
+    ensure(
+        x >= 0.0 && x.is_finite(),
+        format!("must be >= 0{note}, found {x}"),
+    )
+}
+
+/// A number in `range`, written `[start, end)`; `note` says what it means.
+pub(super) fn in_range(x: f64, range: Range<f64>, note: &str) -> Result<(), String> {
+    ensure(
+        range.contains(&x),
+        format!(
+            "must be in [{}, {}), found {x} ({note})",
+            range.start, range.end
+        ),
+    )
+}
+
+/// A path that is not `""`.
+pub(super) fn not_empty(path: &Path, message: &str) -> Result<(), String> {
+    ensure(!path.as_os_str().is_empty(), message)
+}
+
+/// A template that contains each of `needed`.
+pub(super) fn placeholders(template: &str, needed: &[&str]) -> Result<(), String> {
+    match needed.iter().find(|p| !template.contains(*p)) {
+        None => Ok(()),
+        Some(missing) => Err(format!(
+            "has no {missing}: the template must contain {} (where the row's value goes)",
+            needed.join(" and ")
+        )),
+    }
+}
+
+/// `lora.targets`: not empty, each a linear layer of some family ([`KNOWN_MODULES`]: the
+/// Llama layout's seven, Phi-3's fused `qkv_proj` and `gate_up_proj`), none twice. Whether the
+/// model has them is checked when it is read (`DecoderConfig::resolve_lora_targets`).
+pub(super) fn validate_targets(names: &[&str]) -> Result<(), String> {
+    let valid = KNOWN_MODULES.join(", ");
+    if names.is_empty() {
+        return Err(format!(
+            "is empty; list some of {valid} or write \"{ALL_LINEAR}\""
+        ));
+    }
+    for (i, name) in names.iter().enumerate() {
+        if !KNOWN_MODULES.contains(name) {
+            let hint = closest(name, KNOWN_MODULES.iter().copied())
+                .map(|c| format!("did you mean `{c}`? "))
+                .unwrap_or_default();
+            return Err(format!(
+                "has `{name}`, which is not a linear layer of a decoder layer; {hint}valid: \
+                 {valid}, or the string \"{ALL_LINEAR}\""
+            ));
+        }
+        if names[..i].contains(name) {
+            return Err(format!("lists `{name}` twice"));
+        }
+    }
+    Ok(())
+}
+
+/// `train.device`: `auto`, `cpu`, `cuda` or `cuda:N`.
+pub(super) fn valid_device(spec: &str) -> bool {
+    match spec {
+        "auto" | "cpu" | "cuda" => true,
+        s => s
+            .strip_prefix("cuda:")
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())),
+    }
+}
+
+// The checks that read several keys.
+
 /// `[preference]` and what a preference method needs of the other sections.
 fn validate_preference(c: &TrainConfig) -> Checked {
     let p = &c.preference;
     let method = c.train.method;
-    if !(p.beta > 0.0 && p.beta.is_finite()) {
-        return bad(
-            "preference.beta",
-            format!("must be > 0, found {} (0.1 is TRL's default)", p.beta),
-        );
-    }
-    if !(p.lambda > 0.0 && p.lambda.is_finite()) {
-        return bad(
-            "preference.lambda",
-            format!("must be > 0, found {} (0.1 is TRL's default)", p.lambda),
-        );
-    }
-    if !(0.0..0.5).contains(&p.label_smoothing) {
-        return bad(
-            "preference.label_smoothing",
-            format!(
-                "must be in [0, 0.5), found {} (the probability that a pair's labels are flipped)",
-                p.label_smoothing
-            ),
-        );
-    }
     if p.label_smoothing > 0.0 && p.loss != PreferenceLoss::Sigmoid {
         return bad(
             "preference.label_smoothing",
@@ -108,91 +188,9 @@ fn validate_preference(c: &TrainConfig) -> Checked {
     Ok(())
 }
 
-fn validate_model(m: &ModelSection) -> Checked {
-    if m.path.as_os_str().is_empty() {
-        return bad(
-            "model.path",
-            "is empty; set it to a local model dir or a hub id, e.g. \"Qwen/Qwen2.5-0.5B-Instruct\"",
-        );
-    }
-    Ok(())
-}
-
-fn validate_lora(l: &LoraSection) -> Checked {
-    if l.rank < 1 {
-        return bad(
-            "lora.rank",
-            "must be at least 1, found 0 (8 to 64 is usual)",
-        );
-    }
-    if !(l.alpha > 0.0 && l.alpha.is_finite()) {
-        return bad(
-            "lora.alpha",
-            format!("must be > 0, found {} (usually 2 x rank)", l.alpha),
-        );
-    }
-    if !(0.0..1.0).contains(&l.dropout) {
-        return bad(
-            "lora.dropout",
-            format!(
-                "must be in [0, 1), found {} (0 turns dropout off)",
-                l.dropout
-            ),
-        );
-    }
-    validate_targets(&l.targets())?;
-    if l.init
-        .as_ref()
-        .is_some_and(|init| init.as_os_str().is_empty())
-    {
-        return bad(
-            "lora.init",
-            "is empty; leave the key out for a fresh adapter",
-        );
-    }
-    Ok(())
-}
-
-/// `lora.targets`: not empty, each a linear layer of some family ([`KNOWN_MODULES`]: the
-/// Llama layout's seven, Phi-3's fused `qkv_proj` and `gate_up_proj`), none twice. Whether the
-/// model has them is checked when it is read (`DecoderConfig::resolve_lora_targets`).
-fn validate_targets(names: &[&str]) -> Checked {
-    let valid = KNOWN_MODULES.join(", ");
-    if names.is_empty() {
-        return bad(
-            "lora.targets",
-            format!("is empty; list some of {valid} or write \"{ALL_LINEAR}\""),
-        );
-    }
-    for (i, name) in names.iter().enumerate() {
-        if !KNOWN_MODULES.contains(name) {
-            let hint = closest(name, KNOWN_MODULES.iter().copied())
-                .map(|c| format!("did you mean `{c}`? "))
-                .unwrap_or_default();
-            return bad(
-                "lora.targets",
-                format!(
-                    "has `{name}`, which is not a linear layer of a decoder layer; {hint}valid: \
-                     {valid}, or the string \"{ALL_LINEAR}\""
-                ),
-            );
-        }
-        if names[..i].contains(name) {
-            return bad("lora.targets", format!("lists `{name}` twice"));
-        }
-    }
-    Ok(())
-}
-
-fn validate_data(d: &DataSection) -> Checked {
-    if d.train.as_os_str().is_empty() {
-        return bad(
-            "data.train",
-            "is empty; set it to a JSONL file, e.g. \"data/train.jsonl\"",
-        );
-    }
-    // The split and config keys only mean something for a whole hub dataset.
-    let whole = |p: Option<&std::path::Path>| p.and_then(tallow_hub::whole_dataset).is_some();
+/// The split and config keys only mean something for a whole hub dataset.
+fn validate_hub_dataset_keys(d: &DataSection) -> Checked {
+    let whole = |p: Option<&Path>| p.and_then(tallow_hub::whole_dataset).is_some();
     let (train_whole, eval_whole) = (whole(Some(&d.train)), whole(d.eval.as_deref()));
     let not_whole = |key: &'static str, source: &str| {
         bad(
@@ -218,97 +216,12 @@ fn validate_data(d: &DataSection) -> Checked {
              data.dataset_config, or point data.train at a whole dataset",
         );
     }
-    if d.max_seq_len < 2 {
-        return bad(
-            "data.max_seq_len",
-            format!(
-                "must be at least 2 (one input and one target token), found {}",
-                d.max_seq_len
-            ),
-        );
-    }
-    let placeholders = [
-        (
-            "data.alpaca_prompt",
-            &d.alpaca.with_input,
-            &["{instruction}", "{input}"][..],
-        ),
-        (
-            "data.alpaca_prompt_no_input",
-            &d.alpaca.without_input,
-            &["{instruction}"][..],
-        ),
-    ];
-    for (key, template, needed) in placeholders {
-        if let Some(missing) = needed.iter().find(|p| !template.contains(*p)) {
-            return bad(
-                key,
-                format!(
-                    "has no {missing}: the template must contain {} (where the row's value \
-                     goes)",
-                    needed.join(" and ")
-                ),
-            );
-        }
-    }
-    Ok(())
-}
-
-fn validate_train(t: &TrainSection) -> Checked {
-    validate_train_length(t)?;
-    validate_train_optimizer(t)?;
-    if t.seed > i64::MAX as u64 {
-        return bad(
-            "train.seed",
-            format!(
-                "must be at most {} (a TOML integer), found {}",
-                i64::MAX,
-                t.seed
-            ),
-        );
-    }
-    if !valid_device(&t.device) {
-        return bad(
-            "train.device",
-            format!(
-                "must be auto, cpu, cuda or cuda:N (N a GPU number), found {:?}",
-                t.device
-            ),
-        );
-    }
-    if t.output_dir.as_os_str().is_empty() {
-        return bad(
-            "train.output_dir",
-            "is empty; set the dir the run writes to, e.g. \"runs/my-run\"",
-        );
-    }
-    if t.log_every < 1 {
-        return bad("train.log_every", "must be at least 1, found 0");
-    }
-    if !t.push_to_hub.is_empty() {
-        // Checked here, before any training: a bad id must not surface after a long run.
-        if let Err(e) = tallow_hub::check_repo_id(&t.push_to_hub) {
-            return bad(
-                "train.push_to_hub",
-                format!("must be a hub repo id OWNER/NAME: {e}"),
-            );
-        }
-    }
     Ok(())
 }
 
 /// `train.early_stopping_patience` and `train.keep_best` compare evaluations made during the
 /// run: they need an eval set and `train.eval_every`.
 fn validate_best_with_eval(d: &DataSection, t: &TrainSection) -> Checked {
-    if !(t.early_stopping_threshold >= 0.0 && t.early_stopping_threshold.is_finite()) {
-        return bad(
-            "train.early_stopping_threshold",
-            format!(
-                "must be >= 0 (the decrease of the eval loss that counts as better), found {}",
-                t.early_stopping_threshold
-            ),
-        );
-    }
     if t.early_stopping_threshold > 0.0 && t.early_stopping_patience == 0 {
         return bad(
             "train.early_stopping_threshold",
@@ -345,35 +258,13 @@ fn validate_best_with_eval(d: &DataSection, t: &TrainSection) -> Checked {
     Ok(())
 }
 
-/// The batch, checkpointing and the length of the run.
+/// Checkpointing and the length of the run.
 fn validate_train_length(t: &TrainSection) -> Checked {
-    if t.micro_batch_size < 1 {
-        return bad("train.micro_batch_size", "must be at least 1, found 0");
-    }
-    if t.checkpoint_every < 1 {
-        return bad(
-            "train.checkpoint_every",
-            "must be at least 1, found 0 (1 = checkpoint every decoder layer)",
-        );
-    }
-    if !t.log.contains(&LogSink::Jsonl) {
-        return bad(
-            "train.log",
-            "must include \"jsonl\": metrics.jsonl is the run's record (resume, tallow bench and \
-             plots read it); add \"tensorboard\" beside it, e.g. [\"jsonl\", \"tensorboard\"]",
-        );
-    }
     if t.offload_checkpoints && !t.checkpointing {
         return bad(
             "train.offload_checkpoints",
             "offloads the inputs activation checkpointing keeps: set train.checkpointing = true \
              too, or drop it",
-        );
-    }
-    if t.grad_accum < 1 {
-        return bad(
-            "train.grad_accum",
-            "must be at least 1, found 0 (1 = one micro-batch per optimizer step)",
         );
     }
     if t.max_steps == 0 && t.epochs < 1 {
@@ -389,50 +280,6 @@ fn validate_train_length(t: &TrainSection) -> Checked {
             format!(
                 "is {} but `train.max_steps` is {}; warmup must fit in the run",
                 t.warmup_steps, t.max_steps
-            ),
-        );
-    }
-    Ok(())
-}
-
-/// The optimizer's hyperparameters.
-fn validate_train_optimizer(t: &TrainSection) -> Checked {
-    if !(t.lr > 0.0 && t.lr.is_finite()) {
-        return bad(
-            "train.lr",
-            format!("must be > 0, found {} (2e-4 is usual for LoRA)", t.lr),
-        );
-    }
-    if !(t.weight_decay >= 0.0 && t.weight_decay.is_finite()) {
-        return bad(
-            "train.weight_decay",
-            format!("must be >= 0, found {}", t.weight_decay),
-        );
-    }
-    if ![t.betas.0, t.betas.1]
-        .iter()
-        .all(|b| (0.0..1.0).contains(b))
-    {
-        return bad(
-            "train.betas",
-            format!(
-                "must both be in [0, 1), found [{}, {}] (usually [0.9, 0.999])",
-                t.betas.0, t.betas.1
-            ),
-        );
-    }
-    if !(t.eps > 0.0 && t.eps.is_finite()) {
-        return bad(
-            "train.eps",
-            format!("must be > 0, found {} (usually 1e-8)", t.eps),
-        );
-    }
-    if !(t.max_grad_norm >= 0.0 && t.max_grad_norm.is_finite()) {
-        return bad(
-            "train.max_grad_norm",
-            format!(
-                "must be >= 0 (0 disables clipping), found {}",
-                t.max_grad_norm
             ),
         );
     }
@@ -456,16 +303,6 @@ fn validate_quantize_with_method(m: &ModelSection, t: &TrainSection) -> Checked 
         );
     }
     Ok(())
-}
-
-/// `auto`, `cpu`, `cuda` or `cuda:N`.
-fn valid_device(spec: &str) -> bool {
-    match spec {
-        "auto" | "cpu" | "cuda" => true,
-        s => s
-            .strip_prefix("cuda:")
-            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())),
-    }
 }
 
 #[cfg(test)]

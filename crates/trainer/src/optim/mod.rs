@@ -14,6 +14,7 @@
 pub mod adamw;
 pub mod adamw8bit;
 pub mod sgd;
+pub mod sharded;
 
 use std::collections::HashMap;
 

@@ -1,6 +1,9 @@
-//! `tallow doctor`'s multi-GPU check, the part that needs no GPU: the values each GPU holds, the
-//! exact sum the all-reduce must give, and the one line the doctor prints. The all-reduce itself
-//! is `crate::nccl::check_all_gpus` (feature `nccl`).
+//! The doctor's multi-GPU line: one NCCL all-reduce of known values over every visible GPU, from
+//! this process ([`tallow_data_parallel::nccl::all_reduce_sum_over_gpus`], feature `nccl`),
+//! compared with the exact sum. The values, the sum and the line need no GPU, and are tested here.
+
+// Without `nccl` the check is skipped: only the tests use the values and the sum.
+#![cfg_attr(not(feature = "nccl"), allow(dead_code))]
 
 /// What the multi-GPU check found.
 #[derive(Debug, Clone, PartialEq)]
@@ -15,6 +18,7 @@ pub enum GpuCheck {
 }
 
 /// Why a build without the `nccl` feature skips the check.
+#[cfg(any(not(feature = "nccl"), test))]
 pub const NOT_BUILT: &str = "not built with nccl (scripts/build_cuda.sh builds it)";
 
 /// The value GPU `gpu` contributes at element `j`: `(gpu + 1) * (j % 251 + 1)`, so a sum that
@@ -42,6 +46,68 @@ pub fn first_mismatch(gpu: usize, gpus: usize, got: &[f32]) -> Option<String> {
         got[j],
         sum(gpus, j)
     ))
+}
+
+/// f32 elements of the multi-GPU all-reduce: 4 MiB per GPU, past NCCL's small-message
+/// protocols, and not a multiple of any chunk size.
+#[cfg(feature = "nccl")]
+const ELEMENTS: usize = (1 << 20) + 3;
+
+/// How long the multi-GPU all-reduce may take: a broken link between GPUs makes NCCL hang,
+/// not fail.
+#[cfg(feature = "nccl")]
+const WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// The multi-GPU check, on its own thread so that a hang is reported rather than waited out (a
+/// hung thread ends with the process).
+#[cfg(feature = "nccl")]
+pub fn check() -> Result<GpuCheck, String> {
+    use std::sync::mpsc::RecvTimeoutError;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(all_gpus(ELEMENTS).map_err(|e| e.to_string()));
+    });
+    match rx.recv_timeout(WAIT) {
+        Ok(r) => r,
+        Err(RecvTimeoutError::Timeout) => Err(format!(
+            "no result within {} s: NCCL hangs between these GPUs (NCCL_DEBUG=INFO says where; \
+             NCCL_P2P_DISABLE=1 tries without peer-to-peer copies)",
+            WAIT.as_secs()
+        )),
+        Err(RecvTimeoutError::Disconnected) => Err("the check panicked".into()),
+    }
+}
+
+#[cfg(not(feature = "nccl"))]
+pub fn check() -> Result<GpuCheck, String> {
+    Ok(GpuCheck::Skipped(NOT_BUILT.into()))
+}
+
+/// One all-reduce (sum) of `elements` f32 over every visible GPU, GPU i holding
+/// [`value`]`(i, j)`, every GPU's result compared element by element with [`sum`]; the first
+/// difference is reported. Skipped with fewer than 2 GPUs or without NCCL (one-GPU work does not
+/// need it: a skip that says how to get it, not a failure).
+#[cfg(feature = "nccl")]
+fn all_gpus(elements: usize) -> tallow_data_parallel::Result<GpuCheck> {
+    use tallow_data_parallel::{libnccl, nccl};
+    let gpus = nccl::visible_gpus()?;
+    if gpus < 2 {
+        return Ok(GpuCheck::Skipped(format!(
+            "{gpus} GPU visible: the all-reduce between GPUs needs 2 or more (CUDA_VISIBLE_DEVICES)"
+        )));
+    }
+    if let Err(why) = libnccl::get() {
+        return Ok(GpuCheck::Skipped(why));
+    }
+    let inputs: Vec<Vec<f32>> = (0..gpus)
+        .map(|i| (0..elements).map(|j| value(i, j)).collect())
+        .collect();
+    let results = nccl::all_reduce_sum_over_gpus(&inputs)?;
+    let mismatch = results
+        .iter()
+        .enumerate()
+        .find_map(|(i, got)| first_mismatch(i, gpus, got));
+    Ok(GpuCheck::Ran { gpus, mismatch })
 }
 
 impl GpuCheck {

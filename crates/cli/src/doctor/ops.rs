@@ -1,4 +1,4 @@
-//! `tallow doctor`'s self-test: every custom op and path of a training step, run on the chosen
+//! The doctor's op checks: every custom op and path of a training step, run on the chosen
 //! device and compared with the CPU reference on small random inputs.
 //!
 //! - On a GPU: the op on the device (its CUDA kernel or Candle tensor ops) against the same op on
@@ -30,8 +30,9 @@ use tallow_model::kernels::nf4::Nf4Matmul;
 use tallow_model::nn::loss::{lm_head_nll, Targets};
 use tallow_model::nn::ops;
 use tallow_model::{Base, CausalLM, Linear, LoadOptions, Lora, Nf4Weight, Param};
+use tallow_trainer::optim::{AdamW, AdamW8bit, AdamWParams, Optimizer};
 
-use crate::optim::{AdamW, AdamW8bit, AdamWParams, Optimizer};
+use crate::device::dtype_name;
 
 /// One comparison.
 #[derive(Debug, Clone, Serialize)]
@@ -329,16 +330,6 @@ pub fn self_test(device: &Device, dtypes: &[DType]) -> Report {
 /// Where the checkpointing check writes its tiny model (removed when the self-test ends).
 fn tiny_model_dir() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("tallow-doctor-{}", std::process::id()))
-}
-
-pub fn dtype_name(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::F64 => "f64",
-        _ => "other",
-    }
 }
 
 fn rng(seed: u64) -> rand::rngs::StdRng {

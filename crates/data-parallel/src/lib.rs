@@ -1,5 +1,5 @@
 //! Data parallelism's plumbing for `tallow train`: which rank this process is
-//! ([`launch`]: mpirun, torchrun, Slurm or `tallow train --nproc`), the collectives between the
+//! ([`rank`]: mpirun, torchrun, Slurm or `tallow train --nproc`), the collectives between the
 //! ranks ([`Collective`]: MPI on CPU ranks with the `mpi` feature, NCCL on CUDA ranks with the
 //! `nccl` feature), and a [`watchdog`] that ends a rank left waiting for a dead or hung peer.
 //!
@@ -11,13 +11,12 @@
 //! backend is built.
 
 pub mod bootstrap;
-pub mod gpucheck;
-pub mod launch;
 pub mod libnccl;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod rank;
 pub mod watchdog;
 
 use std::ops::Range;
@@ -25,9 +24,9 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::launch::Launch;
+use crate::rank::Launch;
 #[cfg(feature = "mpi")]
-use crate::launch::Launcher;
+use crate::rank::Launcher;
 
 /// What can go wrong between ranks.
 #[derive(Debug, thiserror::Error)]

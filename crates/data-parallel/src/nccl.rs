@@ -12,8 +12,9 @@
 //! stream, launches on the calling thread's one (its blocking `ncclCommInitRank` mode does; see
 //! NVIDIA/nccl#1976 for the non-blocking mode, which would not). So the collectives must be
 //! called from the thread that runs the training step's tensor ops, as the trainer does.
-//! `tallow doctor`'s check, one thread driving every GPU, makes a stream of its own per GPU
-//! instead (cupy#4322: `ncclCommInitAll` with the per-thread stream fails).
+//! [`all_reduce_sum_over_gpus`], one thread driving every GPU (`tallow doctor`'s check), makes a
+//! stream of its own per GPU instead (cupy#4322: `ncclCommInitAll` with the per-thread stream
+//! fails).
 //!
 //! NCCL itself is loaded at run time ([`crate::libnccl`]), not linked, so one GPU needs no NCCL;
 //! tallow calls only functions every NCCL 2.x has (`ncclGetUniqueId`, `ncclCommInitRank`,
@@ -29,9 +30,8 @@ use candle_core::{CudaDevice, CudaStorage, DType, Device, Storage, Tensor};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use crate::bootstrap::{self, ID_BYTES, ID_ENV};
-use crate::gpucheck::{self, GpuCheck};
-use crate::launch::{Launch, Launcher};
 use crate::libnccl::{self, Lib};
+use crate::rank::{Launch, Launcher};
 use crate::{Collective, Dist, DistError, Result};
 
 /// One NCCL communicator (`ncclComm_t`) and the stream its collectives are queued on; aborted
@@ -334,24 +334,22 @@ impl Collective for Nccl {
     }
 }
 
-/// `tallow doctor`: one all-reduce (sum) of `elements` f32 over every visible GPU, driven from
-/// this process (`ncclCommInitAll`, one grouped `ncclAllReduce` per GPU), GPU i holding
-/// [`gpucheck::value`]`(i, j)`, compared element by element with [`gpucheck::sum`]. The result
-/// is copied back from every GPU; the first difference is reported.
-pub fn check_all_gpus(elements: usize) -> Result<GpuCheck> {
+/// The GPUs this process sees (after `CUDA_VISIBLE_DEVICES`).
+pub fn visible_gpus() -> Result<usize> {
+    CudaContext::device_count()
+        .map(|n| n as usize)
+        .map_err(|e| nccl_err(format!("counting GPUs: {e}")))
+}
+
+/// One all-reduce (sum) over GPUs `0..inputs.len()`, driven from this one process
+/// (`ncclCommInitAll`, one grouped `ncclAllReduce` per GPU, each GPU on a stream of its own):
+/// GPU i contributes `inputs[i]` (all of one length). Returns every GPU's result, copied back, in
+/// GPU order. A check of the links between the GPUs of one host; training runs one process per
+/// GPU ([`init_dist`]).
+pub fn all_reduce_sum_over_gpus(inputs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {
     let cuda = |what: &str, e: cudarc::driver::DriverError| nccl_err(format!("{what}: {e}"));
-    let gpus = CudaContext::device_count().map_err(|e| cuda("counting GPUs", e))? as usize;
-    if gpus < 2 {
-        return Ok(GpuCheck::Skipped(format!(
-            "{gpus} GPU visible: the all-reduce between GPUs needs 2 or more (CUDA_VISIBLE_DEVICES)"
-        )));
-    }
-    // Without NCCL the check cannot run, and one-GPU work does not need it: a skip that says
-    // how to get it, not a failure.
-    let lib = match libnccl::get() {
-        Ok(lib) => lib,
-        Err(why) => return Ok(GpuCheck::Skipped(why)),
-    };
+    let gpus = inputs.len();
+    let lib = lib()?;
     let streams = (0..gpus)
         .map(|i| {
             CudaContext::new(i)
@@ -361,14 +359,13 @@ pub fn check_all_gpus(elements: usize) -> Result<GpuCheck> {
         .collect::<Result<Vec<_>>>()?;
     let mut sends = Vec::with_capacity(gpus);
     let mut recvs = Vec::with_capacity(gpus);
-    for (i, s) in streams.iter().enumerate() {
-        let host: Vec<f32> = (0..elements).map(|j| gpucheck::value(i, j)).collect();
+    for (s, host) in streams.iter().zip(inputs) {
         sends.push(
-            s.clone_htod(&host)
+            s.clone_htod(host)
                 .map_err(|e| cuda("copying to the GPU", e))?,
         );
         recvs.push(
-            s.alloc_zeros::<f32>(elements)
+            s.alloc_zeros::<f32>(host.len())
                 .map_err(|e| cuda("allocating", e))?,
         );
     }
@@ -408,19 +405,12 @@ pub fn check_all_gpus(elements: usize) -> Result<GpuCheck> {
     for q in queued {
         q?;
     }
-    for (i, (s, recv)) in streams.iter().zip(&recvs).enumerate() {
-        let got = s
-            .clone_dtoh(recv)
-            .map_err(|e| cuda("copying from the GPU", e))?;
-        if let Some(m) = gpucheck::first_mismatch(i, gpus, &got) {
-            return Ok(GpuCheck::Ran {
-                gpus,
-                mismatch: Some(m),
-            });
-        }
-    }
-    Ok(GpuCheck::Ran {
-        gpus,
-        mismatch: None,
-    })
+    streams
+        .iter()
+        .zip(&recvs)
+        .map(|(s, recv)| {
+            s.clone_dtoh(recv)
+                .map_err(|e| cuda("copying from the GPU", e))
+        })
+        .collect()
 }

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
-/// The variable naming the NCCL id for `--nproc` children (see `tallow_dist::nccl`).
+/// The variable naming the NCCL id for `--nproc` children (see `tallow_data_parallel::nccl`).
 pub const NCCL_ID_VAR: &str = "TALLOW_NCCL_ID";
 
 /// This command's arguments without `--nproc N` / `--nproc=N`.
@@ -129,7 +129,7 @@ fn gpu_ranks(nproc: usize, device_spec: &str) -> Result<()> {
 
 #[cfg(feature = "nccl")]
 fn nccl_id() -> Result<String> {
-    Ok(tallow_dist::nccl::new_id_hex()?)
+    Ok(tallow_data_parallel::nccl::new_id_hex()?)
 }
 
 #[cfg(not(feature = "nccl"))]

@@ -2,16 +2,26 @@
 //! training step gives the CPU's answer on the chosen device; with the `nccl` feature and two
 //! or more GPUs, also an NCCL all-reduce across all of them. The first thing to run on a new
 //! GPU; exit 1 when any check fails.
+//!
+//! - this file: the command, the build and driver lines, the report and its JSON;
+//! - [`ops`]: every op of a training step on the device against the CPU reference;
+//! - [`nccl`]: the all-reduce over every GPU.
+//!
+//! The driver probe it lists the GPUs with is [`crate::gpu`]'s, which `--device cuda` uses to
+//! hand a command to `tallow-cuda`.
+
+mod nccl;
+mod ops;
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device};
-use tallow_dist::gpucheck::GpuCheck;
-use tallow_trainer::doctor::{self_test, Report};
 use tallow_trainer::memory::human_bytes;
 
 use crate::args::DoctorArgs;
 use crate::device::{parse_device, parse_dtype};
 use crate::gpu;
+use nccl::GpuCheck;
+use ops::{self_test, Report};
 
 /// What this binary was built with.
 fn build() -> serde_json::Value {
@@ -63,45 +73,6 @@ fn driver() -> serde_json::Value {
         }),
         Err(why) => serde_json::json!({ "missing": why }),
     }
-}
-
-/// f32 elements of the multi-GPU all-reduce: 4 MiB per GPU, past NCCL's small-message
-/// protocols, and not a multiple of any chunk size.
-#[cfg(feature = "nccl")]
-const NCCL_CHECK_ELEMENTS: usize = (1 << 20) + 3;
-
-/// How long the multi-GPU all-reduce may take: a broken link between GPUs makes NCCL hang,
-/// not fail.
-#[cfg(feature = "nccl")]
-const NCCL_CHECK_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
-
-/// The multi-GPU check: an NCCL all-reduce of known values over every visible GPU, from this
-/// process, compared with the exact sum ([`tallow_dist::gpucheck`]).
-#[cfg(feature = "nccl")]
-fn nccl_check() -> std::result::Result<GpuCheck, String> {
-    use std::sync::mpsc::RecvTimeoutError;
-    let (tx, rx) = std::sync::mpsc::channel();
-    // On its own thread, so a hang is reported rather than waited out; a hung thread ends with
-    // the process.
-    std::thread::spawn(move || {
-        let _ = tx.send(
-            tallow_dist::nccl::check_all_gpus(NCCL_CHECK_ELEMENTS).map_err(|e| e.to_string()),
-        );
-    });
-    match rx.recv_timeout(NCCL_CHECK_WAIT) {
-        Ok(r) => r,
-        Err(RecvTimeoutError::Timeout) => Err(format!(
-            "no result within {} s: NCCL hangs between these GPUs (NCCL_DEBUG=INFO says where; \
-             NCCL_P2P_DISABLE=1 tries without peer-to-peer copies)",
-            NCCL_CHECK_WAIT.as_secs()
-        )),
-        Err(RecvTimeoutError::Disconnected) => Err("the check panicked".into()),
-    }
-}
-
-#[cfg(not(feature = "nccl"))]
-fn nccl_check() -> std::result::Result<GpuCheck, String> {
-    Ok(GpuCheck::Skipped(tallow_dist::gpucheck::NOT_BUILT.into()))
 }
 
 pub fn run(a: DoctorArgs) -> Result<()> {
@@ -169,8 +140,8 @@ pub fn run(a: DoctorArgs) -> Result<()> {
         println!();
     }
     let report: Report = self_test(&device, &dtypes);
-    let nccl = nccl_check();
-    let (nccl_status, nccl_line) = GpuCheck::line(&nccl);
+    let all_reduce = nccl::check();
+    let (nccl_status, nccl_line) = GpuCheck::line(&all_reduce);
     let ok = report.ok && nccl_status != "FAIL";
     if a.json {
         let mut v = serde_json::to_value(&report)?;
