@@ -26,7 +26,7 @@ class, which a `config.json` key of that name would set. It is the union of
   reads by `getattr(config, "name", default)` are caught too (`head_dim` in Qwen2's
   attention, `partial_rotary_factor` in the rotary init, `is_causal` in the masks), names
   defined on the class as methods are left out.
-tallow's rule (docs/models.md, `tallow_model::hf_keys`): a key in `reads` must be read by
+tallow's rule (docs/models.md, `tallow_model::config::hf_keys`): a key in `reads` must be read by
 tallow, known not to change the output, or refused; any other key is ignored, as transformers
 ignores it. tests/tests/config_json.rs checks that for every class and version.
 """

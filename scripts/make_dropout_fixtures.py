@@ -9,7 +9,7 @@ Run (from the repository root, after make_fixtures.py and make_peft_fixtures.py)
 Pinned stack: scripts/requirements-fixtures.txt (torch 2.8.0, transformers 4.57.1, peft 0.17.1).
 
 tallow draws its dropout masks from a counter-based hash of (seed, adapter, element index)
-(crates/model/src/dropout.rs), not from torch's generator, so PEFT is given those masks: each
+(crates/model/src/kernels/dropout.rs), not from torch's generator, so PEFT is given those masks: each
 LoRA layer's `lora_dropout` module (nn.Dropout in PEFT) is replaced by one that multiplies its
 input by the keep flags / (1 - p), exactly what nn.Dropout does with that draw. The masks are
 those of micro-batch 0 of step 0 of a run with lora.dropout = P, train.seed = SEED and the 4

@@ -934,7 +934,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // then the MLP tiles' and their outputs.
     let rebuilt_forward = attention_graph.max(2 * hidden + tile * halves.mlp_per_token as u64);
     // NF4: a weight is dequantized for its matmul, forward and backward, by one op that
-    // allocates only its output in the compute dtype (`quant::nf4`); a bf16 / f16 matmul on
+    // allocates only its output in the compute dtype (`kernels::nf4`); a bf16 / f16 matmul on
     // the CPU then reads it as an f32 copy.
     let dequantized = if nf4 { s * largest_linear as u64 } else { 0 } + f32_copy(largest_linear);
     // An adapter that reads the weight (DoRA's norm of a bf16 / f16 or NF4-dequantized weight in

@@ -8,7 +8,7 @@
 //!
 //! The cache maps (device location, [`ConstKey`]) to a tensor and never evicts: its entries are
 //! small (the largest are the 8-bit quantizer's bucket tables, a few MiB per map, see
-//! `quant::dynamic`) and few (one per constant and device). A key names the constant and
+//! `kernels::blockwise8`) and few (one per constant and device). A key names the constant and
 //! carries the numbers it depends on (a vocabulary size, the bits of the rotary frequencies), so
 //! two different constants never share an entry.
 //!

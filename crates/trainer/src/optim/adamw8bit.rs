@@ -21,7 +21,7 @@
 //! parameters and gradients):
 //! - per group, 41: dequantize m and v (3 + 3: codes to u32, gather the cached map, multiply by
 //!   the absmax), the AdamW arithmetic (13, [`super::adamw::adamw_math`]), quantize m and v
-//!   (11 + 11: absmax 4, codes 7 by the bucket lookup of `quant::dynamic`);
+//!   (11 + 11: absmax 4, codes 7 by the bucket lookup of `kernels::blockwise8`);
 //! - per member, 3: its parameter and its gradient copied into the flat f32 inputs, the new
 //!   value copied back (none of the first two for a group of one), +1 per padded member and
 //!   input (the zeros), +2 for a bf16/f16 parameter (casts), +1 for a bf16/f16 gradient.
