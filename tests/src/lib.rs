@@ -297,12 +297,39 @@ pub fn eval_fixture(
     eval_loss(&args)
 }
 
-/// A fresh, empty scratch directory under the target dir's tmp.
+/// A fresh, empty scratch directory under the system temp dir, named by this process. The
+/// first call in a process removes the scratch directories of test processes that have ended
+/// (a test binary leaves its own behind: up to 2 GB, and a CI machine once ran out of disk).
 pub fn scratch(name: &str) -> PathBuf {
+    static SWEPT: std::sync::Once = std::sync::Once::new();
+    SWEPT.call_once(|| remove_dead_scratch(&std::env::temp_dir(), "tallow-test-"));
     let dir = std::env::temp_dir().join(format!("tallow-test-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
+}
+
+/// Removes the entries of `tmp` named `{prefix}{pid}-...` whose process is gone (Linux: no
+/// `/proc/{pid}`; elsewhere nothing is removed).
+pub fn remove_dead_scratch(tmp: &std::path::Path, prefix: &str) {
+    if !std::path::Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(tmp) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 /// Copies a fixture model dir into `dest` (to damage a copy, never the fixture).

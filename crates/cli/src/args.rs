@@ -123,7 +123,8 @@ pub struct BenchArgs {
     /// Write a chart of peak memory (measured and estimated) and tokens/s per cell: .svg.
     #[arg(long, value_name = "FILE")]
     pub plot: Option<PathBuf>,
-    /// Where the cells run (each in its own subdirectory; kept). Default: a temp dir, removed.
+    /// Where the cells run (each in its own subdirectory; kept). Default: a temp dir, each
+    /// cell's run removed once measured.
     #[arg(long)]
     pub work_dir: Option<PathBuf>,
     /// Run each cell as a data-parallel job of N ranks (`tallow train --nproc N`): rank 0's

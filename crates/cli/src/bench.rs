@@ -131,10 +131,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 describe_cell(cell)
             }
         );
+        let cell_dir = work.join(format!("cell-{i}"));
         let row = match cfg {
             Ok(cfg) => run_cell(
                 &exe,
-                &work.join(format!("cell-{i}")),
+                &cell_dir,
                 cell,
                 cfg,
                 &model,
@@ -144,6 +145,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
             )?,
             Err(e) => invalid_row(cell, e),
         };
+        // In our own temp dir, a cell's run (its final checkpoint: a full fine-tuning's is
+        // three copies of the weights) goes once measured, so the disk holds one cell's at a
+        // time; `--work-dir` keeps every cell's.
+        if a.work_dir.is_none() {
+            let _ = std::fs::remove_dir_all(&cell_dir);
+        }
         eprintln!("    {}", row_summary(&row));
         rows.push(row);
     }
