@@ -7,8 +7,9 @@
 #   CUDA_MAJOR=12 scripts/build_cuda.sh          # CUDA 12.4 (drivers 550-579; see below)
 #   CUDA_ROOT=/usr/local/cuda-12.6 scripts/build_cuda.sh   # an installed toolkit
 #   CUDA_COMPUTE_CAP=90 scripts/build_cuda.sh    # PTX for one capability (80 = A100 / RTX 30 and up)
-#   CI_COMPILE=1 scripts/build_cuda.sh           # CI: `cargo build --features cuda,nccl --all-targets`
-#                                                #     (dev profile, tests included), nothing installed
+#   CI_COMPILE=1 scripts/build_cuda.sh           # CI: `cargo build --features cuda,nccl,mpi --all-targets`
+#                                                #     (dev profile, tests included; needs Open MPI's
+#                                                #     dev packages, as `--features mpi` does), nothing installed
 #   eval "$(SETUP_ONLY=1 scripts/build_cuda.sh)"  # only fetch the toolkit; print its environment
 #
 # Compute capability: candle's kernels are compiled to PTX for CUDA_COMPUTE_CAP (default 80); the
@@ -146,11 +147,13 @@ if [ "${SETUP_ONLY:-0}" = 1 ]; then
     printf 'export %s=%q\n' "$v" "${!v}"
   done
 elif [ "${CI_COMPILE:-0}" = 1 ]; then
-  # Every target with the CUDA and NCCL code compiled in: the binary, the test binaries, the
-  # tools. One build: `tallow/nccl` turns on tallow-data-parallel's `nccl` for the whole workspace.
+  # Every target with the CUDA, NCCL and MPI code compiled in: the binary, the test binaries
+  # (tests/tests/distributed.rs too), the tools. One build: `tallow/nccl` and `tallow/mpi` turn on
+  # tallow-data-parallel's `nccl` and `mpi` for the whole workspace, so the code only the two
+  # together compile (NCCL's id carried by MPI under mpirun, data-parallel's nccl.rs) is built.
   # (A `cargo build -p tallow` plus a `cargo check` of the other targets was timed at 7.7 min
   # against this build's 5: the check compiles every dependency again, in metadata mode.)
-  cargo build --workspace --all-targets --features $FEATURES,tallow-tests/cuda
+  cargo build --workspace --all-targets --features $FEATURES,tallow/mpi,tallow-tests/cuda,tallow-tests/mpi
 else
   # Its own target folder, so the CPU build of `tallow` in target/release is not overwritten.
   CUDA_TARGET=${CARGO_TARGET_DIR:-target}/cuda-build

@@ -249,9 +249,9 @@ for dt in ("f32", "bf16"):
     fails = [c for c in d["checks"] if not c["ok"]]
     summary["doctor"][dt] = {"ok": d["ok"], "checks": len(d["checks"]), "failed": [c["name"] for c in fails]}
     lines += ["", f"**doctor {dt}**: {len(d['checks']) - len(fails)} of {len(d['checks'])} checks pass"
-              f"; build {d.get('build')}", "", "| check | ok | max abs err | tol | note |", "| --- | --- | ---: | ---: | --- |"]
+              f"; build {d.get('build')}", "", "| check | ok | output | max abs err | tol | note |", "| --- | --- | ---: | ---: | ---: | --- |"]
     for c in d["checks"]:
-        lines.append(f"| {c['name']} | {'ok' if c['ok'] else '**FAIL**'} | {c['max_abs_err']:.3e} | {c['tol']:.1e} | {c.get('note', '')} |")
+        lines.append(f"| {c['name']} | {'ok' if c['ok'] else '**FAIL**'} | {c.get('output', '')} | {c['max_abs_err']:.3e} | {c['tol']:.1e} | {c.get('note') or ''} |")
 bench = [l for l in read(f"{out}/bench.md").splitlines() if l.startswith("| ")]
 rows = [l for l in bench if not l.startswith("| model") and not l.startswith("| ---")]
 summary["bench_rows"] = rows

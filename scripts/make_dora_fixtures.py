@@ -33,6 +33,9 @@ writes tests/fixtures/v5/reference/peft-dora-<M>.json (loss and merged_loss per 
 SGD step's losses) and peft-dora-<M>-sgd.safetensors, from PEFT 0.21 + transformers 5
 (scripts/requirements-fixtures-v5.txt). The adapters are read, never rewritten.
 
+DoRA with LoRA dropout (tallow's masks injected into PEFT) is scripts/make_dora_dropout_fixtures.py,
+QDoRA (PEFT over bitsandbytes' NF4) scripts/make_qdora_fixtures.py.
+
 Check mode (a DoRA adapter tallow wrote, loaded by PEFT):
 
     /work/pyref/bin/python scripts/make_dora_fixtures.py --check-adapter DIR --model MODEL_DIR --out FILE.json

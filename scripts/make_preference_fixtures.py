@@ -1,52 +1,68 @@
 #!/usr/bin/env python3
-"""Reference fixtures for tallow's preference tuning (DPO sigmoid / IPO, ORPO), dev-only.
+"""Reference fixtures for tallow's preference tuning (DPO sigmoid / IPO, ORPO), made by TRL's own
+trainers (dev-only).
 
-Run from the repository root (after scripts/make_fixtures.py and make_peft_fixtures.py):
+TRL's pins (datasets, fsspec) stay out of /work/pyref: a venv beside it sees its packages
+through a .pth file and adds TRL and datasets (scripts/requirements-fixtures-trl.txt):
 
-    /work/pyref/bin/python scripts/make_preference_fixtures.py
+    python -m venv /tmp/trlvenv
+    echo /work/pyref/lib/python3.11/site-packages > /tmp/trlvenv/lib/python3.11/site-packages/pyref.pth
+    /tmp/trlvenv/bin/pip install -r scripts/requirements-fixtures-trl.txt
+    /tmp/trlvenv/bin/python scripts/make_preference_fixtures.py
 
-Pinned stack (scripts/requirements-fixtures.txt): torch==2.8.0 transformers==4.57.1
-tokenizers==0.22.2 peft==0.17.1 safetensors==0.8.0. TRL is not imported: its definitions
-(TRL 0.23.0, `DPOTrainer.tokenize_row`, `maybe_apply_chat_template`, `concatenated_forward`,
-`dpo_loss`; `ORPOTrainer.odds_ratio_loss` and its chosen NLL) are written out below.
+(from the repository root, after scripts/make_fixtures.py and make_peft_fixtures.py). Stack:
+trl==0.23.0 datasets==4.4.1 over torch==2.8.0 transformers==4.57.1 tokenizers==0.22.2
+peft==0.17.1 accelerate==1.15.0 safetensors==0.8.0; the versions are written into the JSON.
 
 Writes (and only these):
 
     tests/fixtures/data/preference.jsonl            4 pairs, prompt / chosen / rejected strings
     tests/fixtures/data/preference_messages.jsonl   4 pairs in TRL's conversational form
-    tests/fixtures/reference/preference.json        per case: the loss and TRL's metrics
-    tests/fixtures/reference/preference.safetensors per case: "<case>.after.<key>", the adapter
-                                                    after one step
+    tests/fixtures/data/preference_rules.jsonl      4 string pairs for the tokenization rules
+    tests/fixtures/reference/preference.json        per case: the loss, TRL's metrics, the rows
+    tests/fixtures/reference/preference.safetensors per case: "<case>.after.<key>", the weights
+                                                    after the step
+
+Every number comes from one `trainer.train()` of TRL's `DPOTrainer` / `ORPOTrainer` (its
+`maybe_extract_prompt`, `maybe_apply_chat_template`, `tokenize_row`, collator, concatenated
+forward, `dpo_loss` / `odds_ratio_loss` and metrics) running one step: `optim="sgd"`, lr 0.5,
+constant schedule, no clipping (`max_grad_norm=0`), f32 (`bf16=False`), eager attention, batch 4
+(the 4 pairs, in file order: a sequential sampler), dropout off (TRL's `disable_dropout`). The
+loss and metrics are what `get_batch_loss_metrics` returned for that batch (the trainer's log
+rounds the loss to 4 digits); "rows" are the token ids TRL fed the model, per pair
+{"chosen", "rejected"}: {"ids", "prompt_len"} (ids = prompt ids + completion ids, unpadded).
 
 Cases: for M in tiny-llama, tiny-qwen2, tiny-qwen3, from the non-zero PEFT adapter
-tests/fixtures/adapters/<M>-peft (r 4, alpha 8, every linear): one torch.optim.SGD(lr=0.5)
-step on all 4 pairs as one batch (chosen rows, then rejected rows, right-padded), no clipping,
-f32, eager attention, for
+tests/fixtures/adapters/<M>-peft (r 4, alpha 8, every linear; DPO's reference is the same model
+under PEFT's disable_adapter(), as TRL does for a PeftModel):
 
-    dpo-sigmoid      beta 0.1                       (string and messages data)
+    dpo-sigmoid      beta 0.1                       (string, messages and rules data)
     dpo-sigmoid-ls   beta 0.2, label_smoothing 0.1  (string data)
-    dpo-ipo          beta 0.1, loss ipo             (string data)
-    orpo             lambda 0.1                     (string and messages data)
+    dpo-ipo          beta 0.1, loss_type "ipo"      (string data)
+    orpo             beta (tallow's lambda) 0.1     (string, messages and rules data)
 
 Full-weight cases (preference.full): tiny-llama, string data, every parameter trainable (no
-adapter), the same SGD step for "dpo-sigmoid" (beta 0.1; the reference log-probs computed from
-the model before the step, as a precomputed reference) and "orpo" (lambda 0.1); key
-"tiny-llama/<case>-full/string", tensors "<key>.after.<name>" for FULL_TENSORS only.
+adapter): "dpo-sigmoid" with precompute_ref_log_probs=True (the reference is the model before
+the step) and "orpo"; key "tiny-llama/<case>-full/string", tensors "<key>.after.<name>" for
+FULL_TENSORS only.
 
-Tokenization (TRL's DPO, used for ORPO too): prompt and completion tokenized apart with
-add_special_tokens=False, EOS appended to each completion; conversational rows rendered with
-the chat template (the prompt with the generation prompt, each completion as the text after the
-longest common prefix of prompt and prompt + chosen). Log-probs: sum of the completion tokens'
-log-softmax (f32); IPO and ORPO divide by the completion length. DPO's reference: the same
-model under PeftModel.disable_adapter(), no grad. ORPO's NLL: cross-entropy over the chosen
-rows' every non-padding token after the first (prompt included, as TRL's ORPO computes it),
-mean over those tokens.
+The two trainers tokenize differently, and the rules data shows where (TRL 0.23):
+- DPOTrainer.tokenize_row: prompt and completion tokenized apart without special tokens, EOS
+  appended to every completion, even one already ending with it;
+- ORPOTrainer.tokenize_row: prompt + completion tokenized together and split after the prompt's
+  own tokens (one token earlier when the last prompt token merged across the boundary), BOS
+  prepended when the tokenizer has one and the prompt does not start with it, EOS appended only
+  when the completion does not already end with it.
+
+Cross-check: a plain PyTorch re-implementation of the losses (case_loss below: TRL's formulas
+written out) on the token ids TRL produced, one torch.optim.SGD step, must agree with the
+trainer to float error (asserted; the largest differences are printed).
 """
 
 import json
 import math
 import sys
-from itertools import takewhile
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -67,6 +83,7 @@ import make_peft_fixtures as mp  # noqa: E402
 FIX = mf.FIX
 MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 LR = 0.5
+PINNED_TRL = {"trl": "0.23.0", "datasets": "4.4.1"}
 
 STRING_ROWS = [
     {"prompt": "The sky is", "chosen": " blue today.", "rejected": " green and odd."},
@@ -103,15 +120,27 @@ MESSAGE_ROWS = [
         "rejected": [{"role": "assistant", "content": "In trees."}],
     },
 ]
-DATA = {"string": ("preference.jsonl", STRING_ROWS), "messages": ("preference_messages.jsonl", MESSAGE_ROWS)}
+# Completions that already end with an EOS token (Qwen's <|im_end|>, Llama's <|end_of_text|>;
+# the other model reads the string as text): DPO appends a second EOS, ORPO none. A prompt
+# ending with a space, whose last token merges with the completion's first when tokenized
+# together: ORPO moves the boundary, DPO keeps the prompt's own tokens.
+RULE_ROWS = [
+    {"prompt": "The sky is", "chosen": " blue.<|im_end|>", "rejected": " green."},
+    {"prompt": "Two plus two is", "chosen": " four.<|end_of_text|>", "rejected": " five."},
+    {"prompt": "Cats like ", "chosen": "fish and naps.", "rejected": "taxes."},
+    {"prompt": "Water boils at", "chosen": " a hundred degrees.", "rejected": " thirty.<|im_end|>"},
+]
+DATA = {
+    "string": ("preference.jsonl", STRING_ROWS),
+    "messages": ("preference_messages.jsonl", MESSAGE_ROWS),
+    "rules": ("preference_rules.jsonl", RULE_ROWS),
+}
 CASES = [
-    ("dpo-sigmoid", dict(kind="dpo", beta=0.1, loss="sigmoid", ls=0.0), ["string", "messages"]),
+    ("dpo-sigmoid", dict(kind="dpo", beta=0.1, loss="sigmoid", ls=0.0), ["string", "messages", "rules"]),
     ("dpo-sigmoid-ls", dict(kind="dpo", beta=0.2, loss="sigmoid", ls=0.1), ["string"]),
     ("dpo-ipo", dict(kind="dpo", beta=0.1, loss="ipo", ls=0.0), ["string"]),
-    ("orpo", dict(kind="orpo", lam=0.1), ["string", "messages"]),
+    ("orpo", dict(kind="orpo", lam=0.1), ["string", "messages", "rules"]),
 ]
-
-
 FULL_CASES = [("dpo-sigmoid", CASES[0][1]), ("orpo", CASES[3][1])]
 FULL_TENSORS = [
     "model.layers.0.self_attn.q_proj.weight",
@@ -120,35 +149,99 @@ FULL_TENSORS = [
     "model.norm.weight",
     "model.embed_tokens.weight",
 ]
+# TRL's metrics that tallow reports (TRL also logs the mean logits).
+METRICS = [
+    "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+    "logps/chosen", "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen",
+]
+# The re-implementation against the trainer (measured: loss <= 6e-7 relative, metrics <= 8e-6
+# absolute, updates <= 1.3e-5 relative: float order only).
+CROSS = {"loss": 1e-5, "metric": 1e-4, "update": 1e-4}
 
 
-def trl_tokenize(tok, row):
-    """TRL 0.23: maybe_apply_chat_template, then DPOTrainer.tokenize_row (no special tokens)."""
-    prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
-    if isinstance(prompt, list):
-        p = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        pc = tok.apply_chat_template(prompt + chosen, tokenize=False)
-        p = "".join(x for x, _ in takewhile(lambda x: x[0] == x[1], zip(p, pc)))
-        pr = tok.apply_chat_template(prompt + rejected, tokenize=False)
-        prompt, chosen, rejected = p, pc[len(p):], pr[len(p):]
-    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    return enc(prompt), enc(chosen) + [tok.eos_token_id], enc(rejected) + [tok.eos_token_id]
+def one_step_trainer(cls):
+    """TRL's trainer class, batches in file order, recording what each batch's loss was."""
+    from torch.utils.data import SequentialSampler
+
+    class OneStep(cls):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+        def get_batch_loss_metrics(self, model, batch, train_eval="train"):
+            loss, metrics = super().get_batch_loss_metrics(model, batch, train_eval)
+            self.seen.append((loss.item(), metrics, {k: v for k, v in batch.items() if torch.is_tensor(v)}))
+            return loss, metrics
+
+    return OneStep
 
 
-def batch(tok, rows):
+def trl_step(model, tok, case, rows, precompute_ref=False):
+    """One SGD step of TRL's trainer for `case` on `rows`: (loss, metrics, rows as TRL tokenized
+    them). `model` is updated in place."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer, ORPOConfig, ORPOTrainer
+
+    common = dict(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=len(rows), gradient_accumulation_steps=1,
+        max_steps=1, learning_rate=LR, optim="sgd", lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, max_grad_norm=0.0, bf16=False, fp16=False, use_cpu=True, report_to=[],
+        save_strategy="no", logging_steps=1, padding_value=0, seed=0, disable_tqdm=True,
+    )
+    if case["kind"] == "dpo":
+        args = DPOConfig(
+            beta=case["beta"], loss_type=case["loss"], label_smoothing=case["ls"],
+            precompute_ref_log_probs=precompute_ref, **common,
+        )
+        cls = one_step_trainer(DPOTrainer)
+    else:
+        args = ORPOConfig(beta=case["lam"], **common)
+        cls = one_step_trainer(ORPOTrainer)
+    trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    trainer.seen = []
+    trainer.train()
+    assert len(trainer.seen) == 1, len(trainer.seen)
+    loss, metrics, batch = trainer.seen[0]
+    metrics = {k: v for k, v in metrics.items() if k in METRICS}
+    return loss, metrics, fed_rows(case["kind"], batch)
+
+
+def fed_rows(kind, b):
+    """Per pair, {"chosen", "rejected"}: {"ids", "prompt_len"}, unpadded, from TRL's batch."""
+    out = []
+    for i in range(b["chosen_input_ids"].shape[0]):
+        pair = {}
+        for part in ("chosen", "rejected"):
+            if kind == "dpo":
+                # Prompt left-padded, completions right-padded, kept apart.
+                p = b["prompt_input_ids"][i][b["prompt_attention_mask"][i] == 1].tolist()
+                c = b[f"{part}_input_ids"][i][b[f"{part}_attention_mask"][i] == 1].tolist()
+                pair[part] = {"ids": p + c, "prompt_len": len(p)}
+            else:
+                # The whole sequence, labels -100 over its prompt.
+                keep = b[f"{part}_attention_mask"][i] == 1
+                ids = b[f"{part}_input_ids"][i][keep].tolist()
+                labels = b[f"{part}_labels"][i][keep].tolist()
+                n = sum(1 for x in labels if x == -100)
+                assert all(x == -100 for x in labels[:n]), labels
+                pair[part] = {"ids": ids, "prompt_len": n}
+        out.append(pair)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The cross-check: TRL's formulas written out, on the ids TRL produced.
+
+
+def batch(rows):
     """Chosen rows then rejected rows, right-padded: ids, attention mask, completion mask."""
-    seqs = []
-    for part in (1, 2):
-        for row in rows:
-            t = trl_tokenize(tok, row)
-            seqs.append((t[0], t[part]))
-    width = max(len(p) + len(c) for p, c in seqs)
+    seqs = [(r[part]["ids"], r[part]["prompt_len"]) for part in ("chosen", "rejected") for r in rows]
+    width = max(len(ids) for ids, _ in seqs)
     ids, att, comp = [], [], []
-    for p, c in seqs:
-        n = len(p) + len(c)
-        ids.append(p + c + [0] * (width - n))
+    for s, p in seqs:
+        n = len(s)
+        ids.append(s + [0] * (width - n))
         att.append([1] * n + [0] * (width - n))
-        comp.append([0] * len(p) + [1] * len(c) + [0] * (width - n))
+        comp.append([0] * p + [1] * (n - p) + [0] * (width - n))
     return torch.tensor(ids), torch.tensor(att), torch.tensor(comp)
 
 
@@ -161,6 +254,9 @@ def logps(model, ids, att, comp):
 
 
 def case_loss(model, case, ids, att, comp, ref=None):
+    """DPO (`dpo_loss`, sigmoid with label smoothing / ipo on mean log-probs) or ORPO
+    (`odds_ratio_loss` on mean log-probs, the NLL over the chosen rows' every token after the
+    first), with TRL's metrics."""
     m = ids.shape[0] // 2
     lens = comp[:, 1:].sum(-1).float()
     pol, logits = logps(model, ids, att, comp)
@@ -207,59 +303,97 @@ def case_loss(model, case, ids, att, comp, ref=None):
     return loss, metrics
 
 
+def cross_check(key, model, trainable, key_of, case, rows, want, after, worst, ref=None):
+    """The re-implementation's step from the same start: asserts agreement with the trainer's
+    loss, metrics and weights after the step (`after`, by file key); updates `worst`."""
+    ids, att, comp = batch(rows)
+    holder = {}
+
+    def loss_fn():
+        loss, metrics = case_loss(model, case, ids, att, comp, ref=ref)
+        holder["metrics"] = metrics
+        return loss
+
+    before = {key_of[n]: p.detach().clone() for n, p in trainable.items()}
+    loss, step = fl.sgd_step(trainable, key_of, loss_fn, LR)
+    d_loss = abs(loss - want["loss"]) / abs(want["loss"])
+    d_metric = max(abs(holder["metrics"][k] - v) for k, v in want["metrics"].items())
+    d_update = 0.0
+    for k, a in after.items():
+        ours, theirs = step[f"after.{k}"] - before[k], a - before[k]
+        d_update = max(d_update, ((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-12)).item())
+    assert d_loss < CROSS["loss"] and d_metric < CROSS["metric"] and d_update < CROSS["update"], (
+        key, d_loss, d_metric, d_update)
+    for name, d in (("loss", d_loss), ("metric", d_metric), ("update", d_update)):
+        worst[name] = max(worst[name], d)
+
+
 def main():
+    import datasets
+    import trl
+
     fl.deterministic()
-    for name, (file, rows) in DATA.items():
+    versions = dict(mf.VERSIONS, trl=trl.__version__, datasets=datasets.__version__)
+    fl.warn_unpinned(versions, PINNED_TRL)
+    for file, rows in DATA.values():
         mf.write_jsonl(FIX / "data" / file, rows)
-    out, tensors = {"versions": mf.VERSIONS, "lr": LR, "cases": {}}, {}
+    out, tensors = {"versions": versions, "lr": LR, "cases": {}}, {}
+    worst = {"loss": 0.0, "metric": 0.0, "update": 0.0}
     for model_name in MODELS:
         model_dir = FIX / "models" / model_name
         adapter_dir = FIX / "adapters" / f"{model_name}-peft"
         tok = AutoTokenizer.from_pretrained(str(model_dir))
+        if tok.pad_token is None:
+            # TRL's ORPO collator insists on one; padding is masked, so any id does.
+            tok.pad_token = tok.eos_token
         for case_name, case, datas in CASES:
             for data in datas:
                 key = f"{model_name}/{case_name}/{data}"
-                model = PeftModel.from_pretrained(mf.load_model(model_dir), str(adapter_dir), is_trainable=True)
-                model.eval()
-                trainable, key_of, _ = fl.adapter_trainables(model, adapter_dir, mp.file_key_to_param)
-                ids, att, comp = batch(tok, DATA[data][1])
-                holder = {}
 
-                def loss_fn():
-                    loss, metrics = case_loss(model, case, ids, att, comp)
-                    holder["metrics"] = metrics
-                    return loss
+                def fresh():
+                    model = PeftModel.from_pretrained(mf.load_model(model_dir), str(adapter_dir), is_trainable=True)
+                    trainable, key_of, _ = fl.adapter_trainables(model, adapter_dir, mp.file_key_to_param)
+                    return model, trainable, key_of
 
-                loss, step = fl.sgd_step(trainable, key_of, loss_fn, LR)
+                model, trainable, key_of = fresh()
+                loss, metrics, rows = trl_step(model, tok, case, DATA[data][1])
                 assert math.isfinite(loss)
-                for k, v in step.items():
-                    if k.startswith("after."):
-                        tensors[f"{key}.{k}"] = v
-                out["cases"][key] = {"case": case, "loss": loss, "metrics": holder["metrics"]}
-                print(key, round(loss, 6), holder["metrics"]["rewards/accuracies"])
+                after = {key_of[n]: p.detach().float().clone().contiguous() for n, p in trainable.items()}
+                for k, v in after.items():
+                    tensors[f"{key}.after.{k}"] = v
+                want = {"case": case, "loss": loss, "metrics": metrics, "rows": rows}
+                out["cases"][key] = want
+                model, trainable, key_of = fresh()
+                model.eval()
+                cross_check(key, model, trainable, key_of, case, rows, want, after, worst)
+                print(key, round(loss, 6), metrics["rewards/accuracies"])
     # Full-weight cases.
     model_name = "tiny-llama"
     model_dir = FIX / "models" / model_name
     tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok.pad_token = tok.pad_token or tok.eos_token
     for case_name, case in FULL_CASES:
         key = f"{model_name}/{case_name}-full/string"
         model = mf.load_model(model_dir)
+        loss, metrics, rows = trl_step(model, tok, case, STRING_ROWS, precompute_ref=case["kind"] == "dpo")
+        params = dict(model.named_parameters())
+        after = {n: params[n].detach().float().clone().contiguous() for n in FULL_TENSORS}
+        for name, v in after.items():
+            tensors[f"{key}.after.{name}"] = v
+        want = {"case": case, "loss": loss, "metrics": metrics, "rows": rows, "full": True}
+        out["cases"][key] = want
+        model = mf.load_model(model_dir)
         trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        ids, att, comp = batch(tok, STRING_ROWS)
-        with torch.no_grad():
-            ref, _ = logps(model, ids, att, comp)
-        holder = {}
-
-        def loss_fn():
-            loss, metrics = case_loss(model, case, ids, att, comp, ref=ref)
-            holder["metrics"] = metrics
-            return loss
-
-        loss, step = fl.sgd_step(trainable, {n: n for n in trainable}, loss_fn, LR)
-        for name in FULL_TENSORS:
-            tensors[f"{key}.after.{name}"] = step[f"after.{name}"]
-        out["cases"][key] = {"case": case, "loss": loss, "metrics": holder["metrics"], "full": True}
+        ref = None
+        if case["kind"] == "dpo":
+            with torch.no_grad():
+                ref, _ = logps(model, *batch(rows))
+        cross_check(key, model, trainable, {n: n for n in trainable}, case, rows, want, after, worst, ref=ref)
         print(key, round(loss, 6))
+    print(
+        f"re-implementation vs TRL's trainers: loss {worst['loss']:.1e} relative, metrics "
+        f"{worst['metric']:.1e} absolute, updates {worst['update']:.1e} relative"
+    )
     mf.write_json(FIX / "reference" / "preference.json", out)
     fl.save_tensors(tensors, FIX / "reference" / "preference.safetensors")
 

@@ -9,6 +9,8 @@ and scripts/requirements-fixtures-v5.txt, after the fixtures they make):
     /work/pyref5/bin/python scripts/make_saved_model_fixtures.py \
         [--py4 /work/pyref/bin/python] [--py5 /work/pyref5/bin/python]
 
+(TALLOW=target/debug/tallow runs another build of tallow.)
+
 For each case below the script runs the release `tallow` exactly as
 tests/tests/saved_models.rs does (merge of the PEFT adapter tests/fixtures/adapters/<M>-peft,
 or 2 steps of full fine-tuning with SGD on the text rows), then loads the output dir with
@@ -23,6 +25,12 @@ and writes tests/fixtures/reference/saved-models.json:
 
 The test checks that tallow still writes that config.json and that tallow's eval of its output
 gives those losses.
+
+tiny-gemma3-mm is an image-text Gemma3ForConditionalGeneration (scripts/make_gemma3_mm_fixtures.py)
+whose merge is a text-only Gemma3ForCausalLM: its rows are tiny-gemma3's (its language model), and
+the script also asserts that both versions give the loss PEFT computed with the adapter on the
+image-text model (<root>/reference/tiny-gemma3-mm.json's "peft", 1e-4: what the adapter moves is
+0.05 .. 0.33).
 
 Inner mode (run by the script under each venv):
 
@@ -40,7 +48,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 FIX = REPO / "tests" / "fixtures"
-TALLOW = REPO / "target" / "release" / "tallow"
+TALLOW = Path(os.environ.get("TALLOW", REPO / "target" / "release" / "tallow"))
 # (kind, layout root under tests/fixtures ("" = transformers 4.57's, "v5"), model)
 MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
 CASES = [("merge", layout, m) for layout in ("", "v5") for m in MODELS]
@@ -50,6 +58,9 @@ CASES += [("merge", layout, "tiny-mistral") for layout in ("", "v5")] + [("full"
 CASES += [("merge", layout, "tiny-gemma2") for layout in ("", "v5")] + [("full", "v5", "tiny-gemma2")]
 CASES += [("merge", layout, "tiny-phi3") for layout in ("", "v5")] + [("full", "v5", "tiny-phi3")]
 CASES += [("merge", layout, "tiny-gemma3") for layout in ("", "v5")] + [("full", "v5", "tiny-gemma3")]
+CASES += [("merge", layout, "tiny-gemma3-mm") for layout in ("", "v5")]
+# A model whose reference rows are another's: an image-text model's are its language model's.
+ROWS = {"tiny-gemma3-mm": "tiny-gemma3"}
 
 # Kept in step with tests/tests/saved_models.rs::full_config.
 FULL_CONFIG = """[model]
@@ -130,7 +141,7 @@ def main():
                 (out / "full.toml").write_text(cfg)
                 run([str(TALLOW), "train", "--config", str(out / "full.toml"), "--quiet"])
                 saved = out / "run" / "model"
-            rows = root / "reference" / f"{model}.json"
+            rows = root / "reference" / f"{ROWS.get(model, model)}.json"
             by_version = {}
             for py in (a.py4, a.py5):
                 r = json.loads(run([py, __file__, "--losses", str(saved), str(rows)]).strip().splitlines()[-1])
@@ -138,6 +149,10 @@ def main():
             (l4, l5) = by_version.values()
             for fmt in l4:
                 assert abs(l4[fmt] - l5[fmt]) < 1e-5, (name, fmt, l4[fmt], l5[fmt])
+            if model in ROWS:
+                peft = json.loads((root / "reference" / f"{model}.json").read_text())["peft"]
+                for fmt, l in l4.items():
+                    assert abs(l - peft[fmt]["loss"]) < 1e-4, (name, fmt, l, peft[fmt]["loss"])
             config = json.loads((saved / "config.json").read_text())
             print(name, {v: {f: round(x, 6) for f, x in l.items()} for v, l in by_version.items()})
             cases.append({"name": name, "kind": kind, "layout": layout, "model": model,

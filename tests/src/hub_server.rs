@@ -1,16 +1,30 @@
 //! A loopback Hugging Face Hub for the hub tests: std `TcpListener`, one thread per connection,
 //! `Connection: close`. It speaks the part of the hub's API the client uses:
 //!
-//! - `GET /api/{models,datasets}/OWNER/NAME/revision/REV`: `{"sha", "siblings": [{"rfilename"}]}`
+//! - `GET /api/{models,datasets}/OWNER/NAME[/revision/REV]`: `{"id", "sha", "private",
+//!   "siblings": [{"rfilename"}]}` (no revision: `main`).
+//! - `GET /api/{models,datasets}/OWNER/NAME/tree/REV[/PATH][?recursive=true]`: the entries under
+//!   PATH, `{"type": "file", "oid", "size", "path"[, "lfs": {"oid", "size", "pointerSize"}]}` or
+//!   `{"type": "directory", "oid", "path"}`, in one page (huggingface_hub's `list_repo_tree`,
+//!   which its `snapshot_download` lists a snapshot with).
 //! - `HEAD|GET /[datasets/]OWNER/NAME/resolve/REV/PATH`: `X-Repo-Commit`, `ETag`; LFS files
-//!   (`*.safetensors`, `*.bin`) answer 302 to `/cdn/<sha256>` with `X-Linked-Etag` (the sha256)
-//!   and `X-Linked-Size`, as the hub does; other files are served directly.
-//! - `GET /cdn/<sha256>` with `Range: bytes=N-`: 206 + `Content-Range`.
+//!   (`*.safetensors`, `*.bin`, `*.parquet`) answer 302 to `CDN/cdn/<sha256>` with
+//!   `X-Linked-Etag` (the sha256) and `X-Linked-Size`, as the hub does; other files are served
+//!   directly.
+//! - `GET CDN/cdn/<sha256>` with `Range: bytes=N-`: 206 + `Content-Range`. CDN
+//!   ([`HubServer::cdn_url`]) is a second listener, another origin than the hub's, as the hub's
+//!   CDN is another host: huggingface_hub follows a redirect that stays on the hub's origin and
+//!   reads the file's metadata from the answer at its end, so a CDN on the hub's own origin
+//!   loses `X-Repo-Commit` (found by scripts/check_hub_server.py).
 //! - Errors with the hub's `X-Error-Code`: `RepoNotFound`, `RevisionNotFound`, `EntryNotFound`,
 //!   `GatedRepo` (401 without a token, 403 with a wrong one).
 //!
 //! The write endpoints (uploads: repo creation, branches, preupload, LFS, commits) are in their
 //! own section at the end of the file, with their own doc.
+//!
+//! Checked from the other side: `scripts/make_hub_client_fixtures.py` runs the real Python
+//! huggingface_hub (2.4.0) against this server (`src/bin/hub-server.rs`) and records the
+//! exchange; `hub_cli::real_client_exchange_replays` replays it here.
 //!
 //! Switches: [`HubServer::cut_once`] sends half of a file's bytes then drops the connection
 //! (once); [`HubServer::corrupt`] serves a file with its bytes flipped (hash mismatch).
@@ -81,7 +95,10 @@ struct Switches {
 }
 
 pub struct HubServer {
+    /// The hub's endpoint (`HF_ENDPOINT`), `http://127.0.0.1:PORT`.
     pub url: String,
+    /// Where LFS files are redirected to: another port, so another origin.
+    pub cdn_url: String,
     /// Behind a lock: uploads add repos, branches and commits.
     repos: Arc<Mutex<Vec<RepoDef>>>,
     switches: Arc<Mutex<Switches>>,
@@ -167,8 +184,11 @@ impl HubServer {
 
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
+        let cdn_listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let cdn_url = format!("http://{}", cdn_listener.local_addr().unwrap());
         let server = HubServer {
             url: url.clone(),
+            cdn_url: cdn_url.clone(),
             repos: Arc::new(Mutex::new(
                 [vec![model, gated, dataset], dataset_repos()]
                     .into_iter()
@@ -180,16 +200,31 @@ impl HubServer {
         };
         let (repos, switches) = (server.repos.clone(), server.switches.clone());
         let writes = server.writes.clone();
-        std::thread::spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(stream) = stream else { continue };
-                let (repos, switches, url) = (repos.clone(), switches.clone(), url.clone());
-                let writes = writes.clone();
-                std::thread::spawn(move || {
-                    let _ = handle(stream, &repos, &switches, &writes, &url);
-                });
-            }
-        });
+        let urls = Urls {
+            hub: url,
+            cdn: cdn_url,
+        };
+        for (listener, cdn) in [(listener, false), (cdn_listener, true)] {
+            let (repos, switches, writes, urls) = (
+                repos.clone(),
+                switches.clone(),
+                writes.clone(),
+                urls.clone(),
+            );
+            std::thread::spawn(move || {
+                for stream in listener.incoming() {
+                    let Ok(stream) = stream else { continue };
+                    let (repos, switches) = (repos.clone(), switches.clone());
+                    let (writes, urls) = (writes.clone(), urls.clone());
+                    std::thread::spawn(move || {
+                        let _ = match cdn {
+                            true => handle_cdn(stream, &repos, &switches),
+                            false => handle(stream, &repos, &switches, &writes, &urls),
+                        };
+                    });
+                }
+            });
+        }
         server
     }
 
@@ -317,9 +352,19 @@ fn dataset_repos() -> Vec<RepoDef> {
     ]
 }
 
+/// The hub's and the CDN's base URLs.
+#[derive(Clone)]
+struct Urls {
+    hub: String,
+    cdn: String,
+}
+
 struct Request {
     method: String,
+    /// The request target's path, without its query.
     path: String,
+    /// The query (after `?`), empty without one.
+    query: String,
     headers: BTreeMap<String, String>,
     /// Body bytes read along with the headers (the rest is still on the stream).
     body_start: Vec<u8>,
@@ -331,7 +376,9 @@ fn read_request(stream: &TcpStream) -> std::io::Result<Request> {
     reader.read_line(&mut line)?;
     let mut parts = line.split_whitespace();
     let method = parts.next().unwrap_or("").to_string();
-    let path = parts.next().unwrap_or("").to_string();
+    let target = parts.next().unwrap_or("");
+    let (path, query) = target.split_once('?').unwrap_or((target, ""));
+    let (path, query) = (path.to_string(), query.to_string());
     let mut headers = BTreeMap::new();
     loop {
         let mut h = String::new();
@@ -347,6 +394,7 @@ fn read_request(stream: &TcpStream) -> std::io::Result<Request> {
     Ok(Request {
         method,
         path,
+        query,
         headers,
         body_start,
     })
@@ -392,21 +440,69 @@ fn error(stream: &TcpStream, head: bool, status: &str, code: &str) -> std::io::R
     )
 }
 
+/// Reads the request and logs it ("METHOD PATH[?QUERY] RANGE").
+fn read_logged(stream: &TcpStream, switches: &Mutex<Switches>) -> std::io::Result<Request> {
+    let req = read_request(stream)?;
+    let range = req.headers.get("range").cloned().unwrap_or_default();
+    let query = match req.query.as_str() {
+        "" => String::new(),
+        q => format!("?{q}"),
+    };
+    switches
+        .lock()
+        .unwrap()
+        .log
+        .push(format!("{} {}{query} {range}", req.method, req.path));
+    Ok(req)
+}
+
+/// The CDN's one route, `GET|HEAD /cdn/<sha256>`: any file a repo holds, by its sha256.
+fn handle_cdn(
+    stream: TcpStream,
+    repos: &Mutex<Vec<RepoDef>>,
+    switches: &Mutex<Switches>,
+) -> std::io::Result<()> {
+    let req = read_logged(&stream, switches)?;
+    serve_cdn(&stream, &req, repos, switches)
+}
+
+fn serve_cdn(
+    stream: &TcpStream,
+    req: &Request,
+    repos: &Mutex<Vec<RepoDef>>,
+    switches: &Mutex<Switches>,
+) -> std::io::Result<()> {
+    let range = req.headers.get("range").cloned().unwrap_or_default();
+    let head = req.method == "HEAD";
+    // The hub's token must not leave the hub: the CDN's URLs carry their own signature (S3
+    // answers a request with a second auth mechanism 400), and huggingface_hub sends none here.
+    if req.headers.contains_key("authorization") {
+        return error(stream, head, "400 Bad Request", "InvalidArgument");
+    }
+    let repos = repos.lock().unwrap();
+    let found = req.path.strip_prefix("/cdn/").and_then(|sha| {
+        repos
+            .iter()
+            .flat_map(|r| r.commits.values())
+            .flat_map(|files| files.iter())
+            .find(|(_, f)| f.sha256 == sha)
+    });
+    match found {
+        Some((name, f)) => serve_bytes(stream, head, name, &f.bytes, &range, switches, &[]),
+        None => error(stream, head, "404 Not Found", "EntryNotFound"),
+    }
+}
+
 fn handle(
     stream: TcpStream,
     repos: &Mutex<Vec<RepoDef>>,
     switches: &Mutex<Switches>,
     writes: &Mutex<Writes>,
-    base_url: &str,
+    urls: &Urls,
 ) -> std::io::Result<()> {
-    let req = read_request(&stream)?;
+    let req = read_logged(&stream, switches)?;
     let range = req.headers.get("range").cloned().unwrap_or_default();
-    switches
-        .lock()
-        .unwrap()
-        .log
-        .push(format!("{} {} {range}", req.method, req.path));
-    if let Some(done) = handle_write(&stream, &req, repos, writes, base_url) {
+    if let Some(done) = handle_write(&stream, &req, repos, writes, &urls.hub) {
         return done;
     }
     let repos = repos.lock().unwrap();
@@ -414,25 +510,19 @@ fn handle(
     let head = req.method == "HEAD";
     let path = req.path.replace("%2F", "/");
 
-    if let Some(sha) = path.strip_prefix("/cdn/") {
-        let found = repos
-            .iter()
-            .flat_map(|r| r.commits.values())
-            .flat_map(|files| files.iter())
-            .find(|(_, f)| f.sha256 == sha);
-        return match found {
-            Some((name, f)) => serve_bytes(&stream, head, name, &f.bytes, &range, switches, &[]),
-            None => error(&stream, head, "404 Not Found", "EntryNotFound"),
-        };
-    }
-
-    // /api/{models,datasets}/OWNER/NAME/revision/REV
+    // /api/{models,datasets}/OWNER/NAME/{revision,tree}/REV[/PATH]
     if let Some(rest) = path.strip_prefix("/api/") {
         let parts: Vec<&str> = rest.splitn(5, '/').collect();
-        if parts.len() != 5 || parts[3] != "revision" {
+        if parts.len() != 5 || !matches!(parts[3], "revision" | "tree") {
             return error(&stream, head, "404 Not Found", "RepoNotFound");
         }
-        let (kind, id, rev) = (parts[0], format!("{}/{}", parts[1], parts[2]), parts[4]);
+        let (kind, id) = (parts[0], format!("{}/{}", parts[1], parts[2]));
+        // A revision is one path component (a `/` in it travels as %2F); a tree's PATH follows.
+        let (rev, under) = match parts[3] {
+            "tree" => parts[4].split_once('/').unwrap_or((parts[4], "")),
+            _ => (parts[4], ""),
+        };
+        let rev = &rev.replace("%2F", "/");
         let Some(repo) = repos.iter().find(|r| r.kind == kind && r.id == id) else {
             return error(&stream, head, "404 Not Found", "RepoNotFound");
         };
@@ -442,11 +532,24 @@ fn handle(
         let Some((commit, files)) = lookup(repo, rev) else {
             return error(&stream, head, "404 Not Found", "RevisionNotFound");
         };
-        let siblings: Vec<_> = files
-            .keys()
-            .map(|f| serde_json::json!({ "rfilename": f }))
-            .collect();
-        let body = serde_json::json!({"id": repo.id, "sha": commit, "siblings": siblings});
+        if parts[3] == "tree" {
+            let recursive = req
+                .query
+                .split('&')
+                .any(|kv| kv.eq_ignore_ascii_case("recursive=true"));
+            return match tree(files, under, recursive) {
+                Some(entries) => respond(
+                    &stream,
+                    head,
+                    "200 OK",
+                    &[("Content-Type", "application/json".into())],
+                    serde_json::Value::Array(entries).to_string().as_bytes(),
+                ),
+                None => error(&stream, head, "404 Not Found", "EntryNotFound"),
+            };
+        }
+        let body = serde_json::json!({"id": repo.id, "sha": commit,
+            "private": repo.token.is_some(), "siblings": siblings(files)});
         return respond(
             &stream,
             head,
@@ -481,7 +584,7 @@ fn handle(
     let git_etag = format!("\"{}\"", f.git_sha1);
     if is_lfs(file) {
         let headers = [
-            ("Location", format!("{base_url}/cdn/{}", f.sha256)),
+            ("Location", format!("{}/cdn/{}", urls.cdn, f.sha256)),
             ("X-Repo-Commit", commit),
             ("ETag", git_etag),
             ("X-Linked-Etag", format!("\"{}\"", f.sha256)),
@@ -491,6 +594,67 @@ fn handle(
     }
     let headers = [("X-Repo-Commit", commit), ("ETag", git_etag)];
     serve_bytes(&stream, head, file, &f.bytes, &range, switches, &headers)
+}
+
+/// `[{"rfilename"}]` of every file.
+fn siblings(files: &BTreeMap<String, File>) -> Vec<serde_json::Value> {
+    files
+        .keys()
+        .map(|f| serde_json::json!({ "rfilename": f }))
+        .collect()
+}
+
+/// The git LFS pointer file of an LFS file (what git stores in its place).
+fn lfs_pointer(f: &File) -> String {
+    format!(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:{}\nsize {}\n",
+        f.sha256,
+        f.bytes.len()
+    )
+}
+
+/// The `/tree/` entries under `under` ("" for the root): files and directories, directly
+/// under it or (`recursive`) at any depth, sorted by path; `None` when nothing is there.
+fn tree(
+    files: &BTreeMap<String, File>,
+    under: &str,
+    recursive: bool,
+) -> Option<Vec<serde_json::Value>> {
+    let prefix = match under.trim_end_matches('/') {
+        "" => String::new(),
+        u => format!("{u}/"),
+    };
+    let mut dirs = std::collections::BTreeSet::new();
+    let mut out = BTreeMap::new();
+    for (path, f) in files {
+        let Some(rest) = path.strip_prefix(&prefix) else {
+            continue;
+        };
+        let comps: Vec<&str> = rest.split('/').collect();
+        // Every directory between `under` and the file (only the first without `recursive`).
+        let depth = if recursive { comps.len() - 1 } else { 1 };
+        for i in 1..=depth.min(comps.len() - 1) {
+            dirs.insert(format!("{prefix}{}", comps[..i].join("/")));
+        }
+        if !recursive && comps.len() > 1 {
+            continue;
+        }
+        let mut entry = serde_json::json!({"type": "file", "oid": f.git_sha1,
+            "size": f.bytes.len(), "path": path});
+        if is_lfs(path) {
+            entry["lfs"] = serde_json::json!({"oid": f.sha256, "size": f.bytes.len(),
+                "pointerSize": lfs_pointer(f).len()});
+        }
+        out.insert(path.clone(), entry);
+    }
+    for d in dirs {
+        let oid = commit_id(&format!("tree {d}"));
+        out.insert(
+            d.clone(),
+            serde_json::json!({"type": "directory", "oid": oid, "path": d}),
+        );
+    }
+    (!out.is_empty() || prefix.is_empty()).then(|| out.into_values().collect())
 }
 
 /// `Some(status)` when the repo needs a token the request does not carry.
@@ -579,14 +743,18 @@ fn serve_bytes(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Uploads: the write half of the hub's API, as Python huggingface_hub 0.36 calls it
-// (`hf_api.py` create_repo / create_branch / create_commit, `_commit_api.py`, `lfs.py`).
+// Uploads: the write half of the hub's API, as Python huggingface_hub 0.36 and 2.4 call it
+// (`hf_api.py` create_repo / create_branch / create_commit, `_commit_api.py`, `lfs.py`; 2.4
+// checked by scripts/make_hub_client_fixtures.py).
 //
 // - `GET /api/whoami-v2`: `{"type": "user", "name", "orgs": [], "auth": {"accessToken": {"role"}}}`
 // - `POST /api/repos/create {"name", "organization", "private", "type"}`: 200 `{"url"}` with an
-//   initial commit holding `.gitattributes`, as the hub makes; 409 when it exists; 403 when the
-//   namespace is not the token's user; 401 for an unknown token.
-// - `GET /api/models/OWNER/NAME`: repo info (the fallback of create_repo on 403).
+//   initial commit holding `.gitattributes`, as the hub makes; 409 `{"error", "url"}` when it
+//   exists; 403 when the namespace is not the token's user; 401 for an unknown token.
+// - `GET /api/models/OWNER/NAME`: repo info with `main`'s siblings (the fallback of
+//   create_repo on 403).
+// - `POST /api/validate-yaml {"content", "repoType"}`: `{"errors": [], "warnings": []}` (the
+//   Python client's create_commit checks a README.md's front matter here first).
 // - `POST /api/models/OWNER/NAME/branch/BRANCH`: a branch from `main` (409 when it exists).
 // - `POST /api/models/OWNER/NAME/preupload/REV {"files": [{"path", "size", "sample"}]}`:
 //   `uploadMode` "lfs" for `*.safetensors` / `*.bin`, files of 10 MiB or more, and binary
@@ -768,6 +936,14 @@ fn handle_write(
     if m == "POST" && path == "/api/repos/create" {
         return Some(create_repo(stream, req, repos, base_url));
     }
+    if m == "POST" && path == "/api/validate-yaml" {
+        // huggingface_hub's create_commit sends a README.md here before uploading anything;
+        // this hub accepts every card.
+        return Some(match read_body(stream, req, false) {
+            Ok(_) => json_ok(stream, serde_json::json!({"errors": [], "warnings": []})),
+            Err(e) => Err(e),
+        });
+    }
     if m == "PUT" {
         if let Some(oid) = path.strip_prefix("/lfs-upload/") {
             return Some(lfs_put(stream, req, writes, oid));
@@ -832,11 +1008,16 @@ fn create_repo(
     let id = format!("{org}/{name}");
     let mut repos = repos.lock().unwrap();
     if repos.iter().any(|r| r.id == id) {
-        return write_error(
+        // With the repo's url, as the hub answers: huggingface_hub's `create_repo(exist_ok=True)`
+        // reads it from this 409 (found by scripts/make_hub_client_fixtures.py).
+        let body = serde_json::json!({"error": "You already created this model repo",
+            "url": format!("{base_url}/{id}")});
+        return respond(
             stream,
+            false,
             "409 Conflict",
-            "",
-            "You already created this model repo",
+            &[("Content-Type", "application/json".into())],
+            body.to_string().as_bytes(),
         );
     }
     let first = commit_id(&format!("{id} initial commit"));
@@ -880,10 +1061,14 @@ fn repo_info(
 ) -> std::io::Result<()> {
     let repos = repos.lock().unwrap();
     match repos.iter().find(|r| r.kind == "models" && r.id == repo) {
-        Some(r) if can_read(r, req) => json_ok(
-            stream,
-            serde_json::json!({"id": r.id, "sha": r.refs["main"], "private": r.token.is_some()}),
-        ),
+        Some(r) if can_read(r, req) => {
+            let sha = r.refs["main"].clone();
+            json_ok(
+                stream,
+                serde_json::json!({"id": r.id, "sha": sha, "private": r.token.is_some(),
+                    "siblings": siblings(&r.commits[&sha])}),
+            )
+        }
         _ => write_error(
             stream,
             "404 Not Found",

@@ -7,6 +7,12 @@
 //! must write the same `config.json` (the one both versions were seen to read right; it carries
 //! the rotary settings in both layouts), and its eval of the output must give the losses
 //! transformers computed, within 1e-4 (f32; what a wrong rope theta moves is 1e-3 .. 1e-1).
+//!
+//! Among them, the merge of an image-text Gemma 3 (`tiny-gemma3-mm`, Gemma3ForConditionalGeneration,
+//! with its PEFT adapter) is a text-only Gemma3ForCausalLM: both transformers versions load it,
+//! and the loss they computed is the one PEFT computed with the adapter on the image-text model
+//! (`<root>/reference/tiny-gemma3-mm.json`'s `peft`), within 1e-4 (the adapter moves the loss by
+//! 0.05 .. 0.33; a merge in f32 moves it by ~2e-6).
 
 use std::path::Path;
 
@@ -29,6 +35,9 @@ fn merged_and_full_fine_tuned_models_give_the_loss_both_transformers_versions_co
     let reference = json_at(&fixtures(), "saved-models.json");
     let cases = reference["cases"].as_array().unwrap();
     assert!(cases.len() >= 6);
+    for name in ["merge-v4-tiny-gemma3-mm", "merge-v5-tiny-gemma3-mm"] {
+        assert!(cases.iter().any(|c| c["name"] == name), "no case {name}");
+    }
     for case in cases {
         let name = case["name"].as_str().unwrap();
         let model = case["model"].as_str().unwrap();
@@ -72,7 +81,20 @@ fn merged_and_full_fine_tuned_models_give_the_loss_both_transformers_versions_co
             written, case["config"],
             "{name}: config.json differs from the one transformers 4.57 and 5 were seen to read"
         );
+        // The image-text model's merge: transformers computed the adapter's loss (PEFT's).
+        let adapter_loss = (model == "tiny-gemma3-mm")
+            .then(|| json_at(&root, &format!("{model}.json"))["peft"].clone());
         for format in model_formats(model) {
+            if let Some(peft) = &adapter_loss {
+                let want = peft[format]["loss"].as_f64().unwrap();
+                for (version, losses) in case["losses"].as_object().unwrap() {
+                    let got = losses[format].as_f64().unwrap();
+                    assert!(
+                        (got - want).abs() < 1e-4,
+                        "{name} {format}: transformers {version} {got} vs PEFT {want}"
+                    );
+                }
+            }
             let got = eval_fixture(&saved, None, format);
             for (version, losses) in case["losses"].as_object().unwrap() {
                 let want = losses[format].as_f64().unwrap();

@@ -1336,3 +1336,181 @@ fn resume_takes_over_the_lock_of_a_killed_run() {
     );
     assert!(!lock.exists(), "the lock is removed at the end of the run");
 }
+
+/// `(step, eval loss)` of every evaluation after step 0 in a run's metrics.jsonl, in order.
+fn evals_by_step(dir: &Path) -> Vec<(usize, f64)> {
+    std::fs::read_to_string(dir.join("run/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).ok()?;
+            let step = v["step"].as_u64()? as usize;
+            (step > 0).then_some((step, v["eval_loss"].as_f64()?))
+        })
+        .collect()
+}
+
+/// The steps whose eval loss is below every earlier one: each new best (HF's
+/// `_determine_best_metric` with `eval_loss`: any decrease counts).
+fn new_best_steps(evals: &[(usize, f64)]) -> Vec<usize> {
+    let mut best = f64::INFINITY;
+    let mut out = Vec::new();
+    for &(step, loss) in evals {
+        if loss < best {
+            best = loss;
+            out.push(step);
+        }
+    }
+    out
+}
+
+/// The `N` of every `run/checkpoints/step-N`, ascending.
+fn checkpoint_steps(dir: &Path) -> Vec<usize> {
+    let mut steps: Vec<usize> = std::fs::read_dir(dir.join("run/checkpoints"))
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            name.strip_prefix("step-")?.parse().ok()
+        })
+        .collect();
+    steps.sort();
+    steps
+}
+
+/// The trainable tensors of the checkpoint of `step`.
+fn checkpoint_tensors(dir: &Path, step: usize) -> HashMap<String, Tensor> {
+    let path = dir.join(format!("run/checkpoints/step-{step}/trainable.safetensors"));
+    candle_core::safetensors::load(&path, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Issue 41: `train.keep_best` with the default `save_every = 0`, where only keep_best's own
+/// clause in `eval_and_checkpoint` writes the best step's checkpoint (the `keep_best` test above
+/// saves every step, so it cannot see that clause go). 14 LoRA steps (tiny-llama, lr 0.05,
+/// constant, dropout 0.1), evaluated every 2 steps: new bests at steps 2, 4 and 12, then a worse
+/// loss at 14. Checked, bit for bit:
+/// - the checkpoints are exactly the new bests and the last step (each new best is saved);
+/// - `adapter/` holds the best checkpoint's tensors, `adapter-last/` the last step's;
+/// - a run killed after the best (the later checkpoint and the outputs removed) resumes from the
+///   best's checkpoint, runs only the steps after it, and ends with the same checkpoints, eval
+///   losses and adapters as the uninterrupted run.
+///
+/// Break seen: `|| (t.keep_best && new_best)` removed from `eval_and_checkpoint`: the run fails
+/// at its end with "train.keep_best: the best evaluation's checkpoint .../step-12 is gone".
+#[test]
+fn keep_best_without_save_every_checkpoints_each_new_best_and_resumes_exactly() {
+    let lora = "rank = 4\nalpha = 8\ndropout = 0.1";
+    let train = "max_steps = 14\nlr = 0.05\nschedule = \"constant\"\nmicro_batch_size = 2\n\
+                 eval_every = 2\nkeep_best = true\nsave_every = 0";
+    let a = scratch("best-nosave-a");
+    let b = scratch("best-nosave-b");
+    let ca = config(&a, "tiny-llama", lora, train);
+    let cb = config(&b, "tiny-llama", lora, train);
+    train_ok(&["train", "--config", ca.to_str().unwrap(), "--quiet"]);
+
+    let evals = evals_by_step(&a);
+    assert_eq!(
+        evals.iter().map(|e| e.0).collect::<Vec<_>>(),
+        (2..=14).step_by(2).collect::<Vec<_>>(),
+        "evaluations: {evals:?}"
+    );
+    let bests = new_best_steps(&evals);
+    let best = *bests.last().unwrap();
+    // The job must exercise it: several new bests, the best before the end, and a worse
+    // evaluation between two new bests (a checkpoint per evaluation would also be wrong).
+    assert!(
+        bests.len() >= 2 && best < 14 && bests.len() + 1 < evals.len(),
+        "eval losses {evals:?}: new bests at {bests:?}"
+    );
+    let mut want = bests.clone();
+    want.push(14);
+    assert_eq!(
+        checkpoint_steps(&a),
+        want,
+        "with save_every = 0 the checkpoints are the new bests {bests:?} and the last step"
+    );
+    assert_same(
+        &adapter_at(&a, "adapter"),
+        &checkpoint_tensors(&a, best),
+        &format!("adapter/ vs step {best}'s checkpoint"),
+    );
+    assert_same(
+        &adapter_at(&a, "adapter-last"),
+        &checkpoint_tensors(&a, 14),
+        "adapter-last/ vs step 14's checkpoint",
+    );
+
+    // Killed after the best: the best's checkpoint is the newest one left.
+    train_ok(&["train", "--config", cb.to_str().unwrap(), "--quiet"]);
+    std::fs::remove_dir_all(b.join("run/checkpoints/step-14")).unwrap();
+    for out in ["adapter", "adapter-last"] {
+        std::fs::remove_dir_all(b.join("run").join(out)).unwrap();
+    }
+    resume_at(&cb, best, 14);
+    assert_eq!(checkpoint_steps(&b), want);
+    assert_eq!(
+        evals_by_step(&b),
+        evals,
+        "eval losses after the resume vs uninterrupted"
+    );
+    for out in ["adapter", "adapter-last"] {
+        assert_same(
+            &adapter_at(&b, out),
+            &adapter_at(&a, out),
+            &format!("{out}/ resumed vs uninterrupted"),
+        );
+    }
+}
+
+/// Issue 41: `keep_best` with full fine-tuning, where the outputs are whole HF models: tiny-qwen3,
+/// lr 2e-2, constant, 8 steps, evaluated every step, `save_every = 0`: the eval loss falls to its
+/// best at step 4 (5.408), then climbs to 6.599 at step 8. `model/` must be the best step's
+/// weights and `model-last/` the last step's: each is a model `tallow eval` loads, whose loss on
+/// the eval file is the one metrics.jsonl recorded for its step, and whose tensors are its step's
+/// checkpoint's (bit for bit).
+///
+/// Tolerance on the losses: 1e-6 relative (measured 0: the same rows through the same f32
+/// forward); the best and last losses are ~1.2 apart, so swapped outputs miss by 1e5 times it.
+/// Break seen: `load_best` skipped in `finish`: model/ evaluates to step 8's 6.599, not 5.408.
+#[test]
+fn keep_best_with_full_fine_tuning_keeps_the_best_model_and_the_last() {
+    let dir = scratch("best-full");
+    let c = config(
+        &dir,
+        "tiny-qwen3",
+        "",
+        "method = \"full\"\nmax_steps = 8\nlr = 2e-2\nschedule = \"constant\"\n\
+         micro_batch_size = 2\neval_every = 1\nkeep_best = true\nsave_every = 0",
+    );
+    train_ok(&["train", "--config", c.to_str().unwrap(), "--quiet"]);
+    let evals = evals_by_step(&dir);
+    let bests = new_best_steps(&evals);
+    let best = *bests.last().unwrap();
+    let loss_at = |step: usize| evals.iter().find(|e| e.0 == step).unwrap().1;
+    assert!(
+        best < 8 && (loss_at(8) - loss_at(best)).abs() > 1e-3,
+        "eval losses {evals:?}: the best must come before the end, and differ from the last"
+    );
+    let mut want = bests.clone();
+    want.push(8);
+    assert_eq!(checkpoint_steps(&dir), want);
+    for (out, step) in [("model", best), ("model-last", 8)] {
+        let m = dir.join("run").join(out);
+        for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+            assert!(m.join(f).exists(), "{out}/ lacks {f}");
+        }
+        let got = eval_fixture(&m, None, "prompt_completion");
+        let want = loss_at(step);
+        assert!(
+            (got - want).abs() <= 1e-6 * want,
+            "{out}/: tallow eval gives {got}, metrics.jsonl has {want} at step {step}"
+        );
+        let weights =
+            candle_core::safetensors::load(m.join("model.safetensors"), &Device::Cpu).unwrap();
+        assert_same(
+            &weights,
+            &checkpoint_tensors(&dir, step),
+            &format!("{out}/ vs step {step}'s checkpoint"),
+        );
+    }
+}

@@ -247,9 +247,14 @@ impl Hub {
                 std::thread::sleep(Duration::from_millis(200 * attempt as u64));
             }
             let have = if have > meta.size { 0 } else { have };
-            let req = self
-                .authed(agent.get(&meta.url))
-                .set("Range", &format!("bytes={have}-"));
+            // The token goes to the hub only, never to the CDN origin a redirect names (as
+            // huggingface_hub: tests/fixtures/hub/hf_client_exchange.json).
+            let get = agent.get(&meta.url);
+            let get = match origin(&meta.url) == origin(&self.endpoint) {
+                true => self.authed(get),
+                false => get,
+            };
+            let req = get.set("Range", &format!("bytes={have}-"));
             let resp = match req.call() {
                 Ok(r) => r,
                 Err(ureq::Error::Status(416, _)) => {

@@ -95,6 +95,20 @@ pub struct DataOptions {
     /// Preference rows: keep only the last this many prompt tokens (0: all).
     #[serde(default)]
     pub max_prompt_len: usize,
+    /// Preference rows: which TRL trainer's tokenization they follow (DPO's or ORPO's).
+    #[serde(default)]
+    pub pair_rule: PairRule,
+}
+
+/// How a preference pair becomes token ids: as TRL 0.23's `DPOTrainer.tokenize_row` or as its
+/// `ORPOTrainer.tokenize_row`, which differ in BOS, EOS and the prompt / completion boundary
+/// (see [`preference_pair`]; `tests/tests/preference.rs` checks both against TRL's ids).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PairRule {
+    #[default]
+    Dpo,
+    Orpo,
 }
 
 impl Default for DataOptions {
@@ -105,6 +119,7 @@ impl Default for DataOptions {
             add_eos: true,
             alpaca: AlpacaPrompt::default(),
             max_prompt_len: 0,
+            pair_rule: PairRule::Dpo,
         }
     }
 }
@@ -571,14 +586,19 @@ fn messages_example(
 }
 
 /// A preference row as two examples, chosen then rejected, each the prompt's tokens (not
-/// trained) followed by the completion's (trained), tokenized as TRL's `DPOTrainer` does:
-/// prompt and completion tokenized apart without special tokens (so no BOS: TRL's choice for
-/// decoder-only models), EOS appended to each completion (`data.add_eos`). Conversational rows (`prompt` a list of messages ending with a
-/// user turn, `chosen` / `rejected` lists with the assistant's turn) are rendered first as TRL's
-/// `maybe_apply_chat_template`: the prompt with the generation header, each completion as the
-/// text the template adds after the prompt. Truncation: the prompt keeps its last
-/// `max_prompt_len` tokens (when set), then each completion is cut to fit `max_seq_len`; a
-/// prompt that leaves no room is `Ok(None)` (skipped and counted).
+/// trained) followed by the completion's (trained). Conversational rows (`prompt` a list of
+/// messages ending with a user turn, `chosen` / `rejected` lists with the assistant's turn) are
+/// rendered first as TRL's `maybe_apply_chat_template`: the prompt with the generation header,
+/// each completion as the text the template adds after the prompt. Then, by `opts.pair_rule`,
+/// TRL 0.23's tokenization:
+/// - DPO (`DPOTrainer.tokenize_row`): prompt and completion tokenized apart without special
+///   tokens (so no BOS: TRL's choice for decoder-only models), EOS appended to each completion
+///   (`data.add_eos`), even one that already ends with it;
+/// - ORPO (`ORPOTrainer.tokenize_row`): see [`orpo_pair_part`].
+///
+/// Truncation: the prompt keeps its last `max_prompt_len` tokens (when set), then each
+/// completion is cut to fit `max_seq_len`; a prompt that leaves no room is `Ok(None)` (skipped
+/// and counted).
 fn preference_pair(
     value: &Json,
     tok: &TextTokenizer,
@@ -639,34 +659,79 @@ fn preference_pair(
     if chosen == rejected {
         return Err(RowError::IdenticalPair);
     }
-    let mut prompt_ids = tok.encode(&prompt, false)?;
-    if opts.max_prompt_len > 0 && prompt_ids.len() > opts.max_prompt_len {
-        prompt_ids.drain(..prompt_ids.len() - opts.max_prompt_len);
-    }
-    if prompt_ids.len() >= opts.max_seq_len {
-        return Ok(None);
-    }
-    let room = opts.max_seq_len - prompt_ids.len();
-    let example = |completion: &str| -> Result<Example, RowError> {
-        let mut c = tok.encode(completion, false)?;
-        // TRL appends EOS to every completion, even one whose template text already ends
-        // with it.
-        if opts.add_eos {
-            c.push(tok.eos_id().ok_or(RowError::NoEos)?);
+    let eos = || tok.eos_id().ok_or(RowError::NoEos);
+    // (prompt ids, completion ids) of the chosen and of the rejected sequence.
+    let (chosen, rejected) = match opts.pair_rule {
+        PairRule::Dpo => {
+            let prompt_ids = tok.encode(&prompt, false)?;
+            let part = |completion: &str| -> Result<(Vec<u32>, Vec<u32>), RowError> {
+                let mut c = tok.encode(completion, false)?;
+                // TRL's DPO appends EOS to every completion, even one whose text already ends
+                // with it.
+                if opts.add_eos {
+                    c.push(eos()?);
+                }
+                Ok((prompt_ids.clone(), c))
+            };
+            (part(&chosen)?, part(&rejected)?)
         }
-        c.truncate(room);
-        let mut ids = prompt_ids.clone();
+        PairRule::Orpo => (
+            orpo_pair_part(&prompt, &chosen, tok, opts)?,
+            orpo_pair_part(&prompt, &rejected, tok, opts)?,
+        ),
+    };
+    let example = |(mut prompt_ids, mut c): (Vec<u32>, Vec<u32>)| -> Option<Example> {
+        if opts.max_prompt_len > 0 && prompt_ids.len() > opts.max_prompt_len {
+            prompt_ids.drain(..prompt_ids.len() - opts.max_prompt_len);
+        }
+        if prompt_ids.len() >= opts.max_seq_len {
+            return None;
+        }
+        c.truncate(opts.max_seq_len - prompt_ids.len());
+        let mut ids = prompt_ids;
         let mut targets = vec![false; ids.len()];
         ids.extend_from_slice(&c);
         targets.extend(std::iter::repeat_n(true, c.len()));
         targets[0] = false; // nothing predicts the first token
-        Ok(Example { ids, targets })
+        Some(Example { ids, targets })
     };
-    let (c, r) = (example(&chosen)?, example(&rejected)?);
-    if c.n_targets() == 0 || r.n_targets() == 0 {
-        return Ok(None);
+    match (example(chosen), example(rejected)) {
+        (Some(c), Some(r)) if c.n_targets() > 0 && r.n_targets() > 0 => Ok(Some((c, r))),
+        _ => Ok(None),
     }
-    Ok(Some((c, r)))
+}
+
+/// One side of a pair as TRL 0.23's `ORPOTrainer.tokenize_row` makes it (decoder-only): prompt
+/// and completion tokenized together (`build_tokenized_answer`) and split after the prompt's own
+/// tokens, one token earlier when the prompt's last token merged with the completion's first;
+/// BOS prepended when the tokenizer has one and the prompt does not start with it
+/// (`add_bos_token_if_needed`); EOS appended unless the completion already ends with it
+/// (`add_eos_token_if_needed`, here under `data.add_eos`). (prompt ids, completion ids).
+fn orpo_pair_part(
+    prompt: &str,
+    completion: &str,
+    tok: &TextTokenizer,
+    opts: &DataOptions,
+) -> Result<(Vec<u32>, Vec<u32>), RowError> {
+    let full = tok.encode(&format!("{prompt}{completion}"), false)?;
+    let own = tok.encode(prompt, false)?;
+    let mut start = own.len().min(full.len());
+    if full[..start] != own[..] {
+        start = start.saturating_sub(1);
+    }
+    let (mut p, mut c) = (full[..start].to_vec(), full[start..].to_vec());
+    if let Some(bos) = tok.bos_token().and_then(|b| tok.inner().token_to_id(b)) {
+        if p.first() != Some(&bos) {
+            p.insert(0, bos);
+        }
+    }
+    if opts.add_eos {
+        let eos = tok.eos_id().ok_or(RowError::NoEos)?;
+        if c.last() != Some(&eos) {
+            c.push(eos);
+        }
+    }
+    Ok((p, c))
 }
 
 /// `row["messages"]` as a list of `{role, content}` with string values.

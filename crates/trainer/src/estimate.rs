@@ -543,7 +543,11 @@ pub fn estimate_per_rank(
                     parts.activations.0,
                     parts.logits_backward,
                     parts.workspace_backward - parts.logits_backward,
-                    "gradients in flight in one layer's backward",
+                    if parts.logits_backward > 0 {
+                        "the LM head's backward: dh for every row"
+                    } else {
+                        "gradients in flight in one layer's backward"
+                    },
                 ),
                 // (with ranks, the all-reduce before the update may be the phase's high point)
                 _ if all_reduce > parts.workspace_optimizer => (
@@ -562,7 +566,11 @@ pub fn estimate_per_rank(
                     "f32 temporaries of the update of the largest tensor",
                 ),
             };
-            components.push(c("gradients", grads, grad_detail(cfg, peak_phase)));
+            let at = match peak_phase {
+                "backward" if parts.logits_backward > 0 => "backward-head",
+                p => p,
+            };
+            components.push(c("gradients", grads, grad_detail(cfg, at)));
             components.push(c("optimizer_state", parts.state.0, parts.state.1.clone()));
             components.push(c("activations", act, parts.activations.1.clone()));
             components.push(c(
@@ -618,6 +626,18 @@ fn grad_detail(cfg: &TrainConfig, phase: &str) -> String {
         "forward" if cfg.train.grad_accum > 1 => acc,
         "forward" => "none yet".into(),
         "backward" => format!("this backward's gradients + {acc}"),
+        // the LM head's backward runs before any layer's
+        "backward-head" => {
+            let head = if cfg.trains_full() {
+                "the LM head's weight gradient"
+            } else {
+                "none yet"
+            };
+            match cfg.train.grad_accum {
+                1 => head.into(),
+                _ => format!("{head} + {acc}"),
+            }
+        }
         _ => acc,
     }
 }
@@ -943,19 +963,25 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
         k.weight_transient_bytes(largest_linear, s as usize, nf4)
     }) as u64;
     let dequantized = dequantized.max(adapter_read);
-    // Two high points: the end of the backward (every gradient in Candle's store, or in the
-    // checkpointed layers' side stores, plus what is in flight), and adding them to the f32
-    // accumulator (without checkpointing the whole store is alive next to the sums; with it,
-    // each layer's store is freed once added).
+    // Three high points: the LM head's backward, which comes first, before any layer has a
+    // gradient (only the sums of earlier micro-batches, and in full fine-tuning the head's own
+    // weight gradient); the end of the backward (every gradient in Candle's store, or in the
+    // checkpointed layers' side stores, plus one layer's backward in flight); and adding them
+    // to the f32 accumulator (without checkpointing the whole store is alive next to the sums;
+    // with it, each layer's store is freed once added). Counting every gradient next to the LM
+    // head's logits overshot by the trainable parameters' gradients where the head's backward
+    // is the largest (a 32k vocabulary on a 77M Llama, LoRA r64 with NF4, checkpointing and
+    // adamw8bit: +12%, issue 41).
     let end_of_backward = var_bytes * tp + acc_before;
-    // The LM head's backward comes first, before any layer is rebuilt.
     let layer_bwd = if checkpointed > 0 {
         // (a layer kept whole goes back through its own graph, already counted)
         rebuilt_backward.max(attn_bwd)
     } else {
         attn_bwd
     };
-    let in_flight = lm_bwd.max(layer_bwd + dequantized);
+    let head_grad = if full { s * (v * c) as u64 } else { 0 };
+    let at_head = (acc_before + head_grad, lm_bwd);
+    let at_layer = (end_of_backward, layer_bwd + dequantized);
     let layer_grads = if checkpointed > 0 {
         var_bytes * tp / layers.max(1) as u64
     } else {
@@ -968,16 +994,15 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     } else {
         acc + layer_grads
     };
-    let (grads_backward, workspace_backward) = if at_add >= end_of_backward + in_flight {
-        (at_add, 0)
-    } else {
-        (end_of_backward, in_flight)
-    };
-    let logits_backward = if workspace_backward > 0 && lm_bwd > attn_bwd {
-        lm_bwd
-    } else {
-        0
-    };
+    let sum = |(g, w): (u64, u64)| g + w;
+    let ((grads_backward, workspace_backward), logits_backward) =
+        if at_add >= sum(at_head).max(sum(at_layer)) {
+            ((at_add, 0), 0)
+        } else if sum(at_head) > sum(at_layer) {
+            (at_head, ce_bwd)
+        } else {
+            (at_layer, 0)
+        };
     let rebuilt_forward = if checkpointed > 0 { rebuilt_forward } else { 0 };
     let workspace_forward = (rebuilt_forward + dequantized + scores_fwd).max(loss_forward);
     // Load: bf16/f32 tensors are converted one at a time; NF4 quantizes from an f32 copy; a

@@ -28,6 +28,6 @@ pub mod train;
 pub use config::TrainConfig;
 pub use data::{
     load_file, load_hub_split, load_jsonl, tokenize_row, DataOptions, Dataset, Example, Format,
-    DEFAULT_MAX_SEQ_LEN,
+    PairRule, DEFAULT_MAX_SEQ_LEN,
 };
 pub use error::{DataError, RowError};

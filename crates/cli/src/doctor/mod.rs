@@ -154,14 +154,15 @@ pub fn run(a: DoctorArgs) -> Result<()> {
     } else {
         for c in &report.checks {
             println!(
-                "{}  {:<40} max |err| {:<10.3e} tol {:.1e}{}",
+                "{}  {:<40} max |err| {:<10.3e} tol {:<8.1e} (output {}{})",
                 if c.ok { "ok  " } else { "FAIL" },
                 c.name,
                 c.max_abs_err,
                 c.tol,
+                c.output,
                 c.note
                     .as_ref()
-                    .map(|n| format!("  ({n})"))
+                    .map(|n| format!("; {n}"))
                     .unwrap_or_default()
             );
         }

@@ -53,7 +53,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 use tallow_model::LoraSpec;
 
-use crate::data::DataOptions;
+use crate::data::{DataOptions, PairRule};
 use section::Section;
 
 pub use crate::data::DEFAULT_MAX_SEQ_LEN;
@@ -134,6 +134,7 @@ impl DataSection {
             add_eos: self.add_eos,
             alpaca: self.alpaca.clone(),
             max_prompt_len: 0,
+            pair_rule: PairRule::Dpo,
         }
     }
 }
@@ -147,10 +148,14 @@ impl TrainConfig {
     }
 
     /// The options of [`crate::load_jsonl`] for this run: `[data]`'s, with the preference
-    /// section's prompt cut.
+    /// section's prompt cut and the tokenization of the method's TRL trainer.
     pub fn data_options(&self) -> DataOptions {
         DataOptions {
             max_prompt_len: self.preference.max_prompt_len,
+            pair_rule: match self.train.method {
+                Method::Orpo => PairRule::Orpo,
+                _ => PairRule::Dpo,
+            },
             ..self.data.options()
         }
     }

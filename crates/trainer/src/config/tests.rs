@@ -95,6 +95,7 @@ fn defaults() {
             add_eos: true,
             alpaca: crate::data::AlpacaPrompt::default(),
             max_prompt_len: 0,
+            pair_rule: crate::data::PairRule::Dpo,
         }
     );
     assert_eq!(PreferenceSection::default(), c.preference);

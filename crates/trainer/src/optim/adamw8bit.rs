@@ -17,8 +17,13 @@
 //! device, up to [`GROUP_ELEMS`] elements): a group's moments live in one flat buffer, each
 //! member starting on a block boundary (zero padding, code of 0.0, up to the next multiple of
 //! 256), so its blocks are exactly the member's own blocks and the results are bit for bit those
-//! of a per-parameter update. One step of a group of k parameters costs (kernel launches, f32
-//! parameters and gradients):
+//! of a per-parameter update. The update holds f32 copies of one group at a time (parameters,
+//! gradients, both moments and the arithmetic's temporaries, about 40 bytes per element), so the
+//! cap keeps that transient at one chunk's (or, for a larger parameter, one tensor's), as
+//! bitsandbytes' kernels work block by block: with 4Mi-element groups, a LoRA r64 of a 77M
+//! Llama (10M trainable) held ~140 MiB of transients and its optimizer phase peaked above
+//! AdamW's, whose f32 state is 60 MiB larger (`benchmarks/estimate.md`, issue 41). One step of a
+//! group of k parameters costs (kernel launches, f32 parameters and gradients):
 //! - per group, 41: dequantize m and v (3 + 3: codes to u32, gather the cached map, multiply by
 //!   the absmax), the AdamW arithmetic (13, [`super::adamw::adamw_math`]), quantize m and v
 //!   (11 + 11: absmax 4, codes 7 by the bucket lookup of `kernels::blockwise8`);
@@ -56,9 +61,11 @@ pub const MIN_8BIT_ELEMS: usize = 4096;
 pub const BLOCK: usize = 256;
 /// Most elements (padded) in one group of 8-bit parameters updated together. A step's transient
 /// memory is about 40 bytes per element of the group being updated (f32 copies of parameter,
-/// gradient, m, v and the update's temporaries): 160 MiB at this size. A larger parameter forms
-/// a group of its own.
-pub const GROUP_ELEMS: usize = 1 << 22;
+/// gradient, m, v and the update's temporaries): 10 MiB at this size, below the 6 bytes per
+/// parameter that 8-bit moments save over f32 ones once 2M parameters train. A larger parameter
+/// forms a group of its own. Smaller groups cost launches: 41 per group (module docs), so about
+/// 170 groups (7k launches) for Llama-3.1-8B's 42M LoRA r16 parameters, against 11 at 4Mi.
+pub const GROUP_ELEMS: usize = 1 << 18;
 
 /// Code of 0.0 in the signed / unsigned dynamic map (the padding between group members).
 const ZERO_CODE: [u8; 2] = [0, 127]; // [unsigned, signed]
@@ -690,8 +697,8 @@ mod tests {
         let sizes = [
             100,
             5000,
-            1 << 21,
-            (1 << 21) + 7,
+            GROUP_ELEMS / 2,
+            GROUP_ELEMS / 2 + 7,
             4096,
             300,
             GROUP_ELEMS + 1,
@@ -754,9 +761,10 @@ mod tests {
                 }
             }
         }
-        // more than GROUP_ELEMS elements of 8-bit parameters: several groups
+        // more than GROUP_ELEMS elements of 8-bit parameters: several groups (two of 3/8 of
+        // the cap fit in one, the third starts the next)
         let big: Vec<Var> = (0..3)
-            .map(|_| Var::zeros((1024, 1536), DType::F32, &dev).unwrap())
+            .map(|_| Var::zeros((GROUP_ELEMS * 3 / 8 / 256, 256), DType::F32, &dev).unwrap())
             .collect();
         let grads: Vec<Tensor> = big.iter().map(|p| p.ones_like().unwrap()).collect();
         let mut b = AdamW8bit::new(HP);
@@ -764,7 +772,7 @@ mod tests {
         assert_eq!(
             b.groups(),
             2,
-            "3 x 1.5 Mi elements in groups of at most 4 Mi"
+            "3 x 3/8 of GROUP_ELEMS elements in groups of at most GROUP_ELEMS"
         );
     }
 
