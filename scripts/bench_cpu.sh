@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Side-by-side CPU benchmark: the same LoRA job (r16, all linear, AdamW, no dropout) in
 # tallow and in PyTorch + PEFT, on random Qwen2-shaped models, run alternately in one go so both
-# see the same machine state, on three shapes:
+# see the same machine state, on these shapes:
 #   base:       hidden 512, 8 layers, 8/2 heads, intermediate 1408, micro-batch 4 x 256 tokens
 #   wide:       hidden 1024, 12 layers, 16/4 heads (GQA), intermediate 2816, micro-batch 2 x 512
+#   smol135:    SmolLM2-135M's config (tests/fixtures/real-configs): deep and narrow, 30 layers x
+#               576, 9/3 heads, a 49152 vocabulary; random weights, micro-batch 2 x 512
+#   llama77m:   benchmarks/models/llama-77m.json: 12 layers x 768, 12/4 heads, intermediate
+#               1216, a 32k vocabulary tied; micro-batch 2 x 256
 #   quickstart: configs/quickstart.toml (1000 steps of the embedded tiny model), wall time,
 #               against its PyTorch stand-in (scripts/make_quickstart.py --simulate)
 # Reports tokens/s (steps after the first 2) and peak RSS (GNU time), and a profile summary of
@@ -23,7 +27,7 @@ STEPS=${STEPS:-8}
 WORK=${WORK:-target/bench-cpu}
 THREADS=${THREADS:-$(nproc)}
 mkdir -p "$WORK"
-SHAPES=${SHAPES:-base wide quickstart}
+SHAPES=${SHAPES:-base wide smol135 llama77m quickstart}
 DTYPE=${DTYPE:-f32}
 BASELINE=${BASELINE:-}
 # shellcheck source=scripts/bench_lib.sh
@@ -36,6 +40,8 @@ shape_args() {
   case "$1" in
     base) echo "--hidden 512 --intermediate 1408 --layers 8 --heads 8 --kv-heads 2|4|256" ;;
     wide) echo "--hidden 1024 --intermediate 2816 --layers 12 --heads 16 --kv-heads 4 --row-words 400|2|512" ;;
+    smol135) echo "--config tests/fixtures/real-configs/HuggingFaceTB--SmolLM2-135M-Instruct.json --row-words 400|2|512" ;;
+    llama77m) echo "--config benchmarks/models/llama-77m.json|2|256" ;;
   esac
 }
 row() { # name tokens_per_s peak_kb
@@ -88,19 +94,19 @@ quickstart_run() { # tallow | pytorch: wall seconds of the whole 1000-step job, 
   printf '| %s | %.1f s | %.0f |\n' "$name" "$(echo "$t1 - $t0" | bc -l)" "$(echo "$(cat "$WORK/time")/1024" | bc -l)"
 }
 for s in $SHAPES; do
-  case "$s" in base|wide) mkdir -p "$WORK/$s"; prepare "$s" ;; esac
+  case "$s" in base|wide|smol135|llama77m) mkdir -p "$WORK/$s"; prepare "$s" ;; esac
 done
 {
   echo
   echo "### $(date -u +%Y-%m-%d) on $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
   echo
-  echo "\`SHAPES=\"$SHAPES\" STEPS=$STEPS DTYPE=$DTYPE${BASELINE:+ BASELINE=$BASELINE} scripts/bench_cpu.sh\`: LoRA r16 all-linear, $DTYPE, random Qwen2 models (base: hidden 512, 8 layers, 8/2 heads, 4 x 256 tokens; wide: hidden 1024, 12 layers, 16/4 heads, 2 x 512 tokens); the quickstart as wall time of its 1000 steps."
+  echo "\`SHAPES=\"$SHAPES\" STEPS=$STEPS DTYPE=$DTYPE${BASELINE:+ BASELINE=$BASELINE} scripts/bench_cpu.sh\`: LoRA r16 all-linear, $DTYPE, random models (base: Qwen2, hidden 512, 8 layers, 8/2 heads, 4 x 256 tokens; wide: Qwen2, hidden 1024, 12 layers, 16/4 heads, 2 x 512 tokens; smol135: SmolLM2-135M's Llama config, 2 x 512; llama77m: benchmarks/models/llama-77m.json, 2 x 256); the quickstart as wall time of its 1000 steps."
   echo
   echo "| shape | run | tokens/s | peak RSS (MiB) |"
   echo "| --- | --- | ---: | ---: |"
   for s in $SHAPES; do
     case "$s" in
-      base|wide)
+      base|wide|smol135|llama77m)
         for _ in 1 2; do
           tallow_run "$s"
           [ -z "$BASELINE" ] || tallow_run "$s" "$BASELINE" "baseline ($BASELINE)"
