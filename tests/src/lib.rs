@@ -423,6 +423,67 @@ pub fn dropout_keep_masks(
     out
 }
 
+/// The tensors of a safetensors file, on the CPU.
+pub fn load_tensors(path: &std::path::Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(path, &Device::Cpu).unwrap()
+}
+
+/// One plain-SGD step of `tallow train` from the adapter `init` on `model` (f32, lr 0.5, no
+/// clipping, the 4 "text" rows in one micro-batch), with `lora.dropout = dropout` and, when
+/// given, `train.seed = seed`, in the scratch dir `name`. Returns that dir (the run is in
+/// `run/`) and the step's loss.
+pub fn one_sgd_step(
+    name: &str,
+    model: &std::path::Path,
+    init: &std::path::Path,
+    dropout: f64,
+    seed: Option<u64>,
+) -> (PathBuf, f64) {
+    let dir = scratch(name);
+    let seed = seed.map_or(String::new(), |s| format!("seed = {s}\n"));
+    let cfg = format!(
+        "[model]\npath = \"{}\"\ndtype = \"f32\"\n[lora]\ninit = \"{}\"\ndropout = {dropout:?}\n[data]\ntrain = \"{}\"\nmax_seq_len = 32\nshuffle = false\n\
+         [train]\n{seed}optimizer = \"sgd\"\nlr = 0.5\nschedule = \"constant\"\nmax_grad_norm = 0.0\nmax_steps = 1\nmicro_batch_size = 4\ngrad_accum = 1\noutput_dir = \"{}\"\n",
+        model.display(),
+        init.display(),
+        data_file("text").display(),
+        dir.join("run").display()
+    );
+    std::fs::write(dir.join("sgd.toml"), cfg).unwrap();
+    let r = tallow([
+        "train",
+        "--config",
+        dir.join("sgd.toml").to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert_eq!(r.code, 0, "{name}: {}", r.stderr);
+    let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
+    let step: serde_json::Value =
+        serde_json::from_str(metrics.lines().find(|l| l.contains("\"loss\"")).unwrap()).unwrap();
+    (dir, step["loss"].as_f64().unwrap())
+}
+
+/// Every adapter tensor of `before` (and no other) in `after`, moved as the reference moved it
+/// (`refs`' `after.<name>`): max |ours - ref| / max |ref| over the updates below `tol`.
+pub fn assert_updates_match(
+    what: &str,
+    before: &HashMap<String, Tensor>,
+    after: &HashMap<String, Tensor>,
+    refs: &HashMap<String, Tensor>,
+    tol: f64,
+) {
+    assert_eq!(after.len(), before.len(), "{what}: adapter tensors");
+    for (name, b) in before {
+        let du = (&after[name] - b).unwrap();
+        let dr = (&refs[&format!("after.{name}")] - b).unwrap();
+        let rel = max_abs_diff(&du, &dr) / max_abs(&dr).max(1e-12);
+        assert!(
+            rel < tol,
+            "{what} {name}: update differs by {rel} (relative, tolerance {tol})"
+        );
+    }
+}
+
 /// One plain-SGD step (lr 0.5, no clipping, the 4 "text" rows in one micro-batch, dropout 0)
 /// of `tallow train` from the adapter `init` on `<root>/models/<model>`, against the reference
 /// `<root>/reference/<reference>.json` (its `sgd.sgd_loss_before`) and
@@ -436,47 +497,23 @@ pub fn sgd_step_matches_reference(
     init: &std::path::Path,
     reference: &str,
 ) -> PathBuf {
-    let dir = scratch(&format!("sgd-{}", what.replace(' ', "-")));
-    let cfg = format!(
-        "[model]\npath = \"{}\"\ndtype = \"f32\"\n[lora]\ninit = \"{}\"\ndropout = 0.0\n[data]\ntrain = \"{}\"\nmax_seq_len = 32\nshuffle = false\n\
-         [train]\noptimizer = \"sgd\"\nlr = 0.5\nschedule = \"constant\"\nmax_grad_norm = 0.0\nmax_steps = 1\nmicro_batch_size = 4\ngrad_accum = 1\noutput_dir = \"{}\"\n",
-        root.join("models").join(model).display(),
-        init.display(),
-        data_file("text").display(),
-        dir.join("run").display()
+    let (dir, loss) = one_sgd_step(
+        &format!("sgd-{}", what.replace(' ', "-")),
+        &root.join("models").join(model),
+        init,
+        0.0,
+        None,
     );
-    std::fs::write(dir.join("sgd.toml"), cfg).unwrap();
-    let r = tallow([
-        "train",
-        "--config",
-        dir.join("sgd.toml").to_str().unwrap(),
-        "--quiet",
-    ]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
     let reference_json = json_at(root, &format!("{reference}.json"));
-    let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
-    let step: serde_json::Value =
-        serde_json::from_str(metrics.lines().find(|l| l.contains("\"loss\"")).unwrap()).unwrap();
     let want = reference_json["sgd"]["sgd_loss_before"].as_f64().unwrap();
-    assert!(
-        (step["loss"].as_f64().unwrap() - want).abs() < 1e-5,
-        "{what}: loss {} vs {want}",
-        step["loss"]
+    assert!((loss - want).abs() < 1e-5, "{what}: loss {loss} vs {want}");
+    assert_updates_match(
+        what,
+        &load_tensors(&init.join("adapter_model.safetensors")),
+        &load_tensors(&dir.join("run/adapter/adapter_model.safetensors")),
+        &load_tensors(&root.join(format!("reference/{reference}-sgd.safetensors"))),
+        1e-3,
     );
-    let load = |p: &std::path::Path| candle_core::safetensors::load(p, &Device::Cpu).unwrap();
-    let before = load(&init.join("adapter_model.safetensors"));
-    let ours = load(&dir.join("run/adapter/adapter_model.safetensors"));
-    let refs = load(&root.join(format!("reference/{reference}-sgd.safetensors")));
-    assert_eq!(ours.len(), before.len());
-    for (name, b) in &before {
-        let du = (&ours[name] - b).unwrap();
-        let dr = (&refs[&format!("after.{name}")] - b).unwrap();
-        let rel = max_abs_diff(&du, &dr) / max_abs(&dr).max(1e-12);
-        assert!(
-            rel < 1e-3,
-            "{what} {name}: update differs by {rel} (relative)"
-        );
-    }
     dir.join("run/adapter")
 }
 

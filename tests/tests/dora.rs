@@ -6,15 +6,10 @@
 //! loads in PEFT with the loss tallow computes; QDoRA on the bitsandbytes 4-bit checkpoint gives
 //! the loss and the SGD steps PEFT computes over bitsandbytes (`scripts/make_qdora_fixtures.py`).
 
-use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::{Device, Tensor};
+use tallow_tests::load_tensors as load;
 use tallow_tests::*;
-
-fn load(path: &Path) -> HashMap<String, Tensor> {
-    candle_core::safetensors::load(path, &Device::Cpu).unwrap()
-}
 
 fn adapter(model: &str) -> std::path::PathBuf {
     fixtures().join(format!("adapters/{model}-peft-dora"))
@@ -190,28 +185,13 @@ fn dropout_step_matches_peft(
         );
     }
 
-    let dir = scratch(&format!("dora-dropout-{}", what.replace(' ', "-")));
-    let cfg = format!(
-        "[model]\npath = \"{}\"\ndtype = \"f32\"\n[lora]\ninit = \"{}\"\ndropout = {DROPOUT_P}\n[data]\ntrain = \"{}\"\nmax_seq_len = 32\nshuffle = false\n\
-         [train]\nseed = {DROPOUT_SEED}\noptimizer = \"sgd\"\nlr = 0.5\nschedule = \"constant\"\nmax_grad_norm = 0.0\nmax_steps = 1\nmicro_batch_size = 4\ngrad_accum = 1\noutput_dir = \"{}\"\n",
-        model.display(),
-        init.display(),
-        data_file("text").display(),
-        dir.join("run").display()
+    let (dir, loss) = one_sgd_step(
+        &format!("dora-dropout-{}", what.replace(' ', "-")),
+        model,
+        init,
+        DROPOUT_P,
+        Some(DROPOUT_SEED),
     );
-    std::fs::write(dir.join("c.toml"), cfg).unwrap();
-    let r = tallow([
-        "train",
-        "--config",
-        dir.join("c.toml").to_str().unwrap(),
-        "--quiet",
-    ]);
-    assert_eq!(r.code, 0, "{what}: {}", r.stderr);
-
-    let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
-    let step: serde_json::Value =
-        serde_json::from_str(metrics.lines().find(|l| l.contains("\"loss\"")).unwrap()).unwrap();
-    let loss = step["loss"].as_f64().unwrap();
     let want = reference["loss"].as_f64().unwrap();
     assert!(
         (loss - want).abs() < LOSS_TOL,
@@ -221,18 +201,13 @@ fn dropout_step_matches_peft(
 
     let before = load(&init.join("adapter_model.safetensors"));
     assert!(before.keys().any(|k| k.ends_with(".lora_magnitude_vector")));
-    let after = load(&dir.join("run/adapter/adapter_model.safetensors"));
-    let refs = load(&in_repo(&reference["tensors"]));
-    assert_eq!(after.len(), before.len());
-    for (name, b) in &before {
-        let du = (&after[name] - b).unwrap();
-        let dr = (&refs[&format!("after.{name}")] - b).unwrap();
-        let rel = max_abs_diff(&du, &dr) / max_abs(&dr).max(1e-12);
-        assert!(
-            rel < UPDATE_TOL,
-            "{what} {name}: update differs by {rel} (relative, tolerance {UPDATE_TOL})"
-        );
-    }
+    assert_updates_match(
+        what,
+        &before,
+        &load(&dir.join("run/adapter/adapter_model.safetensors")),
+        &load(&in_repo(&reference["tensors"])),
+        UPDATE_TOL,
+    );
 }
 
 /// DoRA with LoRA dropout, the default configuration (`lora.dropout` 0.05): PEFT computes

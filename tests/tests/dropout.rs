@@ -6,16 +6,11 @@
 //! (`scripts/make_dropout_fixtures.py`, masks from the `dropout-masks` dev tool): same masks,
 //! same loss and the same update.
 
-use std::collections::HashMap;
-
 use candle_core::{DType, Device, Tensor};
 use tallow_model::{load_peft, set_dropout_rate, CausalLM, LoadOptions};
+use tallow_tests::load_tensors as load;
 use tallow_tests::*;
 use tallow_trainer::train::dropout_seed;
-
-fn load(path: &std::path::Path) -> HashMap<String, Tensor> {
-    candle_core::safetensors::load(path, &Device::Cpu).unwrap()
-}
 
 /// One SGD step (lr 0.5) with `lora.dropout = 0.3` from the PEFT adapter, all 4 text rows in one
 /// micro-batch: tallow's masks are still the ones the fixture was made with (exact), the step's
@@ -53,29 +48,13 @@ fn one_sgd_step_with_dropout_matches_peft_given_the_same_masks() {
             );
         }
 
-        let dir = scratch(&format!("dropout-{model}"));
-        let cfg = format!(
-            "[model]\npath = \"{}\"\ndtype = \"f32\"\n[lora]\ninit = \"{}\"\ndropout = {DROPOUT_P}\n[data]\ntrain = \"{}\"\nmax_seq_len = 32\nshuffle = false\n\
-             [train]\nseed = {DROPOUT_SEED}\noptimizer = \"sgd\"\nlr = 0.5\nschedule = \"constant\"\nmax_grad_norm = 0.0\nmax_steps = 1\nmicro_batch_size = 4\ngrad_accum = 1\noutput_dir = \"{}\"\n",
-            model_dir(model).display(),
-            init.display(),
-            data_file("text").display(),
-            dir.join("run").display()
+        let (dir, loss) = one_sgd_step(
+            &format!("dropout-{model}"),
+            &model_dir(model),
+            &init,
+            DROPOUT_P,
+            Some(DROPOUT_SEED),
         );
-        std::fs::write(dir.join("c.toml"), cfg).unwrap();
-        let r = tallow([
-            "train",
-            "--config",
-            dir.join("c.toml").to_str().unwrap(),
-            "--quiet",
-        ]);
-        assert_eq!(r.code, 0, "{}", r.stderr);
-
-        let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
-        let step: serde_json::Value =
-            serde_json::from_str(metrics.lines().find(|l| l.contains("\"loss\"")).unwrap())
-                .unwrap();
-        let loss = step["loss"].as_f64().unwrap();
         let want = reference["loss"].as_f64().unwrap();
         let without = reference["loss_without_dropout"].as_f64().unwrap();
         // 100x the tolerance below (tiny-phi3's masks move its loss by 2.2e-3, the others' by
@@ -95,18 +74,13 @@ fn one_sgd_step_with_dropout_matches_peft_given_the_same_masks() {
         // agree to 5.6e-5. Its six layers of random (1 + w) norms, q/k norms included, make sharp
         // attention; the other models stay under 1.2e-4.
         let tolerance = if model == "tiny-gemma3" { 5e-3 } else { 1e-3 };
-        let before = load(&init.join("adapter_model.safetensors"));
-        let after = load(&dir.join("run/adapter/adapter_model.safetensors"));
-        let refs = load(&fixtures().join(format!("reference/dropout-{model}-sgd.safetensors")));
-        for (name, b) in &before {
-            let du = (&after[name] - b).unwrap();
-            let dr = (&refs[&format!("after.{name}")] - b).unwrap();
-            let rel = max_abs_diff(&du, &dr) / max_abs(&dr).max(1e-12);
-            assert!(
-                rel < tolerance,
-                "{model} {name}: update differs by {rel} (relative, tolerance {tolerance})"
-            );
-        }
+        assert_updates_match(
+            model,
+            &load(&init.join("adapter_model.safetensors")),
+            &load(&dir.join("run/adapter/adapter_model.safetensors")),
+            &load(&fixtures().join(format!("reference/dropout-{model}-sgd.safetensors"))),
+            tolerance,
+        );
     }
 }
 
