@@ -1,6 +1,7 @@
 //! Activation checkpointing gives the gradients of the plain forward: LoRA and DoRA (with dropout on, so
 //! the recomputation must redraw the same masks) and full fine-tuning, every layer or every
-//! second layer checkpointed, the MLP half in token tiles, inputs offloaded. f32; tolerance 1e-5 relative to the largest gradient entry
+//! second layer checkpointed, the token-wise parts (MLP half, q/k/v and o projections) in token
+//! tiles, one row per batch or several rows in one, inputs offloaded. f32; tolerance 1e-5 relative to the largest gradient entry
 //! (the recomputed forward is the same sequence of ops, so differences are float-order only).
 
 use candle_core::backprop::GradStore;
@@ -24,22 +25,36 @@ const SETTINGS: [(usize, Option<usize>, bool); 5] = [
     (2, Some(5), true),
 ];
 
-/// Loss of the text rows as one padded-free batch per row; returns the summed grads of `vars`
-/// (main store plus the checkpointed layers' side stores).
-fn grads(model: &CausalLM, vars: &[(String, Var)], rows: &[(Vec<u32>, Vec<bool>)]) -> Vec<Tensor> {
+type Row = (Vec<u32>, Vec<bool>);
+
+/// The text rows as batches: one row each, or (`together`) every row cut to the shortest one's
+/// length in one batch, so that token tiles also start inside later rows of a batch (their
+/// rotary tables and dropout masks are that row's).
+fn batches(rows: &[Row], together: bool) -> Vec<Vec<Row>> {
+    if !together {
+        return rows.iter().map(|r| vec![r.clone()]).collect();
+    }
+    let t = rows.iter().map(|(ids, _)| ids.len()).min().unwrap();
+    assert!(
+        rows.len() >= 2 && t > 7,
+        "the fixture's rows: several, longer than a tile"
+    );
+    vec![rows
+        .iter()
+        .map(|(ids, tg)| (ids[..t].to_vec(), tg[..t].to_vec()))
+        .collect()]
+}
+
+/// Loss of each batch of rows; returns the summed grads of `vars` (main store plus the
+/// checkpointed layers' side stores).
+fn grads(model: &CausalLM, vars: &[(String, Var)], batches: &[Vec<Row>]) -> Vec<Tensor> {
     let mut sums: Vec<Option<Tensor>> = vec![None; vars.len()];
-    for (ids, tg) in rows {
-        let input = Tensor::new(ids.as_slice(), &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
+    for batch in batches {
+        let ids: Vec<Vec<u32>> = batch.iter().map(|(i, _)| i.clone()).collect();
+        let tg: Vec<Vec<bool>> = batch.iter().map(|(_, t)| t.clone()).collect();
+        let input = Tensor::new(ids.clone(), &Device::Cpu).unwrap(); // (B, T)
         let h = model.forward_hidden(&input, None).unwrap();
-        let t = Targets::new(
-            std::slice::from_ref(ids),
-            std::slice::from_ref(tg),
-            &Device::Cpu,
-        )
-        .unwrap();
+        let t = Targets::new(&ids, &tg, &Device::Cpu).unwrap();
         let nll = lm_head_nll(
             &h,
             model.lm_head_weight(),
@@ -124,18 +139,25 @@ fn adapter_gradients_with_checkpointing(model_name: &str, dora: bool) {
         }
     }
     set_dropout(&model, Some(1234));
-    let plain = grads(&model, &vars, &rows);
-    for (every, tile, offload) in SETTINGS {
-        model.set_checkpointing(Some(every));
-        model.set_checkpoint_tile_rows(tile);
-        model.set_offload_checkpoints(offload);
-        let ck = grads(&model, &vars, &rows);
-        compare(
-            &format!("{model_name} {kind} every={every} tile={tile:?} offload={offload}"),
-            &vars,
-            &plain,
-            &ck,
-        );
+    for together in [false, true] {
+        let batches = batches(&rows, together);
+        model.set_checkpointing(None);
+        let plain = grads(&model, &vars, &batches);
+        for (every, tile, offload) in SETTINGS {
+            model.set_checkpointing(Some(every));
+            model.set_checkpoint_tile_rows(tile);
+            model.set_offload_checkpoints(offload);
+            let ck = grads(&model, &vars, &batches);
+            compare(
+                &format!(
+                    "{model_name} {kind} every={every} tile={tile:?} offload={offload} \
+                     one batch={together}"
+                ),
+                &vars,
+                &plain,
+                &ck,
+            );
+        }
     }
     model.set_checkpointing(None);
     assert!(model.take_checkpoint_grads().is_empty());
@@ -147,18 +169,25 @@ fn full_fine_tuning_gradients_with_checkpointing_equal_plain_gradients() {
         let reference = reference_json(model_name);
         let rows = reference_rows(&reference, "text");
         let (mut model, vars) = trainable_model(model_name, DType::F32);
-        let plain = grads(&model, &vars, &rows);
-        for (every, tile, offload) in SETTINGS {
-            model.set_checkpointing(Some(every));
-            model.set_checkpoint_tile_rows(tile);
-            model.set_offload_checkpoints(offload);
-            let ck = grads(&model, &vars, &rows);
-            compare(
-                &format!("{model_name} full every={every} tile={tile:?} offload={offload}"),
-                &vars,
-                &plain,
-                &ck,
-            );
+        for together in [false, true] {
+            let batches = batches(&rows, together);
+            model.set_checkpointing(None);
+            let plain = grads(&model, &vars, &batches);
+            for (every, tile, offload) in SETTINGS {
+                model.set_checkpointing(Some(every));
+                model.set_checkpoint_tile_rows(tile);
+                model.set_offload_checkpoints(offload);
+                let ck = grads(&model, &vars, &batches);
+                compare(
+                    &format!(
+                        "{model_name} full every={every} tile={tile:?} offload={offload} \
+                         one batch={together}"
+                    ),
+                    &vars,
+                    &plain,
+                    &ck,
+                );
+            }
         }
     }
 }

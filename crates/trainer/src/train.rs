@@ -253,6 +253,8 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
     if cfg.train.checkpointing {
         model.set_checkpointing(Some(cfg.train.checkpoint_every));
         model.set_offload_checkpoints(cfg.train.offload_checkpoints);
+        let tile = cfg.train.checkpoint_tile_tokens;
+        model.set_checkpoint_tile_rows((tile > 0).then_some(tile));
     }
     let (params, lora) = if full {
         let params = model

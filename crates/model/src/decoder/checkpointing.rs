@@ -5,9 +5,10 @@
 //!  forward:   x ──► layer(x.detach()) without a graph ──► y    (no intermediate kept)
 //!             x ─┬─► attach2 op ──────► y                      (graph keeps x only, plus y)
 //!  anchor var ───┘
-//!  backward:  dy ──► recompute the attention half from x (as a fresh var), with its graph;
-//!                    the MLP half tile by tile over tokens, each tile's backward at once;
-//!                    then the attention half's backward
+//!  backward:  dy ──► rebuild the layer from x: q, k, v tile by tile, the attention core with
+//!                    its graph, mid = x + o_proj(core) tile by tile; then backpropagate the
+//!                    MLP half, o_proj, the core and the q/k/v projections in turn, each
+//!                    token-wise part tile by tile
 //!                    ──► dx (to the outer graph) and the layer's parameter grads (to a side store)
 //! ```
 //!
@@ -17,13 +18,21 @@
 //! The op's second input is one variable of the layer, so that the op is recorded even when
 //! `x` itself does not track gradients (the first layer reads frozen embeddings).
 //!
-//! **Token tiles.** The MLP half (x + mlp(norm(x))) is token-wise and is the largest part of a
-//! rebuilt layer: (tokens, I) tensors, I about 3x the hidden size, and their gradients. The
-//! checkpointed forward and the recompute run it in tiles of [`Checkpointing::tile_rows`] tokens
-//! (the hidden size by default: a tile's (rows, I) tensors are the size of one MLP weight, the
-//! rule of Arctic Long Sequence Training's TiledMLP), so a layer's MLP transients stop growing
-//! with the sequence. Each tile's parameter gradients are summed into the layer's: the same sum
-//! over tokens as one pass, in another order (float rounding only).
+//! **Token tiles.** Everything in a layer but the attention core is token-wise (each output
+//! row reads only its own input row): the MLP half (x + mlp(norm(x))), the norm and q/k/v
+//! projections with their adapters, q/k norms and rotary embedding before the core, o_proj
+//! (Gemma 2: and its norm) after it. Rebuilt whole, these parts' graphs are most of a layer's
+//! memory at long context: (tokens, I) tensors in the MLP, I about 3x the hidden size, and
+//! each adapter's f32 copies of its input. The checkpointed forward and the recompute run them
+//! in tiles of [`Checkpointing::tile_rows`] tokens (`train.checkpoint_tile_tokens`; the
+//! hidden size by default: a tile's (rows, I) tensors are the size of one MLP weight, the rule
+//! of Arctic Long Sequence Training's TiledMLP), each tile's graph built, backpropagated and
+//! dropped before the next; only the core keeps a whole-sequence graph (q, k, v and its
+//! output). So a layer's transients are a few (tokens, C)-sized tensors plus one tile's. Each
+//! tile's parameter gradients are summed into the layer's: the same sum over tokens as one
+//! pass, in another order (float rounding only). The price: the q/k/v projections run three
+//! times instead of two (the forward, the rebuild of q, k, v for the core, each tile's
+//! graph). A layer of at most one tile is rebuilt in one piece, as before tiles.
 //!
 //! **Offload** ([`Checkpointing::offload`], `train.offload_checkpoints`): the input each
 //! checkpointed layer keeps goes to host memory after its forward and comes back to the device
@@ -193,24 +202,99 @@ impl Checkpointing {
     }
 }
 
-/// The layer's forward with its MLP half in tiles of `tile` tokens. x: (B, T, C) -> (B, T, C)
+/// The layer's forward with its token-wise parts in tiles of `tile` tokens: the attention
+/// half's projections before and after its core, and the MLP half; only the core (and the
+/// q, k, v it reads, its output) spans the whole sequence. x: (B, T, C) -> (B, T, C)
 fn forward_tiled(layer: &DecoderLayer, x: &Tensor, rope: &RopeMask, tile: usize) -> Result<Tensor> {
-    let mid = layer.attention_residual(x, rope)?;
-    let (b, t, c) = mid.dims3()?;
-    let n = b * t;
-    if n <= tile {
-        return layer.mlp_half(&mid);
+    let (b, t, _) = x.dims3()?;
+    if b * t <= tile {
+        return layer.forward(x, rope);
     }
-    let flat = mid.reshape((n, c))?; // (B*T, C), a view
+    let (mask, cos, sin) = layer.inputs(rope);
+    let (q, k, v) = attention_in_tiled(layer, x, cos, sin, tile)?;
+    let y = layer.self_attn.core(&q, &k, &v, mask)?; // (B, T, H*D)
+    drop((q, k, v));
+    let mid = attention_out_tiled(layer, x, &y, tile)?;
+    drop(y);
+    map_tiles(&mid, tile, |xt| layer.mlp_half(xt))
+}
+
+/// `f` over tiles of at most `tile` rows of the flattened (B*T, N) input, each tile run as a
+/// (1, rows, N) batch at its first row ([`crate::kernels::dropout::at_row`]: LoRA dropout draws
+/// the untiled masks); the outputs put back together. x: (B, T, N) -> (B, T, M)
+fn map_tiles(x: &Tensor, tile: usize, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    let (b, t, c) = x.dims3()?;
+    let n = b * t;
+    let flat = x.reshape((n, c))?; // (B*T, N), a view
     let mut parts = Vec::with_capacity(n.div_ceil(tile));
     for start in (0..n).step_by(tile) {
         let rows = tile.min(n - start);
-        let xt = flat.narrow(0, start, rows)?.unsqueeze(0)?; // (1, rows, C)
-        parts.push(crate::kernels::dropout::at_row(start, || {
-            layer.mlp_half(&xt)
-        })?);
+        let xt = flat.narrow(0, start, rows)?.unsqueeze(0)?; // (1, rows, N)
+        parts.push(crate::kernels::dropout::at_row(start, || f(&xt))?);
     }
-    Ok(Tensor::cat(&parts, 1)?.reshape((b, t, c))?)
+    let out = Tensor::cat(&parts, 1)?; // (1, B*T, M)
+    let m = out.dim(2)?;
+    Ok(out.reshape((b, t, m))?)
+}
+
+/// The tiles of [`DecoderLayer::attention_in`]: (batch row, first token, tokens), each within
+/// one row, since the rotary tables are per row; `tile` tokens at most.
+fn row_tiles(b: usize, t: usize, tile: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    (0..b).flat_map(move |r| (0..t).step_by(tile).map(move |s| (r, s, tile.min(t - s))))
+}
+
+/// A tile's rows of a per-row table that may be shared by every row (batch dim 1).
+/// table: (B or 1, 1, T, Dr) -> (1, 1, rows, Dr)
+fn table_tile(table: &Tensor, row: usize, start: usize, rows: usize) -> Result<Tensor> {
+    let r = if table.dim(0)? == 1 { 0 } else { row };
+    Ok(table.narrow(0, r, 1)?.narrow(2, start, rows)?)
+}
+
+/// q, k, v of every token from [`DecoderLayer::attention_in`] run tile by tile.
+/// x: (B, T, C) -> q (B, H, T, D), k, v (B, KV, T, D)
+fn attention_in_tiled(
+    layer: &DecoderLayer,
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    tile: usize,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, t, _) = x.dims3()?;
+    let (mut qs, mut ks, mut vs) = (vec![], vec![], vec![]);
+    for (row, start, rows) in row_tiles(b, t, tile) {
+        let xt = x.narrow(0, row, 1)?.narrow(1, start, rows)?; // (1, rows, C)
+        let (ct, st) = (
+            table_tile(cos, row, start, rows)?,
+            table_tile(sin, row, start, rows)?,
+        );
+        let (q, k, v) =
+            crate::kernels::dropout::at_row(row * t + start, || layer.attention_in(&xt, &ct, &st))?;
+        qs.push(q);
+        ks.push(k);
+        vs.push(v);
+    }
+    // (1, N, rows, D) tiles -> (B, N, T, D): along time within a row, then the rows
+    let join = |parts: Vec<Tensor>| -> Result<Tensor> {
+        let per_row = parts.len() / b;
+        let rows = parts
+            .chunks(per_row)
+            .map(|p| Tensor::cat(p, 2))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&rows, 0)?)
+    };
+    Ok((join(qs)?, join(ks)?, join(vs)?))
+}
+
+/// mid = x + [`DecoderLayer::attention_out`] of the core's output y, tile by tile.
+/// x: (B, T, C), y: (B, T, H*D) -> (B, T, C)
+fn attention_out_tiled(
+    layer: &DecoderLayer,
+    x: &Tensor,
+    y: &Tensor,
+    tile: usize,
+) -> Result<Tensor> {
+    let a = map_tiles(y, tile, |yt| layer.attention_out(yt))?;
+    Ok((x + a)?)
 }
 
 /// The backward of a checkpointed layer: recompute it from its input `x`, backpropagate `dy`;
@@ -223,6 +307,10 @@ fn recompute_backward(
     need_dx: bool,
     dy: &Tensor,
 ) -> Result<(Option<Tensor>, GradStore)> {
+    let (b, t, _) = x.dims3()?;
+    if b * t > tile {
+        return recompute_backward_tiled(layer, rope, tile, x, need_dx, dy);
+    }
     let vars = layer_vars(layer);
     let mut kept = GradStore::default();
     let x_var = if need_dx {
@@ -233,9 +321,16 @@ fn recompute_backward(
     let x_in = x_var
         .as_ref()
         .map_or_else(|| x.detach(), |v| v.as_tensor().clone());
-    // The attention half with its graph; the MLP half's backward tile by tile gives d(mid).
+    // The attention half with its graph; the MLP half's backward gives d(mid).
     let mid = layer.attention_residual(&x_in, rope)?;
-    let dmid = mlp_half_backward(layer, &mid.detach(), dy, tile, &vars, &mut kept)?;
+    let dmid = tiles_backward(
+        &mid.detach(),
+        dy,
+        tile,
+        |m| layer.mlp_half(m),
+        &vars,
+        &mut kept,
+    )?;
     // Backpropagate d(mid): d/dmid' of sum(mid' * dmid) is exactly dmid.
     let mut store = (mid * dmid)?.sum_all()?.backward()?;
     let dx = x_var.and_then(|v| store.remove(v.as_tensor()));
@@ -243,32 +338,136 @@ fn recompute_backward(
     Ok((dx, kept))
 }
 
-/// d(mid) for the MLP half y = mid + mlp(norm(mid)) given dy, one tile of tokens at a time
-/// (each tile's graph built, backpropagated and dropped before the next); the parameter
-/// gradients summed into `kept`. mid, dy: (B, T, C) -> (B, T, C)
-fn mlp_half_backward(
+/// [`recompute_backward`] of a layer longer than one tile: every token-wise part (the MLP
+/// half, o_proj, the q/k/v projections) rebuilt and backpropagated tile by tile, each tile's
+/// graph gone before the next; only the attention core keeps a whole-sequence graph (q, k,
+/// v, its output). Alive at the high point: x, dy, q, k, v, the core's output and d(output),
+/// d(mid), and one tile's graph.
+fn recompute_backward_tiled(
     layer: &DecoderLayer,
-    mid: &Tensor,
-    dy: &Tensor,
+    rope: &RopeMask,
     tile: usize,
+    x: &Tensor,
+    need_dx: bool,
+    dy: &Tensor,
+) -> Result<(Option<Tensor>, GradStore)> {
+    let vars = layer_vars(layer);
+    let mut kept = GradStore::default();
+    let x = x.detach();
+    let (b, t, _) = x.dims3()?;
+    let (mask, cos, sin) = layer.inputs(rope);
+    // 1. q, k, v without a graph, then the core with its graph from them as variables.
+    let (q, k, v) = crate::nn::no_grad::no_grad(|| attention_in_tiled(layer, &x, cos, sin, tile))?;
+    let (q, k, v) = (
+        Var::from_tensor(&q)?,
+        Var::from_tensor(&k)?,
+        Var::from_tensor(&v)?,
+    );
+    let y = layer
+        .self_attn
+        .core(q.as_tensor(), k.as_tensor(), v.as_tensor(), mask)?; // (B, T, H*D)
+                                                                   // 2. The MLP half's backward from mid = x + attention_out(y), rebuilt without a graph.
+    let mid = crate::nn::no_grad::no_grad(|| attention_out_tiled(layer, &x, &y.detach(), tile))?;
+    let dmid = tiles_backward(&mid, dy, tile, |m| layer.mlp_half(m), &vars, &mut kept)?;
+    drop(mid);
+    // 3. o_proj (Gemma 2: and its norm) tile by tile: d(y).
+    let dy_core = tiles_backward(
+        &y.detach(),
+        &dmid,
+        tile,
+        |yt| layer.attention_out(yt),
+        &vars,
+        &mut kept,
+    )?;
+    // 4. The core's backward: dq, dk, dv (d/dy' of sum(y' * dy) is dy).
+    let mut store = (y * dy_core)?.sum_all()?.backward()?;
+    let mut grad = |v: &Var| {
+        let g = store.remove(v.as_tensor()).ok_or_else(|| {
+            crate::error::ModelError::Invalid("checkpoint: no gradient reached q, k or v".into())
+        })?;
+        Ok::<_, crate::error::ModelError>(g.detach())
+    };
+    let (dq, dk, dv) = (grad(&q)?, grad(&k)?, grad(&v)?);
+    drop((store, q, k, v));
+    // 5. The projections into q, k, v tile by tile: their parameter gradients and dx; the
+    // residual adds d(mid).
+    let mut dxs = Vec::new();
+    for (row, start, rows) in row_tiles(b, t, tile) {
+        let xt = x.narrow(0, row, 1)?.narrow(1, start, rows)?; // (1, rows, C)
+        let xt = need_dx
+            .then(|| Var::from_tensor(&xt.contiguous()?))
+            .transpose()?;
+        let xin = xt.as_ref().map_or_else(
+            || x.narrow(0, row, 1)?.narrow(1, start, rows),
+            |v| Ok::<_, candle_core::Error>(v.as_tensor().clone()),
+        )?;
+        let (ct, st) = (
+            table_tile(cos, row, start, rows)?,
+            table_tile(sin, row, start, rows)?,
+        );
+        let (qt, kt, vt) = crate::kernels::dropout::at_row(row * t + start, || {
+            layer.attention_in(&xin, &ct, &st)
+        })?;
+        let cut =
+            |g: &Tensor| -> Result<Tensor> { Ok(g.narrow(0, row, 1)?.narrow(2, start, rows)?) };
+        let loss = ((qt * cut(&dq)?)?.sum_all()?
+            + (kt * cut(&dk)?)?.sum_all()?
+            + (vt * cut(&dv)?)?.sum_all()?)?;
+        if !loss.track_op() {
+            continue; // nothing of the tile trains and no dx is wanted
+        }
+        let mut store = loss.backward()?;
+        if let Some(xt) = &xt {
+            let dxt = store.remove(xt.as_tensor()).ok_or_else(|| {
+                crate::error::ModelError::Invalid(
+                    "checkpoint: no gradient reached a q/k/v tile".into(),
+                )
+            })?;
+            dxs.push(dxt.detach());
+        }
+        keep_grads(&mut kept, &mut store, &vars)?;
+    }
+    let dx = if need_dx {
+        // (1, rows, C) tiles -> (B, T, C): along time within a row, then the rows
+        let per_row = dxs.len() / b;
+        let rows = dxs
+            .chunks(per_row)
+            .map(|p| Tensor::cat(p, 1))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Some((Tensor::cat(&rows, 0)? + dmid)?)
+    } else {
+        None
+    };
+    Ok((dx, kept))
+}
+
+/// d(input) of a token-wise `f` (out = f(input)) given d(out), one tile of tokens at a time
+/// (each tile's graph built, backpropagated and dropped before the next); the parameter
+/// gradients summed into `kept`. input: (B, T, N), dout: (B, T, M) -> (B, T, N)
+fn tiles_backward(
+    input: &Tensor,
+    dout: &Tensor,
+    tile: usize,
+    f: impl Fn(&Tensor) -> Result<Tensor>,
     vars: &[Tensor],
     kept: &mut GradStore,
 ) -> Result<Tensor> {
-    let (b, t, c) = mid.dims3()?;
+    let (b, t, c) = input.dims3()?;
+    let m = dout.dim(2)?;
     let n = b * t;
-    let flat = mid.reshape((n, c))?; // (B*T, C)
-    let dflat = dy.reshape((n, c))?;
+    let flat = input.reshape((n, c))?; // (B*T, N)
+    let dflat = dout.reshape((n, m))?; // (B*T, M)
     let mut parts = Vec::with_capacity(n.div_ceil(tile));
     for start in (0..n).step_by(tile) {
         let rows = tile.min(n - start);
-        let xt = Var::from_tensor(&flat.narrow(0, start, rows)?.unsqueeze(0)?)?; // (1, rows, C)
-        let yt = crate::kernels::dropout::at_row(start, || layer.mlp_half(xt.as_tensor()))?;
+        let xt = Var::from_tensor(&flat.narrow(0, start, rows)?.unsqueeze(0)?)?; // (1, rows, N)
+        let yt = crate::kernels::dropout::at_row(start, || f(xt.as_tensor()))?;
         let dyt = dflat.narrow(0, start, rows)?.unsqueeze(0)?;
         let mut store = (yt * dyt)?.sum_all()?.backward()?;
         let dxt = store.remove(xt.as_tensor()).ok_or_else(|| {
-            crate::error::ModelError::Invalid("checkpoint: no gradient reached an MLP tile".into())
+            crate::error::ModelError::Invalid("checkpoint: no gradient reached a tile".into())
         })?;
-        parts.push(dxt);
+        parts.push(dxt.detach());
         keep_grads(kept, &mut store, vars)?;
     }
     Ok(Tensor::cat(&parts, 1)?.reshape((b, t, c))?)

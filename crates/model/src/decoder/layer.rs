@@ -124,9 +124,17 @@ impl Attention {
     }
 
     fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Mask) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
-        let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let (q, k, v) = self.qkv(x, cos, sin)?;
+        let y = self.core(&q, &k, &v, mask)?;
+        self.o_proj.forward(&y)
+    }
+
+    /// The attention over the whole sequence, between the token-wise projections: the only
+    /// part of a layer where a token reads other tokens.
+    /// q: (B, H, T, D), k, v: (B, KV, T, D) -> (B, T, H*D)
+    pub(crate) fn core(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> Result<Tensor> {
+        let (b, _, t, _) = q.dims4()?;
+        let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         // Grouped-query attention without copying k and v per query head (HF's repeat_kv):
         // the n_rep = H / KV query heads that share a kv head are adjacent, so q viewed as
         // (B, KV, n_rep * T, D) multiplies each kv head once, in a larger matmul.
@@ -147,8 +155,7 @@ impl Attention {
             }
         }; // (B, KV, n_rep*T, D)
         let y = y.reshape((b, h, t, d))?; // (B, H, T, D)
-        let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, h * d))?; // (B, T, H*D)
-        self.o_proj.forward(&y)
+        Ok(y.transpose(1, 2)?.contiguous()?.reshape((b, t, h * d))?) // (B, T, H*D)
     }
 }
 
@@ -226,16 +233,45 @@ impl DecoderLayer {
     /// rotary tables and this layer's mask (Gemma 2's global layers: the full one).
     /// x: (B, T, C) -> (B, T, C)
     pub(crate) fn attention_residual(&self, x: &Tensor, rope: &RopeMask) -> Result<Tensor> {
+        let (mask, cos, sin) = self.inputs(rope);
+        self.attention_half(x, |h| self.self_attn.forward(h, cos, sin, mask))
+    }
+
+    /// This layer's mask (Gemma 2's global layers: the full one) and rotary tables (Gemma 3's
+    /// sliding layers: their own).
+    pub(crate) fn inputs<'a>(&self, rope: &'a RopeMask) -> (&'a Mask, &'a Tensor, &'a Tensor) {
         let mask = match (&rope.full, self.full_attention) {
             (Some(full), true) => full,
             _ => &rope.mask,
         };
-        // Gemma 3's sliding layers: their own rotary table.
         let (cos, sin) = match (&rope.local, self.full_attention) {
             (Some((cos, sin)), false) => (cos, sin),
             _ => (&rope.cos, &rope.sin),
         };
-        self.attention_half(x, |h| self.self_attn.forward(h, cos, sin, mask))
+        (mask, cos, sin)
+    }
+
+    /// The attention half before its core, token-wise: input norm, q/k/v projections (with
+    /// their adapters), q/k norms and rotary embedding. Activation checkpointing runs it in
+    /// token tiles. x: (B, T, C), cos/sin: (B, 1, T, Dr) -> q (B, H, T, D), k, v (B, KV, T, D)
+    pub(crate) fn attention_in(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let h = self.norm(x, &self.input_layernorm)?;
+        self.self_attn.qkv(&h, cos, sin)
+    }
+
+    /// The attention half after its core, token-wise: o_proj (Gemma 2: and the attention
+    /// output's norm), what the residual adds to x. y: (B, T, H*D) -> (B, T, C)
+    pub(crate) fn attention_out(&self, y: &Tensor) -> Result<Tensor> {
+        let a = self.self_attn.o_proj.forward(y)?;
+        if self.post_feedforward_layernorm.is_some() {
+            return self.norm(&a, &self.post_attention_layernorm);
+        }
+        Ok(a)
     }
 
     /// RMSNorm with this layer's weight convention. x: (..., C) -> (..., C)

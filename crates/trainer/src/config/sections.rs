@@ -252,6 +252,14 @@ section! {
         /// is accepted and has no effect (the same code runs; the host copy is the tensor
         /// itself).
         offload_checkpoints: bool = false;
+        /// With `checkpointing`: tokens per tile of the checkpointed layers' token-wise parts
+        /// (the MLP half, the q/k/v and o projections with their adapters), which the
+        /// forward and the recomputation run one tile at a time, so that only the attention
+        /// itself spans the whole sequence (Arctic Long Sequence Training's TiledMLP,
+        /// Unsloth's tiled MLP). 0 = the hidden size: a tile's (tokens x intermediate)
+        /// tensors are then the size of one MLP weight. A value of at least
+        /// `micro_batch_size` x `data.max_seq_len` runs each layer in one piece.
+        checkpoint_tile_tokens: usize = 0;
         /// Data-parallel runs (`--nproc N`, mpirun, torchrun, Slurm): each rank keeps the
         /// optimizer state of 1/N of the trainable tensors, updates those and hands the new
         /// weights to the others (ZeRO stage 1; DeepSpeed's `zero_optimization.stage = 1`). No

@@ -260,7 +260,7 @@ fn unknown_key_names_file_key_and_suggestion() {
          weight_decay, betas, eps, schedule, warmup_steps, max_grad_norm, seed, device, \
          output_dir, log_every, log, eval_every, save_every, save_total_limit, \
          early_stopping_patience, early_stopping_threshold, keep_best, checkpointing, \
-         checkpoint_every, offload_checkpoints, shard_optimizer, dist_timeout_s, tf32, threads, push_to_hub, hub_private_repo"
+         checkpoint_every, offload_checkpoints, checkpoint_tile_tokens, shard_optimizer, dist_timeout_s, tf32, threads, push_to_hub, hub_private_repo"
     );
     // A typo, by edit distance.
     let e = err(&format!("{MINIMAL}[lora]\nrnak = 8\n"), &[]);

@@ -267,6 +267,13 @@ fn validate_train_length(t: &TrainSection) -> Checked {
              too, or drop it",
         );
     }
+    if t.checkpoint_tile_tokens > 0 && !t.checkpointing {
+        return bad(
+            "train.checkpoint_tile_tokens",
+            "sizes the token tiles of the layers activation checkpointing recomputes: set \
+             train.checkpointing = true too, or drop it",
+        );
+    }
     if t.max_steps == 0 && t.epochs < 1 {
         return bad(
             "train.epochs",
