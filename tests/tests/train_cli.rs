@@ -120,13 +120,43 @@ fn step_line(line: &str) -> Option<usize> {
 }
 
 /// A run killed after its step-2 checkpoint and resumed equals the uninterrupted run, bit for bit
-/// (CPU, dropout on, shuffled data, cosine schedule, AdamW).
+/// (CPU, dropout on, shuffled data, cosine schedule, AdamW); also with activation checkpointing
+/// and its token tiles (5 tokens: several per row).
 #[test]
 fn resumed_run_equals_uninterrupted_run_bit_for_bit() {
     let lora = "rank = 4\nalpha = 8\ndropout = 0.1";
-    let train = "max_steps = 4\nlr = 1e-2\nmicro_batch_size = 1\ngrad_accum = 2\nsave_every = 2\nwarmup_steps = 1";
-    let a = scratch("resume-a");
-    let b = scratch("resume-b");
+    let plain = "max_steps = 4\nlr = 1e-2\nmicro_batch_size = 1\ngrad_accum = 2\nsave_every = 2\nwarmup_steps = 1";
+    let tiled = format!("{plain}\ncheckpointing = true\ncheckpoint_tile_tokens = 5");
+    for (name, train) in [("plain", plain), ("tiled", tiled.as_str())] {
+        resumed_equals_uninterrupted(name, lora, train);
+    }
+    // A 2-step run with a constant schedule, resumed with max_steps = 4, equals a 4-step run.
+    let c = scratch("resume-c");
+    let d = scratch("resume-d");
+    let t4 = "max_steps = 4\nlr = 1e-2\nschedule = \"constant\"\nmicro_batch_size = 2";
+    let cc = config(&c, "tiny-qwen3", lora, t4);
+    let cd = config(&d, "tiny-qwen3", lora, t4);
+    train_ok(&["train", "--config", cc.to_str().unwrap(), "--quiet"]);
+    train_ok(&[
+        "train",
+        "--config",
+        cd.to_str().unwrap(),
+        "--set",
+        "train.max_steps=2",
+        "--quiet",
+    ]);
+    resume_at(&cd, 2, 4);
+    let (tc, td) = (adapter(&c), adapter(&d));
+    assert!(
+        tc.iter().all(|(k, t)| max_abs_diff(t, &td[k]) == 0.0),
+        "2 + 2 steps differ from 4 steps"
+    );
+}
+
+/// [`resumed_run_equals_uninterrupted_run_bit_for_bit`] for one `[train]` section.
+fn resumed_equals_uninterrupted(name: &str, lora: &str, train: &str) {
+    let a = scratch(&format!("resume-a-{name}"));
+    let b = scratch(&format!("resume-b-{name}"));
     let ca = config(&a, "tiny-qwen3", lora, train);
     let cb = config(&b, "tiny-qwen3", lora, train);
     train_ok(&["train", "--config", ca.to_str().unwrap(), "--quiet"]);
@@ -159,29 +189,8 @@ fn resumed_run_equals_uninterrupted_run_bit_for_bit() {
     for (k, t) in &ta {
         let same = t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
             == tb[k].flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        assert!(same, "{k} differs after resume");
+        assert!(same, "{name}: {k} differs after resume");
     }
-    // A 2-step run with a constant schedule, resumed with max_steps = 4, equals a 4-step run.
-    let c = scratch("resume-c");
-    let d = scratch("resume-d");
-    let t4 = "max_steps = 4\nlr = 1e-2\nschedule = \"constant\"\nmicro_batch_size = 2";
-    let cc = config(&c, "tiny-qwen3", lora, t4);
-    let cd = config(&d, "tiny-qwen3", lora, t4);
-    train_ok(&["train", "--config", cc.to_str().unwrap(), "--quiet"]);
-    train_ok(&[
-        "train",
-        "--config",
-        cd.to_str().unwrap(),
-        "--set",
-        "train.max_steps=2",
-        "--quiet",
-    ]);
-    resume_at(&cd, 2, 4);
-    let (tc, td) = (adapter(&c), adapter(&d));
-    assert!(
-        tc.iter().all(|(k, t)| max_abs_diff(t, &td[k]) == 0.0),
-        "2 + 2 steps differ from 4 steps"
-    );
 }
 
 /// `--resume` with nothing to resume from says so on stderr (as HF Trainer and torchtune make a
@@ -546,19 +555,24 @@ fn quickstart_learns_its_skill() {
 }
 
 /// Activation checkpointing on (every layer, every second layer, every layer with its inputs
-/// offloaded: on the CPU the same link-chained code path with no saving) and off give the same
+/// offloaded: on the CPU the same link-chained code path with no saving, every layer in tiles of
+/// 5 tokens over batches of 4 rows) and off give the same
 /// adapter after 3 AdamW steps with dropout on (the recomputation redraws the same masks).
-/// Tolerance: 1e-5 relative per tensor (f32; the recomputed layer runs the same ops, so only the
-/// order of gradient sums differs). The run reports per-phase peak memory in metrics.jsonl, and
-/// checkpointing lowers the forward-phase peak.
+/// Tolerance: 1e-4 relative per tensor (f32; the recomputed layer runs the same ops, so only the
+/// order of gradient sums differs: measured <= 1.9e-5 after the 3 AdamW steps, which scale up
+/// the differences of near-zero gradients; a tile drawing another row's dropout masks moves the
+/// adapter by 1.9). The run reports per-phase peak memory in metrics.jsonl, and checkpointing
+/// lowers the forward-phase peak.
 #[test]
 fn checkpointing_gives_the_same_adapter_and_a_lower_forward_peak() {
+    const TOL: f64 = 1e-4;
     let lora = "rank = 4\nalpha = 8\ndropout = 0.1";
     let steps = "max_steps = 3\nlr = 1e-2\nmicro_batch_size = 4\ngrad_accum = 1";
     let plain = scratch("ckpt-off");
     let on = scratch("ckpt-on");
     let every2 = scratch("ckpt-every2");
     let offload = scratch("ckpt-offload");
+    let tiles = scratch("ckpt-tiles");
     let cp = config(&plain, "tiny-qwen3", lora, steps);
     let co = config(
         &on,
@@ -578,21 +592,30 @@ fn checkpointing_gives_the_same_adapter_and_a_lower_forward_peak() {
         lora,
         &format!("{steps}\ncheckpointing = true\noffload_checkpoints = true"),
     );
-    for c in [&cp, &co, &c2, &cf] {
+    let ct = config(
+        &tiles,
+        "tiny-qwen3",
+        lora,
+        &format!("{steps}\ncheckpointing = true\ncheckpoint_tile_tokens = 5"),
+    );
+    for c in [&cp, &co, &c2, &cf, &ct] {
         train_ok(&["train", "--config", c.to_str().unwrap(), "--quiet"]);
     }
     let base = adapter(&plain);
-    for (what, dir) in [
+    let diffs: Vec<(&str, f64)> = [
         ("every layer", &on),
         ("every 2nd layer", &every2),
         ("every layer, offloaded", &offload),
-    ] {
-        let d = max_rel_diff(&adapter(dir), &base);
-        assert!(
-            d < 1e-5,
-            "checkpointing {what}: adapter differs by {d} (relative)"
-        );
-    }
+        ("every layer, tiles of 5 tokens", &tiles),
+    ]
+    .into_iter()
+    .map(|(what, dir)| (what, max_rel_diff(&adapter(dir), &base)))
+    .collect();
+    assert!(
+        diffs.iter().all(|(_, d)| *d < TOL),
+        "checkpointing: adapter differs from the plain run's by more than {TOL} (relative): \
+         {diffs:?}"
+    );
     let forward_peak = |dir: &Path| -> u64 {
         let text = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
         text.lines()

@@ -193,6 +193,13 @@ pub fn describe(origin: &str, m: &DecoderConfig, cfg: &TrainConfig, est: &Estima
         human_bytes(est.activation_bytes_per_layer),
         est.tokens_per_micro_batch
     );
+    if est.host_bytes > 0 {
+        s += &format!(
+            "host memory: {} of pinned RAM for the offloaded checkpoint inputs (besides the \
+             process's own)\n",
+            human_bytes(est.host_bytes)
+        );
+    }
     if let Some(r) = &est.ranks {
         s += &format!(
             "{} ranks: the gradient all-reduce holds up to {} in the optimizer phase; ",
@@ -232,7 +239,17 @@ pub fn describe_plan(p: &Plan, config: &str, user_sets: &[String]) -> String {
             }
             s += ".";
         }
-        return s + "\n" + &longest_line(p, "");
+        s = s + "\n" + &longest_line(p, "");
+        if let Some(l) = &p.longer_with {
+            s += &format!(
+                "With {} it is {} tokens{}{}.\n",
+                l.sets.join(" "),
+                l.longest_max_seq_len,
+                past(p, l.longest_max_seq_len),
+                host_note(l.host_bytes)
+            );
+        }
+        return s;
     }
     if !p.possible {
         return s + &format!(
@@ -272,6 +289,12 @@ pub fn describe_plan(p: &Plan, config: &str, user_sets: &[String]) -> String {
     } else {
         String::new()
     };
+    if let Some(n) = p.longest_with_plan {
+        s += &format!(
+            "With these changes, the longest data.max_seq_len that fits is {n} tokens{}.\n",
+            past(p, n)
+        );
+    }
     s + &longest_line(p, "Without these changes, ")
         + &format!(
             "run: tallow train {nproc}--config {config} {}\n",
@@ -283,10 +306,37 @@ pub fn describe_plan(p: &Plan, config: &str, user_sets: &[String]) -> String {
 /// `lead` starts the sentence ("Without these changes, "); empty: the line stands alone.
 fn longest_line(p: &Plan, lead: &str) -> String {
     let what = match p.longest_max_seq_len {
-        Some(n) => format!("the longest data.max_seq_len that fits is {n} tokens"),
+        Some(n) => format!(
+            "the longest data.max_seq_len that fits is {n} tokens{}",
+            past(p, n)
+        ),
         None => "not even 64 tokens fit".to_string(),
     };
     let mut line = format!("{lead}{what}.\n");
     line[..1].make_ascii_uppercase();
     line
+}
+
+/// A note when `n` tokens are past the positions the model was trained on.
+fn past(p: &Plan, n: usize) -> String {
+    if n > p.max_position_embeddings {
+        format!(
+            " (past the model's max_position_embeddings, {}: positions it was not trained on)",
+            p.max_position_embeddings
+        )
+    } else {
+        String::new()
+    }
+}
+
+/// The pinned host memory the offloaded inputs take, when any.
+fn host_note(bytes: u64) -> String {
+    if bytes > 0 {
+        format!(
+            ", with {} of pinned host memory for the offloaded inputs",
+            human_bytes(bytes)
+        )
+    } else {
+        String::new()
+    }
 }

@@ -147,11 +147,11 @@ impl Attention {
         // default) keeps no (T, T) scores; eager reads the causal mask of ops::attention_mask.
         let y = match mask {
             Mask::Dense(m) => match self.softcap {
-                None => ops::causal_attention(&q, &k, &v, m)?,
-                Some(cap) => ops::causal_attention_capped(&q, &k, &v, m, cap)?,
+                None => ops::causal_attention(&q, k, v, m)?,
+                Some(cap) => ops::causal_attention_capped(&q, k, v, m, cap)?,
             },
             Mask::Chunked(m) => {
-                crate::kernels::chunked::chunked_attention_capped(&q, &k, &v, m, self.softcap)?
+                crate::kernels::chunked::chunked_attention_capped(&q, k, v, m, self.softcap)?
             }
         }; // (B, KV, n_rep*T, D)
         let y = y.reshape((b, h, t, d))?; // (B, H, T, D)
