@@ -332,7 +332,7 @@ fn recompute_backward(
         &mut kept,
     )?;
     // Backpropagate d(mid): d/dmid' of sum(mid' * dmid) is exactly dmid.
-    let mut store = (mid * dmid)?.sum_all()?.backward()?;
+    let mut store = backward_from(&mid, dmid)?;
     let dx = x_var.and_then(|v| store.remove(v.as_tensor()));
     keep_grads(&mut kept, &mut store, &vars)?;
     Ok((dx, kept))
@@ -358,15 +358,12 @@ fn recompute_backward_tiled(
     let (mask, cos, sin) = layer.inputs(rope);
     // 1. q, k, v without a graph, then the core with its graph from them as variables.
     let (q, k, v) = crate::nn::no_grad::no_grad(|| attention_in_tiled(layer, &x, cos, sin, tile))?;
-    let (q, k, v) = (
-        Var::from_tensor(&q)?,
-        Var::from_tensor(&k)?,
-        Var::from_tensor(&v)?,
-    );
-    let y = layer
-        .self_attn
-        .core(q.as_tensor(), k.as_tensor(), v.as_tensor(), mask)?; // (B, T, H*D)
-                                                                   // 2. The MLP half's backward from mid = x + attention_out(y), rebuilt without a graph.
+    let (q, k, v) = (into_var(q)?, into_var(k)?, into_var(v)?);
+    let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
+    // y: (B, T, H*D)
+    let y = layer.self_attn.core(qt, kt, vt, mask)?;
+
+    // 2. The MLP half's backward from mid = x + attention_out(y), rebuilt without a graph.
     let mid = crate::nn::no_grad::no_grad(|| attention_out_tiled(layer, &x, &y.detach(), tile))?;
     let dmid = tiles_backward(&mid, dy, tile, |m| layer.mlp_half(m), &vars, &mut kept)?;
     drop(mid);
@@ -379,8 +376,9 @@ fn recompute_backward_tiled(
         &vars,
         &mut kept,
     )?;
-    // 4. The core's backward: dq, dk, dv (d/dy' of sum(y' * dy) is dy).
-    let mut store = (y * dy_core)?.sum_all()?.backward()?;
+    // 4. The core's backward: dq, dk, dv.
+    let mut store = backward_from(&y, dy_core)?;
+    drop(y);
     let mut grad = |v: &Var| {
         let g = store.remove(v.as_tensor()).ok_or_else(|| {
             crate::error::ModelError::Invalid("checkpoint: no gradient reached q, k or v".into())
@@ -463,7 +461,7 @@ fn tiles_backward(
         let xt = Var::from_tensor(&flat.narrow(0, start, rows)?.unsqueeze(0)?)?; // (1, rows, N)
         let yt = crate::kernels::dropout::at_row(start, || f(xt.as_tensor()))?;
         let dyt = dflat.narrow(0, start, rows)?.unsqueeze(0)?;
-        let mut store = (yt * dyt)?.sum_all()?.backward()?;
+        let mut store = backward_from(&yt, dyt)?;
         let dxt = store.remove(xt.as_tensor()).ok_or_else(|| {
             crate::error::ModelError::Invalid("checkpoint: no gradient reached a tile".into())
         })?;
@@ -471,6 +469,23 @@ fn tiles_backward(
         keep_grads(kept, &mut store, vars)?;
     }
     Ok(Tensor::cat(&parts, 1)?.reshape((b, t, c))?)
+}
+
+/// A variable holding `t`'s values: Candle's `Var::from_tensor` copies a tensor that is not a
+/// variable, so `t` is taken and dropped here rather than kept alive beside its copy.
+fn into_var(t: Tensor) -> Result<Var> {
+    Ok(Var::from_tensor(&t)?)
+}
+
+/// The backward of `out`'s graph with `dout` as the gradient reaching `out`. The usual seed,
+/// `sum(out * dout)`, would also hold the product and its gradient (each the size of `out`),
+/// and multiply once more; this scalar op hands `dout` over as is.
+fn backward_from(out: &Tensor, dout: Tensor) -> Result<GradStore> {
+    let root = Tensor::zeros((), out.dtype(), out.device())?;
+    let seed = crate::nn::ops::attach1("checkpoint-seed", out, root, move |_, _, _| {
+        Ok(Some(dout.clone()))
+    })?;
+    Ok(seed.backward()?)
 }
 
 /// Moves the gradients of `vars` from `store` into `kept` (summed with what is there), and
