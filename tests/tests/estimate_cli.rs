@@ -717,3 +717,83 @@ fn a_bnb_4bit_checkpoint_is_estimated_as_it_loads_within_10_percent() {
         100.0 * err
     );
 }
+
+/// Long context on the command line (issue 38): `--set data.max_seq_len=100000 --budget 24GiB`
+/// for Llama-3.1-8B QLoRA r32 on CUDA gives the plan that reaches it (offloading the
+/// checkpointed inputs, with the pinned host memory it takes) and the longest length with it;
+/// a config that fits names the length the long-context levers reach; `--json` states the host
+/// memory of an offloading config.
+#[test]
+fn a_long_context_budget_gives_the_plan_the_length_and_the_host_memory() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let config = root.join("configs/llama-3.1-8b/qlora.toml");
+    let model = root.join("benchmarks/models/llama-3.1-8b-instruct.json");
+    let base = [
+        "estimate".to_string(),
+        "--config".into(),
+        config.display().to_string(),
+        "--set".into(),
+        format!("model.path={}", model.display()),
+        "--set".into(),
+        "train.device=cuda".into(),
+        "--set".into(),
+        "lora.rank=32".into(),
+    ];
+    let run = |extra: &[&str]| {
+        let r = tallow(base.iter().map(String::as_str).chain(extra.iter().copied()));
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        r.stdout
+    };
+    // The number after `prefix` in `text`, digits only.
+    let number_after = |text: &str, prefix: &str| -> usize {
+        let at = text
+            .find(prefix)
+            .unwrap_or_else(|| panic!("no `{prefix}` in:\n{text}"));
+        let digits: String = text[at + prefix.len()..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        digits.parse().unwrap()
+    };
+    let far = run(&["--set", "data.max_seq_len=100000", "--budget", "24GiB"]);
+    assert!(far.contains("does not fit"), "{far}");
+    assert!(
+        far.contains("checkpointed inputs offloaded to host memory (")
+            && far.contains("GiB pinned)")
+            && far.contains("train.offload_checkpoints=true"),
+        "{far}"
+    );
+    let with = number_after(
+        &far,
+        "With these changes, the longest data.max_seq_len that fits is ",
+    );
+    let without = number_after(
+        &far,
+        "Without these changes, the longest data.max_seq_len that fits is ",
+    );
+    assert!(with >= 100_000 && without < 100_000, "{far}");
+    // The config as it is (1024 tokens) fits; offloading reaches the same length.
+    let fits = run(&["--budget", "24GiB"]);
+    assert_eq!(
+        number_after(&fits, "With train.offload_checkpoints=true it is "),
+        with,
+        "{fits}"
+    );
+    assert!(
+        fits.contains("of pinned host memory for the offloaded inputs"),
+        "{fits}"
+    );
+    let r = tallow(base.iter().map(String::as_str).chain([
+        "--set",
+        "train.offload_checkpoints=true",
+        "--json",
+    ]));
+    let v: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+    // 32 layers x 1024 tokens x 4096 x 2 bytes (bf16)
+    assert_eq!(v["host_bytes"].as_u64(), Some(32 * 1024 * 4096 * 2), "{v}");
+    let text = run(&["--set", "train.offload_checkpoints=true"]);
+    assert!(
+        text.contains("host memory: 256.00 MiB of pinned RAM"),
+        "{text}"
+    );
+}

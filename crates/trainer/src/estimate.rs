@@ -1124,8 +1124,9 @@ impl TiledRebuild<'_> {
         self.s * self.tokens() * (self.m.num_attention_heads * self.m.head_dim) as u64
     }
 
-    /// What the core's graph keeps: q, k, v, its output, and the log-sum-exp per head and
-    /// token (chunked) or the scores (eager).
+    /// What the core's graph keeps: q, k, v, its output twice (the attention op's, heads
+    /// first, and its transposed contiguous copy), and the log-sum-exp per head and token
+    /// (chunked) or the scores (eager).
     fn core_graph(&self) -> u64 {
         let h = self.m.num_attention_heads as u64;
         let kept = if self.chunked {
@@ -1134,7 +1135,7 @@ impl TiledRebuild<'_> {
             self.halves.attention_bytes(self.b, self.t)
                 - (self.tokens() * self.halves.attention_per_token as u64)
         };
-        self.qkv() + self.y() + kept
+        self.qkv() + 2 * self.y() + kept
     }
 
     /// One tile's graph and gradients: of the MLP half, or of the attention half's projections
@@ -1163,14 +1164,17 @@ impl TiledRebuild<'_> {
     /// brought back from the host) and `scores_bwd`, the core's backward transients. Alive
     /// throughout: dy. Steps: (2) the MLP half's backward, mid and d(mid) (its tiles and their
     /// concatenation) next to the core's graph; (3) o_proj's, d(y) likewise; (4) the core's,
-    /// d(y), its product with y's gradient, dq, dk, dv; (5) the projections', d(mid), dq, dk,
-    /// dv, dx (tiles, concatenation, sum with d(mid)).
+    /// d(mid) and d(y) next to its graph: through the reshapes, a gradient, Candle's zeros and
+    /// their sum (three of the output's size), then in the attention op's backward d(output),
+    /// dq, dk, dv and the zeros each is summed into (the size of q at most); (5) the
+    /// projections', d(mid), dq, dk, dv, dx (tiles, concatenation, sum with d(mid)).
     fn backward(&self, scores_bwd: u64) -> u64 {
         let (qkv, y, hidden, core) = (self.qkv(), self.y(), self.hidden(), self.core_graph());
+        let q = y; // (tokens, H*D), as the core's output
         let dy = hidden;
         let mlp = core + 3 * hidden + self.mlp_tile();
         let o_proj = core + hidden + 2 * y + self.attention_tile();
-        let attention = core + hidden + 2 * y + qkv + scores_bwd;
+        let attention = core + hidden + y + (3 * y).max(y + qkv + q + scores_bwd);
         let projections = 4 * hidden + qkv + self.attention_tile();
         dy + mlp.max(o_proj).max(attention).max(projections)
     }
