@@ -93,6 +93,35 @@ fn compare(what: &str, vars: &[(String, Var)], a: &[Tensor], b: &[Tensor]) {
     }
 }
 
+/// For each batching of `rows` (one row per batch, all in one), the gradients of `vars` under
+/// every checkpointing setting of [`SETTINGS`] against those without checkpointing.
+fn every_setting_equals_plain(
+    model: &mut CausalLM,
+    vars: &[(String, Var)],
+    rows: &[Row],
+    what: &str,
+) {
+    for together in [false, true] {
+        let batches = batches(rows, together);
+        model.set_checkpointing(None);
+        let plain = grads(model, vars, &batches);
+        for (every, tile, offload) in SETTINGS {
+            model.set_checkpointing(Some(every));
+            model.set_checkpoint_tile_rows(tile);
+            model.set_offload_checkpoints(offload);
+            let ck = grads(model, vars, &batches);
+            compare(
+                &format!(
+                    "{what} every={every} tile={tile:?} offload={offload} one batch={together}"
+                ),
+                vars,
+                &plain,
+                &ck,
+            );
+        }
+    }
+}
+
 /// LoRA and DoRA (whose magnitude gradient and weight norm are recomputed with the layer).
 #[test]
 fn lora_gradients_with_checkpointing_equal_plain_gradients() {
@@ -139,26 +168,7 @@ fn adapter_gradients_with_checkpointing(model_name: &str, dora: bool) {
         }
     }
     set_dropout(&model, Some(1234));
-    for together in [false, true] {
-        let batches = batches(&rows, together);
-        model.set_checkpointing(None);
-        let plain = grads(&model, &vars, &batches);
-        for (every, tile, offload) in SETTINGS {
-            model.set_checkpointing(Some(every));
-            model.set_checkpoint_tile_rows(tile);
-            model.set_offload_checkpoints(offload);
-            let ck = grads(&model, &vars, &batches);
-            compare(
-                &format!(
-                    "{model_name} {kind} every={every} tile={tile:?} offload={offload} \
-                     one batch={together}"
-                ),
-                &vars,
-                &plain,
-                &ck,
-            );
-        }
-    }
+    every_setting_equals_plain(&mut model, &vars, &rows, &format!("{model_name} {kind}"));
     model.set_checkpointing(None);
     assert!(model.take_checkpoint_grads().is_empty());
 }
@@ -169,25 +179,6 @@ fn full_fine_tuning_gradients_with_checkpointing_equal_plain_gradients() {
         let reference = reference_json(model_name);
         let rows = reference_rows(&reference, "text");
         let (mut model, vars) = trainable_model(model_name, DType::F32);
-        for together in [false, true] {
-            let batches = batches(&rows, together);
-            model.set_checkpointing(None);
-            let plain = grads(&model, &vars, &batches);
-            for (every, tile, offload) in SETTINGS {
-                model.set_checkpointing(Some(every));
-                model.set_checkpoint_tile_rows(tile);
-                model.set_offload_checkpoints(offload);
-                let ck = grads(&model, &vars, &batches);
-                compare(
-                    &format!(
-                        "{model_name} full every={every} tile={tile:?} offload={offload} \
-                         one batch={together}"
-                    ),
-                    &vars,
-                    &plain,
-                    &ck,
-                );
-            }
-        }
+        every_setting_equals_plain(&mut model, &vars, &rows, &format!("{model_name} full"));
     }
 }

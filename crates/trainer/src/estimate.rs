@@ -883,7 +883,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
             format!(
                 "{checkpointed} checkpointed layers keep their input in host memory ({} in \
                  all), {kept_layers} keep {} each; {b} x {t} tokens",
-                mib(checkpointed as u64 * hidden),
+                mib(host_bytes(m, cfg, device)),
                 mib(per_layer)
             )
         } else if checkpointed > 0 {
@@ -1304,6 +1304,9 @@ const LEVERS: [&str; 8] = [
 /// The index of the optimizer-state sharding in [`LEVERS`].
 const SHARD_LEVER: usize = 2;
 
+/// The index of activation checkpointing in [`LEVERS`].
+const CHECKPOINT_LEVER: usize = 3;
+
 /// The index of offloading checkpointed inputs in [`LEVERS`].
 const OFFLOAD_LEVER: usize = 4;
 
@@ -1374,7 +1377,11 @@ fn longer_with(
 ) -> Option<LongerWith> {
     let mut c = cfg.clone();
     let mut sets = vec![];
-    let levers: &[usize] = if device == "cpu" { &[3] } else { &[3, 4] };
+    let levers: &[usize] = if device == "cpu" {
+        &[CHECKPOINT_LEVER]
+    } else {
+        &[CHECKPOINT_LEVER, OFFLOAD_LEVER]
+    };
     for &i in levers {
         if let Some((next, s)) = apply_lever(i, &c, world) {
             c = next;

@@ -263,26 +263,46 @@ fn attention_in_tiled(
     let (mut qs, mut ks, mut vs) = (vec![], vec![], vec![]);
     for (row, start, rows) in row_tiles(b, t, tile) {
         let xt = x.narrow(0, row, 1)?.narrow(1, start, rows)?; // (1, rows, C)
-        let (ct, st) = (
-            table_tile(cos, row, start, rows)?,
-            table_tile(sin, row, start, rows)?,
-        );
-        let (q, k, v) =
-            crate::kernels::dropout::at_row(row * t + start, || layer.attention_in(&xt, &ct, &st))?;
+        let (q, k, v) = attention_in_tile(layer, &xt, cos, sin, (row, start, t))?;
         qs.push(q);
         ks.push(k);
         vs.push(v);
     }
-    // (1, N, rows, D) tiles -> (B, N, T, D): along time within a row, then the rows
-    let join = |parts: Vec<Tensor>| -> Result<Tensor> {
-        let per_row = parts.len() / b;
-        let rows = parts
-            .chunks(per_row)
-            .map(|p| Tensor::cat(p, 2))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(Tensor::cat(&rows, 0)?)
-    };
-    Ok((join(qs)?, join(ks)?, join(vs)?))
+    // (1, N, rows, D) tiles -> (B, N, T, D)
+    Ok((
+        join_row_tiles(qs, b, 2)?,
+        join_row_tiles(ks, b, 2)?,
+        join_row_tiles(vs, b, 2)?,
+    ))
+}
+
+/// [`DecoderLayer::attention_in`] of one tile `xt` (1, rows, C) of batch row `row` starting at
+/// token `start` of rows of `t` tokens: that row's rotary tables, and the LoRA dropout masks the
+/// untiled forward draws for those tokens. -> q (1, H, rows, D), k, v (1, KV, rows, D)
+fn attention_in_tile(
+    layer: &DecoderLayer,
+    xt: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    (row, start, t): (usize, usize, usize),
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let rows = xt.dim(1)?;
+    let (ct, st) = (
+        table_tile(cos, row, start, rows)?,
+        table_tile(sin, row, start, rows)?,
+    );
+    crate::kernels::dropout::at_row(row * t + start, || layer.attention_in(xt, &ct, &st))
+}
+
+/// The tiles of [`row_tiles`] (in its order, `b` rows with as many tiles each) put back
+/// together: along `dim` (time) within a row, then the rows along the batch dim.
+fn join_row_tiles(parts: Vec<Tensor>, b: usize, dim: usize) -> Result<Tensor> {
+    let per_row = parts.len() / b;
+    let rows = parts
+        .chunks(per_row)
+        .map(|p| Tensor::cat(p, dim))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(Tensor::cat(&rows, 0)?)
 }
 
 /// mid = x + [`DecoderLayer::attention_out`] of the core's output y, tile by tile.
@@ -331,7 +351,7 @@ fn recompute_backward(
         &vars,
         &mut kept,
     )?;
-    // Backpropagate d(mid): d/dmid' of sum(mid' * dmid) is exactly dmid.
+    // Backpropagate d(mid) through the attention half's graph.
     let mut store = backward_from(&mid, dmid)?;
     let dx = x_var.and_then(|v| store.remove(v.as_tensor()));
     keep_grads(&mut kept, &mut store, &vars)?;
@@ -379,13 +399,11 @@ fn recompute_backward_tiled(
     // 4. The core's backward: dq, dk, dv.
     let mut store = backward_from(&y, dy_core)?;
     drop(y);
-    let mut grad = |v: &Var| {
-        let g = store.remove(v.as_tensor()).ok_or_else(|| {
-            crate::error::ModelError::Invalid("checkpoint: no gradient reached q, k or v".into())
-        })?;
-        Ok::<_, crate::error::ModelError>(g.detach())
-    };
-    let (dq, dk, dv) = (grad(&q)?, grad(&k)?, grad(&v)?);
+    let (dq, dk, dv) = (
+        take_grad(&mut store, &q, "q")?,
+        take_grad(&mut store, &k, "k")?,
+        take_grad(&mut store, &v, "v")?,
+    );
     drop((store, q, k, v));
     // 5. The projections into q, k, v tile by tile: their parameter gradients and dx; the
     // residual adds d(mid).
@@ -399,13 +417,7 @@ fn recompute_backward_tiled(
             || x.narrow(0, row, 1)?.narrow(1, start, rows),
             |v| Ok::<_, candle_core::Error>(v.as_tensor().clone()),
         )?;
-        let (ct, st) = (
-            table_tile(cos, row, start, rows)?,
-            table_tile(sin, row, start, rows)?,
-        );
-        let (qt, kt, vt) = crate::kernels::dropout::at_row(row * t + start, || {
-            layer.attention_in(&xin, &ct, &st)
-        })?;
+        let (qt, kt, vt) = attention_in_tile(layer, &xin, cos, sin, (row, start, t))?;
         let cut =
             |g: &Tensor| -> Result<Tensor> { Ok(g.narrow(0, row, 1)?.narrow(2, start, rows)?) };
         let loss = ((qt * cut(&dq)?)?.sum_all()?
@@ -416,23 +428,13 @@ fn recompute_backward_tiled(
         }
         let mut store = loss.backward()?;
         if let Some(xt) = &xt {
-            let dxt = store.remove(xt.as_tensor()).ok_or_else(|| {
-                crate::error::ModelError::Invalid(
-                    "checkpoint: no gradient reached a q/k/v tile".into(),
-                )
-            })?;
-            dxs.push(dxt.detach());
+            dxs.push(take_grad(&mut store, xt, "a q/k/v tile")?);
         }
         keep_grads(&mut kept, &mut store, &vars)?;
     }
+    // (1, rows, C) tiles -> (B, T, C)
     let dx = if need_dx {
-        // (1, rows, C) tiles -> (B, T, C): along time within a row, then the rows
-        let per_row = dxs.len() / b;
-        let rows = dxs
-            .chunks(per_row)
-            .map(|p| Tensor::cat(p, 1))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        Some((Tensor::cat(&rows, 0)? + dmid)?)
+        Some((join_row_tiles(dxs, b, 1)? + dmid)?)
     } else {
         None
     };
@@ -462,13 +464,19 @@ fn tiles_backward(
         let yt = crate::kernels::dropout::at_row(start, || f(xt.as_tensor()))?;
         let dyt = dflat.narrow(0, start, rows)?.unsqueeze(0)?;
         let mut store = backward_from(&yt, dyt)?;
-        let dxt = store.remove(xt.as_tensor()).ok_or_else(|| {
-            crate::error::ModelError::Invalid("checkpoint: no gradient reached a tile".into())
-        })?;
-        parts.push(dxt.detach());
+        parts.push(take_grad(&mut store, &xt, "a tile")?);
         keep_grads(kept, &mut store, vars)?;
     }
     Ok(Tensor::cat(&parts, 1)?.reshape((b, t, c))?)
+}
+
+/// The gradient of `v` out of `store`, detached (Candle's gradients keep the ops that made
+/// them); an error naming `what` when none reached it.
+fn take_grad(store: &mut GradStore, v: &Var, what: &str) -> Result<Tensor> {
+    let g = store.remove(v.as_tensor()).ok_or_else(|| {
+        crate::error::ModelError::Invalid(format!("checkpoint: no gradient reached {what}"))
+    })?;
+    Ok(g.detach())
 }
 
 /// A variable holding `t`'s values: Candle's `Var::from_tensor` copies a tensor that is not a
