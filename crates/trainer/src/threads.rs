@@ -47,7 +47,21 @@ pub fn apply(configured: usize) -> usize {
     let _ = rayon::ThreadPoolBuilder::new()
         .num_threads(n)
         .build_global();
+    make_matmul_buffers();
     n
+}
+
+/// Makes the `gemm` crate's packing buffer on this thread and on every thread of rayon's global
+/// pool now. gemm keeps one per thread, the size of the L2 cache (2 MiB on a Xeon), made on the
+/// thread's first matmul that packs; which pool threads run such a matmul first, and in which
+/// phase, depends on work stealing. Made lazily, they landed in a random phase of a random step
+/// and moved the measured host peaks by whole megabytes from one run of the same job to the
+/// next (a tiny model's forward peak with checkpointing above the one without, on one machine
+/// and not another). Made here, they are part of the load phase's memory, every run alike.
+pub fn make_matmul_buffers() {
+    let touch = || gemm_common::gemm::L2_SLAB.with(|slab| drop(slab.borrow()));
+    touch();
+    rayon::broadcast(|_| touch());
 }
 
 #[cfg(test)]
