@@ -11,6 +11,7 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use half::bf16;
 use rayon::prelude::*;
 
+use crate::kernels::amx;
 use crate::kernels::dropout::DropoutOp;
 use crate::kernels::fused::{narrow_bf16, round_bf16, rows_per_task, uninit, widen_bf16};
 use crate::kernels::nf4::Nf4Weight;
@@ -112,21 +113,47 @@ fn with_cpu_slice<T: crate::kernels::fused::Real, R>(
     )?)
 }
 
-/// The base weight (N, K) of a bf16 model widened to f32, and the bias (N) when there is one.
-fn cpu_weight_f32(
+/// A bf16 tensor on the CPU widened to f32.
+fn widened(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    let (st, l) = t.storage_and_layout();
+    Ok(widen_bf16(crate::kernels::fused::storage_data(
+        &st,
+        l,
+        "lora linear weight",
+    )?))
+}
+
+/// A bf16 model's base product `dst (M, N) := lhs (M, K) · B`, B the base weight W (N_w, K_w):
+/// Wᵀ when `rhs_t` (the forward's x Wᵀ), else W (the backward's dY W). On AMX tiles where the
+/// CPU has them ([`amx::gemm_bf16`]); else its twin, what Candle's bf16 matmul computes: both
+/// operands widened to f32 (`lhs32`, when the caller has it) and multiplied by `gemm`. The
+/// result is rounded to bf16 by the caller.
+fn base_product_bf16(
     base: &LoraBase,
-    bias: Option<&Tensor>,
-) -> candle_core::Result<(Vec<f32>, Option<Vec<f32>>)> {
+    dst: &mut [f32],
+    lhs: &[bf16],
+    lhs32: Option<&[f32]>,
+    rhs_t: bool,
+    (m, n, k): (usize, usize, usize),
+) -> candle_core::Result<()> {
     let w = cpu_weight(base)?;
-    let wide = |t: &Tensor| {
-        let (st, l) = t.storage_and_layout();
-        Ok::<_, candle_core::Error>(widen_bf16(crate::kernels::fused::storage_data(
-            &st,
-            l,
-            "lora linear weight",
-        )?))
+    let (st, l) = w.storage_and_layout();
+    let wb: &[bf16] = crate::kernels::fused::storage_data(&st, l, "lora linear weight")?;
+    if amx::gemm_bf16(dst, lhs, wb, rhs_t, (m, n, k)) {
+        return Ok(());
+    }
+    let w32 = widen_bf16(wb);
+    drop(st);
+    let own;
+    let lhs32 = match lhs32 {
+        Some(l) => l,
+        None => {
+            own = widen_bf16(lhs);
+            &own
+        }
     };
-    Ok((wide(&w)?, bias.map(wide).transpose()?))
+    gemm_into(dst, false, lhs32, &w32, rhs_t, (m, n, k), 1.0);
+    Ok(())
 }
 
 impl LoraLinearOp {
@@ -185,9 +212,8 @@ impl LoraLinearOp {
         let r = a.len() / k;
         let x32 = widen_bf16(x); // (M, K)
         let mut t = uninit::<f32>(m * n); // (M, N)
-        let (w32, bias) = cpu_weight_f32(&self.base, self.bias.as_ref())?;
-        gemm_into(&mut t, false, &x32, &w32, true, (m, n, k), 1.0);
-        drop(w32);
+        base_product_bf16(&self.base, &mut t, x, Some(&x32), true, (m, n, k))?; // x Wᵀ
+        let bias = self.bias.as_ref().map(widened).transpose()?;
         let dropped;
         let xd: &[f32] = match &self.dropout {
             Some(op) => {
@@ -349,11 +375,8 @@ impl LoraLinearDx {
     /// the adapter's as its f32 -> bf16 cast does (PEFT: one cast per adapted linear).
     fn run_bf16(&self, dy: &[bf16], dyb: &[f32]) -> candle_core::Result<Vec<bf16>> {
         let (m, k, n) = self.mkn;
-        let dy32 = widen_bf16(dy); // (M, N)
         let mut base = uninit::<f32>(m * k);
-        let (w32, _) = cpu_weight_f32(&self.base, None)?;
-        gemm_into(&mut base, false, &dy32, &w32, false, (m, k, n), 1.0); // dY W
-        drop((dy32, w32));
+        base_product_bf16(&self.base, &mut base, dy, None, false, (m, k, n))?; // dY W
         let mut lora = uninit::<f32>(m * k);
         with_cpu_slice::<f32, _>(&self.a, |av| {
             let r = av.len() / k;

@@ -497,4 +497,32 @@ mod tests {
         }
         Ok(())
     }
+
+    /// On a shape AMX takes (N = 64, K = 96: multiples of 32), the bf16 base products (x Wᵀ
+    /// forward, dY W backward) run on AMX tiles where the CPU has them. With AMX off they are
+    /// the widened twin, bit for bit Candle's graph again (y, dx exact; dA, dB 1e-5). With AMX
+    /// on, only the order of the f32 sums differs before the rounding to bf16, so y and dx stay
+    /// within one bf16 rounding step of the graph's: 2^-7 in |a - b| / (1 + |b|) (measured:
+    /// y exact, dx 3.0e-3 in one of the four cases); a wrongly packed weight moves the product
+    /// by O(1) (`amx::tests`).
+    #[test]
+    fn fused_bf16_lora_linear_on_amx_shapes() -> Result<()> {
+        let run = || fused_against_unfused(DType::BF16, DType::F32, (64, 96, 4), (3, 40));
+        for (amx, cases) in [
+            (false, crate::kernels::amx::without_amx(run)?),
+            (true, run()?),
+        ] {
+            for (case, errors) in cases {
+                for (i, e) in errors.iter().enumerate() {
+                    let tol = match (i < 2, amx) {
+                        (true, false) => 0.0,
+                        (true, true) => 2f64.powi(-7),
+                        (false, _) => 1e-5,
+                    };
+                    assert!(*e <= tol, "amx={amx} {case} output {i}: {e}");
+                }
+            }
+        }
+        Ok(())
+    }
 }
