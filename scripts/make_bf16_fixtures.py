@@ -26,6 +26,10 @@ Writes tests/fixtures/reference/bf16.safetensors:
     "loss.nll", "loss.nll_naive"                sum of NLL: logits in bf16 upcast to f32 before
                                                 log_softmax (transformers' loss), and without
                                                 the upcast (f32 scalars)
+    "swiglu.g", "swiglu.u", "swiglu.dh"         (16, 128) bf16 gate, up and upstream gradient
+    "swiglu.y", "swiglu.dg", "swiglu.du"        LlamaMLP's act_fn(gate) * up in bf16 and its
+                                                autograd gradients in bf16 (torch's silu in f32
+                                                rounded once; the product's backward per factor)
 """
 
 import json
@@ -101,6 +105,15 @@ def main():
     nll = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
     naive = torch.nn.functional.cross_entropy(logits, labels, reduction="sum").float()
     t["loss.nll"], t["loss.nll_naive"] = nll.reshape(()), naive.reshape(())
+
+    # SwiGLU in bf16, forward and backward (drawn after the others: their values stay)
+    gs = (2 * torch.randn(16, 128, generator=g)).to(BF).requires_grad_()
+    us = torch.randn(16, 128, generator=g).to(BF).requires_grad_()
+    dh = torch.randn(16, 128, generator=g).to(BF)
+    ys = torch.nn.functional.silu(gs) * us
+    ys.backward(dh)
+    t["swiglu.g"], t["swiglu.u"], t["swiglu.dh"] = gs.detach(), us.detach(), dh
+    t["swiglu.y"], t["swiglu.dg"], t["swiglu.du"] = ys.detach(), gs.grad, us.grad
     save_file({k: v.contiguous() for k, v in sorted(t.items())}, str(FIX / "reference" / "bf16.safetensors"))
     print("wrote", len(t), "tensors; loss", nll.item(), "naive", naive.item())
 

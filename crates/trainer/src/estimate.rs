@@ -290,7 +290,7 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
         attn += s * (q + kvd); // q_norm, k_norm outputs (Qwen3's, Gemma 3's (1 + w) ones)
     }
     attn += s * (q + 2 * kvd); // transposed q, k, v (fused: the rotary op's outputs, v)
-    if !ops.fused {
+    if !ops.fused_with_bf16 {
         attn += s * (q + kvd); // rotary embedding of q (scaled by 1/sqrt(D)), k
     }
     // (grouped-query heads share their kv head in the matmuls: no repeat_kv copies)
@@ -310,7 +310,7 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
     mlp += group(&lgu);
     mlp += match m.variant.act {
         // silu and silu(gate) * up (fused: one SwiGLU output)
-        Activation::Silu => (if ops.fused { 1 } else { 2 }) * s * m.intermediate_size,
+        Activation::Silu => (if ops.fused_with_bf16 { 1 } else { 2 }) * s * m.intermediate_size,
         // Gemma's GeGLU: one op on every device (`ops::geglu`), its output only
         Activation::GeluTanh => s * m.intermediate_size,
     };
@@ -905,6 +905,9 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // f32 output (the gemm crate's half-precision path, measured): with the LM head, a V x C f32
     // copy of the head weight per chunk, forward and backward. CUDA's cuBLAS reads bf16 as is.
     let cpu_half = device == "cpu" && s == 2;
+    // bf16 base matmuls of the LoRA linear on AMX tiles: where the estimate runs (the CPU
+    // that trains on the CPU).
+    let amx = cpu_half && s == 2 && tallow_model::kernels::amx::enabled();
     let f32_copy = |n: usize| if cpu_half { 4 * n as u64 } else { 0 };
     let logits = chunk * v as u64;
     // On the CPU the cross-entropy runs in the f32 logits' own buffer (`tallow_model::kernels::fused`,
@@ -953,6 +956,16 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // next to the rows' graph (measured on a random bf16 Qwen3 shape, C 320, I 2624, 2 x 256
     // tokens: -16% without it, tiled and in one piece).
     let widen = if cpu_half { 10 } else { 0 };
+    // With the bf16 kernels of SwiGLU, rotary and RMSNorm (`kernels::dispatch::fused_with_bf16`)
+    // the rebuilt MLP's bf16 gradients are no longer a chain of Candle's bf16 ops: measured on
+    // that shape (tiles of one 256-token row) at I 1312 / 2624 / 3936, the peak grows by ~19
+    // bytes per (tile token, intermediate) element with the base matmuls on AMX (no widened dY),
+    // ~21 without (against 34 before the kernels).
+    let rebuilt_ffn = match (cpu_half, paths(m, cfg, cpu).fused_with_bf16, amx) {
+        (true, true, true) => 19,
+        (true, true, false) => 21,
+        _ => ffn_grad + widen,
+    };
     let tile = match cfg.train.checkpoint_tile_tokens {
         0 => c as u64,
         n => n as u64,
@@ -964,8 +977,9 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
             b,
             t,
             s,
-            tile,
-            ffn_grad: ffn_grad + widen,
+            // tiles stay within one batch row: a row shorter than a tile is one
+            tile: tile.min(t as u64),
+            ffn_grad: rebuilt_ffn,
             chunked: cfg.model.attention == Attention::Chunked,
         };
         (
@@ -975,8 +989,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     } else {
         // One tile: the attention half rebuilt whole with its graph, then the MLP half.
         let attention_graph = halves.attention_bytes(b, t);
-        let mlp = tokens
-            * (halves.mlp_per_token as u64 + (ffn_grad + widen) * m.intermediate_size as u64);
+        let mlp = tokens * (halves.mlp_per_token as u64 + rebuilt_ffn * m.intermediate_size as u64);
         (
             attention_graph.max(2 * hidden + tokens * halves.mlp_per_token as u64),
             attention_graph
@@ -987,7 +1000,14 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // NF4: a weight is dequantized for its matmul, forward and backward, by one op that
     // allocates only its output in the compute dtype (`kernels::nf4`); a bf16 / f16 matmul on
     // the CPU then reads it as an f32 copy.
-    let dequantized = if nf4 { s * largest_linear as u64 } else { 0 } + f32_copy(largest_linear);
+    // On AMX (`tallow_model::kernels::amx`) the LoRA linear packs the weight instead: 2 bytes
+    // per element.
+    let base_copy = if amx && cpu_half && paths(m, cfg, cpu).lora_one_op {
+        2 * largest_linear as u64
+    } else {
+        f32_copy(largest_linear)
+    };
+    let dequantized = if nf4 { s * largest_linear as u64 } else { 0 } + base_copy;
     // An adapter that reads the weight (DoRA's norm of a bf16 / f16 or NF4-dequantized weight in
     // f32, one linear at a time): a transient the size of the largest weight.
     let adapter_read = kind.map_or(0, |k| {

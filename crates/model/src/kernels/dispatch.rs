@@ -6,10 +6,11 @@
 //! | path | taken when |
 //! | --- | --- |
 //! | fused element-wise kernels (norms, rotary, softmax, SwiGLU, eager attention's core; `super::fused`) | CPU, f32 / f64 |
+//! | fused SwiGLU, rotary and RMSNorm (`super::fused::swiglu`, `rope_heads`, `rms_norm`) | CPU, f32 / f64, and bf16 (in f32, rounded where PyTorch's bf16 ops round) |
 //! | the one-op LoRA linear (`super::lora_linear`) | CPU: x f32 / f64 with an adapter of x's dtype, or x bf16 with an f32 adapter; an additive adapter (LoRA) over a frozen base (the linear checks that) |
 //! | chunked attention's kernel (`super::chunked`) | CPU: f32 / f64, or bf16 without soft-capping |
 //!
-//! Everything else (CUDA, f16, bf16 element-wise ops on the CPU) is Candle's tensor ops, which
+//! Everything else (CUDA, f16, the other bf16 element-wise ops on the CPU) is Candle's tensor ops, which
 //! every kernel's tests and `tallow doctor` compare the kernel with.
 
 use candle_core::{DType, Device, Tensor};
@@ -50,6 +51,18 @@ pub fn fused_for(t: &Tensor) -> bool {
     fused(Backend::of(t.device()), t.dtype())
 }
 
+/// The fused kernels that also have a bf16 body (SwiGLU, rotary with the head transpose,
+/// Llama's RMSNorm: computing in f32 and rounding where PyTorch's bf16 ops round) take tensors
+/// of `dtype` on `backend`: [`fused`]'s, and bf16 on the CPU.
+pub fn fused_with_bf16(backend: Backend, dtype: DType) -> bool {
+    fused(backend, dtype) || (backend == Backend::Cpu && dtype == DType::BF16)
+}
+
+/// [`fused_with_bf16`] for a tensor.
+pub fn fused_with_bf16_for(t: &Tensor) -> bool {
+    fused_with_bf16(Backend::of(t.device()), t.dtype())
+}
+
 /// A LoRA linear with input `x` and adapter factors of `adapter` dtype may run as one op.
 pub fn lora_one_op(backend: Backend, x: DType, adapter: DType) -> bool {
     match (x, adapter) {
@@ -68,6 +81,7 @@ pub fn chunked_kernel(backend: Backend, dtype: DType, softcapped: bool) -> bool 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Paths {
     pub fused: bool,
+    pub fused_with_bf16: bool,
     pub lora_one_op: bool,
     pub chunked_kernel: bool,
 }
@@ -76,6 +90,7 @@ impl Paths {
     pub fn of(backend: Backend, dtype: DType, adapter: DType, softcapped: bool) -> Self {
         Paths {
             fused: fused(backend, dtype),
+            fused_with_bf16: fused_with_bf16(backend, dtype),
             lora_one_op: lora_one_op(backend, dtype, adapter),
             chunked_kernel: chunked_kernel(backend, dtype, softcapped),
         }
@@ -94,6 +109,7 @@ mod tests {
             p(Cpu, DType::F32, true),
             Paths {
                 fused: true,
+                fused_with_bf16: true,
                 lora_one_op: true,
                 chunked_kernel: true
             }
@@ -102,6 +118,7 @@ mod tests {
             p(Cpu, DType::BF16, false),
             Paths {
                 fused: false,
+                fused_with_bf16: true,
                 lora_one_op: true,
                 chunked_kernel: true
             }
@@ -110,6 +127,7 @@ mod tests {
             p(Cpu, DType::BF16, true),
             Paths {
                 fused: false,
+                fused_with_bf16: true,
                 lora_one_op: true,
                 chunked_kernel: false
             }
@@ -118,6 +136,7 @@ mod tests {
             p(Cpu, DType::F16, false),
             Paths {
                 fused: false,
+                fused_with_bf16: false,
                 lora_one_op: false,
                 chunked_kernel: false
             }
@@ -127,6 +146,7 @@ mod tests {
                 p(Cuda, d, false),
                 Paths {
                     fused: false,
+                    fused_with_bf16: false,
                     lora_one_op: false,
                     chunked_kernel: false
                 }

@@ -23,6 +23,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+use half::bf16;
 use rayon::prelude::*;
 
 type R<T> = candle_core::Result<T>;
@@ -146,6 +147,11 @@ trait Kernel<const N: usize>: Send + Sync + 'static {
     fn check(&self, layouts: [&Layout; N]) -> R<(Self::Dims, Shape)>;
     /// The output's elements from the inputs' contiguous elements.
     fn kernel<T: Real>(&self, inputs: [&[T]; N], dims: Self::Dims) -> R<Vec<T>>;
+    /// The same for bf16 inputs, where the op has a bf16 kernel (computing in f32 and rounding
+    /// where PyTorch's bf16 ops round); none by default.
+    fn kernel_bf16(&self, _inputs: [&[bf16]; N], _dims: Self::Dims) -> R<Vec<bf16>> {
+        candle_core::bail!("{}: dtype bf16 (f32 / f64 only)", Self::NAME)
+    }
     /// The inputs' gradients (Candle's `bwd`); none by default: the backward ops, applied
     /// with `apply_op*_no_bwd`, are never differentiated.
     fn grads(&self, _args: [&Tensor; N], _res: &Tensor, _grad: &Tensor) -> R<[Option<Tensor>; N]> {
@@ -180,6 +186,13 @@ fn fused_fwd<K: Kernel<N>, const N: usize>(
     let out = match dtypes[0] {
         DType::F32 => CpuStorage::F32(op.kernel(slices(inputs, K::NAME)?, dims)?),
         DType::F64 => CpuStorage::F64(op.kernel(slices(inputs, K::NAME)?, dims)?),
+        DType::BF16 => {
+            let mut bf = [&[][..]; N];
+            for (o, (s, l)) in bf.iter_mut().zip(inputs) {
+                *o = data(s, l, K::NAME)?;
+            }
+            CpuStorage::BF16(op.kernel_bf16(bf, dims)?)
+        }
         d => candle_core::bail!("{}: dtype {d:?} (f32 / f64 only)", K::NAME),
     };
     Ok((out, shape))
@@ -285,6 +298,12 @@ pub(crate) fn round_bf16(x: f32) -> f32 {
     } else {
         rounded
     })
+}
+
+/// x rounded to the nearest bf16 (ties to even), as [`round_bf16`].
+#[inline]
+pub(crate) fn to_bf16(x: f32) -> bf16 {
+    bf16::from_bits((round_bf16(x).to_bits() >> 16) as u16)
 }
 
 /// Rows per rayon task: about 16 KiB of elements, at least one row.
@@ -446,10 +465,53 @@ impl Kernel<2> for RmsNorm {
         rms_fwd(x, w, self.eps)
     }
 
+    /// transformers' `LlamaRMSNorm` in bf16: the normalization in f32, cast to bf16, times w
+    /// rounded: y = r(r(x / sqrt(mean(x²) + eps)) · w).
+    fn kernel_bf16(&self, [x, w]: [&[bf16]; 2], (): ()) -> R<Vec<bf16>> {
+        let c = w.len();
+        let w = widen_bf16(w);
+        let (eps, inv_n) = (self.eps as f32, (1.0 / c as f64) as f32);
+        let mut out = vec![bf16::ZERO; x.len()];
+        out.par_chunks_mut(rows_per_task(c) * c)
+            .zip(x.par_chunks(rows_per_task(c) * c))
+            .for_each(|(o, x)| {
+                let mut xf = vec![0f32; c];
+                for (orow, xrow) in o.chunks_mut(c).zip(x.chunks(c)) {
+                    let mut ss = 0f32;
+                    for (f, &v) in xf.iter_mut().zip(xrow) {
+                        *f = v.to_f32();
+                        ss += *f * *f;
+                    }
+                    let s = (ss * inv_n + eps).sqrt();
+                    for ((o, &v), &wv) in orow.iter_mut().zip(&xf).zip(&w) {
+                        *o = to_bf16(round_bf16(v / s) * wv);
+                    }
+                }
+            });
+        Ok(out)
+    }
+
     fn grads(&self, [x, w]: [&Tensor; 2], _y: &Tensor, dy: &Tensor) -> R<[Option<Tensor>; 2]> {
         let bwd = Fused(RmsNormBwd { eps: self.eps });
         let dx = x.apply_op3_no_bwd(w, &dy.contiguous()?, &bwd)?;
-        let dw = if w.track_op() {
+        let dw = if w.track_op() && x.dtype() == DType::BF16 {
+            // as `ops::rms_norm_generic`'s backward: sum over rows of dy · bf16(xn), in f32
+            let c = w.elem_count();
+            let xf = x.to_dtype(DType::F32)?;
+            let r =
+                ((xf.sqr()?.mean_keepdim(candle_core::D::Minus1)? + self.eps)?.sqrt()?).recip()?;
+            let xn = xf
+                .broadcast_mul(&r)?
+                .to_dtype(DType::BF16)?
+                .to_dtype(DType::F32)?;
+            let prod = (dy.to_dtype(DType::F32)? * xn)?;
+            Some(
+                prod.reshape(((), c))?
+                    .sum(0)?
+                    .to_dtype(DType::BF16)?
+                    .detach(),
+            )
+        } else if w.track_op() {
             // sum over rows of dy * xn
             let c = w.elem_count();
             let r =
@@ -508,6 +570,39 @@ impl Kernel<3> for RmsNormBwd {
     fn kernel<T: Real>(&self, [x, w, dy]: [&[T]; 3], (): ()) -> R<Vec<T>> {
         rms_bwd(x, w, dy, self.eps)
     }
+
+    /// `ops::rms_norm_generic`'s bf16 backward: r = 1 / sqrt(mean(x²) + eps) and xn = x r in
+    /// f32, g = r(dy · w) (the bf16 product), dx = r((g - xn mean(g xn)) r).
+    fn kernel_bf16(&self, [x, w, dy]: [&[bf16]; 3], (): ()) -> R<Vec<bf16>> {
+        let c = w.len();
+        let (eps, inv_n) = (self.eps as f32, (1.0 / c as f64) as f32);
+        let mut out = vec![bf16::ZERO; x.len()];
+        let per = rows_per_task(c) * c;
+        out.par_chunks_mut(per)
+            .zip(x.par_chunks(per).zip(dy.par_chunks(per)))
+            .for_each(|(o, (x, dy))| {
+                let (mut xn, mut g) = (vec![0f32; c], vec![0f32; c]);
+                for ((orow, xrow), drow) in o.chunks_mut(c).zip(x.chunks(c)).zip(dy.chunks(c)) {
+                    let mut ss = 0f32;
+                    for &v in xrow {
+                        let f = v.to_f32();
+                        ss += f * f;
+                    }
+                    let r = (ss * inv_n + eps).sqrt().recip();
+                    let mut dot = 0f32;
+                    for i in 0..c {
+                        xn[i] = xrow[i].to_f32() * r;
+                        g[i] = round_bf16(drow[i].to_f32() * w[i].to_f32());
+                        dot += g[i] * xn[i];
+                    }
+                    let mean = dot * inv_n;
+                    for i in 0..c {
+                        orow[i] = to_bf16((g[i] - xn[i] * mean) * r);
+                    }
+                }
+            });
+        Ok(out)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -531,13 +626,19 @@ struct Rope {
     backward: bool,
 }
 
+/// `round`: each product and sum rounded to bf16 as the bf16 graph of [`apply_rope_scaled`]
+/// (and transformers' `q * cos + rotate_half(q) * sin` in bf16) rounds it.
+///
+/// [`apply_rope_scaled`]: crate::nn::ops::apply_rope_scaled
 fn rope_run<T: Real>(
     x: &[T],
     cs: &[T],
     dims: (usize, usize, usize, usize),
     scale: f64,
     backward: bool,
+    round: bool,
 ) -> R<Vec<T>> {
+    let rb = |v: T| if round { v.round_bf16() } else { v };
     // Forward: x is (B, T, H, D), out (B, H, T, D); backward: x is (B, H, T, D), out (B, T, H, D).
     let (b, t, h, d) = dims;
     let half = d / 2;
@@ -569,18 +670,18 @@ fn rope_run<T: Real>(
                 } else {
                     xr[k - half]
                 };
-                let v = xr[k] * c[k] + rot * s[k];
-                o[k] = if one { v } else { v * scale };
+                let v = rb(rb(xr[k] * c[k]) + rb(rot * s[k]));
+                o[k] = if one { v } else { rb(v * scale) };
             }
         } else {
             for k in 0..d {
-                let g = |j: usize| if one { xr[j] } else { xr[j] * scale };
+                let g = |j: usize| if one { xr[j] } else { rb(xr[j] * scale) };
                 let rt = if k < half {
-                    g(k + half) * s[k + half]
+                    rb(g(k + half) * s[k + half])
                 } else {
-                    -(g(k - half) * s[k - half])
+                    -rb(g(k - half) * s[k - half])
                 };
-                o[k] = g(k) * c[k] + rt;
+                o[k] = rb(rb(g(k) * c[k]) + rt);
             }
         }
     });
@@ -611,7 +712,20 @@ impl Kernel<2> for Rope {
     }
 
     fn kernel<T: Real>(&self, [x, cs]: [&[T]; 2], dims: Self::Dims) -> R<Vec<T>> {
-        rope_run(x, cs, dims, self.scale, self.backward)
+        rope_run(x, cs, dims, self.scale, self.backward, false)
+    }
+
+    /// In f32 on the widened inputs, rounded to bf16 where the bf16 graph rounds.
+    fn kernel_bf16(&self, [x, cs]: [&[bf16]; 2], dims: Self::Dims) -> R<Vec<bf16>> {
+        let (x, cs) = (widen_bf16(x), widen_bf16(cs));
+        Ok(narrow_bf16(&rope_run(
+            &x,
+            &cs,
+            dims,
+            self.scale,
+            self.backward,
+            true,
+        )?))
     }
 
     fn grads(
@@ -1001,6 +1115,18 @@ impl Kernel<2> for SwiGlu {
         swiglu_fwd(g, u)
     }
 
+    fn kernel_bf16(&self, [g, u]: [&[bf16]; 2], (): ()) -> R<Vec<bf16>> {
+        let mut out = vec![bf16::ZERO; g.len()];
+        out.par_chunks_mut(CHUNK)
+            .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
+            .for_each(|(o, (g, u))| {
+                for ((o, &gv), &uv) in o.iter_mut().zip(g).zip(u) {
+                    *o = to_bf16(round_bf16(silu(gv.to_f32())) * uv.to_f32());
+                }
+            });
+        Ok(out)
+    }
+
     fn grads(&self, [g, u]: [&Tensor; 2], _h: &Tensor, dh: &Tensor) -> R<[Option<Tensor>; 2]> {
         let both = g.apply_op3_no_bwd(u, &dh.contiguous()?, &Fused(SwiGluBwd))?; // (2, ...): dg, du
         Ok([Some(both.get(0)?), Some(both.get(1)?)])
@@ -1048,6 +1174,33 @@ impl Kernel<3> for SwiGluBwd {
 
     fn kernel<T: Real>(&self, [g, u, dh]: [&[T]; 3], (): ()) -> R<Vec<T>> {
         swiglu_bwd(g, u, dh)
+    }
+
+    /// PyTorch's bf16 backward of `silu(g) * u`: the product's, du = r(dh · a) and
+    /// d_a = r(dh · u) with a = r(silu(g)), then silu's in f32, rounded once:
+    /// dg = r(d_a · s (1 + g (1 - s))), s = sigmoid(g).
+    fn kernel_bf16(&self, [g, u, dh]: [&[bf16]; 3], (): ()) -> R<Vec<bf16>> {
+        let n = g.len();
+        let mut out = vec![bf16::ZERO; 2 * n];
+        let (dg, du) = out.split_at_mut(n);
+        dg.par_chunks_mut(CHUNK)
+            .zip(du.par_chunks_mut(CHUNK))
+            .zip(
+                g.par_chunks(CHUNK)
+                    .zip(u.par_chunks(CHUNK))
+                    .zip(dh.par_chunks(CHUNK)),
+            )
+            .for_each(|((dg, du), ((g, u), dh))| {
+                for i in 0..g.len() {
+                    let (gv, d) = (g[i].to_f32(), dh[i].to_f32());
+                    let s = (1.0 + (-gv).exp()).recip();
+                    let a = round_bf16(silu(gv));
+                    du[i] = to_bf16(d * a);
+                    let da = round_bf16(d * u[i].to_f32());
+                    dg[i] = to_bf16(da * (s * (1.0 + gv * (1.0 - s))));
+                }
+            });
+        Ok(out)
     }
 }
 
@@ -1248,6 +1401,91 @@ mod tests {
         }
     }
 
+    /// The bf16 rotary kernel (with the head transpose) against the bf16 graph it replaces
+    /// (a transposed copy, then [`ops::apply_rope_scaled`] in Candle's bf16 ops, each product
+    /// and sum rounded): value and dx bit for bit, unscaled and scaled by a power of two. A
+    /// scale that bf16 cannot hold (1/sqrt(D) for most head sizes) the kernel applies in f32,
+    /// where Candle's bf16 `affine` first rounds the scale itself to bf16 (0.35 -> 0.3496):
+    /// there the two differ by that rounding.
+    #[test]
+    fn bf16_rope_kernel_rounds_as_the_graph() {
+        let x = var(&[2, 5, 3, 8], DType::BF16, 4);
+        let pos = Tensor::new(&[[0u32, 1, 2, 0, 1], [0, 1, 2, 3, 4]], &Device::Cpu).unwrap();
+        let inv = ops::rope_inv_freq(8, 10000.0, None);
+        let (cos, sin) = ops::rope_tables(&pos, &inv, DType::BF16).unwrap();
+        for scale in [1.0, 0.125] {
+            let run = |fused: bool| {
+                value_and_grads(
+                    &|t| {
+                        if fused {
+                            ops::rope_heads(&t[0], &cos, &sin, scale)
+                        } else {
+                            let xt = t[0].transpose(1, 2)?.contiguous()?;
+                            ops::apply_rope_scaled(&xt, &cos, &sin, scale)
+                        }
+                    },
+                    std::slice::from_ref(&x),
+                )
+            };
+            let (fused, graph) = (run(true), run(false));
+            assert_eq!(fused[0].dtype(), DType::BF16);
+            assert_eq!(rel_err(&fused, &graph), 0.0, "bf16 rope scale {scale}");
+        }
+    }
+
+    /// The bf16 RMSNorm kernel against the bf16 graph it replaces ([`ops::rms_norm_generic`]:
+    /// the normalization in f32, each bf16 product rounded, the backward as written there),
+    /// value, dx and dw, rows of scale 1e-2 .. 1e2: they differ only in the order of the f32
+    /// sums of x² and g·xn, so at most 1 bf16 ulp in at most 1% of the elements (measured:
+    /// equal); skipping the rounding of x / rms before the weight multiply moves 28% of the
+    /// values, and of dy·w in the backward 27% of dx.
+    #[test]
+    fn bf16_rms_norm_kernel_rounds_as_the_graph() {
+        let scale = Tensor::new(&[0.01f32, 0.1, 1.0, 10.0, 100.0, 3.0], &Device::Cpu)
+            .unwrap()
+            .reshape((2, 3, 1))
+            .unwrap();
+        let x = var(&[2, 3, 96], DType::F32, 21)
+            .as_tensor()
+            .broadcast_mul(&scale)
+            .unwrap();
+        let x = Var::from_tensor(&x.to_dtype(DType::BF16).unwrap()).unwrap();
+        let w = Var::from_tensor(
+            &var(&[96], DType::F32, 22)
+                .as_tensor()
+                .affine(0.2, 1.0)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap(),
+        )
+        .unwrap();
+        let inputs = [x, w];
+        let fused = value_and_grads(&|t| ops::rms_norm(&t[0], &t[1], 1e-6), &inputs);
+        let graph = value_and_grads(&|t| ops::rms_norm_generic(&t[0], &t[1], 1e-6), &inputs);
+        for (i, name) in ["y", "dx", "dw"].iter().enumerate() {
+            let [a, b] = [&fused[i], &graph[i]].map(|t| {
+                assert_eq!(t.dtype(), DType::BF16);
+                t.to_dtype(DType::F64)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f64>()
+                    .unwrap()
+            });
+            let ulps = a
+                .iter()
+                .zip(&b)
+                .map(|(a, b)| (a - b).abs() / (b.abs().log2().floor().exp2() / 128.0).max(1e-30))
+                .fold(0.0, f64::max);
+            let differ = a.iter().zip(&b).filter(|(a, b)| a != b).count() as f64 / a.len() as f64;
+            eprintln!("bf16 rms_norm {name}: {ulps} ulps, {differ} of the elements differ");
+            assert!(
+                ulps <= 1.0 && differ <= 0.01,
+                "bf16 rms_norm {name}: {ulps} ulps, {differ} differ"
+            );
+        }
+    }
+
     #[test]
     fn the_fused_ops_take_f32_and_f64_on_the_cpu_only() {
         let x = Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap();
@@ -1257,6 +1495,13 @@ mod tests {
         ));
         assert!(!crate::kernels::dispatch::fused_for(
             &x.to_dtype(DType::BF16).unwrap()
+        ));
+        // SwiGLU and rotary have bf16 kernels of their own
+        assert!(crate::kernels::dispatch::fused_with_bf16_for(
+            &x.to_dtype(DType::BF16).unwrap()
+        ));
+        assert!(!crate::kernels::dispatch::fused_with_bf16_for(
+            &x.to_dtype(DType::F16).unwrap()
         ));
     }
 }

@@ -26,7 +26,7 @@ pub fn upcast(dtype: DType) -> DType {
 /// result cast back to the input dtype before the weight multiply.
 /// x: (..., C), w: (C) -> (..., C)
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    if crate::kernels::dispatch::fused_for(x) && w.dtype() == x.dtype() {
+    if crate::kernels::dispatch::fused_with_bf16_for(x) && w.dtype() == x.dtype() {
         return Ok(crate::kernels::fused::rms_norm(x, w, eps)?); // one pass forward, one backward
     }
     rms_norm_generic(x, w, eps)
@@ -451,7 +451,7 @@ pub fn apply_rope_scaled(x: &Tensor, cos: &Tensor, sin: &Tensor, scale: f64) -> 
 /// [`apply_rope_scaled`].
 /// x: (B, T, H, D), cos/sin: (B, 1, T, D) -> (B, H, T, D)
 pub fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor, scale: f64) -> Result<Tensor> {
-    if crate::kernels::dispatch::fused_for(x) && cos.dtype() == x.dtype() {
+    if crate::kernels::dispatch::fused_with_bf16_for(x) && cos.dtype() == x.dtype() {
         return Ok(crate::kernels::fused::rope_heads(x, cos, sin, scale)?);
     }
     apply_rope_scaled(&x.transpose(1, 2)?.contiguous()?, cos, sin, scale)
@@ -488,10 +488,11 @@ pub fn causal_attention_capped(
     Ok(probs.matmul(v)?) // (B, KV, n_rep*T, D)
 }
 
-/// SwiGLU's gate: silu(g) * u, one fused pass on the CPU (and one back), Candle ops elsewhere.
+/// SwiGLU's gate: silu(g) * u, one fused pass on the CPU (and one back; bf16: silu in f32
+/// rounded once, then the product, as PyTorch's bf16 ops), Candle ops elsewhere.
 /// g, u: (..., I) -> (..., I)
 pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
-    if crate::kernels::dispatch::fused_for(g) && u.dtype() == g.dtype() {
+    if crate::kernels::dispatch::fused_with_bf16_for(g) && u.dtype() == g.dtype() {
         return Ok(crate::kernels::fused::swiglu(g, u)?);
     }
     Ok((g.silu()? * u)?) // Candle's silu has a backward
