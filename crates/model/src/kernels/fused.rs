@@ -11,8 +11,10 @@
 //! | [`swiglu`] | silu(g) * u | dg, du in one pass | 2; ~7 |
 //! | [`causal_attention`] | softmax(q kᵀ + mask) v, keys up to each 64-row block only | dQ, dK, dV per block | 2 matmuls, softmax, their backward |
 //!
-//! They run for f32 and f64 CPU tensors; [`crate::nn::ops`] dispatches to them there and keeps the
-//! device-generic tensor-op path for CUDA (and bf16 / f16 on the CPU) until a kernel exists. Each
+//! They run for f32 and f64 CPU tensors, and SwiGLU, rotary and RMSNorm for bf16 too
+//! (`Kernel::kernel_bf16`: in f32, rounded where PyTorch's bf16 ops round); [`crate::nn::ops`]
+//! dispatches to them there and keeps the device-generic tensor-op path for CUDA (and the other
+//! ops in bf16 / f16 on the CPU) until a kernel exists. Each
 //! does the same IEEE operations in the same order as that path where it can (so f32 results
 //! agree to the last bit or within an ulp); `tests` compare the two, values and gradients, and
 //! `crate::nn::ops`' finite-difference tests run through these kernels in f64.
