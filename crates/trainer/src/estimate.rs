@@ -907,7 +907,8 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let cpu_half = device == "cpu" && s == 2;
     // bf16 base matmuls of the LoRA linear on AMX tiles: where the estimate runs (the CPU
     // that trains on the CPU).
-    let amx = cpu_half && s == 2 && tallow_model::kernels::amx::enabled();
+    let amx = cpu_half && tallow_model::kernels::amx::enabled();
+    let ops = paths(m, cfg, cpu);
     let f32_copy = |n: usize| if cpu_half { 4 * n as u64 } else { 0 };
     let logits = chunk * v as u64;
     // On the CPU the cross-entropy runs in the f32 logits' own buffer (`tallow_model::kernels::fused`,
@@ -961,7 +962,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // that shape (tiles of one 256-token row) at I 1312 / 2624 / 3936, the peak grows by ~19
     // bytes per (tile token, intermediate) element with the base matmuls on AMX (no widened dY),
     // ~21 without (against 34 before the kernels).
-    let rebuilt_ffn = match (cpu_half, paths(m, cfg, cpu).fused_with_bf16, amx) {
+    let rebuilt_ffn = match (cpu_half, ops.fused_with_bf16, amx) {
         (true, true, true) => 19,
         (true, true, false) => 21,
         _ => ffn_grad + widen,
@@ -1002,7 +1003,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // the CPU then reads it as an f32 copy.
     // On AMX (`tallow_model::kernels::amx`) the LoRA linear packs the weight instead: 2 bytes
     // per element.
-    let base_copy = if amx && cpu_half && paths(m, cfg, cpu).lora_one_op {
+    let base_copy = if amx && ops.lora_one_op {
         2 * largest_linear as u64
     } else {
         f32_copy(largest_linear)

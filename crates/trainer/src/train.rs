@@ -966,18 +966,16 @@ impl<'a> Session<'a> {
         // A bf16 model on the CPU multiplies its base weights on AMX tiles where the CPU has
         // them (`tallow_model::kernels::amx`), else widened to f32: said once, as the speed
         // differs by about 1.5x.
-        let bf16_cpu_matmul = (loaded.model.device().is_cpu()
+        let on_amx = (loaded.model.device().is_cpu()
             && loaded.model.dtype() == candle_core::DType::BF16)
-            .then(|| match tallow_model::kernels::amx::enabled() {
-                true => "amx",
-                false => "f32 gemm",
-            });
-        if let Some(m) = bf16_cpu_matmul.filter(|_| main) {
+            .then(tallow_model::kernels::amx::enabled);
+        if let (Some(amx), true) = (on_amx, main) {
             on_event(Event::Note(format!(
                 "bf16 base matmuls on the CPU: {}",
-                match m {
-                    "amx" => "AMX tiles",
-                    _ => "widened to f32 (no AMX-BF16 on this CPU, or TALLOW_CPU_AMX=0)",
+                if amx {
+                    "AMX tiles"
+                } else {
+                    "widened to f32 (no AMX-BF16 on this CPU, or TALLOW_CPU_AMX=0)"
                 }
             )));
         }
@@ -989,8 +987,8 @@ impl<'a> Session<'a> {
                 "trainable_params": trainable_params,
                 "memory": memory.probe.what(),
             });
-            if let Some(m) = bf16_cpu_matmul {
-                line["bf16_cpu_matmul"] = m.into();
+            if let Some(amx) = on_amx {
+                line["bf16_cpu_matmul"] = if amx { "amx" } else { "f32 gemm" }.into();
             }
             append_metrics(&memory.metrics, &line)?;
         }

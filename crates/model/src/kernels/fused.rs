@@ -247,10 +247,11 @@ custom_op!(CustomOp3, 3, (a, al, da), (b, bl, db), (c, cl, dc));
 
 /// An output buffer of `n` elements that the kernel then writes in full: not zeroed first (a
 /// zeroed allocation costs a memset, or the kernel's zeroing of fresh pages, per call).
-pub(crate) fn uninit<T: Real>(n: usize) -> Vec<T> {
+pub(crate) fn uninit<T: candle_core::WithDType>(n: usize) -> Vec<T> {
     let mut v = Vec::with_capacity(n);
-    // SAFETY: f32 / f64 have no invalid bit patterns, and every caller writes all n elements
-    // before the buffer is read (each kernel's loops cover its whole output).
+    // SAFETY: Candle's element types (integers, f16, bf16, f32, f64) have no invalid bit
+    // patterns, and every caller writes all n elements before the buffer is read (each
+    // kernel's loops cover its whole output).
     #[allow(clippy::uninit_vec)]
     unsafe {
         v.set_len(n)
@@ -473,7 +474,7 @@ impl Kernel<2> for RmsNorm {
         let c = w.len();
         let w = widen_bf16(w);
         let (eps, inv_n) = (self.eps as f32, (1.0 / c as f64) as f32);
-        let mut out = vec![bf16::ZERO; x.len()];
+        let mut out = uninit::<bf16>(x.len());
         out.par_chunks_mut(rows_per_task(c) * c)
             .zip(x.par_chunks(rows_per_task(c) * c))
             .for_each(|(o, x)| {
@@ -578,7 +579,7 @@ impl Kernel<3> for RmsNormBwd {
     fn kernel_bf16(&self, [x, w, dy]: [&[bf16]; 3], (): ()) -> R<Vec<bf16>> {
         let c = w.len();
         let (eps, inv_n) = (self.eps as f32, (1.0 / c as f64) as f32);
-        let mut out = vec![bf16::ZERO; x.len()];
+        let mut out = uninit::<bf16>(x.len());
         let per = rows_per_task(c) * c;
         out.par_chunks_mut(per)
             .zip(x.par_chunks(per).zip(dy.par_chunks(per)))
@@ -628,19 +629,19 @@ struct Rope {
     backward: bool,
 }
 
-/// `round`: each product and sum rounded to bf16 as the bf16 graph of [`apply_rope_scaled`]
-/// (and transformers' `q * cos + rotate_half(q) * sin` in bf16) rounds it.
+/// `ROUND`: each product and sum rounded to bf16 as the bf16 graph of [`apply_rope_scaled`]
+/// (and transformers' `q * cos + rotate_half(q) * sin` in bf16) rounds it (a constant, so the
+/// f32 / f64 loop has no branch for it).
 ///
 /// [`apply_rope_scaled`]: crate::nn::ops::apply_rope_scaled
-fn rope_run<T: Real>(
+fn rope_run<T: Real, const ROUND: bool>(
     x: &[T],
     cs: &[T],
     dims: (usize, usize, usize, usize),
     scale: f64,
     backward: bool,
-    round: bool,
 ) -> R<Vec<T>> {
-    let rb = |v: T| if round { v.round_bf16() } else { v };
+    let rb = |v: T| if ROUND { v.round_bf16() } else { v };
     // Forward: x is (B, T, H, D), out (B, H, T, D); backward: x is (B, H, T, D), out (B, T, H, D).
     let (b, t, h, d) = dims;
     let half = d / 2;
@@ -714,20 +715,14 @@ impl Kernel<2> for Rope {
     }
 
     fn kernel<T: Real>(&self, [x, cs]: [&[T]; 2], dims: Self::Dims) -> R<Vec<T>> {
-        rope_run(x, cs, dims, self.scale, self.backward, false)
+        rope_run::<T, false>(x, cs, dims, self.scale, self.backward)
     }
 
     /// In f32 on the widened inputs, rounded to bf16 where the bf16 graph rounds.
     fn kernel_bf16(&self, [x, cs]: [&[bf16]; 2], dims: Self::Dims) -> R<Vec<bf16>> {
         let (x, cs) = (widen_bf16(x), widen_bf16(cs));
-        Ok(narrow_bf16(&rope_run(
-            &x,
-            &cs,
-            dims,
-            self.scale,
-            self.backward,
-            true,
-        )?))
+        let y = rope_run::<f32, true>(&x, &cs, dims, self.scale, self.backward)?;
+        Ok(narrow_bf16(&y))
     }
 
     fn grads(
@@ -1090,16 +1085,21 @@ fn silu<T: Real>(v: T) -> T {
 
 const CHUNK: usize = 8192;
 
-fn swiglu_fwd<T: Real>(g: &[T], u: &[T]) -> R<Vec<T>> {
+/// `f(g, u)` of each element pair, on rayon's threads: SwiGLU's forward in every dtype.
+fn swiglu_map<T: candle_core::WithDType>(g: &[T], u: &[T], f: impl Fn(T, T) -> T + Sync) -> Vec<T> {
     let mut out = uninit::<T>(g.len());
     out.par_chunks_mut(CHUNK)
         .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
         .for_each(|(o, (g, u))| {
             for ((o, &gv), &uv) in o.iter_mut().zip(g).zip(u) {
-                *o = silu(gv) * uv;
+                *o = f(gv, uv);
             }
         });
-    Ok(out)
+    out
+}
+
+fn swiglu_fwd<T: Real>(g: &[T], u: &[T]) -> R<Vec<T>> {
+    Ok(swiglu_map(g, u, |g, u| silu(g) * u))
 }
 
 impl Kernel<2> for SwiGlu {
@@ -1118,15 +1118,9 @@ impl Kernel<2> for SwiGlu {
     }
 
     fn kernel_bf16(&self, [g, u]: [&[bf16]; 2], (): ()) -> R<Vec<bf16>> {
-        let mut out = vec![bf16::ZERO; g.len()];
-        out.par_chunks_mut(CHUNK)
-            .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
-            .for_each(|(o, (g, u))| {
-                for ((o, &gv), &uv) in o.iter_mut().zip(g).zip(u) {
-                    *o = to_bf16(round_bf16(silu(gv.to_f32())) * uv.to_f32());
-                }
-            });
-        Ok(out)
+        Ok(swiglu_map(g, u, |g, u| {
+            to_bf16(round_bf16(silu(g.to_f32())) * u.to_f32())
+        }))
     }
 
     fn grads(&self, [g, u]: [&Tensor; 2], _h: &Tensor, dh: &Tensor) -> R<[Option<Tensor>; 2]> {
@@ -1139,7 +1133,14 @@ impl Kernel<2> for SwiGlu {
 /// s = sigmoid(g); written as one (2, ...) tensor.
 struct SwiGluBwd;
 
-fn swiglu_bwd<T: Real>(g: &[T], u: &[T], dh: &[T]) -> R<Vec<T>> {
+/// `f(g, u, dh) -> (dg, du)` of each element triple, on rayon's threads, written as one
+/// (2, ...) buffer: SwiGLU's backward in every dtype.
+fn swiglu_bwd_map<T: candle_core::WithDType>(
+    g: &[T],
+    u: &[T],
+    dh: &[T],
+    f: impl Fn(T, T, T) -> (T, T) + Sync,
+) -> Vec<T> {
     let n = g.len();
     let mut out = uninit::<T>(2 * n);
     let (dg, du) = out.split_at_mut(n);
@@ -1152,13 +1153,18 @@ fn swiglu_bwd<T: Real>(g: &[T], u: &[T], dh: &[T]) -> R<Vec<T>> {
         )
         .for_each(|((dg, du), ((g, u), dh))| {
             for i in 0..g.len() {
-                let s = (T::one() + (-g[i]).exp()).recip();
-                let y = silu(g[i]);
-                du[i] = dh[i] * y;
-                dg[i] = dh[i] * u[i] * (s * (T::one() - y) + y);
+                (dg[i], du[i]) = f(g[i], u[i], dh[i]);
             }
         });
-    Ok(out)
+    out
+}
+
+fn swiglu_bwd<T: Real>(g: &[T], u: &[T], dh: &[T]) -> R<Vec<T>> {
+    Ok(swiglu_bwd_map(g, u, dh, |g, u, dh| {
+        let s = (T::one() + (-g).exp()).recip();
+        let y = silu(g);
+        (dh * u * (s * (T::one() - y) + y), dh * y)
+    }))
 }
 
 impl Kernel<3> for SwiGluBwd {
@@ -1182,27 +1188,13 @@ impl Kernel<3> for SwiGluBwd {
     /// d_a = r(dh · u) with a = r(silu(g)), then silu's in f32, rounded once:
     /// dg = r(d_a · s (1 + g (1 - s))), s = sigmoid(g).
     fn kernel_bf16(&self, [g, u, dh]: [&[bf16]; 3], (): ()) -> R<Vec<bf16>> {
-        let n = g.len();
-        let mut out = vec![bf16::ZERO; 2 * n];
-        let (dg, du) = out.split_at_mut(n);
-        dg.par_chunks_mut(CHUNK)
-            .zip(du.par_chunks_mut(CHUNK))
-            .zip(
-                g.par_chunks(CHUNK)
-                    .zip(u.par_chunks(CHUNK))
-                    .zip(dh.par_chunks(CHUNK)),
-            )
-            .for_each(|((dg, du), ((g, u), dh))| {
-                for i in 0..g.len() {
-                    let (gv, d) = (g[i].to_f32(), dh[i].to_f32());
-                    let s = (1.0 + (-gv).exp()).recip();
-                    let a = round_bf16(silu(gv));
-                    du[i] = to_bf16(d * a);
-                    let da = round_bf16(d * u[i].to_f32());
-                    dg[i] = to_bf16(da * (s * (1.0 + gv * (1.0 - s))));
-                }
-            });
-        Ok(out)
+        Ok(swiglu_bwd_map(g, u, dh, |g, u, dh| {
+            let (g, d) = (g.to_f32(), dh.to_f32());
+            let s = (1.0 + (-g).exp()).recip();
+            let a = round_bf16(silu(g));
+            let da = round_bf16(d * u.to_f32());
+            (to_bf16(da * (s * (1.0 + g * (1.0 - s)))), to_bf16(d * a))
+        }))
     }
 }
 
