@@ -14,7 +14,8 @@
 //!   heads x T x T scores and probabilities; with checkpointing only each layer's input, plus one
 //!   layer rebuilt at a time;
 //! - **logits + loss**: the chunked LM head (at most 16M logits at a time, f32; on the CPU a
-//!   bf16 matmul also makes an f32 copy of the V x C head weight first);
+//!   bf16 matmul also makes an f32 copy of the V x C head weight first, on AMX a packed bf16
+//!   one);
 //! - **backward workspace**: gradients in flight at the backward's high point (the attention
 //!   backward of one layer);
 //! - **overhead**: tokenizer, data, rotary tables and mask; on CUDA the context and cuBLAS
@@ -903,23 +904,43 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let chunk = rows.min((LOSS_CHUNK_ELEMS / v.max(1)).max(1)) as u64;
     // On the CPU a bf16/f16 matmul converts its operands to f32 in full and computes into an
     // f32 output (the gemm crate's half-precision path, measured): with the LM head, a V x C f32
-    // copy of the head weight per chunk, forward and backward. CUDA's cuBLAS reads bf16 as is.
+    // copy of the head weight per chunk, forward and backward (on AMX a packed bf16 copy).
+    // CUDA's cuBLAS reads bf16 as is.
     let cpu_half = device == "cpu" && s == 2;
     // bf16 base matmuls of the LoRA linear on AMX tiles: where the estimate runs (the CPU
     // that trains on the CPU).
-    let amx = cpu_half && tallow_model::kernels::amx::enabled();
-    let ops = paths(m, cfg, cpu);
+    let amx = cpu_half
+        && matches!(cfg.model.dtype, ModelDtype::Bf16)
+        && tallow_model::kernels::amx::enabled();
     let f32_copy = |n: usize| if cpu_half { 4 * n as u64 } else { 0 };
+    // The LM head on AMX too (`tallow_model::nn::loss`): its weight packed (2 bytes per element)
+    // in place of the f32 copy, once per product (Wᵀ for the logits, then W for dh).
+    let amx_head = amx && v % 32 == 0 && c % 32 == 0;
+    let ops = paths(m, cfg, cpu);
     let logits = chunk * v as u64;
     // On the CPU the cross-entropy runs in the f32 logits' own buffer (`tallow_model::kernels::fused`,
     // `kernels::cross_entropy`): one f32 logits chunk (with bf16 / f16, also the
     // matmul's f32 head copy and half-precision output). Elsewhere the tensor ops keep up to
     // three f32 logits-sized buffers at once (log-softmax / softmax: input, shifted, exp;
     // backward: probabilities, one-hot, their difference).
-    let ce = match (device == "cpu", cpu_half) {
-        (true, true) => f32_copy(v * c) + logits * (4 + s),
-        (true, false) => logits * 4,
-        (false, _) => logits * 12,
+    // On AMX the product comes out in f32 (no half-precision copy), and the head's packed copy
+    // is gone before the backward's gradient is narrowed to the model dtype for dh: the
+    // backward holds the larger of (f32 logits + their narrowed gradient) and (that gradient +
+    // W packed for dh).
+    let (ce, ce_bwd) = match (device == "cpu", cpu_half) {
+        (true, true) if amx_head => {
+            let packed = 2 * (v * c) as u64;
+            (
+                packed + logits * 4,
+                (logits * (4 + s)).max(packed + logits * s),
+            )
+        }
+        (true, true) => {
+            let both = f32_copy(v * c) + logits * (4 + s);
+            (both, both)
+        }
+        (true, false) => (logits * 4, logits * 4),
+        (false, _) => (logits * 12, logits * 12),
     };
     // Gemma 2's final-logit soft-cap (`tallow_model::nn::loss`): the chunk's logits divided, tanh,
     // multiplied (in the model dtype, two alive at once) before the cross-entropy; in the
@@ -928,7 +949,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
         Some(_) => (2 * s * logits, 8 * logits),
         None => (0, 0),
     };
-    let ce_bwd = ce + cap_bwd;
+    let ce_bwd = ce_bwd + cap_bwd;
     let ce = ce + cap_fwd;
     let loss_forward = ce;
     // Backward high point: the LM head's backward (a chunk's logits turned into their gradient,

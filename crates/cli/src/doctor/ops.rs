@@ -296,8 +296,9 @@ const CASES: &[Case] = &[
         name: "amx bf16 matmul",
         on_cpu: "AMX tiles against the widened f32 gemm (where the CPU has no AMX: the twin twice)",
         // Both sum exact bf16 products in f32, in different orders: K = 96 terms of O(1) differ
-        // by at most ~96 ε_f32 Σ|ab| (2e-5 of the largest output here); a misplaced pair of
-        // the packed operand moves an output by O(1).
+        // by at most ~96 ε_f32 Σ|ab| (2e-5 of the largest output here; with K = 1056 the
+        // typical difference stays ~1e-6 of it); a misplaced pair of the packed operand, or a
+        // k slice not added to the one before, moves an output by O(1).
         f32_tol: 1e-4,
         generic_on_cpu: true,
         reference_f64: false,
@@ -527,36 +528,44 @@ fn trainable_matmul(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
     Ok(out)
 }
 
-/// A bf16 (64, 96) x (96, 64) product in f32, the right operand given as a linear's weight
-/// (64, 96) and as a plain (96, 64) matrix: on AMX tiles (when the CPU has them), or, `generic`,
-/// both operands widened to f32 and multiplied by Candle's matmul. On the CPU whatever `dev`.
+/// bf16 products in f32: (64, 96) x (96, 64), the right operand given as a linear's weight
+/// (64, 96) and as a plain (96, 64) matrix, and (48, 1056) x (1056, 64), whose K spans two of
+/// the kernel's k slices (as the LM head's backward, which reduces over the vocabulary): on AMX
+/// tiles (when the CPU has them), or, `generic`, both operands widened to f32 and multiplied by
+/// Candle's matmul. On the CPU whatever `dev`.
 fn amx_matmul(_dev: &Device, _dt: DType, generic: bool) -> R<Vec<Tensor>> {
     use tallow_model::kernels::amx;
-    let (m, n, k) = (64, 64, 96);
     let r = &mut rng(21);
-    let lhs = input(r, &[m, k], &Device::Cpu, DType::BF16)?;
-    let w = input(r, &[n, k], &Device::Cpu, DType::BF16)?;
-    let wt = w.t()?.contiguous()?; // (K, N)
     let mut out = Vec::new();
-    for (rhs, rhs_t) in [(&w, true), (&wt, false)] {
-        let f32_product = |rhs: &Tensor| -> R<Tensor> {
-            let b = if rhs_t { rhs.t()? } else { rhs.clone() };
-            lhs.to_dtype(DType::F32)?.matmul(&b.to_dtype(DType::F32)?)
-        };
-        let mut dst = vec![0f32; m * n];
-        let on_amx = !generic
-            && amx::gemm_bf16(
-                &mut dst,
-                &lhs.flatten_all()?.to_vec1::<half::bf16>()?,
-                &rhs.flatten_all()?.to_vec1::<half::bf16>()?,
-                rhs_t,
-                (m, n, k),
-            );
-        out.push(if on_amx {
-            Tensor::from_vec(dst, (m, n), &Device::Cpu)?
+    for (m, n, k) in [(64, 64, 96), (48, 64, 1056)] {
+        let lhs = input(r, &[m, k], &Device::Cpu, DType::BF16)?;
+        let w = input(r, &[n, k], &Device::Cpu, DType::BF16)?;
+        let wt = w.t()?.contiguous()?; // (K, N)
+        let cases = if k == 96 {
+            vec![(&w, true), (&wt, false)]
         } else {
-            f32_product(rhs)?
-        });
+            vec![(&wt, false)]
+        };
+        for (rhs, rhs_t) in cases {
+            let f32_product = |rhs: &Tensor| -> R<Tensor> {
+                let b = if rhs_t { rhs.t()? } else { rhs.clone() };
+                lhs.to_dtype(DType::F32)?.matmul(&b.to_dtype(DType::F32)?)
+            };
+            let mut dst = vec![0f32; m * n];
+            let on_amx = !generic
+                && amx::gemm_bf16(
+                    &mut dst,
+                    &lhs.flatten_all()?.to_vec1::<half::bf16>()?,
+                    &rhs.flatten_all()?.to_vec1::<half::bf16>()?,
+                    rhs_t,
+                    (m, n, k),
+                );
+            out.push(if on_amx {
+                Tensor::from_vec(dst, (m, n), &Device::Cpu)?
+            } else {
+                f32_product(rhs)?
+            });
+        }
     }
     Ok(out)
 }

@@ -29,6 +29,11 @@ pub const MIN_ROWS: usize = 16;
 const TASK_ROWS: usize = 128;
 const TASK_PANELS: usize = 4;
 
+/// k-blocks of 32 per pass over a task's rows and panels: a longer K (the LM head's backward
+/// reduces over the vocabulary) is summed in slices of 1024 whose operands (128 rows and 4
+/// panels: 512 KiB) stay in L2, the accumulators stored and reloaded between slices.
+const SLICE_KBS: usize = 32;
+
 thread_local! {
     static OFF_HERE: Cell<bool> = const { Cell::new(false) };
 }
@@ -68,41 +73,96 @@ pub fn gemm_bf16(
     rhs_t: bool,
     (m, n, k): (usize, usize, usize),
 ) -> bool {
-    if m < MIN_ROWS || n % 32 != 0 || k % 32 != 0 || n == 0 || k == 0 || !enabled() {
+    if m < MIN_ROWS {
         return false;
     }
-    assert!(dst.len() >= m * n && lhs.len() >= m * k && rhs.len() >= n * k);
-    let packed = pack(rhs, rhs_t, k, n);
-    imp::run(dst, lhs, &packed, (m, n, k));
-    true
+    match Packed::new(rhs, rhs_t, (n, k)) {
+        Some(b) => b.gemm(dst, lhs, m),
+        None => false,
+    }
+}
+
+/// A right operand B (K, N) packed for AMX once, for several products with it (the LM head's
+/// chunks of rows): [`Packed::new`] then [`Packed::gemm`] per left operand.
+pub struct Packed {
+    words: Vec<u32>,
+    n: usize,
+    k: usize,
+}
+
+impl Packed {
+    /// `rhs` as [`gemm_bf16`] takes it; None when AMX is not [`enabled`] or K or N is not a
+    /// multiple of 32 (the caller runs the twin).
+    pub fn new(rhs: &[bf16], rhs_t: bool, (n, k): (usize, usize)) -> Option<Self> {
+        if n % 32 != 0 || k % 32 != 0 || n == 0 || k == 0 || !enabled() {
+            return None;
+        }
+        assert!(rhs.len() >= n * k);
+        Some(Self {
+            words: pack(rhs, rhs_t, k, n),
+            n,
+            k,
+        })
+    }
+
+    /// Bytes of the packed copy (as many as B's bf16 elements take).
+    pub fn bytes(&self) -> usize {
+        self.words.len() * 4
+    }
+
+    /// `dst (M, N) := lhs (M, K) · B`; `false`, with `dst` untouched, below [`MIN_ROWS`] rows
+    /// or on a thread where AMX is off.
+    pub fn gemm(&self, dst: &mut [f32], lhs: &[bf16], m: usize) -> bool {
+        let (n, k) = (self.n, self.k);
+        if m < MIN_ROWS || !enabled() {
+            return false;
+        }
+        assert!(dst.len() >= m * n && lhs.len() >= m * k);
+        imp::run(dst, lhs, &self.words, (m, n, k));
+        true
+    }
 }
 
 /// `rhs` as B (K, N) in tile order: panel p (columns 32p .. 32p + 32), k-block kb (rows
 /// 32kb .. 32kb + 32): two 16 x 16 tiles of u32 (columns 0..16 and 16..32 of the panel), row r
 /// of a tile holding for each column c the pair (B[32kb + 2r][c], B[32kb + 2r + 1][c]), the
-/// lower-indexed element in the low half.
+/// lower-indexed element in the low half. Read in the order `rhs` is stored (the packing runs
+/// at every call: a frozen weight is not kept packed, which would double its memory).
 fn pack(rhs: &[bf16], rhs_t: bool, k: usize, n: usize) -> Vec<u32> {
     let kbs = k / 32;
     let panel = kbs * 512; // u32 per panel: kbs x 2 tiles x 16 x 16
-    let mut packed = vec![0u32; n / 32 * panel];
-    let bits = |i: usize| rhs[i].to_bits() as u32;
+    let mut packed = crate::kernels::fused::uninit::<u32>(n / 32 * panel);
+    let pair = |lo: bf16, hi: bf16| lo.to_bits() as u32 | (hi.to_bits() as u32) << 16;
     packed
         .par_chunks_mut(panel)
         .enumerate()
         .for_each(|(p, out)| {
-            for t in 0..2 {
-                for j in 0..16 {
-                    let c = p * 32 + t * 16 + j;
-                    for kb in 0..kbs {
-                        let tile = &mut out[(kb * 2 + t) * 256..][..256];
-                        for r in 0..16 {
-                            let kk = kb * 32 + 2 * r;
-                            tile[r * 16 + j] = if rhs_t {
-                                // B[kk][c] = rhs[c][kk]: the pair is contiguous in rhs's row c.
-                                bits(c * k + kk) | bits(c * k + kk + 1) << 16
-                            } else {
-                                bits(kk * n + c) | bits((kk + 1) * n + c) << 16
-                            };
+            if rhs_t {
+                // B[kk][c] = rhs[c][kk]: a tile is 16 rows of rhs, 32 elements each, turned
+                // into 16 columns of pairs.
+                for (kb, tiles) in out.chunks_mut(512).enumerate() {
+                    for (t, tile) in tiles.chunks_mut(256).enumerate() {
+                        for j in 0..16 {
+                            let c = p * 32 + t * 16 + j;
+                            let src = &rhs[c * k + kb * 32..][..32];
+                            for r in 0..16 {
+                                tile[r * 16 + j] = pair(src[2 * r], src[2 * r + 1]);
+                            }
+                        }
+                    }
+                }
+            } else {
+                // B = rhs (K, N): a tile row r interleaves 16 elements of rhs's rows 2r, 2r + 1.
+                for (kb, tiles) in out.chunks_mut(512).enumerate() {
+                    for r in 0..16 {
+                        let kk = kb * 32 + 2 * r;
+                        let lo = &rhs[kk * n + p * 32..][..32];
+                        let hi = &rhs[(kk + 1) * n + p * 32..][..32];
+                        for t in 0..2 {
+                            let dst = &mut tiles[t * 256 + r * 16..][..16];
+                            for (j, d) in dst.iter_mut().enumerate() {
+                                *d = pair(lo[t * 16 + j], hi[t * 16 + j]);
+                            }
                         }
                     }
                 }
@@ -127,7 +187,7 @@ impl Out {
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 mod imp {
-    use super::{bf16, Out, ParallelIterator, TASK_PANELS, TASK_ROWS};
+    use super::{bf16, Out, ParallelIterator, SLICE_KBS, TASK_PANELS, TASK_ROWS};
     use rayon::prelude::*;
     use std::arch::asm;
 
@@ -163,27 +223,11 @@ mod imp {
         TileConfig(c)
     };
 
-    /// dst block (32, 32) at `c` (row stride `ldc` f32) := lhs rows at `a` (32 rows, stride
-    /// `lda` bf16) times the panel at `b` over `kbs` k-blocks of 32.
-    ///
-    /// # Safety
-    /// The tile configuration is loaded on this thread; `a` has 32 rows of `32 kbs` elements,
-    /// `b` `kbs` x 512 u32, `c` 32 rows of 32 f32.
-    #[inline]
-    unsafe fn block(
-        a: *const bf16,
-        lda: usize,
-        b: *const u32,
-        kbs: usize,
-        c: *mut f32,
-        ldc: usize,
-    ) {
-        unsafe {
+    /// The body of [`block`]: `$init` starts the four accumulators (zeroed or loaded from `c`).
+    macro_rules! block_asm {
+        ($a:expr, $lda:expr, $b:expr, $kbs:expr, $c:expr, $ldc:expr, $($init:literal),+) => {
             asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
+                $($init,)+
                 "2:",
                 "tileloadd tmm4, [{a0} + {lda}*1]",
                 "tileloadd tmm5, [{a1} + {lda}*1]",
@@ -202,17 +246,65 @@ mod imp {
                 "tilestored [{c0} + {ldc}*1 + 64], tmm1",
                 "tilestored [{c1} + {ldc}*1], tmm2",
                 "tilestored [{c1} + {ldc}*1 + 64], tmm3",
-                a0 = inout(reg) a => _,
-                a1 = inout(reg) a.add(16 * lda) => _,
-                b = inout(reg) b => _,
-                kbs = inout(reg) kbs => _,
-                lda = in(reg) lda * 2,
+                a0 = inout(reg) $a => _,
+                a1 = inout(reg) $a.add(16 * $lda) => _,
+                b = inout(reg) $b => _,
+                kbs = inout(reg) $kbs => _,
+                lda = in(reg) $lda * 2,
                 s64 = in(reg) 64usize,
-                c0 = in(reg) c,
-                c1 = in(reg) c.add(16 * ldc),
-                ldc = in(reg) ldc * 4,
+                c0 = in(reg) $c,
+                c1 = in(reg) $c.add(16 * $ldc),
+                ldc = in(reg) $ldc * 4,
                 options(nostack),
-            );
+            )
+        };
+    }
+
+    /// dst block (32, 32) at `c` (row stride `ldc` f32) := lhs rows at `a` (32 rows, stride
+    /// `lda` bf16) times the panel slice at `b` over `kbs` (>= 1) k-blocks of 32; with `acc`,
+    /// added to what the block holds.
+    ///
+    /// # Safety
+    /// The tile configuration is loaded on this thread; `a` has 32 rows of `32 kbs` elements,
+    /// `b` `kbs` x 512 u32, `c` 32 rows of 32 f32.
+    #[inline]
+    unsafe fn block(
+        a: *const bf16,
+        lda: usize,
+        b: *const u32,
+        kbs: usize,
+        c: *mut f32,
+        ldc: usize,
+        acc: bool,
+    ) {
+        unsafe {
+            if acc {
+                block_asm!(
+                    a,
+                    lda,
+                    b,
+                    kbs,
+                    c,
+                    ldc,
+                    "tileloadd tmm0, [{c0} + {ldc}*1]",
+                    "tileloadd tmm1, [{c0} + {ldc}*1 + 64]",
+                    "tileloadd tmm2, [{c1} + {ldc}*1]",
+                    "tileloadd tmm3, [{c1} + {ldc}*1 + 64]"
+                );
+            } else {
+                block_asm!(
+                    a,
+                    lda,
+                    b,
+                    kbs,
+                    c,
+                    ldc,
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3"
+                );
+            }
         }
     }
 
@@ -229,34 +321,48 @@ mod imp {
             );
             let (m1, p1) = ((m0 + TASK_ROWS).min(m), (p0 + TASK_PANELS).min(panels));
             let full = m0 + (m1 - m0) / 32 * 32;
-            // The last rows, fewer than 32, run on a zero-padded copy into a scratch block.
+            // The last rows, fewer than 32, run on a zero-padded copy into a scratch block per
+            // panel (kept over the k slices).
             let tail = (full < m1).then(|| {
                 let mut pad = vec![bf16::ZERO; 32 * k];
                 pad[..(m1 - full) * k].copy_from_slice(&lhs[full * k..m1 * k]);
                 pad
             });
-            let mut scratch = [0f32; 32 * 32];
+            let mut scratch = [0f32; 32 * 32 * TASK_PANELS];
             // SAFETY: the configuration is a valid palette-1 one; every block reads rows of
-            // `lhs` / `pad` and a panel of `packed` within bounds (K = 32 kbs, N = 32 panels) and
-            // writes its own 32 x 32 block of dst (rows m0..m1 and columns 32p0..32p1 belong to
-            // this task alone) or the scratch; the tiles are released before the task ends.
+            // `lhs` / `pad` and a panel slice of `packed` within bounds (K = 32 kbs, N = 32
+            // panels) and writes its own 32 x 32 block of dst (rows m0..m1 and columns
+            // 32p0..32p1 belong to this task alone) or its panel's scratch; the tiles are
+            // released before the task ends.
             unsafe {
                 asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly));
-                for p in p0..p1 {
-                    let b = packed.as_ptr().add(p * kbs * 512);
-                    for mb in (m0..full).step_by(32) {
-                        block(
-                            lhs.as_ptr().add(mb * k),
-                            k,
-                            b,
-                            kbs,
-                            out.at(mb * n + p * 32),
-                            n,
-                        );
+                for kb0 in (0..kbs).step_by(SLICE_KBS) {
+                    let slice = SLICE_KBS.min(kbs - kb0);
+                    let acc = kb0 > 0;
+                    for p in p0..p1 {
+                        let b = packed.as_ptr().add((p * kbs + kb0) * 512);
+                        for mb in (m0..full).step_by(32) {
+                            block(
+                                lhs.as_ptr().add(mb * k + kb0 * 32),
+                                k,
+                                b,
+                                slice,
+                                out.at(mb * n + p * 32),
+                                n,
+                                acc,
+                            );
+                        }
+                        if let Some(pad) = &tail {
+                            let sc = scratch.as_mut_ptr().add((p - p0) * 1024);
+                            block(pad.as_ptr().add(kb0 * 32), k, b, slice, sc, 32, acc);
+                        }
                     }
-                    if let Some(pad) = &tail {
-                        block(pad.as_ptr(), k, b, kbs, scratch.as_mut_ptr(), 32);
-                        for (i, row) in scratch.chunks(32).take(m1 - full).enumerate() {
+                }
+                asm!("tilerelease", options(nostack, nomem));
+                if tail.is_some() {
+                    for p in p0..p1 {
+                        let sc = &scratch[(p - p0) * 1024..][..1024];
+                        for (i, row) in sc.chunks(32).take(m1 - full).enumerate() {
                             std::ptr::copy_nonoverlapping(
                                 row.as_ptr(),
                                 out.at((full + i) * n + p * 32),
@@ -265,7 +371,6 @@ mod imp {
                         }
                     }
                 }
-                asm!("tilerelease", options(nostack, nomem));
             }
         });
     }
@@ -345,6 +450,8 @@ mod tests {
             (47, 160, 32),
             (300, 192, 576),
             (129, 32 * 9, 64),
+            // K over several slices of SLICE_KBS k-blocks, the last one partial; a row tail
+            (40, 64, 32 * (2 * SLICE_KBS + 3)),
         ];
         for (si, &(m, n, k)) in shapes.iter().enumerate() {
             for rhs_t in [true, false] {

@@ -14,7 +14,7 @@
 //! | cross-entropy of a logits chunk (gradient in place) | [`cross_entropy`] | kernel, f32 / f64 | tensor ops (`crate::nn::loss`) | fused loss fwd+bwd |
 //! | frozen / trainable base matmul | [`matmul`] | gemm | cuBLAS | frozen / trainable matmul fwd+bwd |
 //! | the LoRA linear as one op | [`lora_linear`] | kernel, f32 / f64, bf16 x with f32 adapter | tensor ops (`crate::nn::linear`) | lora linear fwd+bwd |
-//! | bf16 base matmuls of the LoRA linear on AMX tiles | [`amx`] | kernel (AMX-BF16, else the widened f32 `gemm` twin) | - | amx bf16 matmul |
+//! | bf16 base matmuls of the LoRA linear and the LM head on AMX tiles | [`amx`] | kernel (AMX-BF16, else the widened f32 `gemm` twin) | - | amx bf16 matmul |
 //! | NF4 quantize / dequantize, NF4 matmul | [`nf4`] | kernel | CUDA kernel (`kernels/tallow.cu`) + cuBLAS | nf4 dequantize (double quant), nf4 matmul fwd+bwd |
 //! | LoRA dropout mask (a hash of the seed and index) | [`dropout`] | kernel | CUDA kernel (`kernels/tallow.cu`) | lora dropout mask (bit for bit) |
 //! | blockwise 8-bit (de)quantization (AdamW8bit's moments, NF4's double quant) | [`blockwise8`] | kernel | tensor ops | adamw8bit 3 steps |
