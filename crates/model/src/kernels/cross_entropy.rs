@@ -6,19 +6,50 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Layout, Tensor};
 use rayon::prelude::*;
 
-use super::fused::{storage_data, Real};
+use super::fused::{multiversion, storage_data, Real};
 
 type R<T> = candle_core::Result<T>;
 
-/// max and sum of exp(x - max) of a row (the exp in the row's type, the sum in f64: rows are a
-/// whole vocabulary long, up to ~256k terms).
-fn max_sum_exp<T: Real>(row: &[T]) -> (T, f64) {
+multiversion!(
+    /// max and sum of exp(x - max) of a row (the exp in the row's type, the sum in f64: rows
+    /// are a whole vocabulary long, up to ~256k terms).
+    fn max_sum_exp<T: Real>(row: &[T]) -> (T, f64) => max_sum_exp_body
+);
+
+/// [`max_sum_exp`]'s body: eight running sums, so that the loop vectorizes (one f64 sum waits
+/// on each add).
+#[inline(always)]
+fn max_sum_exp_body<T: Real>(row: &[T]) -> (T, f64) {
     let m = row
         .iter()
         .copied()
         .fold(T::NEG_INF, |a, b| if b > a { b } else { a });
-    let s = row.iter().map(|&x| (x - m).exp().to_f64()).sum::<f64>();
-    (m, s)
+    let mut acc = [0f64; 8];
+    let mut lanes = row.chunks_exact(8);
+    for c in &mut lanes {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += (x - m).exp_nonpositive().to_f64();
+        }
+    }
+    let tail: f64 = lanes
+        .remainder()
+        .iter()
+        .map(|&x| (x - m).exp_nonpositive().to_f64())
+        .sum();
+    (m, acc.iter().sum::<f64>() + tail)
+}
+
+multiversion!(
+    /// The row := g softmax(row), in place.
+    fn softmax_scaled<T: Real>(row: &mut [T], g: f64) => softmax_scaled_body
+);
+
+#[inline(always)]
+fn softmax_scaled_body<T: Real>(row: &mut [T], g: f64) {
+    let (m, s) = max_sum_exp_body(row);
+    let scale = T::from_f64(g / s);
+    row.iter_mut()
+        .for_each(|e| *e = (*e - m).exp_nonpositive() * scale);
 }
 
 /// Sum over rows of -log softmax(row)[label]: logits (n, V) f32 / f64 contiguous on the CPU,
@@ -72,9 +103,7 @@ impl CeGrad {
         x.par_chunks_mut(self.v)
             .zip(self.labels.par_iter())
             .for_each(|(row, &y)| {
-                let (m, s) = max_sum_exp(row);
-                let scale = T::from_f64(self.g / s);
-                row.iter_mut().for_each(|e| *e = (*e - m).exp() * scale);
+                softmax_scaled(row, self.g);
                 row[y as usize] -= T::from_f64(self.g);
             });
     }

@@ -302,9 +302,9 @@ impl candle_core::CustomOp3 for LoraLinearOp {
         let (m, k, n) = self.mkn;
         let (a, b) = (a.detach(), b.detach());
         // The adapter's side runs in its own dtype: a bf16 x and dY widened to f32 (exact).
-        let x2 = x.detach().reshape((m, k))?.to_dtype(a.dtype())?;
+        let x2 = crate::kernels::fused::cast(&x.detach().reshape((m, k))?, a.dtype())?;
         let dy2 = dy.detach().contiguous()?.reshape((m, n))?;
-        let dy2a = dy2.to_dtype(a.dtype())?;
+        let dy2a = crate::kernels::fused::cast(&dy2, a.dtype())?;
         let xd = match &self.dropout {
             Some(op) => x2.apply_op1_no_bwd(op)?,
             None => x2,
