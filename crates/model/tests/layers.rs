@@ -51,6 +51,11 @@ fn code(text: &str) -> String {
         let after = &rest[i..];
         // the item after the attribute: a module (skip its braces) or anything else (keep)
         let item = after["#[cfg(test)]".len()..].trim_start();
+        // a test module shared with other test modules is `pub(crate)`: still test code
+        let item = ["pub(crate) ", "pub "]
+            .iter()
+            .find_map(|v| item.strip_prefix(v))
+            .unwrap_or(item);
         if !item.starts_with("mod ") {
             out.push_str("#[cfg(test)]");
             rest = &after["#[cfg(test)]".len()..];
