@@ -132,43 +132,57 @@ fn pack(rhs: &[bf16], rhs_t: bool, k: usize, n: usize) -> Vec<u32> {
     let kbs = k / 32;
     let panel = kbs * 512; // u32 per panel: kbs x 2 tiles x 16 x 16
     let mut packed = crate::kernels::fused::uninit::<u32>(n / 32 * panel);
-    let pair = |lo: bf16, hi: bf16| lo.to_bits() as u32 | (hi.to_bits() as u32) << 16;
     packed
         .par_chunks_mut(panel)
         .enumerate()
-        .for_each(|(p, out)| {
-            if rhs_t {
-                // B[kk][c] = rhs[c][kk]: a tile is 16 rows of rhs, 32 elements each, turned
-                // into 16 columns of pairs.
-                for (kb, tiles) in out.chunks_mut(512).enumerate() {
-                    for (t, tile) in tiles.chunks_mut(256).enumerate() {
-                        for j in 0..16 {
-                            let c = p * 32 + t * 16 + j;
-                            let src = &rhs[c * k + kb * 32..][..32];
-                            for r in 0..16 {
-                                tile[r * 16 + j] = pair(src[2 * r], src[2 * r + 1]);
-                            }
-                        }
+        .for_each(|(p, out)| pack_panel(out, rhs, rhs_t, p, (k, n)));
+    packed
+}
+
+crate::kernels::fused::multiversion!(
+    /// Panel `p` of [`pack`] into `out`.
+    fn pack_panel(out: &mut [u32], rhs: &[bf16], rhs_t: bool, p: usize, kn: (usize, usize)) => pack_panel_body
+);
+
+#[inline(always)]
+fn pack_panel_body(out: &mut [u32], rhs: &[bf16], rhs_t: bool, p: usize, (k, n): (usize, usize)) {
+    let pair = |lo: bf16, hi: bf16| lo.to_bits() as u32 | (hi.to_bits() as u32) << 16;
+    if rhs_t {
+        // B[kk][c] = rhs[c][kk]: a tile is 16 rows of rhs, 32 elements (16 pairs) each, read
+        // row by row and written transposed, 16 pairs of one k-pair row at a time.
+        let mut block = [[0u32; 16]; 16];
+        for (kb, tiles) in out.chunks_mut(512).enumerate() {
+            for (t, tile) in tiles.chunks_mut(256).enumerate() {
+                for (j, row) in block.iter_mut().enumerate() {
+                    let c = p * 32 + t * 16 + j;
+                    let src = &rhs[c * k + kb * 32..][..32];
+                    for (r, w) in row.iter_mut().enumerate() {
+                        *w = pair(src[2 * r], src[2 * r + 1]);
                     }
                 }
-            } else {
-                // B = rhs (K, N): a tile row r interleaves 16 elements of rhs's rows 2r, 2r + 1.
-                for (kb, tiles) in out.chunks_mut(512).enumerate() {
-                    for r in 0..16 {
-                        let kk = kb * 32 + 2 * r;
-                        let lo = &rhs[kk * n + p * 32..][..32];
-                        let hi = &rhs[(kk + 1) * n + p * 32..][..32];
-                        for t in 0..2 {
-                            let dst = &mut tiles[t * 256 + r * 16..][..16];
-                            for (j, d) in dst.iter_mut().enumerate() {
-                                *d = pair(lo[t * 16 + j], hi[t * 16 + j]);
-                            }
-                        }
+                for (r, dst) in tile.chunks_mut(16).enumerate() {
+                    for (j, d) in dst.iter_mut().enumerate() {
+                        *d = block[j][r];
                     }
                 }
             }
-        });
-    packed
+        }
+    } else {
+        // B = rhs (K, N): a tile row r interleaves 16 elements of rhs's rows 2r, 2r + 1.
+        for (kb, tiles) in out.chunks_mut(512).enumerate() {
+            for r in 0..16 {
+                let kk = kb * 32 + 2 * r;
+                let lo = &rhs[kk * n + p * 32..][..32];
+                let hi = &rhs[(kk + 1) * n + p * 32..][..32];
+                for t in 0..2 {
+                    let dst = &mut tiles[t * 256 + r * 16..][..16];
+                    for (j, d) in dst.iter_mut().enumerate() {
+                        *d = pair(lo[t * 16 + j], hi[t * 16 + j]);
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// A pointer that rayon tasks writing disjoint blocks of one buffer share.
