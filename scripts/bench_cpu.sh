@@ -11,8 +11,8 @@
 #   quickstart: configs/quickstart.toml (1000 steps of the embedded tiny model), wall time,
 #               against its PyTorch stand-in (scripts/make_quickstart.py --simulate)
 # Reports tokens/s (steps after the first 2) and peak RSS (GNU time), and a profile summary of
-# tallow on the base shape (top symbols, `perf`, when perf is installed). Appends a dated
-# section to benchmarks/cpu.md.
+# tallow (and of BASELINE) on each shape (top symbols, `perf`, when perf is installed;
+# PERF_SHAPES="base" to limit it). Appends a dated section to benchmarks/cpu.md.
 #
 #   scripts/bench_cpu.sh                 # needs: cargo, python3 with scripts/requirements-fixtures.txt, /usr/bin/time
 #   PY=/work/pyref/bin/python scripts/bench_cpu.sh
@@ -115,18 +115,24 @@ done
       quickstart) quickstart_run tallow; quickstart_run pytorch; quickstart_run tallow; quickstart_run pytorch ;;
     esac
   done
-  if command -v perf >/dev/null && [[ " $SHAPES " == *" base "* ]]; then
-    # Where tallow's time goes on the base shape: the top symbols by self time.
-    # (the profiling profile: release with symbols)
+  if command -v perf >/dev/null; then
+    # Where tallow's time goes on each shape (PERF_SHAPES, default: every model shape run):
+    # the top symbols by self time, of this build (the profiling profile: release with
+    # symbols) and of BASELINE when given.
     cargo build --profile profiling -q -p tallow
-    rm -rf "$WORK/base/run"
-    perf record -q -F 499 -o "$WORK/perf.data" target/profiling/tallow train --config "$WORK/base/tallow.toml" --quiet >/dev/null 2>&1 || true
-    echo
-    echo "tallow, base shape, top symbols (\`perf record\`; self time, all threads):"
-    echo
-    echo '```text'
-    perf report -i "$WORK/perf.data" --no-children --sort symbol --stdio 2>/dev/null |
-      grep -E '^ +[0-9]' | head -12 | cut -c1-110 | sed 's/ *$//' 
-    echo '```'
+    for s in ${PERF_SHAPES:-$SHAPES}; do
+      [ "$s" = quickstart ] && continue
+      for who in "tallow $REV|target/profiling/tallow" ${BASELINE:+"baseline ($BASELINE)|$BASELINE"}; do
+        rm -rf "$WORK/$s/run"
+        perf record -q -F 499 -o "$WORK/perf.data" "${who#*|}" train --config "$WORK/$s/tallow.toml" --quiet >/dev/null 2>&1 || true
+        echo
+        echo "${who%%|*}, $s shape, top symbols (\`perf record\`; self time, all threads):"
+        echo
+        echo '```text'
+        perf report -i "$WORK/perf.data" --no-children --sort symbol --stdio 2>/dev/null > "$WORK/perf.txt" || true
+        grep -E '^ +[0-9]' "$WORK/perf.txt" | head -12 | cut -c1-110 | sed 's/ *$//' || true
+        echo '```'
+      done
+    done
   fi
 } | tee -a benchmarks/cpu.md

@@ -20,8 +20,17 @@ multiversion!(
 /// on each add).
 #[inline(always)]
 fn max_sum_exp_body<T: Real>(row: &[T]) -> (T, f64) {
-    let m = row
+    // the max in sixteen lanes too (the same value: a max does not round)
+    let mut maxes = [T::NEG_INF; 16];
+    let mut lanes = row.chunks_exact(16);
+    for c in &mut lanes {
+        for (a, &b) in maxes.iter_mut().zip(c) {
+            *a = if b > *a { b } else { *a };
+        }
+    }
+    let m = maxes
         .iter()
+        .chain(lanes.remainder())
         .copied()
         .fold(T::NEG_INF, |a, b| if b > a { b } else { a });
     let mut acc = [0f64; 8];
@@ -40,34 +49,45 @@ fn max_sum_exp_body<T: Real>(row: &[T]) -> (T, f64) {
 }
 
 multiversion!(
-    /// The row := g softmax(row), in place.
-    fn softmax_scaled<T: Real>(row: &mut [T], g: f64) => softmax_scaled_body
+    /// The row := exp(row - m) · scale, in place: g softmax(row), with m the row's max and
+    /// scale g / its sum of exp(row - m).
+    fn exp_scaled<T: Real>(row: &mut [T], m: T, scale: T) => exp_scaled_body
 );
 
 #[inline(always)]
-fn softmax_scaled_body<T: Real>(row: &mut [T], g: f64) {
-    let (m, s) = max_sum_exp_body(row);
-    let scale = T::from_f64(g / s);
+fn exp_scaled_body<T: Real>(row: &mut [T], m: T, scale: T) {
     row.iter_mut()
         .for_each(|e| *e = (*e - m).exp_nonpositive() * scale);
 }
 
+/// Per row of a chunk of logits, its max and its sum of exp(row - max), as [`ce_nll_sum`] found
+/// them: the backward's [`ce_grad_in_place`] on the same logits (recomputed bit for bit) reuses
+/// them instead of a pass of its own.
+pub type RowStats = Vec<(f64, f64)>;
+
 /// Sum over rows of -log softmax(row)[label]: logits (n, V) f32 / f64 contiguous on the CPU,
-/// `labels` n ids < V. One read of the logits, nothing allocated but the result.
-pub fn ce_nll_sum(logits: &Tensor, labels: &[u32]) -> R<f64> {
+/// `labels` n ids < V, and each row's [`RowStats`]. One read of the logits, nothing
+/// logits-sized allocated.
+pub fn ce_nll_sum(logits: &Tensor, labels: &[u32]) -> R<(f64, RowStats)> {
     let (n, v) = logits.dims2()?;
     if labels.len() != n || labels.iter().any(|&y| y as usize >= v) {
         candle_core::bail!("cross-entropy: {n} rows need {n} labels below {v}");
     }
     let (st, l) = logits.storage_and_layout();
-    fn run<T: Real>(x: &[T], labels: &[u32], v: usize) -> f64 {
-        x.par_chunks(v)
+    fn run<T: Real>(x: &[T], labels: &[u32], v: usize) -> (f64, RowStats) {
+        let rows: Vec<(f64, (f64, f64))> = x
+            .par_chunks(v)
             .zip(labels.par_iter())
             .map(|(row, &y)| {
                 let (m, s) = max_sum_exp(row);
-                m.to_f64() + s.ln() - row[y as usize].to_f64()
+                let m = m.to_f64();
+                (m + s.ln() - row[y as usize].to_f64(), (m, s))
             })
-            .sum()
+            .collect();
+        (
+            rows.iter().map(|r| r.0).sum(),
+            rows.into_iter().map(|r| r.1).collect(),
+        )
     }
     Ok(match logits.dtype() {
         DType::F32 => run(storage_data::<f32>(&st, l, "cross-entropy")?, labels, v),
@@ -79,14 +99,24 @@ pub fn ce_nll_sum(logits: &Tensor, labels: &[u32]) -> R<f64> {
 /// Turns a chunk of logits (n, V) into the gradient of g * sum of its rows' NLL, in place:
 /// g (softmax(row) - onehot(label)). The LM head's backward then multiplies this buffer with
 /// the head: one logits-sized buffer per chunk instead of five (softmax's shifted / exp /
-/// normalized copies, the one-hot, the difference and its scaled copy).
-pub fn ce_grad_in_place(logits: &Tensor, labels: &[u32], g: f64) -> R<()> {
+/// normalized copies, the one-hot, the difference and its scaled copy). `stats`: the rows'
+/// [`RowStats`] from the forward, when these logits are the same bits; else found here.
+pub fn ce_grad_in_place(
+    logits: &Tensor,
+    labels: &[u32],
+    g: f64,
+    stats: Option<&[(f64, f64)]>,
+) -> R<()> {
     let (n, v) = logits.dims2()?;
     if labels.len() != n || labels.iter().any(|&y| y as usize >= v) {
         candle_core::bail!("cross-entropy: {n} rows need {n} labels below {v}");
     }
+    if stats.is_some_and(|s| s.len() != n) {
+        candle_core::bail!("cross-entropy: {n} rows need {n} row statistics");
+    }
     logits.inplace_op1(&CeGrad {
         labels: labels.to_vec(),
+        stats: stats.map(<[_]>::to_vec),
         g,
         v,
     })
@@ -94,6 +124,7 @@ pub fn ce_grad_in_place(logits: &Tensor, labels: &[u32], g: f64) -> R<()> {
 
 struct CeGrad {
     labels: Vec<u32>,
+    stats: Option<RowStats>,
     g: f64,
     v: usize,
 }
@@ -102,8 +133,13 @@ impl CeGrad {
     fn run<T: Real>(&self, x: &mut [T]) {
         x.par_chunks_mut(self.v)
             .zip(self.labels.par_iter())
-            .for_each(|(row, &y)| {
-                softmax_scaled(row, self.g);
+            .enumerate()
+            .for_each(|(i, (row, &y))| {
+                let (m, s) = match &self.stats {
+                    Some(st) => (T::from_f64(st[i].0), st[i].1),
+                    None => max_sum_exp(row),
+                };
+                exp_scaled(row, m, T::from_f64(self.g / s));
                 row[y as usize] -= T::from_f64(self.g);
             });
     }
@@ -147,7 +183,7 @@ mod ce_tests {
                 .sum_all()?
                 .to_dtype(DType::F64)?
                 .to_scalar::<f64>()?;
-            let got = ce_nll_sum(&x, &labels)?;
+            let (got, stats) = ce_nll_sum(&x, &labels)?;
             assert!(
                 (got - want).abs() <= tol * want.abs(),
                 "{dt:?}: {got} vs {want}"
@@ -159,7 +195,18 @@ mod ce_tests {
                 .to_dtype(dt)?;
             let want = ((p - onehot)? * g)?;
             let y = x.copy()?;
-            ce_grad_in_place(&y, &labels, g)?;
+            ce_grad_in_place(&y, &labels, g, None)?;
+            // the forward's row statistics give the same bits
+            let z = x.copy()?;
+            ce_grad_in_place(&z, &labels, g, Some(&stats))?;
+            assert_eq!(
+                (&y - &z)?
+                    .abs()?
+                    .max_all()?
+                    .to_dtype(DType::F64)?
+                    .to_scalar::<f64>()?,
+                0.0
+            );
             let d = (&y - &want)?
                 .abs()?
                 .max_all()?

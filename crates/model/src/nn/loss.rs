@@ -89,16 +89,16 @@ pub fn lm_head_nll(
     let h = hidden
         .reshape((b * t, c))?
         .index_select(&targets.positions, 0)?; // (N, C)
-    let value = nll_sum_no_grad(&h.detach(), &head.detach(), &targets.labels, softcap)?;
-    // The backward recomputes the logits chunk by chunk: the graph keeps h, the head and the
-    // labels only.
+    let (value, stats) = nll_sum_no_grad(&h.detach(), &head.detach(), &targets.labels, softcap)?;
+    // The backward recomputes the logits chunk by chunk: the graph keeps h, the head, the
+    // labels and (on the CPU) each row's max and sum of exp only.
     let labels = targets.labels.clone();
     ops::attach2(
         "fused-lm-head-nll",
         &h,
         head,
         value,
-        move |h, head, _v, g| nll_bwd(&labels, h, head, g, softcap),
+        move |h, head, _v, g| nll_bwd(&labels, h, head, g, softcap, stats.as_deref()),
     )
 }
 
@@ -182,13 +182,14 @@ fn amx_product(
     Ok(Some(out))
 }
 
-/// The chunked forward. h: (N, C), head: (V, C), labels: (N) -> scalar
+/// The chunked forward. h: (N, C), head: (V, C), labels: (N) -> scalar, and on the CPU each
+/// row's max and sum of exp (`kernels::cross_entropy::RowStats`) for the backward.
 fn nll_sum_no_grad(
     h: &Tensor,
     head: &Tensor,
     labels: &Tensor,
     softcap: Option<f64>,
-) -> Result<Tensor> {
+) -> Result<(Tensor, Option<crate::kernels::cross_entropy::RowStats>)> {
     let n = h.dim(0)?;
     let step = chunk_rows(head.dim(0)?);
     let up = ops::upcast(h.dtype());
@@ -197,12 +198,16 @@ fn nll_sum_no_grad(
     let host_labels = cpu_labels(labels, h)?;
     let packed = amx_head(h, head, true)?;
     let mut host_total = 0f64;
+    let mut stats = Vec::new();
     for start in (0..n).step_by(step) {
         let len = step.min(n - start);
-        let logits = chunk_logits(&h.narrow(0, start, len)?, head, softcap, packed.as_ref())?; // (n, V)
+        let hc = h.narrow(0, start, len)?;
+        let logits = chunk_logits(&hc, head, softcap, packed.as_ref())?; // (n, V)
         if let Some(y) = &host_labels {
-            host_total +=
+            let (nll, rows) =
                 crate::kernels::cross_entropy::ce_nll_sum(&logits, &y[start..start + len])?;
+            host_total += nll;
+            stats.extend(rows);
             continue;
         }
         let logp = ops::log_softmax_last_dim(&logits)?;
@@ -211,8 +216,9 @@ fn nll_sum_no_grad(
     }
     if host_labels.is_some() {
         total = Tensor::new(host_total, h.device())?.to_dtype(up)?;
+        return Ok((total, Some(stats)));
     }
-    Ok(total)
+    Ok((total, None))
 }
 
 /// The labels on the host when the CPU kernels take this batch's logits (CPU, logits in f32 /
@@ -236,6 +242,7 @@ fn nll_bwd(
     head: &Tensor,
     grad: &Tensor,
     softcap: Option<f64>,
+    stats: Option<&[(f64, f64)]>,
 ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
     let (n, _c) = h.dims2()?;
     let v = head.dim(0)?;
@@ -263,8 +270,10 @@ fn nll_bwd(
         let hc = h.narrow(0, start, len)?; // (n, C)
                                            // On AMX the head is packed per chunk, Wᵀ for the logits and then W for dh, each
                                            // dropped after its product: one packed copy (2 bytes per element) alive at a time.
-        let logits = chunk_logits(&hc, &w, softcap, amx_head(&h, &w, true)?.as_ref())?; // (n, V)
-                                                                                        // The cap's derivative, before the logits' buffer becomes their gradient: (n, V)
+        let packed = amx_head(&h, &w, true)?;
+        let logits = chunk_logits(&hc, &w, softcap, packed.as_ref())?; // (n, V)
+        drop(packed);
+        // The cap's derivative, before the logits' buffer becomes their gradient: (n, V)
         let dcap = match softcap {
             Some(cap) => Some((1.0 - (&logits / cap)?.sqr()?)?),
             None => None,
@@ -276,6 +285,7 @@ fn nll_bwd(
                     &logits,
                     &y[start..start + len],
                     g_host,
+                    stats.map(|s| &s[start..start + len]),
                 )?;
                 let d = match &dcap {
                     Some(dc) => (&logits * dc)?,
@@ -488,9 +498,10 @@ mod tests {
         // the loss and dh over both chunks and the tail
         let labels = Tensor::new(labels.as_slice(), &dev)?;
         let run = || -> Result<(f32, Tensor)> {
-            let loss = nll_sum_no_grad(&h, &head, &labels, None)?.to_scalar::<f32>()?;
+            let (loss, stats) = nll_sum_no_grad(&h, &head, &labels, None)?;
+            let loss = loss.to_scalar::<f32>()?;
             let g = Tensor::new(1f32, &dev)?;
-            let (dh, _) = nll_bwd(&labels, &h, &head, &g, None)?;
+            let (dh, _) = nll_bwd(&labels, &h, &head, &g, None, stats.as_deref())?;
             Ok((loss, dh.expect("dh")))
         };
         let (loss_on, dh_on) = run()?;
