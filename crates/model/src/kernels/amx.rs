@@ -105,9 +105,9 @@ impl Packed {
         })
     }
 
-    /// Bytes of the packed copy (as many as B's bf16 elements take).
-    pub fn bytes(&self) -> usize {
-        self.words.len() * 4
+    /// B's columns: the N of every product with it.
+    pub fn cols(&self) -> usize {
+        self.n
     }
 
     /// `dst (M, N) := lhs (M, K) · B`; `false`, with `dst` untouched, below [`MIN_ROWS`] rows

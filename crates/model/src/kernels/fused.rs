@@ -137,45 +137,22 @@ pub(crate) fn simd_level() -> u8 {
     0
 }
 
-/// `fn $name<T: Real>(args) -> ret` that runs `$body` (an `#[inline(always)]` function of the
+/// `fn $name(args) -> ret` (or `fn $name<T: Real>`) that runs `$body` (an `#[inline(always)]` function of the
 /// same arguments) compiled for AVX-512 or AVX2 when [`simd_level`] says the CPU has it, so
 /// that its loops vectorize at that width. The same operations in the same order whichever
 /// width runs (Rust does not contract a * b + c into an FMA): the same bits.
 macro_rules! multiversion {
-    ($(#[$m:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),*) $(-> $r:ty)? => $body:ident) => {
+    ($(#[$m:meta])* $vis:vis fn $name:ident$(<$T:ident: Real>)?($($a:ident: $t:ty),*) $(-> $r:ty)? => $body:ident) => {
         $(#[$m])*
-        $vis fn $name($($a: $t),*) $(-> $r)? {
+        $vis fn $name$(<$T: Real>)?($($a: $t),*) $(-> $r)? {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
-                unsafe fn v4($($a: $t),*) $(-> $r)? {
+                unsafe fn v4$(<$T: Real>)?($($a: $t),*) $(-> $r)? {
                     $body($($a),*)
                 }
                 #[target_feature(enable = "avx2,fma")]
-                unsafe fn v3($($a: $t),*) $(-> $r)? {
-                    $body($($a),*)
-                }
-                match $crate::kernels::fused::simd_level() {
-                    // SAFETY: the CPU has the features each function is compiled for.
-                    2 => return unsafe { v4($($a),*) },
-                    1 => return unsafe { v3($($a),*) },
-                    _ => {}
-                }
-            }
-            $body($($a),*)
-        }
-    };
-    ($(#[$m:meta])* $vis:vis fn $name:ident<$T:ident: Real>($($a:ident: $t:ty),*) $(-> $r:ty)? => $body:ident) => {
-        $(#[$m])*
-        $vis fn $name<$T: Real>($($a: $t),*) $(-> $r)? {
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
-                unsafe fn v4<$T: Real>($($a: $t),*) $(-> $r)? {
-                    $body($($a),*)
-                }
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn v3<$T: Real>($($a: $t),*) $(-> $r)? {
+                unsafe fn v3$(<$T: Real>)?($($a: $t),*) $(-> $r)? {
                     $body($($a),*)
                 }
                 match $crate::kernels::fused::simd_level() {

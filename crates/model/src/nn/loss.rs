@@ -112,7 +112,7 @@ fn chunk_logits(
     softcap: Option<f64>,
     packed: Option<&amx::Packed>,
 ) -> candle_core::Result<Tensor> {
-    let logits = match amx_product(h, packed, head.dim(0)?)? {
+    let logits = match amx_product(h, packed)? {
         Some(l) => {
             let l = Tensor::from_vec(l, (h.dim(0)?, head.dim(0)?), h.device())?; // (n, V) f32
             match softcap {
@@ -157,13 +157,13 @@ fn amx_head(
 }
 
 /// `lhs (n, K) · B` in f32 on AMX tiles when `packed` is given and takes `lhs` (bf16,
-/// contiguous, at least `amx::MIN_ROWS` rows); None otherwise. `cols`: B's N.
+/// contiguous, at least `amx::MIN_ROWS` rows); None otherwise.
 fn amx_product(
     lhs: &Tensor,
     packed: Option<&amx::Packed>,
-    cols: usize,
 ) -> candle_core::Result<Option<Vec<f32>>> {
     let Some(p) = packed else { return Ok(None) };
+    let cols = p.cols();
     if !lhs.is_contiguous() || lhs.dtype() != candle_core::DType::BF16 {
         return Ok(None);
     }
@@ -310,7 +310,7 @@ fn nll_bwd(
         };
         let c = w.dim(1)?;
         dh.push(
-            match amx_product(&dlogits, amx_head(&h, &w, false)?.as_ref(), c)? {
+            match amx_product(&dlogits, amx_head(&h, &w, false)?.as_ref())? {
                 Some(d) => {
                     Tensor::from_vec(crate::kernels::fused::narrow_bf16(&d), (len, c), h.device())?
                 }
