@@ -14,8 +14,8 @@
 //!   heads x T x T scores and probabilities; with checkpointing only each layer's input, plus one
 //!   layer rebuilt at a time;
 //! - **logits + loss**: the chunked LM head (at most 16M logits at a time, f32; on the CPU a
-//!   bf16 matmul also makes an f32 copy of the V x C head weight first, on AMX a packed bf16
-//!   one);
+//!   bf16 matmul also makes an f32 copy of the V x C head weight first; on AMX the logits read
+//!   the head as it is and dh packs it in bf16);
 //! - **backward workspace**: gradients in flight at the backward's high point (the attention
 //!   backward of one layer);
 //! - **overhead**: tokenizer, data, rotary tables and mask; on CUDA the context and cuBLAS
@@ -913,9 +913,12 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
         && matches!(cfg.model.dtype, ModelDtype::Bf16)
         && tallow_model::kernels::amx::enabled();
     let f32_copy = |n: usize| if cpu_half { 4 * n as u64 } else { 0 };
-    // The LM head on AMX too (`tallow_model::nn::loss`): its weight packed (2 bytes per element)
-    // in place of the f32 copy, once per product (Wᵀ for the logits, then W for dh).
-    let amx_head = amx && v % 32 == 0 && c % 32 == 0;
+    // The LM head on AMX too (`tallow_model::nn::loss`): the logits as (W hᵀ)ᵀ, the weight read
+    // as it is stored and only the chunk's rows packed (2 bytes per element), for C a multiple
+    // of 32; dh = dlogits W with W packed (2 bytes per element) in place of the f32 copy, for V
+    // a multiple of 32 too.
+    let amx_logits = amx && c % 32 == 0 && v >= 32;
+    let amx_head = amx_logits && v % 32 == 0;
     let ops = paths(m, cfg, cpu);
     let logits = chunk * v as u64;
     // On the CPU the cross-entropy runs in the f32 logits' own buffer (`tallow_model::kernels::fused`,
@@ -923,17 +926,20 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // matmul's f32 head copy and half-precision output). Elsewhere the tensor ops keep up to
     // three f32 logits-sized buffers at once (log-softmax / softmax: input, shifted, exp;
     // backward: probabilities, one-hot, their difference).
-    // On AMX the product comes out in f32 (no half-precision copy), and the head's packed copy
-    // is gone before the backward's gradient is narrowed to the model dtype for dh: the
-    // backward holds the larger of (f32 logits + their narrowed gradient) and (that gradient +
-    // W packed for dh).
+    // On AMX the logits come out in f32 (no half-precision copy, no copy of the head), and W
+    // is packed for dh only once the f32 logits are gone: the backward holds the larger of
+    // (f32 logits + their narrowed gradient) and (that gradient + W packed for dh).
+    let rows_packed = 2 * chunk * c as u64;
     let (ce, ce_bwd) = match (device == "cpu", cpu_half) {
         (true, true) if amx_head => {
             let packed = 2 * (v * c) as u64;
             (
-                packed + logits * 4,
+                rows_packed + logits * 4,
                 (logits * (4 + s)).max(packed + logits * s),
             )
+        }
+        (true, true) if amx_logits => {
+            (rows_packed + logits * 4, f32_copy(v * c) + logits * (4 + s))
         }
         (true, true) => {
             let both = f32_copy(v * c) + logits * (4 + s);

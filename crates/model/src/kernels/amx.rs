@@ -82,6 +82,39 @@ pub fn gemm_bf16(
     }
 }
 
+/// `dst (M, N) := x (M, K) · Wᵀ` in f32 for a row-major `w` (N, K) that is not packed: the
+/// product runs transposed, W xᵀ, with W as the tiles' left operand (read as it is stored) and
+/// x, M rows, packed as the right one, and each 32 x 32 block is written back transposed. For
+/// a wide W and few rows (the LM head: N a vocabulary, M a chunk of positions) that packs
+/// M x K elements instead of N x K. Each element is the same sum in the same order as
+/// [`gemm_bf16`]'s (AMX's pair products commute), so the same bits. With `round`, each value
+/// is rounded to bf16 precision (kept in f32) as it is written: a bf16 matmul's result.
+/// `false`, with `dst` untouched, when AMX is not [`enabled`], K is not a multiple of 32 or
+/// N is below 32.
+pub fn gemm_bf16_wt(
+    dst: &mut [f32],
+    x: &[bf16],
+    w: &[bf16],
+    (m, n, k): (usize, usize, usize),
+    round: bool,
+) -> bool {
+    if k % 32 != 0 || k == 0 || n < 32 || m == 0 || !enabled() {
+        return false;
+    }
+    assert!(dst.len() >= m * n && x.len() >= m * k && w.len() >= n * k);
+    // x's rows padded with zero rows to a whole panel of 32 columns of B = xᵀ.
+    let m32 = m.div_ceil(32) * 32;
+    let packed = if m32 == m {
+        pack(&x[..m * k], true, k, m)
+    } else {
+        let mut padded = vec![bf16::ZERO; m32 * k];
+        padded[..m * k].copy_from_slice(&x[..m * k]);
+        pack(&padded, true, k, m32)
+    };
+    imp::run_t(dst, w, &packed, (n, m32, k), m, round);
+    true
+}
+
 /// A right operand B (K, N) packed for AMX once, for several products with it (the LM head's
 /// chunks of rows): [`Packed::new`] then [`Packed::gemm`] per left operand.
 pub struct Packed {
@@ -322,6 +355,81 @@ mod imp {
         }
     }
 
+    /// `dst (cols, rows)` := (`lhs (rows, K)` · the packed B (K, n))ᵀ, for B's first `cols`
+    /// columns (the rest are padding); with `round`, each value rounded to bf16 precision.
+    /// The tasks' blocks go to a scratch of their own, then out transposed.
+    pub fn run_t(
+        dst: &mut [f32],
+        lhs: &[bf16],
+        packed: &[u32],
+        (rows, n, k): (usize, usize, usize),
+        cols: usize,
+        round: bool,
+    ) {
+        let kbs = k / 32;
+        let panels = n / 32;
+        let out = Out(dst.as_mut_ptr());
+        let row_tasks = rows.div_ceil(TASK_ROWS);
+        let col_tasks = panels.div_ceil(TASK_PANELS);
+        const LDS: usize = TASK_PANELS * 32;
+        (0..row_tasks * col_tasks).into_par_iter().for_each(|task| {
+            let (m0, p0) = (
+                (task / col_tasks) * TASK_ROWS,
+                (task % col_tasks) * TASK_PANELS,
+            );
+            let (m1, p1) = ((m0 + TASK_ROWS).min(rows), (p0 + TASK_PANELS).min(panels));
+            let full = m0 + (m1 - m0) / 32 * 32;
+            let tail = (full < m1).then(|| {
+                let mut pad = vec![bf16::ZERO; 32 * k];
+                pad[..(m1 - full) * k].copy_from_slice(&lhs[full * k..m1 * k]);
+                pad
+            });
+            // This task's (rows, 32 panels) block, row stride LDS; 32-row blocks, the tail's
+            // padded to 32.
+            let mut scratch = vec![0f32; TASK_ROWS * LDS];
+            // SAFETY: as in `run`; every block writes its own 32 x 32 block of `scratch`,
+            // whose TASK_ROWS rows hold the task's m1 - m0 rows rounded up to 32.
+            unsafe {
+                asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly));
+                for kb0 in (0..kbs).step_by(SLICE_KBS) {
+                    let slice = SLICE_KBS.min(kbs - kb0);
+                    let acc = kb0 > 0;
+                    for p in p0..p1 {
+                        let b = packed.as_ptr().add((p * kbs + kb0) * 512);
+                        let sc = scratch.as_mut_ptr().add((p - p0) * 32);
+                        for mb in (m0..full).step_by(32) {
+                            let a = lhs.as_ptr().add(mb * k + kb0 * 32);
+                            block(a, k, b, slice, sc.add((mb - m0) * LDS), LDS, acc);
+                        }
+                        if let Some(pad) = &tail {
+                            let a = pad.as_ptr().add(kb0 * 32);
+                            block(a, k, b, slice, sc.add((full - m0) * LDS), LDS, acc);
+                        }
+                    }
+                }
+                asm!("tilerelease", options(nostack, nomem));
+            }
+            // Out transposed: dst row j (a column of B) gets the task's rows m0..m1.
+            let rounded = |v: f32| {
+                if round {
+                    crate::kernels::fused::round_bf16(v)
+                } else {
+                    v
+                }
+            };
+            for j in p0 * 32..(p1 * 32).min(cols) {
+                let c = j - p0 * 32;
+                // SAFETY: dst holds `cols` rows of `rows`; row j, columns m0..m1 belong to this
+                // task alone (its rows of A).
+                let drow =
+                    unsafe { std::slice::from_raw_parts_mut(out.at(j * rows + m0), m1 - m0) };
+                for (i, d) in drow.iter_mut().enumerate() {
+                    *d = rounded(scratch[i * LDS + c]);
+                }
+            }
+        });
+    }
+
     pub fn run(dst: &mut [f32], lhs: &[bf16], packed: &[u32], (m, n, k): (usize, usize, usize)) {
         let kbs = k / 32;
         let panels = n / 32;
@@ -396,6 +504,16 @@ mod imp {
         false
     }
     pub fn run(_: &mut [f32], _: &[super::bf16], _: &[u32], _: (usize, usize, usize)) {
+        unreachable!("AMX is detected only on x86_64 Linux")
+    }
+    pub fn run_t(
+        _: &mut [f32],
+        _: &[super::bf16],
+        _: &[u32],
+        _: (usize, usize, usize),
+        _: usize,
+        _: bool,
+    ) {
         unreachable!("AMX is detected only on x86_64 Linux")
     }
 }
@@ -509,6 +627,59 @@ mod tests {
             worst > 100.0,
             "a swapped pair moved results by only {worst} bounds"
         );
+    }
+
+    /// x Wᵀ run transposed ([`gemm_bf16_wt`]: W unpacked as the left operand, x packed) gives
+    /// [`gemm_bf16`]'s bits, rounded or not: M below, at and above 32-multiples (x padded), N
+    /// with a tail of rows (W's last rows padded), several row and panel tasks, K over several
+    /// slices. Writing the blocks back untransposed, or one column off, breaks it.
+    #[test]
+    fn transposed_product_gives_the_direct_products_bits() {
+        let shapes = [
+            (16, 32, 32),
+            (40, 96, 64),
+            (64, 1000, 96),
+            (200, 33 * 32 + 7, 128),
+            (33, 64, 32 * (2 * SLICE_KBS + 3)),
+        ];
+        for (si, &(m, n, k)) in shapes.iter().enumerate() {
+            let x = random(m * k, 11 + si as u64);
+            let w = random(n * k, 300 + si as u64);
+            let mut direct = vec![f32::NAN; m * n];
+            let mut wt = vec![f32::NAN; m * n];
+            if !gemm_bf16_wt(&mut wt, &x, &w, (m, n, k), false) {
+                assert!(!available(), "AMX available but {m}x{n}x{k} refused");
+                eprintln!("no AMX on this CPU: the kernel is not exercised");
+                return;
+            }
+            if n % 32 == 0 {
+                assert!(gemm_bf16(&mut direct, &x, &w, true, (m, n, k)));
+            } else {
+                // the direct kernel takes no N tail: the f32 reference sums in the same order
+                let (exact, bound) = reference(&x, &w, true, (m, n, k));
+                for (i, &got) in wt.iter().enumerate() {
+                    assert!(
+                        (f64::from(got) - exact[i]).abs() <= bound[i],
+                        "{m}x{n}x{k} [{i}]"
+                    );
+                }
+                continue;
+            }
+            for (i, (&a, &b)) in wt.iter().zip(&direct).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "{m}x{n}x{k} [{}, {}]",
+                    i / n,
+                    i % n
+                );
+            }
+            let mut rounded = vec![f32::NAN; m * n];
+            assert!(gemm_bf16_wt(&mut rounded, &x, &w, (m, n, k), true));
+            for (&r, &d) in rounded.iter().zip(&direct) {
+                assert_eq!(r.to_bits(), crate::kernels::fused::round_bf16(d).to_bits());
+            }
+        }
     }
 
     #[test]

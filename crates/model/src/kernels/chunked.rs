@@ -456,11 +456,10 @@ fn group_fwd<T: Real>(
                 .iter()
                 .copied()
                 .fold(T::NEG_INF, |a, x| if x > a { x } else { a });
-            let mut sum = T::zero();
-            for x in row.iter_mut() {
-                *x = (*x - mx).exp();
-                sum = sum + *x;
-            }
+            // The exps in a loop of their own; the sum keeps its order.
+            row.iter_mut()
+                .for_each(|x| *x = (*x - mx).exp_nonpositive());
+            let sum = row.iter().fold(T::zero(), |a, &x| a + x);
             let inv = sum.recip();
             for x in row.iter_mut() {
                 *x = *x * inv;
@@ -559,7 +558,7 @@ fn group_bwd<T: Real>(
         for (ri, row) in p.chunks_mut(nk).enumerate() {
             let l = lse[i0 + ri];
             for x in row.iter_mut() {
-                *x = (*x - l).exp(); // exp(-inf) = 0 where masked
+                *x = (*x - l).exp_nonpositive(); // exp(-inf) = 0 where masked
             }
         }
         small_gemm(ds, nk, false, dyb, d, &v[lo * d..], d, true, (m, nk, d)); // dP = dY vᵀ

@@ -9,7 +9,6 @@
 //! Shape legend: N = target positions, C = hidden size, V = vocab.
 
 use candle_core::Tensor;
-use rayon::prelude::*;
 
 use crate::error::{ModelError, Result};
 use crate::kernels::amx;
@@ -103,16 +102,11 @@ pub fn lm_head_nll(
 }
 
 /// One chunk's logits, soft-capped when `softcap` is given (in the compute dtype, as
-/// transformers caps them before the loss upcasts), then upcast. `packed`: the head (Wᵀ) on
-/// AMX tiles ([`amx_head`]), whose f32 products are rounded to bf16 as the bf16 matmul rounds.
+/// transformers caps them before the loss upcasts), then upcast. A bf16 chunk on a CPU with
+/// AMX-BF16 runs on its tiles ([`amx_logits`]), rounded to bf16 as the bf16 matmul rounds.
 /// h: (n, C), head: (V, C) -> (n, V) in [`ops::upcast`]'s dtype
-fn chunk_logits(
-    h: &Tensor,
-    head: &Tensor,
-    softcap: Option<f64>,
-    packed: Option<&amx::Packed>,
-) -> candle_core::Result<Tensor> {
-    let logits = match amx_product(h, packed)? {
+fn chunk_logits(h: &Tensor, head: &Tensor, softcap: Option<f64>) -> candle_core::Result<Tensor> {
+    let logits = match amx_logits(h, head)? {
         Some(l) => {
             let l = Tensor::from_vec(l, (h.dim(0)?, head.dim(0)?), h.device())?; // (n, V) f32
             match softcap {
@@ -129,31 +123,45 @@ fn chunk_logits(
     logits.to_dtype(ops::upcast(h.dtype()))
 }
 
-/// A bf16 LM head on AMX tiles (`kernels::amx`), packed once for all chunks of a forward
-/// (`transposed`: Wᵀ, for h Wᵀ) or of a backward (W, for dlogits W): on a CPU with AMX-BF16,
-/// for a bf16 model with a contiguous head whose V and C are multiples of 32. None elsewhere
+/// The bf16 operands of an AMX product on the CPU: both bf16, contiguous, on the CPU.
+fn amx_operands(h: &Tensor, head: &Tensor) -> bool {
+    use candle_core::DType::BF16;
+    h.device().is_cpu()
+        && h.dtype() == BF16
+        && head.dtype() == BF16
+        && h.is_contiguous()
+        && head.is_contiguous()
+}
+
+/// h Wᵀ of a chunk on AMX tiles (`amx::gemm_bf16_wt`: the head read as it is stored, only the
+/// chunk's rows packed), each logit rounded to bf16 (kept in f32): for a bf16 chunk of at
+/// least `amx::MIN_ROWS` rows on a CPU with AMX-BF16 and C a multiple of 32. None elsewhere
 /// (Candle's bf16 matmul, both operands widened to f32; the same f32 products summed in
 /// another order).
-fn amx_head(
-    h: &Tensor,
-    head: &Tensor,
-    transposed: bool,
-) -> candle_core::Result<Option<amx::Packed>> {
-    use candle_core::DType::BF16;
-    if !h.device().is_cpu() || h.dtype() != BF16 || head.dtype() != BF16 {
+fn amx_logits(h: &Tensor, head: &Tensor) -> candle_core::Result<Option<Vec<f32>>> {
+    if !amx_operands(h, head) || h.dim(0)? < amx::MIN_ROWS {
         return Ok(None);
     }
-    if !head.is_contiguous() {
+    let ((n, c), v) = (h.dims2()?, head.dim(0)?);
+    let (hs, hl) = h.storage_and_layout();
+    let x = crate::kernels::fused::storage_data::<half::bf16>(&hs, hl, "lm head rows")?;
+    let (ws, wl) = head.storage_and_layout();
+    let w = crate::kernels::fused::storage_data::<half::bf16>(&ws, wl, "lm head")?;
+    let mut out = crate::kernels::fused::uninit::<f32>(n * v);
+    Ok(amx::gemm_bf16_wt(&mut out, x, w, (n, v, c), true).then_some(out))
+}
+
+/// The head W (V, C) packed for AMX as the right operand of dlogits W (`amx::Packed`); None
+/// where [`amx_operands`] do not hold or AMX does not take
+/// the shape (V or C not a multiple of 32).
+fn amx_head(h: &Tensor, head: &Tensor) -> candle_core::Result<Option<amx::Packed>> {
+    if !amx_operands(h, head) {
         return Ok(None);
     }
     let (v, c) = head.dims2()?;
     let (st, l) = head.storage_and_layout();
     let w = crate::kernels::fused::storage_data::<half::bf16>(&st, l, "lm head")?;
-    Ok(if transposed {
-        amx::Packed::new(w, true, (v, c)) // B = Wᵀ (C, V)
-    } else {
-        amx::Packed::new(w, false, (c, v)) // B = W (V, C)
-    })
+    Ok(amx::Packed::new(w, false, (c, v))) // B = W (V, C)
 }
 
 /// `lhs (n, K) · B` in f32 on AMX tiles when `packed` is given and takes `lhs` (bf16,
@@ -171,15 +179,7 @@ fn amx_product(
     let (st, l) = lhs.storage_and_layout();
     let a = crate::kernels::fused::storage_data::<half::bf16>(&st, l, "lm head rows")?;
     let mut out = crate::kernels::fused::uninit::<f32>(n * cols);
-    if !p.gemm(&mut out, a, n) {
-        return Ok(None);
-    }
-    // the values a bf16 matmul returns (rounded from its f32 accumulators), kept in f32
-    out.par_chunks_mut(1 << 14).for_each(|c| {
-        c.iter_mut()
-            .for_each(|v| *v = crate::kernels::fused::round_bf16(*v))
-    });
-    Ok(Some(out))
+    Ok(p.gemm(&mut out, a, n).then_some(out))
 }
 
 /// The chunked forward. h: (N, C), head: (V, C), labels: (N) -> scalar, and on the CPU each
@@ -196,13 +196,12 @@ fn nll_sum_no_grad(
     let mut total = Tensor::zeros((), up, h.device())?;
     // On the CPU (f32 / f64 logits): one pass per row, no logits-sized temporary.
     let host_labels = cpu_labels(labels, h)?;
-    let packed = amx_head(h, head, true)?;
     let mut host_total = 0f64;
     let mut stats = Vec::new();
     for start in (0..n).step_by(step) {
         let len = step.min(n - start);
         let hc = h.narrow(0, start, len)?;
-        let logits = chunk_logits(&hc, head, softcap, packed.as_ref())?; // (n, V)
+        let logits = chunk_logits(&hc, head, softcap)?; // (n, V)
         if let Some(y) = &host_labels {
             let (nll, rows) =
                 crate::kernels::cross_entropy::ce_nll_sum(&logits, &y[start..start + len])?;
@@ -268,12 +267,8 @@ fn nll_bwd(
     for start in (0..n).step_by(step) {
         let len = step.min(n - start);
         let hc = h.narrow(0, start, len)?; // (n, C)
-                                           // On AMX the head is packed per chunk, Wᵀ for the logits and then W for dh, each
-                                           // dropped after its product: one packed copy (2 bytes per element) alive at a time.
-        let packed = amx_head(&h, &w, true)?;
-        let logits = chunk_logits(&hc, &w, softcap, packed.as_ref())?; // (n, V)
-        drop(packed);
-        // The cap's derivative, before the logits' buffer becomes their gradient: (n, V)
+        let logits = chunk_logits(&hc, &w, softcap)?; // (n, V)
+                                                      // The cap's derivative, before the logits' buffer becomes their gradient: (n, V)
         let dcap = match softcap {
             Some(cap) => Some((1.0 - (&logits / cap)?.sqr()?)?),
             None => None,
@@ -310,7 +305,9 @@ fn nll_bwd(
         };
         let c = w.dim(1)?;
         dh.push(
-            match amx_product(&dlogits, amx_head(&h, &w, false)?.as_ref())? {
+            // On AMX the head is packed (2 bytes per element) for this product alone, after the
+            // logits' f32 buffer is gone: the packed copy and dlogits are what is alive.
+            match amx_product(&dlogits, amx_head(&h, &w)?.as_ref())? {
                 Some(d) => {
                     Tensor::from_vec(crate::kernels::fused::narrow_bf16(&d), (len, c), h.device())?
                 }
@@ -480,9 +477,9 @@ mod tests {
 
         // one chunk's logits
         let hc = h.narrow(0, 0, 128)?;
-        let packed = amx_head(&hc, &head, true)?.expect("AMX takes the head");
-        let on = chunk_logits(&hc, &head, None, Some(&packed))?;
-        let twin = amx::without_amx(|| chunk_logits(&hc, &head, None, None))?;
+        assert!(amx_logits(&hc, &head)?.is_some(), "AMX takes the head");
+        let on = chunk_logits(&hc, &head, None)?;
+        let twin = amx::without_amx(|| chunk_logits(&hc, &head, None))?;
         assert_eq!(on.dtype(), F32);
         let abs_sum = hc
             .to_dtype(F32)?
