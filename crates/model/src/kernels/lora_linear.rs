@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 use crate::kernels::amx;
 use crate::kernels::dropout::DropoutOp;
-use crate::kernels::fused::{narrow_bf16, round_bf16, rows_per_task, uninit, widen_bf16};
+use crate::kernels::fused::{round_bf16, rows_per_task, to_bf16, uninit, widen_bf16};
 use crate::kernels::nf4::Nf4Weight;
 
 /// The frozen base weight (N, K) of a one-op LoRA linear: dense in the compute dtype, or NF4.
@@ -226,20 +226,45 @@ impl LoraLinearOp {
         gemm_into(&mut xa, false, xd, a, true, (m, r, k), self.scale as f32); // s xd Aᵀ
         let mut l = uninit::<f32>(m * n);
         gemm_into(&mut l, false, &xa, b, true, (m, n, r), 1.0); // (s xd Aᵀ) Bᵀ
-        let rows = n * rows_per_task(n);
-        t.par_chunks_mut(rows)
-            .zip(l.par_chunks(rows))
-            .for_each(|(t, l)| match &bias {
-                None => t.iter_mut().zip(l).for_each(|(t, l)| {
-                    *t = round_bf16(*t) + round_bf16(*l);
-                }),
-                Some(bias) => t.chunks_mut(n).zip(l.chunks(n)).for_each(|(t, l)| {
-                    for ((t, l), c) in t.iter_mut().zip(l).zip(bias) {
-                        *t = round_bf16(round_bf16(*t) + c) + round_bf16(*l);
-                    }
-                }),
-            });
-        Ok(narrow_bf16(&t))
+        Ok(sum_bf16(&t, &l, bias.as_deref(), n))
+    }
+}
+
+/// bf16(bf16(t) + bf16(l)) of (rows, n) f32 buffers, with a bias c (n) bf16(bf16(bf16(t) + c)
+/// + bf16(l)): the base's product and the adapter's, each rounded as the unfused bf16 graph
+/// rounds them, summed and written as bf16 in one pass, on rayon's threads.
+fn sum_bf16(t: &[f32], l: &[f32], bias: Option<&[f32]>, n: usize) -> Vec<bf16> {
+    let rows = n * rows_per_task(n);
+    let mut out = uninit::<bf16>(t.len());
+    out.par_chunks_mut(rows)
+        .zip(t.par_chunks(rows).zip(l.par_chunks(rows)))
+        .for_each(|(o, (t, l))| sum_rows_bf16(o, t, l, bias, n));
+    out
+}
+
+crate::kernels::fused::multiversion!(
+    /// [`sum_bf16`] over whole rows.
+    fn sum_rows_bf16(o: &mut [bf16], t: &[f32], l: &[f32], bias: Option<&[f32]>, n: usize) => sum_rows_bf16_body
+);
+
+#[inline(always)]
+fn sum_rows_bf16_body(o: &mut [bf16], t: &[f32], l: &[f32], bias: Option<&[f32]>, n: usize) {
+    match bias {
+        None => {
+            let len = o.len();
+            let (t, l) = (&t[..len], &l[..len]);
+            for i in 0..len {
+                o[i] = to_bf16(round_bf16(t[i]) + round_bf16(l[i]));
+            }
+        }
+        Some(c) => {
+            let c = &c[..n];
+            for ((o, t), l) in o.chunks_mut(n).zip(t.chunks(n)).zip(l.chunks(n)) {
+                for j in 0..n {
+                    o[j] = to_bf16(round_bf16(round_bf16(t[j]) + c[j]) + round_bf16(l[j]));
+                }
+            }
+        }
     }
 }
 
@@ -386,15 +411,7 @@ impl LoraLinearDx {
         if let Some(op) = &self.dropout {
             lora = op.run(&lora);
         }
-        let rows = k * rows_per_task(k);
-        base.par_chunks_mut(rows)
-            .zip(lora.par_chunks(rows))
-            .for_each(|(d, l)| {
-                d.iter_mut()
-                    .zip(l)
-                    .for_each(|(d, l)| *d = round_bf16(*d) + round_bf16(*l))
-            });
-        Ok(narrow_bf16(&base))
+        Ok(sum_bf16(&base, &lora, None, k))
     }
 }
 
