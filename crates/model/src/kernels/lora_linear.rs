@@ -230,9 +230,9 @@ impl LoraLinearOp {
     }
 }
 
-/// bf16(bf16(t) + bf16(l)) of (rows, n) f32 buffers, with a bias c (n) bf16(bf16(bf16(t) + c)
-/// + bf16(l)): the base's product and the adapter's, each rounded as the unfused bf16 graph
-/// rounds them, summed and written as bf16 in one pass, on rayon's threads.
+/// r(r(t) + r(l)) of (rows, n) f32 buffers (r: rounding to bf16), with a bias c (n)
+/// r(r(r(t) + c) + r(l)): the base's product and the adapter's, each rounded as the unfused
+/// bf16 graph rounds them, summed and written as bf16 in one pass, on rayon's threads.
 fn sum_bf16(t: &[f32], l: &[f32], bias: Option<&[f32]>, n: usize) -> Vec<bf16> {
     let rows = n * rows_per_task(n);
     let mut out = uninit::<bf16>(t.len());
