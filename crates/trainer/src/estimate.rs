@@ -965,8 +965,11 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // feed-forward's (tokens x intermediate): the gradients of the SwiGLU output, of gate and of
     // up, each accumulated by Candle as zeros + add, about six such tensors at once. Measured on
     // the CPU (2026-11-24, random shapes, intermediate 1024-4096): 24-27 bytes per element in
-    // f32 and in bf16 (whose CPU matmuls work in f32). On CUDA the gradients stay in the model
-    // dtype: six of them, 6 x s (not measured yet).
+    // f32 and in bf16 (whose CPU matmuls work in f32). The vendored candle-core now stores a
+    // first contiguous gradient as it is instead of zeros + add; measured again (2026-11-27,
+    // `tallow bench` on the bench shapes, f32 and bf16) the phase peaks moved by at most 1.2%
+    // (f32 base: 467.7 -> 462.2 MiB), so the figure stands. On CUDA the gradients stay in the
+    // model dtype: six of them, 6 x s (not measured yet).
     let ffn_grad = if device == "cpu" { 24 } else { 6 * s };
     let (scores_fwd, scores_bwd) = attention_transients(m, cfg, cpu);
     let attn_bwd =

@@ -784,10 +784,62 @@ fn rope_run<T: Real, const ROUND: bool>(
     let (cos, sin) = cs.split_at(b * t * d);
     let scale = T::from_f64(scale);
     let mut out = uninit::<T>(x.len());
-    // One task per output (b, outer) row block of D-vectors.
-    out.par_chunks_mut(d).enumerate().for_each(|(row, o)| {
-        // Output row index -> (bi, hi, ti) and the input row.
-        let (bi, ti, src) = if backward {
+    // One task per block of output rows (D-vectors), about 16 KiB of them.
+    let rows = rows_per_task(d);
+    out.par_chunks_mut(rows * d)
+        .enumerate()
+        .for_each(|(task, o)| {
+            rope_rows::<T>(
+                o,
+                task * rows,
+                x,
+                (cos, sin),
+                (t, h, d),
+                scale,
+                (ROUND, backward),
+            )
+        });
+    Ok(out)
+}
+
+multiversion!(
+    /// Output rows `row0..` of the rotary op (its forward or backward) into `o`.
+    fn rope_rows<T: Real>(o: &mut [T], row0: usize, x: &[T], cs: (&[T], &[T]), thd: (usize, usize, usize), scale: T, rb: (bool, bool)) => rope_rows_body
+);
+
+/// [`rope_rows`]'s body: `rb` = (round, backward), matched once for all rows.
+#[inline(always)]
+fn rope_rows_body<T: Real>(
+    o: &mut [T],
+    row0: usize,
+    x: &[T],
+    cs: (&[T], &[T]),
+    thd: (usize, usize, usize),
+    scale: T,
+    rb: (bool, bool),
+) {
+    match rb {
+        (false, false) => rope_rows_as::<T, false, false>(o, row0, x, cs, thd, scale),
+        (true, false) => rope_rows_as::<T, true, false>(o, row0, x, cs, thd, scale),
+        (false, true) => rope_rows_as::<T, false, true>(o, row0, x, cs, thd, scale),
+        (true, true) => rope_rows_as::<T, true, true>(o, row0, x, cs, thd, scale),
+    }
+}
+
+/// The rows of [`rope_rows`], with the rounding and the direction as constants.
+#[inline(always)]
+fn rope_rows_as<T: Real, const ROUND: bool, const BACKWARD: bool>(
+    o: &mut [T],
+    row0: usize,
+    x: &[T],
+    (cos, sin): (&[T], &[T]),
+    (t, h, d): (usize, usize, usize),
+    scale: T,
+) {
+    for (i, o) in o.chunks_mut(d).enumerate() {
+        let row = row0 + i;
+        // Output row index -> (bi, ti) and the input row.
+        let (bi, ti, src) = if BACKWARD {
             // out (B, T, H, D): row = (bi * t + ti) * h + hi; input (B, H, T, D)
             let (bt, hi) = (row / h, row % h);
             let (bi, ti) = (bt / t, bt % t);
@@ -800,33 +852,11 @@ fn rope_run<T: Real, const ROUND: bool>(
         };
         let c = &cos[(bi * t + ti) * d..][..d];
         let s = &sin[(bi * t + ti) * d..][..d];
-        rope_row::<T>(o, &x[src..src + d], c, s, scale, ROUND, backward);
-    });
-    Ok(out)
-}
-
-multiversion!(
-    /// One D-vector of the rotary op (its forward or backward) into `o`.
-    fn rope_row<T: Real>(o: &mut [T], x: &[T], c: &[T], s: &[T], scale: T, round: bool, backward: bool) => rope_row_body
-);
-
-/// [`rope_row`]'s body: one branch-free loop per half of the vector, so that they vectorize.
-/// `round`: each product and sum rounded to bf16, as the bf16 graph's ops do.
-#[inline(always)]
-fn rope_row_body<T: Real>(
-    o: &mut [T],
-    x: &[T],
-    c: &[T],
-    s: &[T],
-    scale: T,
-    round: bool,
-    backward: bool,
-) {
-    match (round, backward) {
-        (false, false) => rope_fwd_row::<T, false>(o, x, c, s, scale),
-        (true, false) => rope_fwd_row::<T, true>(o, x, c, s, scale),
-        (false, true) => rope_bwd_row::<T, false>(o, x, c, s, scale),
-        (true, true) => rope_bwd_row::<T, true>(o, x, c, s, scale),
+        if BACKWARD {
+            rope_bwd_row::<T, ROUND>(o, &x[src..src + d], c, s, scale);
+        } else {
+            rope_fwd_row::<T, ROUND>(o, &x[src..src + d], c, s, scale);
+        }
     }
 }
 
