@@ -529,10 +529,11 @@ fn trainable_matmul(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
 }
 
 /// bf16 products in f32: (64, 96) x (96, 64), the right operand given as a linear's weight
-/// (64, 96) and as a plain (96, 64) matrix, and (48, 1056) x (1056, 64), whose K spans two of
-/// the kernel's k slices (as the LM head's backward, which reduces over the vocabulary): on AMX
-/// tiles (when the CPU has them), or, `generic`, both operands widened to f32 and multiplied by
-/// Candle's matmul. On the CPU whatever `dev`.
+/// (64, 96) and as a plain (96, 64) matrix, (48, 1056) x (1056, 64), whose K spans two of
+/// the kernel's k slices (as the LM head's backward, which reduces over the vocabulary), and
+/// (40, 96) x (100, 96)ᵀ run transposed (as the LM head's logits): on AMX tiles (when the CPU
+/// has them), or, `generic`, both operands widened to f32 and multiplied by Candle's matmul.
+/// On the CPU whatever `dev`.
 fn amx_matmul(_dev: &Device, _dt: DType, generic: bool) -> R<Vec<Tensor>> {
     use tallow_model::kernels::amx;
     let r = &mut rng(21);
@@ -567,6 +568,26 @@ fn amx_matmul(_dev: &Device, _dt: DType, generic: bool) -> R<Vec<Tensor>> {
             });
         }
     }
+    // x Wᵀ run transposed (the LM head's logits: W read as stored, x packed), with M and N
+    // not multiples of 32 (x's and W's rows padded).
+    let (m, n, k) = (40, 100, 96);
+    let x = input(r, &[m, k], &Device::Cpu, DType::BF16)?;
+    let w = input(r, &[n, k], &Device::Cpu, DType::BF16)?;
+    let mut dst = vec![0f32; m * n];
+    let on_amx = !generic
+        && amx::gemm_bf16_wt(
+            &mut dst,
+            &x.flatten_all()?.to_vec1::<half::bf16>()?,
+            &w.flatten_all()?.to_vec1::<half::bf16>()?,
+            (m, n, k),
+            false,
+        );
+    out.push(if on_amx {
+        Tensor::from_vec(dst, (m, n), &Device::Cpu)?
+    } else {
+        x.to_dtype(DType::F32)?
+            .matmul(&w.to_dtype(DType::F32)?.t()?)?
+    });
     Ok(out)
 }
 
