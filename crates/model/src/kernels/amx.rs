@@ -237,6 +237,7 @@ mod imp {
     use super::{bf16, Out, ParallelIterator, SLICE_KBS, TASK_PANELS, TASK_ROWS};
     use rayon::prelude::*;
     use std::arch::asm;
+    use std::ops::Range;
 
     /// CPUID leaf 7: AMX-BF16 (EDX bit 22) and AMX-TILE (bit 24); then the kernel's permission
     /// for the tile data state (Linux 5.16+: `ARCH_REQ_XCOMP_PERM` = 0x1023,
@@ -355,6 +356,78 @@ mod imp {
         }
     }
 
+    /// Rayon's tasks over a product of `rows` rows and `panels` panels: each gets its rows
+    /// (at most [`TASK_ROWS`]) and panels (at most [`TASK_PANELS`]), its own to write.
+    fn for_each_task(rows: usize, panels: usize, f: impl Fn(Range<usize>, Range<usize>) + Sync) {
+        let col_tasks = panels.div_ceil(TASK_PANELS);
+        (0..rows.div_ceil(TASK_ROWS) * col_tasks)
+            .into_par_iter()
+            .for_each(|task| {
+                let (m0, p0) = (
+                    (task / col_tasks) * TASK_ROWS,
+                    (task % col_tasks) * TASK_PANELS,
+                );
+                f(
+                    m0..(m0 + TASK_ROWS).min(rows),
+                    p0..(p0 + TASK_PANELS).min(panels),
+                );
+            });
+    }
+
+    /// The rows `rs` of `lhs` (K wide) times the panels `ps` of `packed`, over every k slice:
+    /// the 32-row block from row `mb` of panel `p` goes to `dest(mb, p)` (a pointer and its
+    /// row stride in f32). The last rows, fewer than 32, run on a zero-padded copy as the
+    /// block from the first of them.
+    ///
+    /// # Safety
+    /// `dest` gives each (mb, p) a 32 x 32 block of its own, valid for writes and kept over
+    /// the k slices.
+    unsafe fn task_product(
+        lhs: &[bf16],
+        packed: &[u32],
+        k: usize,
+        (rs, ps): (Range<usize>, Range<usize>),
+        dest: impl Fn(usize, usize) -> (*mut f32, usize),
+    ) {
+        let kbs = k / 32;
+        let full = rs.start + rs.len() / 32 * 32;
+        let tail = (full < rs.end).then(|| {
+            let mut pad = vec![bf16::ZERO; 32 * k];
+            pad[..(rs.end - full) * k].copy_from_slice(&lhs[full * k..rs.end * k]);
+            pad
+        });
+        // SAFETY: the configuration is a valid palette-1 one; every block reads rows of `lhs`
+        // / `pad` and a panel slice of `packed` within bounds (K = 32 kbs) and writes where
+        // `dest` says; the tiles are released before the task ends.
+        unsafe {
+            asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly));
+            for kb0 in (0..kbs).step_by(SLICE_KBS) {
+                let slice = SLICE_KBS.min(kbs - kb0);
+                let acc = kb0 > 0;
+                for p in ps.clone() {
+                    let b = packed.as_ptr().add((p * kbs + kb0) * 512);
+                    for mb in (rs.start..full).step_by(32) {
+                        let (c, ldc) = dest(mb, p);
+                        block(
+                            lhs.as_ptr().add(mb * k + kb0 * 32),
+                            k,
+                            b,
+                            slice,
+                            c,
+                            ldc,
+                            acc,
+                        );
+                    }
+                    if let Some(pad) = &tail {
+                        let (c, ldc) = dest(full, p);
+                        block(pad.as_ptr().add(kb0 * 32), k, b, slice, c, ldc, acc);
+                    }
+                }
+            }
+            asm!("tilerelease", options(nostack, nomem));
+        }
+    }
+
     /// `dst (cols, rows)` := (`lhs (rows, K)` · the packed B (K, n))ᵀ, for B's first `cols`
     /// columns (the rest are padding); with `round`, each value rounded to bf16 precision.
     /// The tasks' blocks go to a scratch of their own, then out transposed.
@@ -366,50 +439,22 @@ mod imp {
         cols: usize,
         round: bool,
     ) {
-        let kbs = k / 32;
-        let panels = n / 32;
         let out = Out(dst.as_mut_ptr());
-        let row_tasks = rows.div_ceil(TASK_ROWS);
-        let col_tasks = panels.div_ceil(TASK_PANELS);
         const LDS: usize = TASK_PANELS * 32;
-        (0..row_tasks * col_tasks).into_par_iter().for_each(|task| {
-            let (m0, p0) = (
-                (task / col_tasks) * TASK_ROWS,
-                (task % col_tasks) * TASK_PANELS,
-            );
-            let (m1, p1) = ((m0 + TASK_ROWS).min(rows), (p0 + TASK_PANELS).min(panels));
-            let full = m0 + (m1 - m0) / 32 * 32;
-            let tail = (full < m1).then(|| {
-                let mut pad = vec![bf16::ZERO; 32 * k];
-                pad[..(m1 - full) * k].copy_from_slice(&lhs[full * k..m1 * k]);
-                pad
-            });
+        for_each_task(rows, n / 32, |rs, ps| {
+            let (m0, p0) = (rs.start, ps.start);
             // This task's (rows, 32 panels) block, row stride LDS; 32-row blocks, the tail's
             // padded to 32.
             let mut scratch = vec![0f32; TASK_ROWS * LDS];
-            // SAFETY: as in `run`; every block writes its own 32 x 32 block of `scratch`,
-            // whose TASK_ROWS rows hold the task's m1 - m0 rows rounded up to 32.
+            let sc = scratch.as_mut_ptr();
+            // SAFETY: every (mb, p) block is its own 32 x 32 block of `scratch`, whose
+            // TASK_ROWS rows hold the task's rows rounded up to 32.
             unsafe {
-                asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly));
-                for kb0 in (0..kbs).step_by(SLICE_KBS) {
-                    let slice = SLICE_KBS.min(kbs - kb0);
-                    let acc = kb0 > 0;
-                    for p in p0..p1 {
-                        let b = packed.as_ptr().add((p * kbs + kb0) * 512);
-                        let sc = scratch.as_mut_ptr().add((p - p0) * 32);
-                        for mb in (m0..full).step_by(32) {
-                            let a = lhs.as_ptr().add(mb * k + kb0 * 32);
-                            block(a, k, b, slice, sc.add((mb - m0) * LDS), LDS, acc);
-                        }
-                        if let Some(pad) = &tail {
-                            let a = pad.as_ptr().add(kb0 * 32);
-                            block(a, k, b, slice, sc.add((full - m0) * LDS), LDS, acc);
-                        }
-                    }
-                }
-                asm!("tilerelease", options(nostack, nomem));
-            }
-            // Out transposed: dst row j (a column of B) gets the task's rows m0..m1.
+                task_product(lhs, packed, k, (rs.clone(), ps.clone()), |mb, p| {
+                    (sc.add((mb - m0) * LDS + (p - p0) * 32), LDS)
+                })
+            };
+            // Out transposed: dst row j (a column of B) gets the task's rows.
             let rounded = |v: f32| {
                 if round {
                     crate::kernels::fused::round_bf16(v)
@@ -417,12 +462,12 @@ mod imp {
                     v
                 }
             };
-            for j in p0 * 32..(p1 * 32).min(cols) {
+            for j in p0 * 32..(ps.end * 32).min(cols) {
                 let c = j - p0 * 32;
-                // SAFETY: dst holds `cols` rows of `rows`; row j, columns m0..m1 belong to this
+                // SAFETY: dst holds `cols` rows of `rows`; row j, columns rs belong to this
                 // task alone (its rows of A).
                 let drow =
-                    unsafe { std::slice::from_raw_parts_mut(out.at(j * rows + m0), m1 - m0) };
+                    unsafe { std::slice::from_raw_parts_mut(out.at(j * rows + m0), rs.len()) };
                 for (i, d) in drow.iter_mut().enumerate() {
                     *d = rounded(scratch[i * LDS + c]);
                 }
@@ -431,66 +476,36 @@ mod imp {
     }
 
     pub fn run(dst: &mut [f32], lhs: &[bf16], packed: &[u32], (m, n, k): (usize, usize, usize)) {
-        let kbs = k / 32;
-        let panels = n / 32;
         let out = Out(dst.as_mut_ptr());
-        let row_tasks = m.div_ceil(TASK_ROWS);
-        let col_tasks = panels.div_ceil(TASK_PANELS);
-        (0..row_tasks * col_tasks).into_par_iter().for_each(|task| {
-            let (m0, p0) = (
-                (task / col_tasks) * TASK_ROWS,
-                (task % col_tasks) * TASK_PANELS,
-            );
-            let (m1, p1) = ((m0 + TASK_ROWS).min(m), (p0 + TASK_PANELS).min(panels));
-            let full = m0 + (m1 - m0) / 32 * 32;
-            // The last rows, fewer than 32, run on a zero-padded copy into a scratch block per
-            // panel (kept over the k slices).
-            let tail = (full < m1).then(|| {
-                let mut pad = vec![bf16::ZERO; 32 * k];
-                pad[..(m1 - full) * k].copy_from_slice(&lhs[full * k..m1 * k]);
-                pad
-            });
+        for_each_task(m, n / 32, |rs, ps| {
+            let (m1, p0) = (rs.end, ps.start);
+            let full = rs.start + rs.len() / 32 * 32;
+            // The last rows, fewer than 32, go to a scratch block per panel, then to dst.
             let mut scratch = [0f32; 32 * 32 * TASK_PANELS];
-            // SAFETY: the configuration is a valid palette-1 one; every block reads rows of
-            // `lhs` / `pad` and a panel slice of `packed` within bounds (K = 32 kbs, N = 32
-            // panels) and writes its own 32 x 32 block of dst (rows m0..m1 and columns
-            // 32p0..32p1 belong to this task alone) or its panel's scratch; the tiles are
-            // released before the task ends.
+            let sc = scratch.as_mut_ptr();
+            // SAFETY: a whole block writes its own 32 x 32 block of dst (rows rs and columns
+            // 32 ps belong to this task alone), the tail its panel's scratch block.
             unsafe {
-                asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly));
-                for kb0 in (0..kbs).step_by(SLICE_KBS) {
-                    let slice = SLICE_KBS.min(kbs - kb0);
-                    let acc = kb0 > 0;
-                    for p in p0..p1 {
-                        let b = packed.as_ptr().add((p * kbs + kb0) * 512);
-                        for mb in (m0..full).step_by(32) {
-                            block(
-                                lhs.as_ptr().add(mb * k + kb0 * 32),
-                                k,
-                                b,
-                                slice,
-                                out.at(mb * n + p * 32),
-                                n,
-                                acc,
-                            );
-                        }
-                        if let Some(pad) = &tail {
-                            let sc = scratch.as_mut_ptr().add((p - p0) * 1024);
-                            block(pad.as_ptr().add(kb0 * 32), k, b, slice, sc, 32, acc);
-                        }
+                task_product(lhs, packed, k, (rs, ps.clone()), |mb, p| {
+                    if mb < full {
+                        (out.at(mb * n + p * 32), n)
+                    } else {
+                        (sc.add((p - p0) * 1024), 32)
                     }
-                }
-                asm!("tilerelease", options(nostack, nomem));
-                if tail.is_some() {
-                    for p in p0..p1 {
-                        let sc = &scratch[(p - p0) * 1024..][..1024];
-                        for (i, row) in sc.chunks(32).take(m1 - full).enumerate() {
+                })
+            };
+            if full < m1 {
+                for p in ps {
+                    let sc = &scratch[(p - p0) * 1024..][..1024];
+                    for (i, row) in sc.chunks(32).take(m1 - full).enumerate() {
+                        // SAFETY: rows full..m1, columns 32p..32p + 32 of dst are this task's.
+                        unsafe {
                             std::ptr::copy_nonoverlapping(
                                 row.as_ptr(),
                                 out.at((full + i) * n + p * 32),
                                 32,
-                            );
-                        }
+                            )
+                        };
                     }
                 }
             }
