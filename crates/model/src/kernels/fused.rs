@@ -367,13 +367,17 @@ multiversion!(
     fn widen_into(o: &mut [f32], x: &[half::bf16]) => widen_body
 );
 
+/// bf16's bits widened to f32 (exact), in a form loops vectorize.
+#[inline(always)]
+fn wide(x: half::bf16) -> f32 {
+    f32::from_bits((x.to_bits() as u32) << 16)
+}
+
 #[inline(always)]
 fn widen_body(o: &mut [f32], x: &[half::bf16]) {
     // the bits shifted up (`half`'s to_f32 also quiets a signaling NaN, in a branch that keeps
     // the loop from vectorizing)
-    o.iter_mut()
-        .zip(x)
-        .for_each(|(o, x)| *o = f32::from_bits((x.to_bits() as u32) << 16))
+    o.iter_mut().zip(x).for_each(|(o, x)| *o = wide(*x))
 }
 
 /// f32 values rounded to bf16 (to nearest, ties to even: Candle's, `half`'s and PyTorch's
@@ -767,16 +771,17 @@ struct Rope {
     backward: bool,
 }
 
-/// `ROUND`: each product and sum rounded to bf16 as the bf16 graph of [`apply_rope_scaled`]
-/// (and transformers' `q * cos + rotate_half(q) * sin` in bf16) rounds it (a constant, so the
-/// f32 / f64 loop has no branch for it).
+/// `round`: each product and sum rounded to bf16 as the bf16 graph of [`apply_rope_scaled`]
+/// (and transformers' `q * cos + rotate_half(q) * sin` in bf16) rounds it (a constant of the
+/// row loops, [`rope_rows_as`], so the f32 / f64 loop has no branch for it).
 ///
 /// [`apply_rope_scaled`]: crate::nn::ops::apply_rope_scaled
-fn rope_run<T: Real, const ROUND: bool>(
+fn rope_run<T: Real>(
     x: &[T],
     cs: &[T],
     dims: (usize, usize, usize, usize),
     scale: f64,
+    round: bool,
     backward: bool,
 ) -> R<Vec<T>> {
     // Forward: x is (B, T, H, D), out (B, H, T, D); backward: x is (B, H, T, D), out (B, T, H, D).
@@ -796,7 +801,7 @@ fn rope_run<T: Real, const ROUND: bool>(
                 (cos, sin),
                 (t, h, d),
                 scale,
-                (ROUND, backward),
+                (round, backward),
             )
         });
     Ok(out)
@@ -919,13 +924,13 @@ impl Kernel<2> for Rope {
     }
 
     fn kernel<T: Real>(&self, [x, cs]: [&[T]; 2], dims: Self::Dims) -> R<Vec<T>> {
-        rope_run::<T, false>(x, cs, dims, self.scale, self.backward)
+        rope_run::<T>(x, cs, dims, self.scale, false, self.backward)
     }
 
     /// In f32 on the widened inputs, rounded to bf16 where the bf16 graph rounds.
     fn kernel_bf16(&self, [x, cs]: [&[bf16]; 2], dims: Self::Dims) -> R<Vec<bf16>> {
         let (x, cs) = (widen_bf16(x), widen_bf16(cs));
-        let y = rope_run::<f32, true>(&x, &cs, dims, self.scale, self.backward)?;
+        let y = rope_run::<f32>(&x, &cs, dims, self.scale, true, self.backward)?;
         Ok(narrow_bf16(&y))
     }
 
@@ -1313,12 +1318,6 @@ fn swiglu_map<T: candle_core::WithDType>(
         .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
         .for_each(|(o, (g, u))| f(o, g, u));
     out
-}
-
-/// bf16's bits widened to f32 (exact), in a form loops vectorize.
-#[inline(always)]
-fn wide(x: bf16) -> f32 {
-    f32::from_bits((x.to_bits() as u32) << 16)
 }
 
 multiversion!(
