@@ -37,6 +37,8 @@ pub struct Row {
     /// The phase that ran out of memory.
     pub oom_phase: Option<String>,
     pub phases: Phases,
+    /// The estimate per phase, as `estimated_peak_bytes`: what the memory pool holds (on CUDA
+    /// less the context and cuBLAS workspace the estimate adds outside it).
     pub estimated_phases: tallow_trainer::estimate::PhaseBytes,
     pub steps: usize,
     /// Why the cell failed, when it did for another reason than memory.
@@ -330,8 +332,15 @@ fn run_cell(
         1 => Some(rates[0]),
         n => Some(rates[1..].iter().sum::<f64>() / (n - 1) as f64),
     };
-    // On CUDA the pool does not see the context: compare pool with pool.
+    // On CUDA the pool does not see the context: compare pool with pool, the phases too.
     let estimated = est.total_bytes - est.outside_pool_bytes;
+    let pool = |b: u64| b.saturating_sub(est.outside_pool_bytes);
+    let estimated_phases = tallow_trainer::estimate::PhaseBytes {
+        load: pool(est.phases.load),
+        forward: pool(est.phases.forward),
+        backward: pool(est.phases.backward),
+        optimizer: pool(est.phases.optimizer),
+    };
     Ok(Row {
         config: cell.iter().cloned().collect(),
         measured_peak_bytes: measured,
@@ -343,7 +352,7 @@ fn run_cell(
         oom,
         oom_phase,
         phases,
-        estimated_phases: est.phases,
+        estimated_phases,
         steps: done,
         error,
     })

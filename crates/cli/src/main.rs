@@ -44,7 +44,11 @@ fn main() {
     tallow_trainer::memory::mark_counting_installed();
     let cli = args::Cli::parse();
     let result = match cli.command {
-        args::Command::Train(a) => train::run(a),
+        args::Command::Train(a) => {
+            let r = train::run(a);
+            tallow_trainer::memory::trace::report();
+            r
+        }
         args::Command::Eval(a) => eval::run(a),
         args::Command::Merge(a) => merge::run(a),
         args::Command::Generate(a) => generate::run(a),

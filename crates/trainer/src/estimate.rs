@@ -350,8 +350,8 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
 /// [`layer_activation_bytes`]); the CPU's fused op needs none of them. Chunked
 /// (`tallow_model::kernels::chunked`): on the CPU each (batch, kv head) task holds two 64-row blocks of
 /// scores; on CUDA a block's scores are at most `BLOCK_SCORE_BYTES`, about 3 such in the
-/// forward (scores, exp, probabilities) and 6 in the backward (the recomputed ones, dP, dS and
-/// their casts), plus f32 dK / dV sums.
+/// forward (scores, exp, probabilities) and 4 in the backward (the recomputed ones, P, dP, dS)
+/// plus P and dS cast to a half-precision model dtype, plus f32 dK / dV sums.
 fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> (u64, u64) {
     let ops = paths(m, cfg, cpu);
     let (b, t) = (rows_per_micro_batch(cfg), cfg.data.max_seq_len);
@@ -390,9 +390,14 @@ fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> (u64
     let rows = tallow_model::kernels::chunked::block_rows(b, h, t);
     let block = (b * h * rows * t * 4) as u64;
     let extra = capped as u64 * block;
+    // The backward's block at its peak (traced with `TALLOW_TRACE_PEAK` on the CUDA path,
+    // 2026-11-27): the recomputed scores, P, dP and dS in f32, and P and dS cast to the model
+    // dtype for the matmuls (no copy in f32).
+    let s = dtype_bytes(cfg.model.dtype) as u64;
+    let casts = if s == 4 { 0 } else { 2 * block * s / 4 };
     (
         3 * block + extra,
-        6 * block + extra + (2 * b * t * kv * d * 4) as u64,
+        4 * block + casts + extra + (2 * b * t * kv * d * 4) as u64,
     )
 }
 
@@ -855,7 +860,8 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let acc_before = if cfg.train.grad_accum > 1 { acc } else { 0 };
 
     // Activations for the backward.
-    let cpu = device == "cpu";
+    // The CPU's kernels, unless `TALLOW_CUDA_PATHS_ON_CPU` has the CPU take CUDA's paths.
+    let cpu = Backend::named(device) == Backend::Cpu;
     let per_layer = layer_activation_bytes(m, cfg, b, t, cpu);
     let tokens = (b * t) as u64;
     let every = cfg.train.checkpoint_every.max(1);
@@ -906,7 +912,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // f32 output (the gemm crate's half-precision path, measured): with the LM head, a V x C f32
     // copy of the head weight per chunk, forward and backward (on AMX a packed bf16 copy).
     // CUDA's cuBLAS reads bf16 as is.
-    let cpu_half = device == "cpu" && s == 2;
+    let cpu_half = cpu && s == 2;
     // bf16 base matmuls of the LoRA linear on AMX tiles: where the estimate runs (the CPU
     // that trains on the CPU).
     let amx = cpu_half
@@ -930,7 +936,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // is packed for dh only once the f32 logits are gone: the backward holds the larger of
     // (f32 logits + their narrowed gradient) and (that gradient + W packed for dh).
     let rows_packed = 2 * chunk * c as u64;
-    let (ce, ce_bwd) = match (device == "cpu", cpu_half) {
+    let (ce, ce_bwd) = match (cpu, cpu_half) {
         (true, true) if amx_head => {
             let packed = 2 * (v * c) as u64;
             (
@@ -970,7 +976,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // `tallow bench` on the bench shapes, f32 and bf16) the phase peaks moved by at most 1.2%
     // (f32 base: 467.7 -> 462.2 MiB), so the figure stands. On CUDA the gradients stay in the
     // model dtype: six of them, 6 x s (not measured yet).
-    let ffn_grad = if device == "cpu" { 24 } else { 6 * s };
+    let ffn_grad = if cpu { 24 } else { 6 * s };
     let (scores_fwd, scores_bwd) = attention_transients(m, cfg, cpu);
     let attn_bwd =
         scores_bwd + tokens * 4 * 4 * c as u64 + tokens * ffn_grad * m.intermediate_size as u64;

@@ -54,9 +54,10 @@ pub struct CountingAlloc<A>(pub A);
 
 impl<A> CountingAlloc<A> {
     #[inline]
-    fn grew(size: usize) {
+    fn grew(size: usize) -> usize {
         let live = LIVE.fetch_add(size, Ordering::Relaxed) + size;
         PEAK.fetch_max(live, Ordering::Relaxed);
+        live
     }
 }
 
@@ -66,7 +67,8 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for CountingAlloc<A> {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let p = unsafe { self.0.alloc(layout) };
         if !p.is_null() {
-            Self::grew(layout.size());
+            let live = Self::grew(layout.size());
+            trace::alloc(p, layout.size(), live);
         }
         p
     }
@@ -75,7 +77,8 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for CountingAlloc<A> {
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         let p = unsafe { self.0.alloc_zeroed(layout) };
         if !p.is_null() {
-            Self::grew(layout.size());
+            let live = Self::grew(layout.size());
+            trace::alloc(p, layout.size(), live);
         }
         p
     }
@@ -84,17 +87,21 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for CountingAlloc<A> {
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         unsafe { self.0.dealloc(ptr, layout) };
         LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        trace::dealloc(ptr, layout.size());
     }
 
     #[inline]
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let p = unsafe { self.0.realloc(ptr, layout, new_size) };
         if !p.is_null() {
-            if new_size >= layout.size() {
-                Self::grew(new_size - layout.size());
+            trace::dealloc(ptr, layout.size());
+            let live = if new_size >= layout.size() {
+                Self::grew(new_size - layout.size())
             } else {
-                LIVE.fetch_sub(layout.size() - new_size, Ordering::Relaxed);
-            }
+                LIVE.fetch_sub(layout.size() - new_size, Ordering::Relaxed)
+                    - (layout.size() - new_size)
+            };
+            trace::alloc(p, new_size, live);
         }
         p
     }
@@ -104,6 +111,141 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for CountingAlloc<A> {
 /// thing in `main`), so host numbers are reported.
 pub fn mark_counting_installed() {
     INSTALLED.store(true, Ordering::Relaxed);
+    trace::init();
+}
+
+/// `TALLOW_TRACE_PEAK=1` (a development switch, CPU device): the counting allocator also keeps
+/// a backtrace of every live allocation of 1 MiB or more and, at each new high-water mark, a
+/// snapshot of them; [`trace::report`] prints the snapshot of the highest, grouped by where in
+/// tallow's code each block was allocated. It is how a miss of `tallow estimate` is found (which
+/// tensors are alive at the peak) without a heap profiler; with
+/// `TALLOW_CUDA_PATHS_ON_CPU=1` (`tallow_model::kernels::dispatch`) it shows the CUDA path's.
+/// Slow (a backtrace per large allocation): for a step or two of a small model.
+pub mod trace {
+    use std::backtrace::Backtrace;
+    use std::cell::Cell;
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    const MIN: usize = 1 << 20;
+    static ON: AtomicBool = AtomicBool::new(false);
+    static HIGH: AtomicUsize = AtomicUsize::new(0);
+
+    struct State {
+        live: HashMap<usize, (usize, Arc<Backtrace>)>,
+        /// (live bytes, the tracked blocks) at the highest mark so far.
+        peak: (usize, Vec<(usize, Arc<Backtrace>)>),
+    }
+    static STATE: Mutex<Option<State>> = Mutex::new(None);
+
+    thread_local! {
+        static BUSY: Cell<bool> = const { Cell::new(false) };
+    }
+
+    pub(super) fn init() {
+        if std::env::var("TALLOW_TRACE_PEAK").is_ok_and(|v| v.trim() == "1") {
+            ON.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Runs `f` on the state unless this thread is already inside (the tracer's own
+    /// allocations are counted, not traced).
+    fn with(f: impl FnOnce(&mut State)) {
+        if BUSY.with(|b| b.replace(true)) {
+            return;
+        }
+        if let Ok(mut g) = STATE.lock() {
+            let st = g.get_or_insert_with(|| State {
+                live: HashMap::new(),
+                peak: (0, Vec::new()),
+            });
+            f(st);
+        }
+        BUSY.with(|b| b.set(false));
+    }
+
+    #[inline]
+    pub(super) fn alloc(p: *mut u8, size: usize, live: usize) {
+        if size < MIN || !ON.load(Ordering::Relaxed) {
+            return;
+        }
+        with(|st| {
+            st.live
+                .insert(p as usize, (size, Arc::new(Backtrace::force_capture())));
+            if live > HIGH.load(Ordering::Relaxed) {
+                HIGH.store(live, Ordering::Relaxed);
+                st.peak = (live, st.live.values().cloned().collect());
+            }
+        });
+    }
+
+    #[inline]
+    pub(super) fn dealloc(p: *mut u8, size: usize) {
+        if size < MIN || !ON.load(Ordering::Relaxed) {
+            return;
+        }
+        with(|st| {
+            st.live.remove(&(p as usize));
+        });
+    }
+
+    /// A backtrace's innermost Candle tensor op and its first `n` frames in tallow's crates
+    /// (`name@file:line`, innermost first), as one key.
+    fn site(bt: &Backtrace, n: usize) -> String {
+        let text = bt.to_string();
+        let mut frames = Vec::new();
+        let mut op = None;
+        let mut name = "";
+        for line in text.lines().map(str::trim) {
+            if let Some(at) = line.strip_prefix("at ") {
+                if op.is_none() && at.contains("candle-core/src/tensor") {
+                    op = Some(name.to_string());
+                }
+                if let Some((_, file)) = at.split_once("/crates/") {
+                    if !file.starts_with("trainer/src/memory.rs") && frames.len() < n {
+                        frames.push(format!("{name}@{file}"));
+                    }
+                }
+            } else if let Some((_, f)) = line.split_once(": ") {
+                name = f.split('<').next().unwrap_or(f);
+            }
+        }
+        if std::env::var_os("TALLOW_TRACE_PEAK_RAW").is_some() {
+            eprintln!("{text}");
+        }
+        format!("[{}] {}", op.unwrap_or_default(), frames.join(" < "))
+    }
+
+    /// Prints the highest mark's tracked blocks to stderr, grouped by allocation site, largest
+    /// first; nothing when the switch is off.
+    pub fn report() {
+        if !ON.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut rows: Vec<(String, usize, usize)> = Vec::new();
+        let mut total = 0;
+        with(|st| {
+            total = st.peak.0;
+            let mut by: HashMap<String, (usize, usize)> = HashMap::new();
+            for (size, bt) in &st.peak.1 {
+                let e = by.entry(site(bt, 4)).or_default();
+                e.0 += size;
+                e.1 += 1;
+            }
+            rows = by.into_iter().map(|(k, (b, n))| (k, b, n)).collect();
+        });
+        rows.sort_by_key(|r| std::cmp::Reverse(r.1));
+        let tracked: usize = rows.iter().map(|r| r.1).sum();
+        eprintln!(
+            "peak trace: {:.1} MiB live at the highest mark, {:.1} MiB of it in blocks of 1 MiB or more:",
+            total as f64 / 1048576.0,
+            tracked as f64 / 1048576.0
+        );
+        for (site, bytes, n) in rows {
+            eprintln!("  {:>9.1} MiB  {n:>4} x  {site}", bytes as f64 / 1048576.0);
+        }
+    }
 }
 
 /// Live heap bytes right now, when [`CountingAlloc`] is installed.

@@ -966,7 +966,8 @@ impl<'a> Session<'a> {
         // A bf16 model on the CPU multiplies its base weights on AMX tiles where the CPU has
         // them (`tallow_model::kernels::amx`), else widened to f32: said once, as the speed
         // differs by about 1.5x.
-        let on_amx = (loaded.model.device().is_cpu()
+        use tallow_model::kernels::dispatch::Backend;
+        let on_amx = (Backend::of(loaded.model.device()) == Backend::Cpu
             && loaded.model.dtype() == candle_core::DType::BF16)
             .then(tallow_model::kernels::amx::enabled);
         if let (Some(amx), true) = (on_amx, main) {

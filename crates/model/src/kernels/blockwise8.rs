@@ -40,6 +40,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor};
 
 use crate::error::ModelError;
 use crate::kernels::consts::{cached, ConstKey};
+use crate::kernels::dispatch::Backend;
 
 /// Number of codes of an 8-bit map.
 const CODES: usize = 256;
@@ -298,7 +299,7 @@ fn invalid(msg: impl Into<String>) -> ModelError {
 /// Quantizes `x` (any float dtype, any shape) blockwise to 8 bits with the signed or unsigned
 /// [`dynamic_map`], on `x`'s device. See the module docs for the exact rounding.
 pub fn quantize_blockwise(x: &Tensor, signed: bool, block: usize) -> crate::Result<Blockwise8> {
-    quantize_with(x, signed, block, !x.device().is_cpu())
+    quantize_with(x, signed, block, Backend::of(x.device()) == Backend::Cuda)
 }
 
 /// [`quantize_blockwise`] through the device-generic tensor-op path (the one CUDA runs) on any

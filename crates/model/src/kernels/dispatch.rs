@@ -23,22 +23,36 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// The rule's backend for `device`: [`Backend::Cuda`] for the CPU too under
+    /// [`cuda_paths_on_cpu`].
     pub fn of(device: &Device) -> Self {
-        if device.is_cpu() {
+        if device.is_cpu() && !cuda_paths_on_cpu() {
             Backend::Cpu
         } else {
             Backend::Cuda
         }
     }
 
-    /// `tallow estimate`'s device names ("cpu", "cuda").
+    /// `tallow estimate`'s device names ("cpu", "cuda"), under the same switch.
     pub fn named(device: &str) -> Self {
-        if device == "cpu" {
+        if device == "cpu" && !cuda_paths_on_cpu() {
             Backend::Cpu
         } else {
             Backend::Cuda
         }
     }
+}
+
+/// `TALLOW_CUDA_PATHS_ON_CPU=1`, a development switch: tensors on the CPU take the paths CUDA
+/// takes (Candle's tensor ops and the tensor-op twins of tallow's CUDA kernels, no CPU kernel,
+/// no AMX), computed by the CPU. The values are the CUDA path's, within rounding (what `tallow
+/// doctor` checks); what it is for is measuring, on a machine without a GPU, what that path
+/// allocates and how many ops it issues (`tallow bench` with `train.device = "cpu"` then
+/// measures the CUDA step's tensors; `tallow estimate` for the CPU counts them the same way,
+/// without a CUDA context). Read once per process.
+pub fn cuda_paths_on_cpu() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TALLOW_CUDA_PATHS_ON_CPU").is_ok_and(|v| v.trim() == "1"))
 }
 
 /// The fused element-wise kernels take tensors of `dtype` on `backend`.

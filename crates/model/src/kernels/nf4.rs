@@ -53,6 +53,7 @@ use super::blockwise8::{
 use crate::error::{ModelError, Result};
 use crate::io::weights::Weights;
 use crate::kernels::consts::{cached, ConstKey};
+use crate::kernels::dispatch::Backend;
 use crate::kernels::matmul::InStorage;
 
 /// The NF4 codebook (`bitsandbytes.functional.get_4bit_type("nf4")`), sorted, index 0..15.
@@ -167,7 +168,7 @@ impl Nf4Weight {
     pub fn quantize(w: &Tensor, double_quant: bool) -> Result<Self> {
         let shape = w.dims2()?;
         let dtype = w.dtype();
-        let (packed, absmax) = if w.device().is_cpu() {
+        let (packed, absmax) = if Backend::of(w.device()) == Backend::Cpu {
             quantize_cpu(w, BLOCK)?
         } else {
             quantize_generic(w, BLOCK)?

@@ -13,6 +13,7 @@ use candle_core::Tensor;
 use crate::error::{ModelError, Result};
 use crate::kernels::amx;
 use crate::kernels::consts::ConstKey;
+use crate::kernels::dispatch::Backend;
 use crate::nn::ops;
 
 /// Elements of f32 logits per chunk (16 Mi elements = 64 MiB): bounds the transient memory.
@@ -126,7 +127,7 @@ fn chunk_logits(h: &Tensor, head: &Tensor, softcap: Option<f64>) -> candle_core:
 /// The bf16 operands of an AMX product on the CPU: both bf16, contiguous, on the CPU.
 fn amx_operands(h: &Tensor, head: &Tensor) -> bool {
     use candle_core::DType::BF16;
-    h.device().is_cpu()
+    Backend::of(h.device()) == Backend::Cpu
         && h.dtype() == BF16
         && head.dtype() == BF16
         && h.is_contiguous()
@@ -224,7 +225,9 @@ fn nll_sum_no_grad(
 /// f64); None elsewhere (the tensor-op path, which keeps everything on the device).
 fn cpu_labels(labels: &Tensor, h: &Tensor) -> candle_core::Result<Option<Vec<u32>>> {
     let up = ops::upcast(h.dtype());
-    if h.device().is_cpu() && matches!(up, candle_core::DType::F32 | candle_core::DType::F64) {
+    if Backend::of(h.device()) == Backend::Cpu
+        && matches!(up, candle_core::DType::F32 | candle_core::DType::F64)
+    {
         Ok(Some(labels.to_vec1::<u32>()?))
     } else {
         Ok(None)
