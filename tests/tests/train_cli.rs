@@ -774,6 +774,119 @@ fn op_counts_are_reproducible_and_grow_by_the_same_amount_per_layer() {
     );
 }
 
+/// Device operations (launches on CUDA) per decoder layer on the CUDA path, counted on the CPU
+/// under `TALLOW_CUDA_PATHS_ON_CPU=1` (`launches_forward` / `launches_backward`, step 2, a 2-layer
+/// minus a 1-layer random tiny Llama; `scripts/op_counts.sh` makes the same table): each count
+/// at most the one recorded in benchmarks/op-counts.md ("Launches per decoder layer"), so a
+/// change that adds launches to a layer fails here until the table is updated on purpose
+/// (exact integers: one extra op in a layer's forward fails it). Also checks the counts are
+/// real: positive, the checkpointed backward above the plain one (it recomputes the layer).
+#[test]
+fn cuda_path_launches_per_layer_do_not_grow() {
+    let dir = scratch("launches-per-layer");
+    let table = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../benchmarks/op-counts.md"),
+    )
+    .unwrap();
+    let section = &table[table
+        .find("## Launches per decoder layer")
+        .expect("the launches section")..];
+    let recorded = |name: &str| -> (u64, u64) {
+        let row = section
+            .lines()
+            .find(|l| l.starts_with(&format!("| {name} |")))
+            .unwrap_or_else(|| panic!("no row {name:?} in benchmarks/op-counts.md"));
+        let cells: Vec<u64> = row
+            .split('|')
+            .filter_map(|c| c.trim().parse().ok())
+            .collect();
+        (cells[0], cells[1])
+    };
+    let base: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(model_dir("tiny-llama").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    let launches = |layers: usize, sets: &[&str], run: &str| -> (u64, u64) {
+        let model = dir.join(format!("llama-{layers}"));
+        if !model.exists() {
+            let mut cfg = base.clone();
+            cfg["num_hidden_layers"] = layers.into();
+            let json = dir.join(format!("llama-{layers}.json"));
+            std::fs::write(&json, cfg.to_string()).unwrap();
+            make_random_model(env!("CARGO_BIN_EXE_make-random-model"), &json, &model, 8);
+        }
+        let out = dir.join(run);
+        let config = dir.join(format!("{run}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "[model]\npath = {:?}\ndtype = \"bf16\"\n[lora]\nrank = 8\ndropout = 0.0\n\
+                 targets = \"all-linear\"\n[data]\ntrain = {:?}\nmax_seq_len = 64\n\
+                 [train]\nmax_steps = 2\nmicro_batch_size = 1\ngrad_accum = 1\nlog_every = 1\n\
+                 device = \"cpu\"\noutput_dir = {:?}\n",
+                model.display().to_string(),
+                model.join("bench.jsonl").display().to_string(),
+                out.display().to_string()
+            ),
+        )
+        .unwrap();
+        let mut args = vec!["train", "--config", config.to_str().unwrap(), "--quiet"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        let r = tallow_env(&args, &[("TALLOW_CUDA_PATHS_ON_CPU", "1".into())]);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        let step2 = std::fs::read_to_string(out.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v.get("loss").is_some())
+            .nth(1)
+            .expect("step 2 logged");
+        (
+            step2["launches_forward"].as_u64().unwrap(),
+            step2["launches_backward"].as_u64().unwrap(),
+        )
+    };
+    let variants: [(&str, &[&str]); 4] = [
+        ("LoRA, chunked attention", &[]),
+        ("LoRA, eager attention", &["model.attention=\"eager\""]),
+        (
+            "QLoRA (NF4, double quant), chunked",
+            &["model.quantize=\"nf4\""],
+        ),
+        (
+            "LoRA, chunked, checkpointing",
+            &["train.checkpointing=true"],
+        ),
+    ];
+    let mut measured = Vec::new();
+    let mut over = Vec::new();
+    for (i, (name, sets)) in variants.iter().enumerate() {
+        let one = launches(1, sets, &format!("v{i}-1"));
+        let two = launches(2, sets, &format!("v{i}-2"));
+        let per_layer = (two.0 - one.0, two.1 - one.1);
+        assert!(per_layer.0 > 0 && per_layer.1 > 0, "{name}: {per_layer:?}");
+        let (f, b) = recorded(name);
+        if per_layer.0 > f || per_layer.1 > b {
+            over.push(format!(
+                "{name}: forward {} (table {f}), backward {} (table {b})",
+                per_layer.0, per_layer.1
+            ));
+        }
+        measured.push(per_layer);
+    }
+    assert!(
+        measured[3].1 > measured[0].1,
+        "checkpointing recomputes the layer: {measured:?}"
+    );
+    assert!(
+        over.is_empty(),
+        "more launches per layer than benchmarks/op-counts.md:\n{}",
+        over.join("\n")
+    );
+}
+
 /// `data.alpaca_prompt` / `alpaca_prompt_no_input` reach training: Alpaca rows with a custom
 /// template train exactly as the prompt_completion rows of that template (same adapter after
 /// 2 steps, bit for bit: the same token ids and targets), and a template without its

@@ -45,8 +45,19 @@ fn main() {
     let cli = args::Cli::parse();
     let result = match cli.command {
         args::Command::Train(a) => {
+            // Development switches: the peak's tensors (`TALLOW_TRACE_PEAK`, docs/memory.md)
+            // and the device operations per op name (`TALLOW_LAUNCH_BREAKDOWN`,
+            // benchmarks/op-counts.md), printed when the run ends.
+            let breakdown = std::env::var("TALLOW_LAUNCH_BREAKDOWN").is_ok_and(|v| v == "1");
+            candle_core::launches::set_breakdown(breakdown);
             let r = train::run(a);
             tallow_trainer::memory::trace::report();
+            if breakdown {
+                eprintln!("device operations by op, whole run:");
+                for (op, n) in candle_core::launches::breakdown() {
+                    eprintln!("  {n:>9}  {op}");
+                }
+            }
             r
         }
         args::Command::Eval(a) => eval::run(a),

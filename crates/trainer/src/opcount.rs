@@ -16,9 +16,32 @@
 
 use candle_core::{Device, Tensor};
 
-/// The process-wide tensor count now: a mark to subtract (see [`since`]). Makes one tiny host
-/// tensor (1 byte), which [`since`] leaves out.
-pub fn mark() -> u64 {
+/// A point to count from: the tensor counter and the device operations issued
+/// (`candle_core::launches`, the vendored candle-core's count of ops that run something on
+/// the device: kernels, copies, memsets, library calls; not views).
+#[derive(Clone, Copy, Debug)]
+pub struct Mark {
+    tensors: u64,
+    launches: u64,
+}
+
+/// What happened since a [`Mark`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Tensors created (ops and views).
+    pub ops: u64,
+    /// Device operations issued.
+    pub launches: u64,
+}
+
+impl std::ops::AddAssign for Counts {
+    fn add_assign(&mut self, o: Counts) {
+        self.ops += o.ops;
+        self.launches += o.launches;
+    }
+}
+
+fn tensor_id() -> u64 {
     let t = Tensor::new(0u8, &Device::Cpu).expect("a 1-byte host tensor");
     // `TensorId` is opaque; its Debug form is `TensorId(n)`.
     let id = format!("{:?}", t.id());
@@ -28,22 +51,37 @@ pub fn mark() -> u64 {
         .expect("candle-core 0.11 prints a TensorId as TensorId(n)")
 }
 
-/// Tensors created since `start` (a [`mark`]), not counting the marks' own tensors.
-pub fn since(start: u64) -> u64 {
-    mark() - start - 1
+/// The counts now: a mark to subtract (see [`since`]). Makes one tiny host tensor (1 byte),
+/// which [`since`] leaves out of both counts.
+pub fn mark() -> Mark {
+    let tensors = tensor_id();
+    Mark {
+        tensors,
+        launches: candle_core::launches::count(),
+    }
+}
+
+/// Tensors created and device operations issued since `start`, not counting the marks' own.
+pub fn since(start: Mark) -> Counts {
+    let launches = candle_core::launches::count() - start.launches;
+    Counts {
+        ops: tensor_id() - start.tensors - 1,
+        launches,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Three ops are three tensors; a no-op (`contiguous` of a contiguous tensor) none. Other
+    /// Three ops are three tensors and two launches (the reshape is a view); a no-op
+    /// (`contiguous` of a contiguous tensor) neither. Other
     /// tests of this binary run in parallel and create tensors too, so the exact count is
     /// asserted as a minimum over a few tries.
     #[test]
     fn counts_the_tensors_ops_create() {
         let x = Tensor::new(&[1f32, 2.0, 3.0], &Device::Cpu).unwrap();
-        let counts: Vec<u64> = (0..20)
+        let counts: Vec<Counts> = (0..20)
             .map(|_| {
                 let start = mark();
                 let y = (x.exp().unwrap() + 1.0).unwrap().contiguous().unwrap();
@@ -51,6 +89,10 @@ mod tests {
                 since(start)
             })
             .collect();
-        assert_eq!(counts.iter().min(), Some(&3), "{counts:?}");
+        // exp and the `+ 1.0` (an affine) launch; contiguous of a contiguous tensor and
+        // reshape do not.
+        let min = |f: fn(&Counts) -> u64| counts.iter().map(f).min();
+        assert_eq!(min(|c| c.ops), Some(3), "{counts:?}");
+        assert_eq!(min(|c| c.launches), Some(2), "{counts:?}");
     }
 }

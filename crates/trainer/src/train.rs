@@ -109,6 +109,12 @@ pub struct StepLog {
     /// The same for the backward passes: Candle's gradient formulas, layers recomputed by
     /// activation checkpointing, and summing the gradients into the step's buffers.
     pub ops_backward: u64,
+    /// Device operations this step's forward passes issued (kernels, copies, memsets, library
+    /// calls; not views): on CUDA, launches. Counted the same on every device, so a CPU run
+    /// under `TALLOW_CUDA_PATHS_ON_CPU=1` counts the CUDA path's (`benchmarks/op-counts.md`).
+    pub launches_forward: u64,
+    /// The same for the backward passes.
+    pub launches_backward: u64,
     /// Preference runs: TRL's metrics of the step (`rewards/chosen`, `rewards/accuracies`, ...,
     /// [`crate::preference::METRIC_NAMES`]), written as keys of the line.
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
@@ -634,8 +640,8 @@ struct StepTally {
     tokens: usize,
     target_tokens: usize,
     peaks: PhasePeaks,
-    ops_forward: u64,
-    ops_backward: u64,
+    ops_forward: opcount::Counts,
+    ops_backward: opcount::Counts,
 }
 
 impl<'a> Session<'a> {
@@ -1165,8 +1171,8 @@ impl<'a> Session<'a> {
             tokens: 0,
             target_tokens: 0,
             peaks: PhasePeaks::default(),
-            ops_forward: 0,
-            ops_backward: 0,
+            ops_forward: opcount::Counts::default(),
+            ops_backward: opcount::Counts::default(),
         }
     }
 
@@ -1294,8 +1300,10 @@ impl<'a> Session<'a> {
             optimizer_state_bytes: self.opt.state_bytes() as u64,
             // After `live_bytes` (fields are evaluated in this order): it is a probe call too.
             memory_probes: crate::memory::probes() - tally.probes_before,
-            ops_forward: tally.ops_forward,
-            ops_backward: tally.ops_backward,
+            ops_forward: tally.ops_forward.ops,
+            ops_backward: tally.ops_backward.ops,
+            launches_forward: tally.ops_forward.launches,
+            launches_backward: tally.ops_backward.launches,
             preference,
         };
         if self.logged(done) && self.dist.is_main() {
@@ -1744,8 +1752,8 @@ struct LoopParts<'a> {
 struct MicroRun {
     sums: Vec<Option<Tensor>>,
     peaks: PhasePeaks,
-    ops_forward: u64,
-    ops_backward: u64,
+    ops_forward: opcount::Counts,
+    ops_backward: opcount::Counts,
 }
 
 impl MicroRun {
@@ -1785,8 +1793,8 @@ fn micro_batches<B>(
     let mut run = MicroRun {
         sums: Vec::new(),
         peaks: PhasePeaks::default(),
-        ops_forward: 0,
-        ops_backward: 0,
+        ops_forward: opcount::Counts::default(),
+        ops_backward: opcount::Counts::default(),
     };
     for m in p.dist.block(n, p.train.grad_accum) {
         set_dropout(p.model, Some(dropout_seed(p.train.seed, p.step, m)));
@@ -1838,7 +1846,7 @@ fn backward_micro(
     loss: &Tensor,
     step: usize,
     last_checkpoint: &Option<PathBuf>,
-) -> Result<u64, TrainError> {
+) -> Result<opcount::Counts, TrainError> {
     let ops = opcount::mark();
     let mut run = || -> Result<(), TrainError> {
         acc.add(&loss.backward()?)?;

@@ -429,6 +429,7 @@ impl Device {
     }
 
     pub(crate) fn zeros(&self, shape: &Shape, dtype: DType) -> Result<Storage> {
+        crate::launches::add("zeros");
         match self {
             Device::Cpu => {
                 let storage = CpuDevice.zeros_impl(shape, dtype)?;
@@ -463,6 +464,7 @@ impl Device {
     }
 
     pub(crate) fn storage_from_slice<D: WithDType>(&self, data: &[D]) -> Result<Storage> {
+        crate::launches::add("host_to_device");
         match self {
             Device::Cpu => Ok(Storage::Cpu(data.to_cpu_storage())),
             Device::Cuda(device) => {
@@ -477,6 +479,7 @@ impl Device {
     }
 
     pub(crate) fn storage<A: NdArray>(&self, array: A) -> Result<Storage> {
+        crate::launches::add("host_to_device");
         match self {
             Device::Cpu => Ok(Storage::Cpu(array.to_cpu_storage())),
             Device::Cuda(device) => {
@@ -493,6 +496,7 @@ impl Device {
     }
 
     pub(crate) fn storage_owned<S: WithDType>(&self, data: Vec<S>) -> Result<Storage> {
+        crate::launches::add("host_to_device");
         match self {
             Device::Cpu => Ok(Storage::Cpu(S::to_cpu_storage_owned(data))),
             Device::Cuda(device) => {

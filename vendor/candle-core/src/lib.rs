@@ -66,6 +66,7 @@ pub mod dummy_dtype;
 mod dummy_metal_backend;
 pub mod error;
 mod indexer;
+pub mod launches;
 pub mod layout;
 #[cfg(feature = "metal")]
 pub mod metal_backend;

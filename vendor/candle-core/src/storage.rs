@@ -80,6 +80,7 @@ impl Storage {
     }
 
     pub(crate) fn const_set(&mut self, v: Scalar, l: &Layout) -> Result<()> {
+        crate::launches::add("const_set");
         match self {
             Storage::Cpu(storage) => storage.const_set(v, l),
             Storage::Cuda(storage) => storage.const_set(v, l),
@@ -88,6 +89,7 @@ impl Storage {
     }
 
     pub(crate) fn affine(&self, layout: &Layout, mul: f64, add: f64) -> Result<Self> {
+        crate::launches::add("affine");
         match self {
             Storage::Cpu(storage) => {
                 let storage = storage.affine(layout, mul, add)?;
@@ -105,6 +107,7 @@ impl Storage {
     }
 
     pub(crate) fn powf(&self, layout: &Layout, alpha: f64) -> Result<Self> {
+        crate::launches::add("powf");
         match self {
             Storage::Cpu(storage) => {
                 let storage = storage.powf(layout, alpha)?;
@@ -122,6 +125,7 @@ impl Storage {
     }
 
     pub(crate) fn elu(&self, layout: &Layout, alpha: f64) -> Result<Self> {
+        crate::launches::add("elu");
         match self {
             Storage::Cpu(storage) => {
                 let storage = storage.elu(layout, alpha)?;
@@ -145,6 +149,7 @@ impl Storage {
         lhs_layout: &Layout,
         rhs_layout: &Layout,
     ) -> Result<Self> {
+        crate::launches::add("cmp");
         self.same_device(rhs, "cmp")?;
         self.same_dtype(rhs, "cmp")?;
         match (self, rhs) {
@@ -174,6 +179,7 @@ impl Storage {
     }
 
     pub(crate) fn reduce_op(&self, op: ReduceOp, layout: &Layout, s: &[usize]) -> Result<Self> {
+        crate::launches::add(op.name());
         match self {
             Storage::Cpu(storage) => {
                 let storage = storage.reduce_op(op, layout, s)?;
@@ -191,6 +197,7 @@ impl Storage {
     }
 
     pub(crate) fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<Self> {
+        crate::launches::add("to_dtype");
         match self {
             Storage::Cpu(storage) => {
                 let storage = storage.to_dtype(layout, dtype)?;
@@ -208,6 +215,7 @@ impl Storage {
     }
 
     pub(crate) fn apply_op1(&self, l: &Layout, c: &dyn CustomOp1) -> Result<(Self, Shape)> {
+        crate::launches::add(c.name());
         match self {
             Self::Cpu(storage) => {
                 let (storage, shape) = c.cpu_fwd(storage, l)?;
@@ -231,6 +239,7 @@ impl Storage {
         l2: &Layout,
         c: &dyn CustomOp2,
     ) -> Result<(Self, Shape)> {
+        crate::launches::add(c.name());
         self.same_device(t2, c.name())?;
         match (self, t2) {
             (Self::Cpu(s1), Self::Cpu(s2)) => {
@@ -258,6 +267,7 @@ impl Storage {
         l3: &Layout,
         c: &dyn CustomOp3,
     ) -> Result<(Self, Shape)> {
+        crate::launches::add(c.name());
         self.same_device(t2, c.name())?;
         self.same_device(t3, c.name())?;
         match (self, t2, t3) {
@@ -288,6 +298,7 @@ impl Storage {
         srcs: [(Src<'_, Storage>, &Layout); N],
         c: &C,
     ) -> Result<()> {
+        crate::launches::add("inplace_op");
         // Aliased sources are `self`. Only distinct needs checking.
         for (s, _) in srcs.iter() {
             if let Src::Distinct(s) = s {
@@ -324,6 +335,7 @@ impl Storage {
     }
 
     pub(crate) fn unary_impl<B: op::UnaryOpT>(&self, layout: &Layout) -> Result<Self> {
+        crate::launches::add(B::NAME);
         match self {
             Storage::Cpu(storage) => {
                 let storage = storage.unary_impl::<B>(layout)?;
@@ -346,6 +358,7 @@ impl Storage {
         lhs_layout: &Layout,
         rhs_layout: &Layout,
     ) -> Result<Self> {
+        crate::launches::add(B::NAME);
         self.same_device(rhs, B::NAME)?;
         self.same_dtype(rhs, B::NAME)?;
         match (self, rhs) {
@@ -612,6 +625,7 @@ impl Storage {
         f: &Self,
         layout_f: &Layout,
     ) -> Result<Self> {
+        crate::launches::add("where_cond");
         self.same_device(t, "where")?;
         self.same_device(f, "where")?;
         t.same_dtype(f, "where")?;
@@ -644,6 +658,7 @@ impl Storage {
         indexes_l: &Layout,
         d: usize,
     ) -> Result<Self> {
+        crate::launches::add("gather");
         self.same_device(indexes, "index-add")?;
         match (self, indexes) {
             (Self::Cpu(s), Self::Cpu(indexes)) => {
@@ -671,6 +686,7 @@ impl Storage {
         source_l: &Layout,
         d: usize,
     ) -> Result<()> {
+        crate::launches::add("scatter_set");
         self.same_device(indexes, "scatter-set")?;
         self.same_device(source, "scatter-set")?;
         match (self, indexes, source) {
@@ -697,6 +713,7 @@ impl Storage {
         source_l: &Layout,
         d: usize,
     ) -> Result<()> {
+        crate::launches::add("scatter_add");
         self.same_device(indexes, "scatter-add")?;
         self.same_device(source, "scatter-add")?;
         match (self, indexes, source) {
@@ -723,6 +740,7 @@ impl Storage {
         source_l: &Layout,
         d: usize,
     ) -> Result<Self> {
+        crate::launches::add("index_add");
         self.same_device(indexes, "index-add")?;
         self.same_device(source, "index-add")?;
         match (self, indexes, source) {
@@ -749,6 +767,7 @@ impl Storage {
         rhs_l: &Layout,
         d: usize,
     ) -> Result<Self> {
+        crate::launches::add("index_select");
         self.same_device(rhs, "index-select")?;
         match (self, rhs) {
             (Self::Cpu(lhs), Self::Cpu(rhs)) => {
@@ -779,6 +798,7 @@ impl Storage {
         lhs_layout: &Layout,
         rhs_layout: &Layout,
     ) -> Result<Self> {
+        crate::launches::add("matmul");
         self.same_device(rhs, "matmul")?;
         self.same_dtype(rhs, "matmul")?;
         match (self, rhs) {
@@ -810,6 +830,7 @@ impl Storage {
         dst_offset: usize,
         src_l: &Layout,
     ) -> Result<()> {
+        crate::launches::add("copy");
         match (self, dst) {
             (Self::Cpu(src), Self::Cpu(dst)) => src.copy_strided_src(dst, dst_offset, src_l),
             (Self::Cuda(src), Self::Cuda(dst)) => Ok(src.copy_strided_src(dst, dst_offset, src_l)?),
@@ -836,6 +857,7 @@ impl Storage {
         src_o: usize,
         dst_o: usize,
     ) -> Result<()> {
+        crate::launches::add("copy2d");
         match (self, dst) {
             (Self::Cpu(src), Self::Cpu(dst)) => src.copy2d(dst, d1, d2, src_s, dst_s, src_o, dst_o),
             (Self::Cuda(src), Self::Cuda(dst)) => {

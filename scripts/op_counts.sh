@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Device operations (launches on CUDA) per decoder layer of a training step, on the CUDA path,
+# counted on the CPU: `tallow train` under TALLOW_CUDA_PATHS_ON_CPU=1 (docs/cuda.md, "Status")
+# reports `launches_forward` / `launches_backward` per step in metrics.jsonl; a random tiny
+# Llama with 1 and with 2 decoder layers gives the count one layer adds. Prints the Markdown
+# table of benchmarks/op-counts.md ("Launches per decoder layer"), then, for the first
+# variant, the per-layer launches by op name (TALLOW_LAUNCH_BREAKDOWN).
+#
+#   scripts/op_counts.sh [TALLOW]      # default target/release/tallow
+#
+# tests/tests/train_cli.rs (`cuda_path_launches_per_layer_do_not_grow`) runs the same variants
+# and fails when a count goes above the table's.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TALLOW=${1:-target/release/tallow}
+MAKE=${MAKE:-$(dirname "$TALLOW")/make-random-model}
+WORK=${WORK:-/tmp/tallow-op-counts}
+rm -rf "$WORK"
+mkdir -p "$WORK"
+# The variants: name, then `--set` overrides of the base job (bf16, LoRA r8 on every linear,
+# chunked attention, rows of 64 tokens: one attention block).
+VARIANTS=(
+  "LoRA, chunked attention|"
+  "LoRA, eager attention|model.attention=\"eager\""
+  "QLoRA (NF4, double quant), chunked|model.quantize=\"nf4\""
+  "LoRA, chunked, checkpointing|train.checkpointing=true"
+)
+for layers in 1 2; do
+  python3 - "$layers" "$WORK/llama-$layers.json" <<'PY'
+import json, sys
+cfg = json.load(open("tests/fixtures/models/tiny-llama/config.json"))
+cfg["num_hidden_layers"] = int(sys.argv[1])
+json.dump(cfg, open(sys.argv[2], "w"))
+PY
+  "$MAKE" "$WORK/llama-$layers.json" "$WORK/llama-$layers" --rows 8 > /dev/null
+done
+# run LAYERS SETS... -> "forward backward" launches of step 2 (step 1 also makes constants)
+run() {
+  local layers=$1 out=$WORK/run-$RANDOM
+  shift
+  local sets=()
+  for s in "$@"; do sets+=(--set "$s"); done
+  cat > "$WORK/job.toml" <<EOF
+[model]
+path = "$WORK/llama-$layers"
+dtype = "bf16"
+[lora]
+rank = 8
+dropout = 0.0
+targets = "all-linear"
+[data]
+train = "$WORK/llama-$layers/bench.jsonl"
+max_seq_len = 64
+[train]
+max_steps = 2
+micro_batch_size = 1
+grad_accum = 1
+log_every = 1
+device = "cpu"
+output_dir = "$out"
+EOF
+  TALLOW_CUDA_PATHS_ON_CPU=1 "$TALLOW" train --config "$WORK/job.toml" ${sets[@]+"${sets[@]}"} --quiet \
+    2> "$out.err" > /dev/null
+  python3 -c '
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if "\"loss\"" in l]
+print(rows[1]["launches_forward"], rows[1]["launches_backward"])' "$out/metrics.jsonl"
+}
+echo "| variant | forward | backward | forward + backward |"
+echo "| --- | ---: | ---: | ---: |"
+for v in "${VARIANTS[@]}"; do
+  name=${v%%|*} sets=${v#*|}
+  read -r f1 b1 <<< "$(run 1 $sets)"
+  read -r f2 b2 <<< "$(run 2 $sets)"
+  echo "| $name | $((f2 - f1)) | $((b2 - b1)) | $((f2 - f1 + b2 - b1)) |"
+done
+# What one layer launches, by op (the first variant, whole runs of 2 steps: 2 x the step's).
+echo
+echo "By op, one layer of the first variant, over the run's 2 steps (2-layer run minus 1-layer run):"
+for layers in 1 2; do
+  TALLOW_LAUNCH_BREAKDOWN=1 run "$layers" > /dev/null
+  sed -n '/^device operations by op/,$p' "$(ls -t "$WORK"/run-*.err | head -1)" | tail -n +2 \
+    > "$WORK/ops-$layers.txt"
+done
+python3 - "$WORK/ops-1.txt" "$WORK/ops-2.txt" <<'PY'
+import sys
+def read(p):
+    d = {}
+    for line in open(p):
+        n, op = line.split()
+        d[op] = int(n)
+    return d
+a, b = read(sys.argv[1]), read(sys.argv[2])
+rows = sorted(((b.get(k, 0) - a.get(k, 0), k) for k in set(a) | set(b)), reverse=True)
+print("| op | launches |")
+print("| --- | ---: |")
+for n, k in rows:
+    if n:
+        print(f"| {k} | {n} |")
+PY
