@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device operations (launches on CUDA) per decoder layer of a training step, on the CUDA path,
 # counted on the CPU: `tallow train` under TALLOW_CUDA_PATHS_ON_CPU=1 (docs/cuda.md, "Status")
-# reports `launches_forward` / `launches_backward` per step in metrics.jsonl; a random tiny
+# reports `launches_forward` / `launches_backward` / `launches_optimizer` per step in
+# metrics.jsonl; a random tiny
 # Llama with 1 and with 2 decoder layers gives the count one layer adds. Prints the Markdown
 # table of benchmarks/op-counts.md ("Launches per decoder layer"), then, for the first
 # variant, the per-layer launches by op name (TALLOW_LAUNCH_BREAKDOWN).
@@ -64,15 +65,17 @@ EOF
   python3 -c '
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "\"loss\"" in l]
-print(rows[1]["launches_forward"], rows[1]["launches_backward"])' "$out/metrics.jsonl"
+r = rows[1]
+print(r["launches_forward"], r["launches_backward"], r.get("launches_optimizer", 0))' "$out/metrics.jsonl"
 }
-echo "| variant | forward | backward | forward + backward |"
-echo "| --- | ---: | ---: | ---: |"
+echo "| variant | forward | backward | optimizer | in all |"
+echo "| --- | ---: | ---: | ---: | ---: |"
 for v in "${VARIANTS[@]}"; do
   name=${v%%|*} sets=${v#*|}
-  read -r f1 b1 <<< "$(run 1 $sets)"
-  read -r f2 b2 <<< "$(run 2 $sets)"
-  echo "| $name | $((f2 - f1)) | $((b2 - b1)) | $((f2 - f1 + b2 - b1)) |"
+  read -r f1 b1 o1 <<< "$(run 1 $sets)"
+  read -r f2 b2 o2 <<< "$(run 2 $sets)"
+  f=$((f2 - f1)) b=$((b2 - b1)) o=$((o2 - o1))
+  echo "| $name | $f | $b | $o | $((f + b + o)) |"
 done
 # What one layer launches, by op (the first variant, whole runs of 2 steps: 2 x the step's).
 echo

@@ -775,7 +775,7 @@ fn op_counts_are_reproducible_and_grow_by_the_same_amount_per_layer() {
 }
 
 /// Device operations (launches on CUDA) per decoder layer on the CUDA path, counted on the CPU
-/// under `TALLOW_CUDA_PATHS_ON_CPU=1` (`launches_forward` / `launches_backward`, step 2, a 2-layer
+/// under `TALLOW_CUDA_PATHS_ON_CPU=1` (`launches_forward` / `_backward` / `_optimizer`, step 2, a 2-layer
 /// minus a 1-layer random tiny Llama; `scripts/op_counts.sh` makes the same table): each count
 /// at most the one recorded in benchmarks/op-counts.md ("Launches per decoder layer"), so a
 /// change that adds launches to a layer fails here until the table is updated on purpose
@@ -791,7 +791,7 @@ fn cuda_path_launches_per_layer_do_not_grow() {
     let section = &table[table
         .find("## Launches per decoder layer")
         .expect("the launches section")..];
-    let recorded = |name: &str| -> (u64, u64) {
+    let recorded = |name: &str| -> (u64, u64, u64) {
         let row = section
             .lines()
             .find(|l| l.starts_with(&format!("| {name} |")))
@@ -800,13 +800,13 @@ fn cuda_path_launches_per_layer_do_not_grow() {
             .split('|')
             .filter_map(|c| c.trim().parse().ok())
             .collect();
-        (cells[0], cells[1])
+        (cells[0], cells[1], cells[2])
     };
     let base: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(model_dir("tiny-llama").join("config.json")).unwrap(),
     )
     .unwrap();
-    let launches = |layers: usize, sets: &[&str], run: &str| -> (u64, u64) {
+    let launches = |layers: usize, sets: &[&str], run: &str| -> (u64, u64, u64) {
         let model = dir.join(format!("llama-{layers}"));
         if !model.exists() {
             let mut cfg = base.clone();
@@ -846,6 +846,7 @@ fn cuda_path_launches_per_layer_do_not_grow() {
         (
             step2["launches_forward"].as_u64().unwrap(),
             step2["launches_backward"].as_u64().unwrap(),
+            step2["launches_optimizer"].as_u64().unwrap(),
         )
     };
     let variants: [(&str, &[&str]); 4] = [
@@ -865,13 +866,16 @@ fn cuda_path_launches_per_layer_do_not_grow() {
     for (i, (name, sets)) in variants.iter().enumerate() {
         let one = launches(1, sets, &format!("v{i}-1"));
         let two = launches(2, sets, &format!("v{i}-2"));
-        let per_layer = (two.0 - one.0, two.1 - one.1);
-        assert!(per_layer.0 > 0 && per_layer.1 > 0, "{name}: {per_layer:?}");
-        let (f, b) = recorded(name);
-        if per_layer.0 > f || per_layer.1 > b {
+        let per_layer = (two.0 - one.0, two.1 - one.1, two.2 - one.2);
+        assert!(
+            per_layer.0 > 0 && per_layer.1 > 0 && per_layer.2 > 0,
+            "{name}: {per_layer:?}"
+        );
+        let (f, b, o) = recorded(name);
+        if per_layer.0 > f || per_layer.1 > b || per_layer.2 > o {
             over.push(format!(
-                "{name}: forward {} (table {f}), backward {} (table {b})",
-                per_layer.0, per_layer.1
+                "{name}: forward {} (table {f}), backward {} (table {b}), optimizer {} (table {o})",
+                per_layer.0, per_layer.1, per_layer.2
             ));
         }
         measured.push(per_layer);

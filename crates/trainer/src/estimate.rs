@@ -572,7 +572,7 @@ pub fn estimate_per_rank(
                     0,
                     0,
                     parts.workspace_optimizer,
-                    "f32 temporaries of the update of the largest tensor",
+                    "f32 temporaries of the update of the largest group of tensors",
                 ),
             };
             let at = match peak_phase {
@@ -726,27 +726,26 @@ pub fn trainable_tensor_sizes(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize
 }
 
 /// What one optimizer holds for the trainable tensors of `sizes` (elements, in the trainable
-/// order): its state, and the f32 temporaries of its update of the largest tensor (adamw8bit:
-/// of the largest group).
+/// order): its state, and the f32 temporaries of its update of the largest group of tensors
+/// (sgd: of the largest tensor).
 fn optimizer_bytes(kind: OptimizerKind, sizes: &[usize]) -> (u64, u64) {
     let state = sizes.iter().map(|&n| state_bytes(kind, n)).sum();
     let largest = sizes.iter().copied().max().unwrap_or(0) as u64;
-    // f32 copies of the largest parameter, its gradient and moments while updating
+    // f32 copies of the largest group's parameters, gradients and moments while updating
     // (adamw8bit also dequantizes both moments to f32 and requantizes them).
     let temporaries = match kind {
         OptimizerKind::AdamW8bit => 8,
         _ => 6,
     };
-    // adamw8bit updates its 8-bit parameters in groups (flat buffers of up to 4Mi elements):
-    // its temporaries are the size of the largest group, not of the largest tensor.
-    let update_elems = match kind {
-        OptimizerKind::AdamW8bit => crate::optim::adamw8bit::group_lengths(sizes.iter().copied())
-            .into_iter()
-            .max()
-            .unwrap_or(0)
-            .max(largest as usize) as u64,
-        _ => largest,
+    // adamw and adamw8bit update their parameters in groups (flat buffers of consecutive
+    // parameters, `optim::adamw::GROUP_ELEMS` / `optim::adamw8bit::GROUP_ELEMS`): the
+    // temporaries are the size of the largest group, not of the largest tensor.
+    let groups = match kind {
+        OptimizerKind::AdamW8bit => crate::optim::adamw8bit::group_lengths(sizes.iter().copied()),
+        OptimizerKind::AdamW => crate::optim::adamw::group_lengths(sizes.iter().copied()),
+        OptimizerKind::Sgd => Vec::new(),
     };
+    let update_elems = groups.into_iter().max().unwrap_or(0).max(largest as usize) as u64;
     (state, temporaries * 4 * update_elems)
 }
 

@@ -115,6 +115,8 @@ pub struct StepLog {
     pub launches_forward: u64,
     /// The same for the backward passes.
     pub launches_backward: u64,
+    /// The same for the optimizer step.
+    pub launches_optimizer: u64,
     /// Preference runs: TRL's metrics of the step (`rewards/chosen`, `rewards/accuracies`, ...,
     /// [`crate::preference::METRIC_NAMES`]), written as keys of the line.
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
@@ -642,6 +644,9 @@ struct StepTally {
     peaks: PhasePeaks,
     ops_forward: opcount::Counts,
     ops_backward: opcount::Counts,
+    /// Device operations of the optimizer step (the update; the gradient all-reduce of data
+    /// parallel ranks included).
+    launches_optimizer: u64,
 }
 
 impl<'a> Session<'a> {
@@ -1173,6 +1178,7 @@ impl<'a> Session<'a> {
             peaks: PhasePeaks::default(),
             ops_forward: opcount::Counts::default(),
             ops_backward: opcount::Counts::default(),
+            launches_optimizer: 0,
         }
     }
 
@@ -1248,9 +1254,11 @@ impl<'a> Session<'a> {
             }
         }
         let lr = lr_at(t.schedule, t.lr, step, t.warmup_steps, self.total_steps);
+        let ops = opcount::mark();
         let stepped = self
             .shard
             .step(self.opt.as_mut(), &self.vars, self.dist, &grads, lr);
+        tally.launches_optimizer = opcount::since(ops).launches;
         self.memory
             .check(stepped, "optimizer", step + 1, &self.last_checkpoint)?;
         drop(grads);
@@ -1304,6 +1312,7 @@ impl<'a> Session<'a> {
             ops_backward: tally.ops_backward.ops,
             launches_forward: tally.ops_forward.launches,
             launches_backward: tally.ops_backward.launches,
+            launches_optimizer: tally.launches_optimizer,
             preference,
         };
         if self.logged(done) && self.dist.is_main() {

@@ -9,10 +9,24 @@
 //!
 //! State is created lazily (zeros) on the first step, so an optimizer built before the model is
 //! moved to its device costs nothing.
+//!
+//! **Groups.** Consecutive parameters on one device are updated together, up to
+//! [`GROUP_ELEMS`] elements (a larger parameter is a group of its own): a group's moments are
+//! one flat f32 buffer each, its parameters and gradients are copied into flat f32 inputs, the
+//! arithmetic runs once over them, and each new value is copied back. Each element sees the
+//! same operations as in a per-parameter update, so the results are bit for bit those (a test
+//! checks it). Device cost of a step: 13 launches per group ([`adamw_math`]; 12 without weight
+//! decay) and 3 per member (its parameter and gradient copied in, the new value copied back; a
+//! lone member copies neither in), +2 casts for a bf16/f16 parameter, +1 for a bf16/f16
+//! gradient. Updated one parameter at a time it was 14 per parameter (13 without weight
+//! decay): 182 launches per decoder layer and step for 14 LoRA factors, 42 in groups
+//! (`benchmarks/op-counts.md`). The f32 temporaries are a group's (about 24 bytes per
+//! element), which `tallow estimate` counts. Checkpoints keep one `"{i}.exp_avg"` /
+//! `"{i}.exp_avg_sq"` per parameter in its shape, as before.
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Shape, Tensor, Var};
 
 use super::{check_grads, load_param_state, read_moment_step, step_tensor, Optimizer, STEP_KEY};
 
@@ -40,13 +54,81 @@ impl Default for AdamWParams {
     }
 }
 
-/// First and second moment of one parameter, f32, the parameter's shape and device.
+/// Most elements in one group of parameters updated together (module docs): 4 MiB per f32
+/// buffer, about 24 MiB of temporaries while a group is updated.
+pub const GROUP_ELEMS: usize = 1 << 20;
+
+/// The moments of a group of consecutive parameters on one device, flat f32.
 #[derive(Debug, Clone)]
-struct Moments {
-    /// m, "exp_avg" in torch.
+struct Group {
+    /// Index (in the parameter list) of each member.
+    params: Vec<usize>,
+    /// Shape of each member.
+    shapes: Vec<Shape>,
+    /// Element offset of each member in the flat buffers.
+    offsets: Vec<usize>,
+    /// m, "exp_avg" in torch: (len,).
     exp_avg: Tensor,
-    /// v, "exp_avg_sq" in torch.
+    /// v, "exp_avg_sq" in torch: (len,).
     exp_avg_sq: Tensor,
+}
+
+impl Group {
+    /// Member `j`'s part of the flat `t`, in its shape: a view (no copy).
+    fn part(&self, t: &Tensor, j: usize) -> candle_core::Result<Tensor> {
+        let shape = &self.shapes[j];
+        t.narrow(0, self.offsets[j], shape.elem_count())?
+            .reshape(shape)
+    }
+
+    /// The members' tensors (`get(param index)`, any float dtype) in f32, flattened and
+    /// concatenated: (len,). One copy per member (none for a lone f32 member).
+    fn flat(&self, get: impl Fn(usize) -> Tensor) -> candle_core::Result<Tensor> {
+        let pieces = self
+            .params
+            .iter()
+            .map(|&i| get(i).to_dtype(DType::F32)?.flatten_all()) // (n,)
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        if pieces.len() == 1 {
+            return Ok(pieces.into_iter().next().expect("one piece"));
+        }
+        Tensor::cat(&pieces, 0) // (len,)
+    }
+}
+
+/// The groups of `params` (module docs): each group's member indices, shapes and offsets.
+#[allow(clippy::type_complexity)]
+fn plan(params: &[Var]) -> Vec<(Vec<usize>, Vec<Shape>, Vec<usize>)> {
+    let mut groups: Vec<(Vec<usize>, Vec<Shape>, Vec<usize>, usize)> = Vec::new();
+    for (i, p) in params.iter().enumerate() {
+        let n = p.elem_count();
+        let joins = groups.last().is_some_and(|(members, _, _, len)| {
+            len + n <= GROUP_ELEMS && params[members[0]].device().same_device(p.device())
+        });
+        if !joins {
+            groups.push((Vec::new(), Vec::new(), Vec::new(), 0));
+        }
+        let (members, shapes, offsets, len) = groups.last_mut().expect("a group");
+        members.push(i);
+        shapes.push(p.shape().clone());
+        offsets.push(*len);
+        *len += n;
+    }
+    groups.into_iter().map(|(m, s, o, _)| (m, s, o)).collect()
+}
+
+/// The lengths of the groups [`plan`] makes for parameters of `counts` elements (in the
+/// trainable order, one device): the update's f32 temporaries are group-sized, so the memory
+/// estimate sizes them by the largest.
+pub fn group_lengths(counts: impl IntoIterator<Item = usize>) -> Vec<usize> {
+    let mut out: Vec<usize> = Vec::new();
+    for n in counts {
+        match out.last_mut() {
+            Some(len) if *len + n <= GROUP_ELEMS => *len += n,
+            _ => out.push(n),
+        }
+    }
+    out
 }
 
 /// AdamW with f32 moments. See the module docs.
@@ -55,8 +137,8 @@ pub struct AdamW {
     hp: AdamWParams,
     /// t: the number of steps taken (the step being taken is t + 1).
     t: u32,
-    /// One entry per parameter once the first step (or `load_state`) has run.
-    moments: Option<Vec<Moments>>,
+    /// The groups once the first step (or `load_state`) has run.
+    groups: Option<Vec<Group>>,
 }
 
 impl AdamW {
@@ -64,7 +146,7 @@ impl AdamW {
         Self {
             hp,
             t: 0,
-            moments: None,
+            groups: None,
         }
     }
 
@@ -81,33 +163,46 @@ impl AdamW {
 impl Optimizer for AdamW {
     fn step(&mut self, params: &[Var], grads: &[Tensor], lr: f64) -> candle_core::Result<()> {
         check_grads(params, grads)?;
-        let moments = match &mut self.moments {
-            Some(moments) => {
-                check_moments(moments, params)?;
-                moments
+        let groups = match &mut self.groups {
+            Some(groups) => {
+                check_groups(groups, params)?;
+                groups
             }
             None => {
-                // Lazy init: m = v = 0, f32, on each parameter's device.
-                let zeros = |p: &Var| Tensor::zeros(p.shape(), DType::F32, p.device());
-                let init = params
-                    .iter()
-                    .map(|p| {
-                        Ok(Moments {
-                            exp_avg: zeros(p)?,
-                            exp_avg_sq: zeros(p)?,
+                // Lazy init: m = v = 0, f32, one flat buffer per group on its device.
+                let init = plan(params)
+                    .into_iter()
+                    .map(|(members, shapes, offsets)| {
+                        let len: usize = shapes.iter().map(Shape::elem_count).sum();
+                        let dev = params[members[0]].device();
+                        Ok(Group {
+                            exp_avg: Tensor::zeros(len, DType::F32, dev)?,
+                            exp_avg_sq: Tensor::zeros(len, DType::F32, dev)?,
+                            params: members,
+                            shapes,
+                            offsets,
                         })
                     })
                     .collect::<candle_core::Result<Vec<_>>>()?;
-                self.moments.insert(init)
+                self.groups.insert(init)
             }
         };
 
         let t = self.t + 1; // t = index of this step, from 1
         let k = StepConstants::new(&self.hp, t, lr);
-        for ((p, g), st) in params.iter().zip(grads).zip(moments.iter_mut()) {
-            let (m, v) = adamw_update(p, g, &st.exp_avg, &st.exp_avg_sq, &k)?;
-            st.exp_avg = m;
-            st.exp_avg_sq = v;
+        for group in groups.iter_mut() {
+            // flat f32 inputs (len,): parameters (detached: the update records no graph) and
+            // gradients
+            let p32 = group.flat(|i| params[i].as_detached_tensor())?;
+            let g32 = group.flat(|i| grads[i].detach())?;
+            let (p32, m, v) = adamw_math(&p32, &g32, &group.exp_avg, &group.exp_avg_sq, &k)?;
+            for (j, &i) in group.params.iter().enumerate() {
+                // (n,) view -> p's shape, rounded once to p's dtype, copied into p
+                let p = &params[i];
+                p.set(&group.part(&p32, j)?.to_dtype(p.dtype())?)?;
+            }
+            group.exp_avg = m;
+            group.exp_avg_sq = v;
         }
         self.t = t;
         Ok(())
@@ -115,9 +210,19 @@ impl Optimizer for AdamW {
 
     fn state(&self) -> Vec<(String, Tensor)> {
         let mut out = Vec::new();
-        for (i, st) in self.moments.iter().flatten().enumerate() {
-            out.push((format!("{i}.exp_avg"), st.exp_avg.clone()));
-            out.push((format!("{i}.exp_avg_sq"), st.exp_avg_sq.clone()));
+        let mut per_param: Vec<(usize, Tensor, Tensor)> = Vec::new();
+        for g in self.groups.iter().flatten() {
+            for (j, &i) in g.params.iter().enumerate() {
+                // views of the flat buffers in the parameter's shape
+                let m = g.part(&g.exp_avg, j).expect("member within its group");
+                let v = g.part(&g.exp_avg_sq, j).expect("member within its group");
+                per_param.push((i, m, v));
+            }
+        }
+        per_param.sort_by_key(|(i, _, _)| *i);
+        for (i, m, v) in per_param {
+            out.push((format!("{i}.exp_avg"), m));
+            out.push((format!("{i}.exp_avg_sq"), v));
         }
         out.push((STEP_KEY.to_string(), step_tensor(self.t)));
         out
@@ -133,21 +238,34 @@ impl Optimizer for AdamW {
         if !has_moments {
             // Saved before the first step: nothing but the counter.
             self.t = t;
-            self.moments = None;
+            self.groups = None;
             return Ok(());
         }
-        let moments = params
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                Ok(Moments {
-                    exp_avg: load_param_state("adamw", state, i, WHAT[0], p)?,
-                    exp_avg_sq: load_param_state("adamw", state, i, WHAT[1], p)?,
+        let groups = plan(params)
+            .into_iter()
+            .map(|(members, shapes, offsets)| {
+                let flat = |what: &str| -> candle_core::Result<Tensor> {
+                    let parts = members
+                        .iter()
+                        .map(|&i| {
+                            load_param_state("adamw", state, i, what, &params[i])?
+                                .to_dtype(DType::F32)?
+                                .flatten_all()
+                        })
+                        .collect::<candle_core::Result<Vec<_>>>()?;
+                    Tensor::cat(&parts, 0)
+                };
+                Ok(Group {
+                    exp_avg: flat(WHAT[0])?,
+                    exp_avg_sq: flat(WHAT[1])?,
+                    params: members,
+                    shapes,
+                    offsets,
                 })
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         self.t = t;
-        self.moments = Some(moments);
+        self.groups = Some(groups);
         Ok(())
     }
 
@@ -254,22 +372,24 @@ pub(crate) fn adamw_math(
     Ok((p32, m, v))
 }
 
-/// Errors unless there is one moment pair per parameter, of its shape.
-fn check_moments(moments: &[Moments], params: &[Var]) -> candle_core::Result<()> {
-    if moments.len() != params.len() {
+/// Errors unless the groups hold one member per parameter, of its shape.
+fn check_groups(groups: &[Group], params: &[Var]) -> candle_core::Result<()> {
+    let held: usize = groups.iter().map(|g| g.params.len()).sum();
+    if held != params.len() {
         candle_core::bail!(
-            "adamw: state holds {} parameters but step got {}: the trainable set must not change",
-            moments.len(),
+            "adamw: state holds {held} parameters but step got {}: the trainable set must not change",
             params.len()
         );
     }
-    for (i, (st, p)) in moments.iter().zip(params).enumerate() {
-        if st.exp_avg.shape() != p.shape() {
-            candle_core::bail!(
-                "adamw: state of parameter {i} has shape {:?} but the parameter has shape {:?}",
-                st.exp_avg.shape(),
-                p.shape()
-            );
+    for g in groups {
+        for (j, &i) in g.params.iter().enumerate() {
+            if &g.shapes[j] != params[i].shape() {
+                candle_core::bail!(
+                    "adamw: state of parameter {i} has shape {:?} but the parameter has shape {:?}",
+                    g.shapes[j],
+                    params[i].shape()
+                );
+            }
         }
     }
     Ok(())
@@ -368,7 +488,7 @@ mod tests {
         for (a, b) in values(p.as_tensor()).iter().zip(&p_ref) {
             assert!((a - b).abs() <= tol * b.abs().max(1.0), "p {a} vs {b}");
         }
-        let st = &opt.moments.as_ref().unwrap()[0];
+        let st = &opt.groups.as_ref().unwrap()[0];
         assert_eq!(st.exp_avg.dtype(), DType::F32);
         for (a, b) in values(&st.exp_avg).iter().zip(&m_ref) {
             assert!((a - b).abs() <= 1e-7, "m {a} vs {b}");
@@ -392,7 +512,7 @@ mod tests {
             assert!((a - b).abs() <= b.abs() * 2f64.powi(-7), "p {a} vs {b}");
         }
         // The moments stay f32 and do not depend on p: f32 accuracy.
-        let st = &opt.moments.as_ref().unwrap()[0];
+        let st = &opt.groups.as_ref().unwrap()[0];
         assert_eq!(st.exp_avg.dtype(), DType::F32);
         assert_eq!(st.exp_avg_sq.dtype(), DType::F32);
         for (a, b) in values(&st.exp_avg).iter().zip(&m_ref) {
@@ -456,6 +576,90 @@ mod tests {
         }
         // and the step actually moved the parameters
         assert_ne!(bits(&pa[0]), bits(&two_params(&dev)[0]));
+    }
+
+    /// The grouped update (module docs) gives a per-parameter update's bits: mixed shapes,
+    /// f32 and bf16 parameters, a group of several members, a parameter larger than
+    /// [`GROUP_ELEMS`] (a group of its own) and one after it, 3 steps with weight decay, against
+    /// [`adamw_update`] run on each parameter alone; the groups are the ones [`group_lengths`]
+    /// (the estimate's) says. Shifting a member's offset by one element, or writing the wrong
+    /// member back, fails it.
+    #[test]
+    fn grouped_update_gives_the_per_parameter_bits() {
+        let dev = Device::Cpu;
+        let sizes: [(&[usize], DType); 5] = [
+            (&[3, 5], DType::F32),
+            (&[7], DType::BF16),
+            (&[4, 4], DType::F32),
+            (&[GROUP_ELEMS + 3], DType::F32),
+            (&[2, 6], DType::F32),
+        ];
+        let make = || -> Vec<Var> {
+            sizes
+                .iter()
+                .enumerate()
+                .map(|(i, (shape, dt))| {
+                    let n: usize = shape.iter().product();
+                    let t = Tensor::arange(0f32, n as f32, &dev)
+                        .unwrap()
+                        .affine(0.01, i as f64 * 0.1 - 0.2)
+                        .unwrap()
+                        .sin()
+                        .unwrap()
+                        .reshape(*shape)
+                        .unwrap()
+                        .to_dtype(*dt)
+                        .unwrap();
+                    Var::from_tensor(&t).unwrap()
+                })
+                .collect()
+        };
+        let grads = |step: usize, params: &[Var]| -> Vec<Tensor> {
+            params
+                .iter()
+                .map(|p| {
+                    (p.as_tensor().to_dtype(DType::F32).unwrap().cos().unwrap()
+                        * (step as f64 + 1.0))
+                        .unwrap()
+                        .to_dtype(p.dtype())
+                        .unwrap()
+                })
+                .collect()
+        };
+        let hp = AdamWParams::default();
+        let (grouped, alone) = (make(), make());
+        let mut opt = AdamW::new(hp);
+        let mut moments: Vec<(Tensor, Tensor)> = alone
+            .iter()
+            .map(|p| {
+                let z = Tensor::zeros(p.shape(), DType::F32, &dev).unwrap();
+                (z.clone(), z)
+            })
+            .collect();
+        for step in 0..3 {
+            opt.step(&grouped, &grads(step, &grouped), 1e-2).unwrap();
+            let k = StepConstants::new(&hp, step as u32 + 1, 1e-2);
+            let g = grads(step, &alone);
+            for ((p, g), (m, v)) in alone.iter().zip(&g).zip(moments.iter_mut()) {
+                (*m, *v) = adamw_update(p, g, m, v, &k).unwrap();
+            }
+        }
+        for (i, (a, b)) in grouped.iter().zip(&alone).enumerate() {
+            assert_eq!(bits(a), bits(b), "parameter {i}");
+        }
+        let groups = opt.groups.as_ref().unwrap();
+        let lens: Vec<usize> = groups.iter().map(|g| g.exp_avg.elem_count()).collect();
+        let counts = grouped.iter().map(|p| p.elem_count());
+        assert_eq!(lens, group_lengths(counts));
+        assert_eq!(lens, vec![15 + 7 + 16, GROUP_ELEMS + 3, 12]);
+        let state: HashMap<String, Tensor> = opt.state().into_iter().collect();
+        for (i, (m, _)) in moments.iter().enumerate() {
+            assert_eq!(
+                values(&state[&format!("{i}.exp_avg")]),
+                values(m),
+                "saved m of parameter {i}"
+            );
+        }
     }
 
     #[test]
