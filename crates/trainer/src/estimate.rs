@@ -488,7 +488,8 @@ pub fn estimate_per_rank(
                     .map(|i| sizes[i])
                     .collect();
                 let mut p = parts.clone();
-                (p.state.0, p.workspace_optimizer) = optimizer_bytes(cfg.train.optimizer, &mine);
+                (p.state.0, p.workspace_optimizer) =
+                    optimizer_bytes(cfg.train.optimizer, &mine, device);
                 let total = peak(&phase_bytes(&p, all_reduce)).1;
                 if worst.as_ref().is_none_or(|w| total > w.0) {
                     worst = Some((total, rank, mine));
@@ -496,7 +497,7 @@ pub fn estimate_per_rank(
             }
             let (_, rank, mine) = worst.expect("world > 1");
             (parts.state.0, parts.workspace_optimizer) =
-                optimizer_bytes(cfg.train.optimizer, &mine);
+                optimizer_bytes(cfg.train.optimizer, &mine, device);
             parts.state.1 += &format!(
                 "; rank {rank}'s share (train.shard_optimizer, the largest of {world}): {} of \
                  {} tensors, {} of {} parameters",
@@ -728,7 +729,7 @@ pub fn trainable_tensor_sizes(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize
 /// What one optimizer holds for the trainable tensors of `sizes` (elements, in the trainable
 /// order): its state, and the f32 temporaries of its update of the largest group of tensors
 /// (sgd: of the largest tensor).
-fn optimizer_bytes(kind: OptimizerKind, sizes: &[usize]) -> (u64, u64) {
+fn optimizer_bytes(kind: OptimizerKind, sizes: &[usize], device: &str) -> (u64, u64) {
     let state = sizes.iter().map(|&n| state_bytes(kind, n)).sum();
     let largest = sizes.iter().copied().max().unwrap_or(0) as u64;
     // f32 copies of the largest group's parameters, gradients and moments while updating
@@ -742,7 +743,10 @@ fn optimizer_bytes(kind: OptimizerKind, sizes: &[usize]) -> (u64, u64) {
     // temporaries are the size of the largest group, not of the largest tensor.
     let groups = match kind {
         OptimizerKind::AdamW8bit => crate::optim::adamw8bit::group_lengths(sizes.iter().copied()),
-        OptimizerKind::AdamW => crate::optim::adamw::group_lengths(sizes.iter().copied()),
+        OptimizerKind::AdamW => crate::optim::adamw::group_lengths(
+            sizes.iter().copied(),
+            crate::optim::adamw::group_elems(Backend::named(device)),
+        ),
         OptimizerKind::Sgd => Vec::new(),
     };
     let update_elems = groups.into_iter().max().unwrap_or(0).max(largest as usize) as u64;
@@ -853,7 +857,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let var_bytes = if full { s } else { 4 };
 
     let tensors = trainable_tensor_sizes(m, cfg);
-    let (state_total, workspace_optimizer) = optimizer_bytes(cfg.train.optimizer, &tensors);
+    let (state_total, workspace_optimizer) = optimizer_bytes(cfg.train.optimizer, &tensors, device);
     let state = (state_total, state_detail(cfg.train.optimizer).to_string());
     let acc = 4 * tp;
     let acc_before = if cfg.train.grad_accum > 1 { acc } else { 0 };

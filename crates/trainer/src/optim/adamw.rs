@@ -10,8 +10,9 @@
 //! State is created lazily (zeros) on the first step, so an optimizer built before the model is
 //! moved to its device costs nothing.
 //!
-//! **Groups.** Consecutive parameters on one device are updated together, up to
-//! [`GROUP_ELEMS`] elements (a larger parameter is a group of its own): a group's moments are
+//! **Groups.** On CUDA, consecutive parameters on one device are updated together, up to
+//! [`GROUP_ELEMS`] elements (a larger parameter is a group of its own; on the CPU each
+//! parameter is its own group, [`group_elems`]): a group's moments are
 //! one flat f32 buffer each, its parameters and gradients are copied into flat f32 inputs, the
 //! arithmetic runs once over them, and each new value is copied back. Each element sees the
 //! same operations as in a per-parameter update, so the results are bit for bit those (a test
@@ -27,6 +28,7 @@
 use std::collections::HashMap;
 
 use candle_core::{DType, Shape, Tensor, Var};
+use tallow_model::kernels::dispatch::Backend;
 
 use super::{check_grads, load_param_state, read_moment_step, step_tensor, Optimizer, STEP_KEY};
 
@@ -57,6 +59,18 @@ impl Default for AdamWParams {
 /// Most elements in one group of parameters updated together (module docs): 4 MiB per f32
 /// buffer, about 24 MiB of temporaries while a group is updated.
 pub const GROUP_ELEMS: usize = 1 << 20;
+
+/// The group size on `backend`: [`GROUP_ELEMS`] where launches cost (CUDA), 0 on the CPU, where
+/// an op costs no launch: there grouping would only add the copies into and out of the flat
+/// buffers and a group's temporaries (a 77M Llama LoRA r64 in bf16 trained at the same speed
+/// either way, within the order effect of a side-by-side run, 2026-11-27), so each parameter is
+/// a group of its own, as before.
+pub fn group_elems(backend: Backend) -> usize {
+    match backend {
+        Backend::Cpu => 0,
+        Backend::Cuda => GROUP_ELEMS,
+    }
+}
 
 /// The moments of a group of consecutive parameters on one device, flat f32.
 #[derive(Debug, Clone)]
@@ -96,14 +110,16 @@ impl Group {
     }
 }
 
-/// The groups of `params` (module docs): each group's member indices, shapes and offsets.
+/// The groups of `params` (module docs), each up to `cap` elements (0: one parameter each):
+/// each group's member indices, shapes and offsets.
 #[allow(clippy::type_complexity)]
-fn plan(params: &[Var]) -> Vec<(Vec<usize>, Vec<Shape>, Vec<usize>)> {
+fn plan(params: &[Var], cap: Option<usize>) -> Vec<(Vec<usize>, Vec<Shape>, Vec<usize>)> {
     let mut groups: Vec<(Vec<usize>, Vec<Shape>, Vec<usize>, usize)> = Vec::new();
     for (i, p) in params.iter().enumerate() {
         let n = p.elem_count();
+        let cap = cap.unwrap_or_else(|| group_elems(Backend::of(p.device())));
         let joins = groups.last().is_some_and(|(members, _, _, len)| {
-            len + n <= GROUP_ELEMS && params[members[0]].device().same_device(p.device())
+            len + n <= cap && params[members[0]].device().same_device(p.device())
         });
         if !joins {
             groups.push((Vec::new(), Vec::new(), Vec::new(), 0));
@@ -118,13 +134,13 @@ fn plan(params: &[Var]) -> Vec<(Vec<usize>, Vec<Shape>, Vec<usize>)> {
 }
 
 /// The lengths of the groups [`plan`] makes for parameters of `counts` elements (in the
-/// trainable order, one device): the update's f32 temporaries are group-sized, so the memory
-/// estimate sizes them by the largest.
-pub fn group_lengths(counts: impl IntoIterator<Item = usize>) -> Vec<usize> {
+/// trainable order, one device) with groups of up to `cap` ([`group_elems`]): the update's f32
+/// temporaries are group-sized, so the memory estimate sizes them by the largest.
+pub fn group_lengths(counts: impl IntoIterator<Item = usize>, cap: usize) -> Vec<usize> {
     let mut out: Vec<usize> = Vec::new();
     for n in counts {
         match out.last_mut() {
-            Some(len) if *len + n <= GROUP_ELEMS => *len += n,
+            Some(len) if *len + n <= cap => *len += n,
             _ => out.push(n),
         }
     }
@@ -139,6 +155,8 @@ pub struct AdamW {
     t: u32,
     /// The groups once the first step (or `load_state`) has run.
     groups: Option<Vec<Group>>,
+    /// Group size; None: by device ([`group_elems`]).
+    cap: Option<usize>,
 }
 
 impl AdamW {
@@ -147,7 +165,15 @@ impl AdamW {
             hp,
             t: 0,
             groups: None,
+            cap: None,
         }
+    }
+
+    /// Groups of up to `cap` elements whatever the device (tests: groups on the CPU).
+    #[doc(hidden)]
+    pub fn with_group_elems(mut self, cap: usize) -> Self {
+        self.cap = Some(cap);
+        self
     }
 
     pub fn params(&self) -> AdamWParams {
@@ -170,7 +196,7 @@ impl Optimizer for AdamW {
             }
             None => {
                 // Lazy init: m = v = 0, f32, one flat buffer per group on its device.
-                let init = plan(params)
+                let init = plan(params, self.cap)
                     .into_iter()
                     .map(|(members, shapes, offsets)| {
                         let len: usize = shapes.iter().map(Shape::elem_count).sum();
@@ -241,7 +267,7 @@ impl Optimizer for AdamW {
             self.groups = None;
             return Ok(());
         }
-        let groups = plan(params)
+        let groups = plan(params, self.cap)
             .into_iter()
             .map(|(members, shapes, offsets)| {
                 let flat = |what: &str| -> candle_core::Result<Tensor> {
@@ -628,7 +654,7 @@ mod tests {
         };
         let hp = AdamWParams::default();
         let (grouped, alone) = (make(), make());
-        let mut opt = AdamW::new(hp);
+        let mut opt = AdamW::new(hp).with_group_elems(GROUP_ELEMS);
         let mut moments: Vec<(Tensor, Tensor)> = alone
             .iter()
             .map(|p| {
@@ -650,7 +676,7 @@ mod tests {
         let groups = opt.groups.as_ref().unwrap();
         let lens: Vec<usize> = groups.iter().map(|g| g.exp_avg.elem_count()).collect();
         let counts = grouped.iter().map(|p| p.elem_count());
-        assert_eq!(lens, group_lengths(counts));
+        assert_eq!(lens, group_lengths(counts, GROUP_ELEMS));
         assert_eq!(lens, vec![15 + 7 + 16, GROUP_ELEMS + 3, 12]);
         let state: HashMap<String, Tensor> = opt.state().into_iter().collect();
         for (i, (m, _)) in moments.iter().enumerate() {
