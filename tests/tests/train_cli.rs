@@ -699,6 +699,23 @@ fn memory_is_probed_only_on_logged_steps_or_under_a_limit() {
     assert_eq!(logged, [(2, 17), (4, 17)], "{metrics}");
 }
 
+/// A random tiny Llama (the `tiny-llama` fixture's config) with `layers` decoder layers and
+/// `rows` bench rows, made once in `dir/llama-{layers}`.
+fn tiny_llama_with_layers(dir: &Path, layers: usize, rows: usize) -> PathBuf {
+    let model = dir.join(format!("llama-{layers}"));
+    if !model.exists() {
+        let mut cfg: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(model_dir("tiny-llama").join("config.json")).unwrap(),
+        )
+        .unwrap();
+        cfg["num_hidden_layers"] = layers.into();
+        let json = dir.join(format!("llama-{layers}.json"));
+        std::fs::write(&json, cfg.to_string()).unwrap();
+        make_random_model(env!("CARGO_BIN_EXE_make-random-model"), &json, &model, rows);
+    }
+    model
+}
+
 /// `ops_forward` / `ops_backward` (tensors Candle creates per step, `tallow_trainer::opcount`):
 /// two identical runs count exactly the same, every step of a run with equal-shaped batches
 /// counts the same, and each decoder layer adds the same number of ops (1 -> 2 -> 3 layers of a
@@ -706,19 +723,8 @@ fn memory_is_probed_only_on_logged_steps_or_under_a_limit() {
 #[test]
 fn op_counts_are_reproducible_and_grow_by_the_same_amount_per_layer() {
     let dir = scratch("op-counts");
-    let base: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(model_dir("tiny-llama").join("config.json")).unwrap(),
-    )
-    .unwrap();
     let counts = |layers: usize, run: &str| -> Vec<(u64, u64)> {
-        let model = dir.join(format!("llama-{layers}"));
-        if !model.exists() {
-            let mut cfg = base.clone();
-            cfg["num_hidden_layers"] = layers.into();
-            let json = dir.join(format!("llama-{layers}.json"));
-            std::fs::write(&json, cfg.to_string()).unwrap();
-            make_random_model(env!("CARGO_BIN_EXE_make-random-model"), &json, &model, 4);
-        }
+        let model = tiny_llama_with_layers(&dir, layers, 4);
         let out = dir.join(run);
         let config = dir.join(format!("{run}.toml"));
         std::fs::write(
@@ -802,19 +808,8 @@ fn cuda_path_launches_per_layer_do_not_grow() {
             .collect();
         (cells[0], cells[1], cells[2])
     };
-    let base: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(model_dir("tiny-llama").join("config.json")).unwrap(),
-    )
-    .unwrap();
     let launches = |layers: usize, sets: &[&str], run: &str| -> (u64, u64, u64) {
-        let model = dir.join(format!("llama-{layers}"));
-        if !model.exists() {
-            let mut cfg = base.clone();
-            cfg["num_hidden_layers"] = layers.into();
-            let json = dir.join(format!("llama-{layers}.json"));
-            std::fs::write(&json, cfg.to_string()).unwrap();
-            make_random_model(env!("CARGO_BIN_EXE_make-random-model"), &json, &model, 8);
-        }
+        let model = tiny_llama_with_layers(&dir, layers, 8);
         let out = dir.join(run);
         let config = dir.join(format!("{run}.toml"));
         std::fs::write(
