@@ -29,3 +29,17 @@ bench_job_toml() {
     done
   done
 }
+
+# gpu_run_env PY DIR
+# For a run of the carried tallow-cuda on a GPU machine (scripts/gpu_first_contact.sh,
+# scripts/gpu_probe.sh): the CUDA 13 libraries of PY's NVIDIA wheels (`nvidia/cu13/lib`, what
+# scripts/build_cuda.sh links against) on LD_LIBRARY_PATH, and the driver's JIT cache kept in
+# DIR/nv-cache for the whole run, so only the first process compiles the PTX.
+gpu_run_env() {
+  local cu13
+  cu13=$($1 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))' 2>/dev/null || true)
+  if [ -n "$cu13" ] && [ -d "$cu13" ]; then
+    export LD_LIBRARY_PATH=$cu13${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  fi
+  export CUDA_CACHE_MAXSIZE=4294967296 CUDA_CACHE_PATH=$2/nv-cache
+}

@@ -81,13 +81,10 @@ fi
 TALLOW=$(cd "$(dirname "$TALLOW")" && pwd)/$(basename "$TALLOW")
 export TALLOW PY WORK DEVICE BUDGET
 [ -n "${MAKE:-}" ] && export MAKE=$(cd "$(dirname "$MAKE")" && pwd)/$(basename "$MAKE")
-# CUDA 13 libraries from the Python's nvidia wheels (as scripts/bench_cuda.sh does), and the
-# driver's JIT cache kept for the whole run, so only the first process compiles the PTX.
-if [ "$DEVICE" = cuda ]; then
-  CU13=$($PY -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))' 2>/dev/null || true)
-  [ -n "$CU13" ] && [ -d "$CU13" ] && export LD_LIBRARY_PATH=$CU13${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  export CUDA_CACHE_MAXSIZE=4294967296 CUDA_CACHE_PATH=$WORK/nv-cache
-fi
+# CUDA 13 libraries from the Python's nvidia wheels, and the driver's JIT cache kept for the
+# whole run (scripts/bench_lib.sh).
+. scripts/bench_lib.sh
+[ "$DEVICE" = cuda ] && gpu_run_env "$PY" "$WORK"
 
 left() { echo $((DEADLINE - (SECONDS - T0))); }
 # step NAME LIMIT CMD...: runs CMD with its stdout in $LOGS/NAME.log and stderr in NAME.err,

@@ -50,12 +50,8 @@ if [ -z "${TALLOW:-}" ]; then
   tar -xJf target/gpu-carry/tallow-cuda.tar.xz -C "$WORK/bin" || exit 1
   TALLOW=$WORK/bin/tallow-cuda
 fi
-if [ "$DEVICE" = cuda ]; then
-  CU13=$($PY -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))' 2>/dev/null || true)
-  [ -n "$CU13" ] && export LD_LIBRARY_PATH=$CU13${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  export CUDA_CACHE_MAXSIZE=4294967296 CUDA_CACHE_PATH=$WORK/nv-cache
-fi
 . scripts/bench_lib.sh
+[ "$DEVICE" = cuda ] && gpu_run_env "$PY" "$WORK"
 left() { echo $((DEADLINE - (SECONDS - T0))); }
 # run NAME LIMIT CMD...: bounded by LIMIT and the deadline; stdout in NAME.out, stderr NAME.err
 run() {
