@@ -24,9 +24,12 @@ fn quickstart() -> PathBuf {
 /// For LoRA and for full fine-tuning, on 32 quickstart rows in one batch:
 /// - the model's forward inside `no_grad` records no op (`track_op()` false), outside it does;
 /// - `evaluate` gives exactly the loss of the tracked forward (same ops, same order: tolerance 0);
-/// - the peak heap bytes above the weights of `evaluate` stay under a quarter of those of the
+/// - the peak heap bytes above the weights of `evaluate` stay under half of those of the
 ///   tracked forward with its graph alive (as training keeps it until backward). Measured on
-///   this machine: LoRA 5.2 MiB vs 50.1 MiB, full 4.3 MiB vs 31.1 MiB.
+///   the dev machine: LoRA 4.4 MiB vs 21.8 MiB, full 4.4 MiB vs 23.7 MiB; CI's machine gave 6.4
+///   MiB for the same evaluation (the matmul library's packing buffers follow the CPU's caches),
+///   which is why the bound is a half and not a quarter. With `evaluate`'s `no_grad` removed its
+///   peak is 21.9 MiB, level with the tracked forward, so the bound catches a recorded graph.
 #[test]
 fn evaluation_records_no_graph_and_needs_less_memory_than_a_training_forward() {
     mark_counting_installed();
@@ -106,7 +109,7 @@ fn evaluation_records_no_graph_and_needs_less_memory_than_a_training_forward() {
             "{what}: peak above weights: evaluate {eval_peak} B, tracked forward {tracked_peak} B"
         );
         assert!(
-            4 * eval_peak < tracked_peak,
+            2 * eval_peak < tracked_peak,
             "{what}: evaluation peaked at {eval_peak} B, the tracked forward at {tracked_peak} B"
         );
     }
