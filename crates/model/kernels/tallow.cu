@@ -85,3 +85,215 @@ __device__ __forceinline__ void tallow_nf4_dequant(
 TALLOW_NF4_DEQUANT(f32, float)
 TALLOW_NF4_DEQUANT(bf16, __nv_bfloat16)
 TALLOW_NF4_DEQUANT(f16, __half)
+
+// ---------------------------------------------------------------------------------------------
+// The fused element-wise ops of a training step (`tallow_model::kernels::fused`), f32 and bf16:
+// each does what its CPU twin does, in f32, and rounds to bf16 exactly where the twin's bf16
+// body rounds (`ROUND`, a constant of the bf16 instances; the f32 instances never round). The
+// _rn intrinsics keep nvcc from contracting a product and a sum into one fused multiply-add
+// where the twin rounds both. A row reduction (RMSNorm) sums in another order than the twin's
+// loop: its f32 results agree within a few ulp, which `tallow doctor` allows.
+
+__device__ __forceinline__ float tallow_to_f32(float v) { return v; }
+__device__ __forceinline__ float tallow_to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// v rounded to bf16 and back when ROUND (the twin's `round_bf16`), else v.
+template <bool ROUND> __device__ __forceinline__ float tallow_rb(float v) {
+    return ROUND ? __bfloat162float(__float2bfloat16_rn(v)) : v;
+}
+
+// The sum of `v` over the block's threads, returned to every thread. `scratch` holds one float
+// per warp (blockDim.x a multiple of 32, at most 1024).
+__device__ __forceinline__ float tallow_block_sum(float v, float *scratch) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    __syncthreads();  // scratch may still be read by a previous call's last loop
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// RMSNorm, as `fused::rms_fwd` (f32) and `RmsNorm::kernel_bf16`: one block per row of c,
+// s = sqrt(sum(x^2) inv_n + eps), y = x / s * w (bf16: r(r(x / s) w)).
+template <typename T, bool ROUND>
+__device__ __forceinline__ void tallow_rms_norm(
+    const T *x, const T *w, T *y, const size_t c, const float eps, const float inv_n) {
+    __shared__ float scratch[32];
+    const T *xr = x + (size_t)blockIdx.x * c;
+    T *yr = y + (size_t)blockIdx.x * c;
+    float ss = 0.0f;
+    for (size_t i = threadIdx.x; i < c; i += blockDim.x) {
+        const float v = tallow_to_f32(xr[i]);
+        ss = __fadd_rn(ss, __fmul_rn(v, v));
+    }
+    ss = tallow_block_sum(ss, scratch);
+    const float s = __fsqrt_rn(__fadd_rn(__fmul_rn(ss, inv_n), eps));
+    for (size_t i = threadIdx.x; i < c; i += blockDim.x) {
+        const float n = tallow_rb<ROUND>(__fdiv_rn(tallow_to_f32(xr[i]), s));
+        yr[i] = tallow_from_f32<T>(__fmul_rn(n, tallow_to_f32(w[i])));
+    }
+}
+
+// RMSNorm's dx, as `fused::rms_bwd` (f32) and `RmsNormBwd::kernel_bf16`: r = 1 / s,
+// g = dy w (bf16: rounded), xn = x r, dx = (g - xn mean(g xn)) r.
+template <typename T, bool ROUND>
+__device__ __forceinline__ void tallow_rms_norm_bwd(
+    const T *x, const T *w, const T *dy, T *dx, const size_t c, const float eps,
+    const float inv_n) {
+    __shared__ float scratch[32];
+    const size_t row = (size_t)blockIdx.x * c;
+    float ss = 0.0f;
+    for (size_t i = threadIdx.x; i < c; i += blockDim.x) {
+        const float v = tallow_to_f32(x[row + i]);
+        ss = __fadd_rn(ss, __fmul_rn(v, v));
+    }
+    ss = tallow_block_sum(ss, scratch);
+    const float r = __frcp_rn(__fsqrt_rn(__fadd_rn(__fmul_rn(ss, inv_n), eps)));
+    float dot = 0.0f;
+    for (size_t i = threadIdx.x; i < c; i += blockDim.x) {
+        const float g =
+            tallow_rb<ROUND>(__fmul_rn(tallow_to_f32(dy[row + i]), tallow_to_f32(w[i])));
+        dot = __fadd_rn(dot, __fmul_rn(g, __fmul_rn(tallow_to_f32(x[row + i]), r)));
+    }
+    const float mean = __fmul_rn(tallow_block_sum(dot, scratch), inv_n);
+    for (size_t i = threadIdx.x; i < c; i += blockDim.x) {
+        const float g =
+            tallow_rb<ROUND>(__fmul_rn(tallow_to_f32(dy[row + i]), tallow_to_f32(w[i])));
+        const float xn = __fmul_rn(tallow_to_f32(x[row + i]), r);
+        dx[row + i] = tallow_from_f32<T>(__fmul_rn(__fsub_rn(g, __fmul_rn(xn, mean)), r));
+    }
+}
+
+// Rotary embedding with the head transpose, as `fused::rope_rows_as`: one thread per (output
+// row, k < d / 2), writing elements k and k + d / 2 of the row. Forward: x (B, T, H, D) ->
+// (B, H, T, D), y = x cos + rotate_half(x) sin, then times `scale` unless it is 1. Backward:
+// dy (B, H, T, D) -> dx (B, T, H, D), its transpose. cs is (2, B, 1, T, D): cos, then sin.
+template <typename T, bool ROUND>
+__device__ __forceinline__ void tallow_rope(
+    const T *x, const T *cs, T *y, const size_t b, const size_t t, const size_t h,
+    const size_t d, const float scale, const int backward) {
+    const size_t half = d / 2, pairs = b * t * h * half;
+    const T *cos = cs, *sin = cs + b * t * d;
+    const bool one = scale == 1.0f;
+    for (size_t p = (size_t)blockIdx.x * blockDim.x + threadIdx.x; p < pairs;
+         p += (size_t)blockDim.x * gridDim.x) {
+        const size_t row = p / half, k = p % half;
+        size_t bi, ti, src;
+        if (backward) {  // out (B, T, H, D), in (B, H, T, D)
+            const size_t bt = row / h, hi = row % h;
+            bi = bt / t;
+            ti = bt % t;
+            src = ((bi * h + hi) * t + ti) * d;
+        } else {  // out (B, H, T, D), in (B, T, H, D)
+            const size_t bh = row / t;
+            ti = row % t;
+            bi = bh / h;
+            const size_t hi = bh % h;
+            src = ((bi * t + ti) * h + hi) * d;
+        }
+        const size_t tab = (bi * t + ti) * d;
+        const float c_lo = tallow_to_f32(cos[tab + k]), c_hi = tallow_to_f32(cos[tab + half + k]);
+        const float s_lo = tallow_to_f32(sin[tab + k]), s_hi = tallow_to_f32(sin[tab + half + k]);
+        float x_lo = tallow_to_f32(x[src + k]), x_hi = tallow_to_f32(x[src + half + k]);
+        float lo, hi;
+        if (backward) {
+            if (!one) {
+                x_lo = tallow_rb<ROUND>(__fmul_rn(x_lo, scale));
+                x_hi = tallow_rb<ROUND>(__fmul_rn(x_hi, scale));
+            }
+            lo = tallow_rb<ROUND>(__fadd_rn(tallow_rb<ROUND>(__fmul_rn(x_lo, c_lo)),
+                                            tallow_rb<ROUND>(__fmul_rn(x_hi, s_hi))));
+            hi = tallow_rb<ROUND>(__fsub_rn(tallow_rb<ROUND>(__fmul_rn(x_hi, c_hi)),
+                                            tallow_rb<ROUND>(__fmul_rn(x_lo, s_lo))));
+        } else {
+            lo = tallow_rb<ROUND>(__fadd_rn(tallow_rb<ROUND>(__fmul_rn(x_lo, c_lo)),
+                                            tallow_rb<ROUND>(__fmul_rn(-x_hi, s_lo))));
+            hi = tallow_rb<ROUND>(__fadd_rn(tallow_rb<ROUND>(__fmul_rn(x_hi, c_hi)),
+                                            tallow_rb<ROUND>(__fmul_rn(x_lo, s_hi))));
+            if (!one) {
+                lo = tallow_rb<ROUND>(__fmul_rn(lo, scale));
+                hi = tallow_rb<ROUND>(__fmul_rn(hi, scale));
+            }
+        }
+        const size_t dst = row * d;
+        y[dst + k] = tallow_from_f32<T>(lo);
+        y[dst + half + k] = tallow_from_f32<T>(hi);
+    }
+}
+
+// sigmoid(v) and silu(v) as `fused::sigmoid_silu`: from one exp of -|v|.
+__device__ __forceinline__ void tallow_sigmoid_silu(const float v, float *s, float *y) {
+    const bool neg = v < 0.0f;
+    const float e = expf(neg ? v : -v);
+    const float den = __fadd_rn(1.0f, e);
+    const float num = neg ? e : 1.0f;
+    *s = __fdiv_rn(num, den);
+    *y = __fdiv_rn(__fmul_rn(v, num), den);
+}
+
+// SwiGLU, as `fused::swiglu_chunk_body` (f32: silu(g) u) and `swiglu_chunk_bf16_body`
+// (r(r(silu(g)) u)).
+template <typename T, bool ROUND>
+__device__ __forceinline__ void tallow_swiglu(const T *g, const T *u, T *y, const size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)blockDim.x * gridDim.x) {
+        float s, a;
+        tallow_sigmoid_silu(tallow_to_f32(g[i]), &s, &a);
+        y[i] = tallow_from_f32<T>(__fmul_rn(tallow_rb<ROUND>(a), tallow_to_f32(u[i])));
+    }
+}
+
+// SwiGLU's backward into out = (dg, du) (2 n), as `swiglu_bwd_chunk_body` (f32, Candle's silu
+// derivative: dg = dh u (s (1 - y) + y), du = dh y) and `swiglu_bwd_chunk_bf16_body`
+// (PyTorch's: a = r(y), da = r(dh u), dg = r(da s (1 + g (1 - s))), du = r(dh a)).
+template <typename T, bool ROUND>
+__device__ __forceinline__ void tallow_swiglu_bwd(
+    const T *g, const T *u, const T *dh, T *out, const size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)blockDim.x * gridDim.x) {
+        const float gv = tallow_to_f32(g[i]), uv = tallow_to_f32(u[i]), d = tallow_to_f32(dh[i]);
+        float s, y;
+        tallow_sigmoid_silu(gv, &s, &y);
+        float dg, du;
+        if (ROUND) {
+            const float a = tallow_rb<true>(y);
+            const float da = tallow_rb<true>(__fmul_rn(d, uv));
+            dg = __fmul_rn(da, __fmul_rn(s, __fadd_rn(1.0f, __fmul_rn(gv, __fsub_rn(1.0f, s)))));
+            du = __fmul_rn(d, a);
+        } else {
+            dg = __fmul_rn(__fmul_rn(d, uv), __fadd_rn(__fmul_rn(s, __fsub_rn(1.0f, y)), y));
+            du = __fmul_rn(d, y);
+        }
+        out[i] = tallow_from_f32<T>(dg);
+        out[n + i] = tallow_from_f32<T>(du);
+    }
+}
+
+#define TALLOW_FUSED(SUFFIX, T, ROUND)                                                           \
+    extern "C" __global__ void tallow_rms_norm_##SUFFIX(                                         \
+        const T *x, const T *w, T *y, const size_t c, const float eps, const float inv_n) {      \
+        tallow_rms_norm<T, ROUND>(x, w, y, c, eps, inv_n);                                       \
+    }                                                                                            \
+    extern "C" __global__ void tallow_rms_norm_bwd_##SUFFIX(                                     \
+        const T *x, const T *w, const T *dy, T *dx, const size_t c, const float eps,             \
+        const float inv_n) {                                                                     \
+        tallow_rms_norm_bwd<T, ROUND>(x, w, dy, dx, c, eps, inv_n);                              \
+    }                                                                                            \
+    extern "C" __global__ void tallow_rope_##SUFFIX(                                             \
+        const T *x, const T *cs, T *y, const size_t b, const size_t t, const size_t h,           \
+        const size_t d, const float scale, const int backward) {                                 \
+        tallow_rope<T, ROUND>(x, cs, y, b, t, h, d, scale, backward);                            \
+    }                                                                                            \
+    extern "C" __global__ void tallow_swiglu_##SUFFIX(                                           \
+        const T *g, const T *u, T *y, const size_t n) {                                          \
+        tallow_swiglu<T, ROUND>(g, u, y, n);                                                     \
+    }                                                                                            \
+    extern "C" __global__ void tallow_swiglu_bwd_##SUFFIX(                                       \
+        const T *g, const T *u, const T *dh, T *out, const size_t n) {                           \
+        tallow_swiglu_bwd<T, ROUND>(g, u, dh, out, n);                                           \
+    }
+
+TALLOW_FUSED(f32, float, false)
+TALLOW_FUSED(bf16, __nv_bfloat16, true)

@@ -183,6 +183,16 @@ const CASES: &[Case] = &[
         run: rope,
     },
     Case {
+        name: "swiglu fwd+bwd",
+        on_cpu: "against f64",
+        f32_tol: 1e-4,
+        generic_on_cpu: false,
+        reference_f64: true,
+        cpu_tol: None,
+        always_f32: false,
+        run: swiglu,
+    },
+    Case {
         name: "softmax fwd+bwd",
         on_cpu: "against f64",
         f32_tol: 1e-5,
@@ -439,14 +449,29 @@ fn rmsnorm(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
     Ok(out)
 }
 
+/// The rotary embedding as the attention applies it (`ops::rope_heads`): x (B, T, H, D) from
+/// the projection, rotated, moved to (B, H, T, D) and scaled by 1/sqrt(D) in one op (CUDA's
+/// `tallow_rope_*` kernel in f32 and bf16, the CPU's fused kernel), and back in the backward.
 fn rope(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
     let r = &mut rng(3);
-    let x = Var::from_tensor(&input(r, &[2, 3, 7, 16], dev, dt)?)?;
+    let x = Var::from_tensor(&input(r, &[2, 7, 3, 16], dev, dt)?)?;
     let pos = Tensor::arange(0u32, 7, dev)?.unsqueeze(0)?.repeat((2, 1))?;
     let inv = ops::rope_inv_freq(16, 10000.0, None);
     let (cos, sin) = ops::rope_tables(&pos, &inv, dt).map_err(to_candle)?;
-    let y = ops::apply_rope(&x, &cos, &sin).map_err(to_candle)?;
+    let y = ops::rope_heads(&x, &cos, &sin, 0.25).map_err(to_candle)?;
     let mut out = grads_of(&y, &[&x], 4)?;
+    out.insert(0, y);
+    Ok(out)
+}
+
+/// SwiGLU's gate silu(g) * u (`ops::swiglu`: CUDA's `tallow_swiglu_*` kernels, the CPU's fused
+/// kernel), on values of both signs up to |3| so that silu's two branches and its curve count.
+fn swiglu(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
+    let r = &mut rng(23);
+    let g = Var::from_tensor(&(input(r, &[2, 5, 48], dev, dt)? * 1.5)?)?;
+    let u = Var::from_tensor(&input(r, &[2, 5, 48], dev, dt)?)?;
+    let y = ops::swiglu(&g, &u).map_err(to_candle)?;
+    let mut out = grads_of(&y, &[&g, &u], 24)?;
     out.insert(0, y);
     Ok(out)
 }

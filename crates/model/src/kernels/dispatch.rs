@@ -6,11 +6,11 @@
 //! | path | taken when |
 //! | --- | --- |
 //! | fused element-wise kernels (norms, rotary, softmax, SwiGLU, eager attention's core; `super::fused`) | CPU, f32 / f64 |
-//! | fused SwiGLU, rotary and RMSNorm (`super::fused::swiglu`, `rope_heads`, `rms_norm`) | CPU, f32 / f64, and bf16 (in f32, rounded where PyTorch's bf16 ops round) |
+//! | fused SwiGLU, rotary and RMSNorm (`super::fused::swiglu`, `rope_heads`, `rms_norm`) | CPU, f32 / f64, and bf16 (in f32, rounded where PyTorch's bf16 ops round); CUDA, f32 and bf16 (one kernel of `kernels/tallow.cu` each way, the same arithmetic) |
 //! | the one-op LoRA linear (`super::lora_linear`) | CPU: x f32 / f64 with an adapter of x's dtype, or x bf16 with an f32 adapter; an additive adapter (LoRA) over a frozen base (the linear checks that) |
 //! | chunked attention's kernel (`super::chunked`) | CPU: f32 / f64, or bf16 without soft-capping |
 //!
-//! Everything else (CUDA, f16, the other bf16 element-wise ops on the CPU) is Candle's tensor ops, which
+//! Everything else (the rest of CUDA, f16, the other bf16 element-wise ops on the CPU) is Candle's tensor ops, which
 //! every kernel's tests and `tallow doctor` compare the kernel with.
 
 use candle_core::{DType, Device, Tensor};
@@ -67,9 +67,13 @@ pub fn fused_for(t: &Tensor) -> bool {
 
 /// The fused kernels that also have a bf16 body (SwiGLU, rotary with the head transpose,
 /// Llama's RMSNorm: computing in f32 and rounding where PyTorch's bf16 ops round) take tensors
-/// of `dtype` on `backend`: [`fused`]'s, and bf16 on the CPU.
+/// of `dtype` on `backend`: on the CPU f32, f64 and bf16; on CUDA f32 and bf16, where each is
+/// one kernel of `kernels/tallow.cu` forward and one backward (f16 and f64 keep Candle's ops).
 pub fn fused_with_bf16(backend: Backend, dtype: DType) -> bool {
-    fused(backend, dtype) || (backend == Backend::Cpu && dtype == DType::BF16)
+    match backend {
+        Backend::Cpu => matches!(dtype, DType::F32 | DType::F64 | DType::BF16),
+        Backend::Cuda => matches!(dtype, DType::F32 | DType::BF16),
+    }
 }
 
 /// [`fused_with_bf16`] for a tensor.
@@ -155,12 +159,13 @@ mod tests {
                 chunked_kernel: false
             }
         );
-        for d in [DType::F32, DType::BF16, DType::F16] {
+        // CUDA: the kernels of kernels/tallow.cu (SwiGLU, rotary, RMSNorm) in f32 and bf16
+        for d in [DType::F32, DType::BF16, DType::F16, DType::F64] {
             assert_eq!(
                 p(Cuda, d, false),
                 Paths {
                     fused: false,
-                    fused_with_bf16: false,
+                    fused_with_bf16: matches!(d, DType::F32 | DType::BF16),
                     lora_one_op: false,
                     chunked_kernel: false
                 }

@@ -250,6 +250,134 @@ trait Kernel<const N: usize>: Send + Sync + 'static {
     fn grads(&self, _args: [&Tensor; N], _res: &Tensor, _grad: &Tensor) -> R<[Option<Tensor>; N]> {
         Err(candle_core::Error::BackwardNotSupported { op: Self::NAME })
     }
+    /// The op on CUDA, for ops that have a kernel in `kernels/tallow.cu` (f32 and bf16: the
+    /// dispatch rule, `super::dispatch::fused_with_bf16`, sends them nothing else): its launch
+    /// on the inputs' contiguous elements, one kernel. None by default (the rule never sends
+    /// those ops to CUDA).
+    #[cfg(feature = "cuda")]
+    fn cuda(&self, _inputs: [gpu::In<'_>; N], _dims: Self::Dims) -> R<candle_core::CudaStorage> {
+        candle_core::bail!("{}: no CUDA kernel (CPU only)", Self::NAME)
+    }
+}
+
+/// The launch of one kernel of `kernels/tallow.cu` over the contiguous inputs of a [`Kernel`],
+/// in their dtype (f32 or bf16: the kernel named `<name>_f32` / `<name>_bf16`).
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::R;
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{CudaStorage, DType, Layout};
+
+    /// An input: its storage and layout.
+    pub(super) type In<'a> = (&'a CudaStorage, &'a Layout);
+
+    /// A scalar argument after the pointers.
+    #[derive(Clone, Copy)]
+    pub(super) enum Arg {
+        Size(usize),
+        F32(f32),
+        I32(i32),
+    }
+
+    /// How the kernel's threads are laid out.
+    pub(super) enum Grid {
+        /// One block of `threads` per row, `rows` blocks.
+        Rows { rows: usize, threads: u32 },
+        /// A grid-stride loop over `n` work items.
+        Elems(usize),
+    }
+
+    /// Launches `<name>_<dtype>(inputs..., out, args...)` with an output of `out_len`
+    /// elements of the inputs' dtype, which the kernel writes in full.
+    pub(super) fn launch<const N: usize>(
+        name: &str,
+        inputs: [In<'_>; N],
+        out_len: usize,
+        grid: Grid,
+        args: &[Arg],
+    ) -> R<CudaStorage> {
+        match inputs[0].0.dtype() {
+            DType::F32 => launch_as::<f32, N>(name, "f32", inputs, out_len, grid, args),
+            DType::BF16 => launch_as::<half::bf16, N>(name, "bf16", inputs, out_len, grid, args),
+            d => candle_core::bail!("{name}: no CUDA kernel for {d:?} (f32, bf16)"),
+        }
+    }
+
+    fn launch_as<T: CudaDType + DeviceRepr, const N: usize>(
+        name: &str,
+        suffix: &str,
+        inputs: [In<'_>; N],
+        out_len: usize,
+        grid: Grid,
+        args: &[Arg],
+    ) -> R<CudaStorage> {
+        let dev = inputs[0].0.device().clone();
+        let mut views = Vec::with_capacity(N);
+        for (s, l) in inputs {
+            let Some((a, b)) = l.contiguous_offsets() else {
+                candle_core::bail!("{name}: inputs must be contiguous");
+            };
+            views.push(s.as_cuda_slice::<T>()?.slice(a..b));
+        }
+        // SAFETY: every element is written by the kernel (each kernel's comment says how).
+        let out = unsafe { dev.alloc::<T>(out_len)? };
+        let cfg = match grid {
+            Grid::Rows { rows, threads } => LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            // a grid-stride loop: past 2^30 items each thread takes several
+            Grid::Elems(n) => LaunchConfig::for_num_elems(n.min(1 << 30) as u32),
+        };
+        let empty = match grid {
+            Grid::Rows { rows, .. } => rows == 0,
+            Grid::Elems(n) => n == 0,
+        };
+        if !empty {
+            let func = dev.get_or_load_custom_func(
+                &format!("{name}_{suffix}"),
+                "tallow",
+                crate::kernels::cuda::PTX,
+            )?;
+            let mut b = func.builder();
+            for v in &views {
+                b.arg(v);
+            }
+            b.arg(&out);
+            for a in args {
+                match a {
+                    Arg::Size(v) => b.arg(v),
+                    Arg::F32(v) => b.arg(v),
+                    Arg::I32(v) => b.arg(v),
+                };
+            }
+            // SAFETY: each caller's argument list matches its kernel in kernels/tallow.cu.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+
+    /// Threads per row for a row of `c` elements: a multiple of 32, at most 1024.
+    pub(super) fn row_threads(c: usize) -> u32 {
+        (c.div_ceil(32) * 32).clamp(32, 256) as u32
+    }
+}
+
+/// [`Kernel::check`], then [`Kernel::cuda`]: the CUDA forward of a [`Fused`] op.
+#[cfg(feature = "cuda")]
+fn fused_cuda_fwd<K: Kernel<N>, const N: usize>(
+    op: &K,
+    inputs: [gpu::In<'_>; N],
+) -> R<(candle_core::CudaStorage, Shape)> {
+    let dtypes = inputs.map(|(s, _)| s.dtype());
+    if dtypes.iter().any(|&d| d != dtypes[0]) {
+        candle_core::bail!("{}: inputs of dtypes {dtypes:?}", K::NAME);
+    }
+    let (dims, shape) = op.check(inputs.map(|(_, l)| l))?;
+    Ok((op.cuda(inputs, dims)?, shape))
 }
 
 /// A [`Kernel`] as a Candle custom op.
@@ -316,6 +444,14 @@ macro_rules! custom_op {
 
             fn cpu_fwd(&self, $($s: &CpuStorage, $l: &Layout),+) -> R<(CpuStorage, Shape)> {
                 fused_fwd(&self.0, [$(($s, $l)),+])
+            }
+
+            #[cfg(feature = "cuda")]
+            fn cuda_fwd(
+                &self,
+                $($s: &candle_core::CudaStorage, $l: &Layout),+
+            ) -> R<(candle_core::CudaStorage, Shape)> {
+                fused_cuda_fwd(&self.0, [$(($s, $l)),+])
             }
 
             fn bwd(
@@ -636,6 +772,21 @@ impl Kernel<2> for RmsNorm {
         Ok(out)
     }
 
+    /// `tallow_rms_norm_*`: one block per row.
+    #[cfg(feature = "cuda")]
+    fn cuda(&self, [x, w]: [gpu::In<'_>; 2], (): ()) -> R<candle_core::CudaStorage> {
+        let (n, c) = (x.1.shape().elem_count(), w.1.shape().elem_count());
+        let (rows, threads) = (n / c.max(1), gpu::row_threads(c));
+        let args = [gpu::Arg::Size(c), gpu::Arg::F32(self.eps as f32), inv_n(c)];
+        gpu::launch(
+            "tallow_rms_norm",
+            [x, w],
+            n,
+            gpu::Grid::Rows { rows, threads },
+            &args,
+        )
+    }
+
     fn grads(&self, [x, w]: [&Tensor; 2], _y: &Tensor, dy: &Tensor) -> R<[Option<Tensor>; 2]> {
         let bwd = Fused(RmsNormBwd { eps: self.eps });
         let dx = x.apply_op3_no_bwd(w, &dy.contiguous()?, &bwd)?;
@@ -668,6 +819,12 @@ impl Kernel<2> for RmsNorm {
         };
         Ok([Some(dx), dw])
     }
+}
+
+/// 1 / C in f32, as the CPU kernels take it (`T::from_f64(1.0 / c)`), for the CUDA kernels.
+#[cfg(feature = "cuda")]
+fn inv_n(c: usize) -> gpu::Arg {
+    gpu::Arg::F32((1.0 / c as f64) as f32)
 }
 
 /// dx = r * (g - xn * mean(g * xn)), g = dy * w, xn = x * r, r = 1 / sqrt(mean(x^2) + eps).
@@ -714,6 +871,16 @@ impl Kernel<3> for RmsNormBwd {
 
     fn kernel<T: Real>(&self, [x, w, dy]: [&[T]; 3], (): ()) -> R<Vec<T>> {
         rms_bwd(x, w, dy, self.eps)
+    }
+
+    /// `tallow_rms_norm_bwd_*`: one block per row.
+    #[cfg(feature = "cuda")]
+    fn cuda(&self, [x, w, dy]: [gpu::In<'_>; 3], (): ()) -> R<candle_core::CudaStorage> {
+        let (n, c) = (x.1.shape().elem_count(), w.1.shape().elem_count());
+        let (rows, threads) = (n / c.max(1), gpu::row_threads(c));
+        let args = [gpu::Arg::Size(c), gpu::Arg::F32(self.eps as f32), inv_n(c)];
+        let grid = gpu::Grid::Rows { rows, threads };
+        gpu::launch("tallow_rms_norm_bwd", [x, w, dy], n, grid, &args)
     }
 
     /// `ops::rms_norm_generic`'s bf16 backward: r = 1 / sqrt(mean(x²) + eps) and xn = x r in
@@ -932,6 +1099,22 @@ impl Kernel<2> for Rope {
         let (x, cs) = (widen_bf16(x), widen_bf16(cs));
         let y = rope_run::<f32>(&x, &cs, dims, self.scale, true, self.backward)?;
         Ok(narrow_bf16(&y))
+    }
+
+    /// `tallow_rope_*`: one thread per (output row, pair of elements k, k + D/2).
+    #[cfg(feature = "cuda")]
+    fn cuda(&self, [x, cs]: [gpu::In<'_>; 2], dims: Self::Dims) -> R<candle_core::CudaStorage> {
+        let (b, t, h, d) = dims;
+        let n = x.1.shape().elem_count();
+        let args = [
+            gpu::Arg::Size(b),
+            gpu::Arg::Size(t),
+            gpu::Arg::Size(h),
+            gpu::Arg::Size(d),
+            gpu::Arg::F32(self.scale as f32),
+            gpu::Arg::I32(self.backward as i32),
+        ];
+        gpu::launch("tallow_rope", [x, cs], n, gpu::Grid::Elems(n / 2), &args)
     }
 
     fn grads(
@@ -1371,6 +1554,14 @@ impl Kernel<2> for SwiGlu {
         Ok(swiglu_map(g, u, swiglu_chunk_bf16))
     }
 
+    /// `tallow_swiglu_*`: one thread per element.
+    #[cfg(feature = "cuda")]
+    fn cuda(&self, [g, u]: [gpu::In<'_>; 2], (): ()) -> R<candle_core::CudaStorage> {
+        let n = g.1.shape().elem_count();
+        let args = [gpu::Arg::Size(n)];
+        gpu::launch("tallow_swiglu", [g, u], n, gpu::Grid::Elems(n), &args)
+    }
+
     fn grads(&self, [g, u]: [&Tensor; 2], _h: &Tensor, dh: &Tensor) -> R<[Option<Tensor>; 2]> {
         let both = g.apply_op3_no_bwd(u, &dh.contiguous()?, &Fused(SwiGluBwd))?; // (2, ...): dg, du
         Ok([Some(both.get(0)?), Some(both.get(1)?)])
@@ -1463,6 +1654,20 @@ impl Kernel<3> for SwiGluBwd {
 
     fn kernel<T: Real>(&self, [g, u, dh]: [&[T]; 3], (): ()) -> R<Vec<T>> {
         swiglu_bwd(g, u, dh)
+    }
+
+    /// `tallow_swiglu_bwd_*`: one thread per element, writing its dg and du.
+    #[cfg(feature = "cuda")]
+    fn cuda(&self, [g, u, dh]: [gpu::In<'_>; 3], (): ()) -> R<candle_core::CudaStorage> {
+        let n = g.1.shape().elem_count();
+        let args = [gpu::Arg::Size(n)];
+        gpu::launch(
+            "tallow_swiglu_bwd",
+            [g, u, dh],
+            2 * n,
+            gpu::Grid::Elems(n),
+            &args,
+        )
     }
 
     /// PyTorch's bf16 backward of `silu(g) * u`: the product's, du = r(dh · a) and

@@ -5,10 +5,10 @@
 //!
 //! | op (forward + backward) | file | CPU | CUDA | `tallow doctor` check |
 //! | --- | --- | --- | --- | --- |
-//! | RMSNorm (and Gemma's `1 + w`) | [`fused`] | kernel, f32 / f64 | tensor ops (`crate::nn::ops`) | rmsnorm fwd+bwd |
-//! | rotary embedding (with the head transpose) | [`fused`] | kernel, f32 / f64 | tensor ops | rope fwd+bwd |
+//! | RMSNorm (and Gemma's `1 + w`) | [`fused`] | kernel, f32 / f64 / bf16 (Gemma's: f32 / f64) | kernel, f32 / bf16 (`kernels/tallow.cu`; Gemma's: f32) | rmsnorm fwd+bwd |
+//! | rotary embedding (with the head transpose) | [`fused`] | kernel, f32 / f64 / bf16 | kernel, f32 / bf16 | rope fwd+bwd |
 //! | masked softmax | [`fused`] | kernel, f32 / f64 | tensor ops | softmax fwd+bwd |
-//! | SwiGLU | [`fused`] | kernel, f32 / f64 | tensor ops | checkpointed layer gradients |
+//! | SwiGLU | [`fused`] | kernel, f32 / f64 / bf16 | kernel, f32 / bf16 | swiglu fwd+bwd |
 //! | eager attention's core (64-row blocks) | [`fused`] | kernel, f32 / f64 | tensor ops | checkpointed layer gradients |
 //! | chunked attention (no T x T; packed rows, windows, soft-caps) | [`chunked`] | kernel, f32 / f64, bf16 uncapped | tensor ops per block | chunked attention (softcap) fwd+bwd |
 //! | cross-entropy of a logits chunk (gradient in place) | [`cross_entropy`] | kernel, f32 / f64 | tensor ops (`crate::nn::loss`) | fused loss fwd+bwd |

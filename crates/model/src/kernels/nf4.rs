@@ -678,7 +678,7 @@ impl Dequant {
         let n = self.shape.0 * self.shape.1;
         let lut_t = lut_tensor(&device)?;
         let (lut_st, lut_l) = lut_t.storage_and_layout();
-        let lut_v = view::<f32>(&lut_st, &lut_l, "the NF4 table")?;
+        let lut_v = view::<f32>(&lut_st, lut_l, "the NF4 table")?;
         // SAFETY: every element is written by the kernel.
         let out = unsafe { dev.alloc::<T>(n)? };
         let cfg = LaunchConfig::for_num_elems(n.div_ceil(2) as u32);
@@ -686,7 +686,7 @@ impl Dequant {
         match &self.absmax {
             Absmax::F32(a) => {
                 let (st, l) = a.storage_and_layout();
-                let a = view::<f32>(&st, &l, "absmax")?;
+                let a = view::<f32>(&st, l, "absmax")?;
                 self.check_len(packed.len(), a.len())?;
                 let func = dev.get_or_load_custom_func(
                     &format!("tallow_nf4_dequant_{kernel}"),
@@ -706,11 +706,11 @@ impl Dequant {
             Absmax::Double { nested, offset } => {
                 let map_t = super::blockwise8::map_tensor(nested.signed, &device)?;
                 let (map_st, map_l) = map_t.storage_and_layout();
-                let map_v = view::<f32>(&map_st, &map_l, "the dynamic map")?;
+                let map_v = view::<f32>(&map_st, map_l, "the dynamic map")?;
                 let (c_st, c_l) = nested.codes.storage_and_layout();
-                let codes = view::<u8>(&c_st, &c_l, "absmax codes")?;
+                let codes = view::<u8>(&c_st, c_l, "absmax codes")?;
                 let (a_st, a_l) = nested.absmax.storage_and_layout();
-                let nested_absmax = view::<f32>(&a_st, &a_l, "nested absmax")?;
+                let nested_absmax = view::<f32>(&a_st, a_l, "nested absmax")?;
                 self.check_len(packed.len(), codes.len())?;
                 let func = dev.get_or_load_custom_func(
                     &format!("tallow_nf4_dequant_dq_{kernel}"),

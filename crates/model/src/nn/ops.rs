@@ -63,7 +63,10 @@ pub fn rms_norm_generic(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 /// result cast back to x's dtype (Llama's casts before the weight multiply).
 /// x: (..., C), w: (C) -> (..., C)
 pub fn rms_norm_plus_one(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    if crate::kernels::dispatch::fused_for(x) && w.dtype() == x.dtype() {
+    if crate::kernels::dispatch::fused_with_bf16_for(x)
+        && matches!(x.dtype(), DType::F32 | DType::F64)
+        && w.dtype() == x.dtype()
+    {
         // f32 / f64: no cast between the two products, so this is [`rms_norm`] with weight
         // 1 + w (computed in x's dtype, as `1.0 + weight.float()`); the offset's backward is
         // the identity.
