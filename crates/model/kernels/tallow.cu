@@ -297,3 +297,59 @@ __device__ __forceinline__ void tallow_swiglu_bwd(
 
 TALLOW_FUSED(f32, float, false)
 TALLOW_FUSED(bf16, __nv_bfloat16, true)
+
+// ---------------------------------------------------------------------------------------------
+// Cross-entropy over a chunk of f32 logits (n, V) (`tallow_model::kernels::cross_entropy`'s
+// device ops, whose CPU twins are `CeRows::cpu_fwd` and `CeGradRows::cpu_fwd`): one block per
+// row. The row's max and sum of exp(x - max) are block reductions in f32 (the twin sums in
+// f64: rows of up to ~256k terms agree within a few f32 ulp of the log-sum-exp).
+
+// The max of `v` over the block's threads, returned to every thread (as tallow_block_sum).
+__device__ __forceinline__ float tallow_block_max(float v, float *scratch) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : -INFINITY;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// The log-sum-exp of row x (v elements), to every thread of the block.
+__device__ __forceinline__ float tallow_row_lse(const float *x, const size_t v, float *scratch) {
+    float m = -INFINITY;
+    for (size_t j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, x[j]);
+    m = tallow_block_max(m, scratch);
+    float s = 0.0f;
+    for (size_t j = threadIdx.x; j < v; j += blockDim.x) s += expf(x[j] - m);
+    s = tallow_block_sum(s, scratch);
+    return m + logf(s);
+}
+
+// out[row] = lse(row) - x[row, label] (the row's NLL), out[n + row] = lse(row).
+extern "C" __global__ void tallow_ce_rows_f32(
+    const float *x, const uint32_t *labels, float *out, const size_t v, const size_t n) {
+    __shared__ float scratch[32];
+    const size_t row = blockIdx.x;
+    const float *xr = x + row * v;
+    const float lse = tallow_row_lse(xr, v, scratch);
+    if (threadIdx.x == 0) {
+        out[row] = lse - xr[labels[row]];
+        out[n + row] = lse;
+    }
+}
+
+// In place: x[row, j] := g (exp(x[row, j] - lse[row]) - [j == label]), the gradient of
+// g * sum of the rows' NLL; lse_g holds the n rows' log-sum-exp, then g.
+extern "C" __global__ void tallow_ce_grad_f32(
+    float *x, const uint32_t *labels, const float *lse_g, const size_t v, const size_t n) {
+    const size_t row = blockIdx.x;
+    float *xr = x + row * v;
+    const float lse = lse_g[row], g = lse_g[n];
+    const uint32_t y = labels[row];
+    for (size_t j = threadIdx.x; j < v; j += blockDim.x) {
+        const float p = __fmul_rn(expf(xr[j] - lse), g);
+        xr[j] = j == y ? __fsub_rn(p, g) : p;
+    }
+}

@@ -932,9 +932,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let logits = chunk * v as u64;
     // On the CPU the cross-entropy runs in the f32 logits' own buffer (`tallow_model::kernels::fused`,
     // `kernels::cross_entropy`): one f32 logits chunk (with bf16 / f16, also the
-    // matmul's f32 head copy and half-precision output). Elsewhere the tensor ops keep up to
-    // three f32 logits-sized buffers at once (log-softmax / softmax: input, shifted, exp;
-    // backward: probabilities, one-hot, their difference).
+    // matmul's f32 head copy and half-precision output); on CUDA too (one kernel each way).
     // On AMX the logits come out in f32 (no half-precision copy, no copy of the head), and W
     // is packed for dh only once the f32 logits are gone: the backward holds the larger of
     // (f32 logits + their narrowed gradient) and (that gradient + W packed for dh).
@@ -955,7 +953,16 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
             (both, both)
         }
         (true, false) => (logits * 4, logits * 4),
-        (false, _) => (logits * 12, logits * 12),
+        // CUDA with f32 logits: the cross-entropy's two kernels in the f32 logits' own buffer
+        // (`kernels::cross_entropy::ce_rows` / `ce_grad_rows`), next to the matmul's
+        // half-precision logits while they are upcast, and to the gradient's half-precision
+        // copy for dh in the backward.
+        (false, _) if s <= 4 => {
+            let half = if s < 4 { s } else { 0 };
+            (logits * (4 + half), logits * (4 + half))
+        }
+        // f64 on CUDA: tensor ops, up to three logits-sized buffers at once
+        (false, _) => (logits * 3 * s, logits * 3 * s),
     };
     // Gemma 2's final-logit soft-cap (`tallow_model::nn::loss`): the chunk's logits divided, tanh,
     // multiplied (in the model dtype, two alive at once) before the cross-entropy; in the

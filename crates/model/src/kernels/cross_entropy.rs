@@ -1,6 +1,13 @@
 //! Cross-entropy over a chunk of LM-head logits (crate::nn::loss), with no logits-sized temporary.
 //!
-//! CPU only: CUDA computes the same from tensor ops (`crate::nn::loss`).
+//! Two forms of the same arithmetic:
+//! - on the CPU, host-side ([`ce_nll_sum`], [`ce_grad_in_place`]): labels and row statistics on
+//!   the host, the sum in f64;
+//! - on the device, as graph-free ops on f32 logits ([`ce_rows`], [`ce_grad_rows`]): labels, the
+//!   rows' NLL and log-sum-exp and the upstream gradient stay on the device (no sync). On CUDA
+//!   each is one kernel of `kernels/tallow.cu` (`tallow_ce_rows_f32`, `tallow_ce_grad_f32`); on
+//!   the CPU their twins below (what `TALLOW_CUDA_PATHS_ON_CPU=1` runs, and `tallow doctor`
+//!   compares the kernels with).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Layout, Tensor};
@@ -163,6 +170,209 @@ impl candle_core::InplaceOp1 for CeGrad {
     }
 }
 
+/// Per row of f32 logits (n, V) and its label (n, u32): the row's NLL and log-sum-exp, as one
+/// (2, n) f32 tensor (row 0 the NLLs, row 1 the log-sum-exps) on the logits' device. Not
+/// differentiable (the loss attaches its own backward).
+pub fn ce_rows(logits: &Tensor, labels: &Tensor) -> R<Tensor> {
+    logits
+        .contiguous()?
+        .apply_op2_no_bwd(&labels.contiguous()?, &CeRows)
+}
+
+/// In place: logits (n, V) f32 := g (softmax(row) - onehot(label)), the gradient of g * sum of
+/// the rows' NLL, from the rows' log-sum-exp `lse` (n, f32, as [`ce_rows`] gave it) and the
+/// upstream gradient `g` (a scalar tensor, f32), without reading either to the host.
+pub fn ce_grad_rows(logits: &Tensor, labels: &Tensor, lse: &Tensor, g: &Tensor) -> R<()> {
+    let lse_g = Tensor::cat(&[lse, &g.to_dtype(DType::F32)?.reshape(1)?], 0)?; // (n + 1)
+    logits.inplace_op3(&labels.contiguous()?, &lse_g, &CeGradRows)
+}
+
+/// [`ce_rows`]' op.
+struct CeRows;
+
+/// The rows of f32 logits `x` (n rows of v) and their labels, checked.
+fn ce_shapes(name: &str, xl: &Layout, yl: &Layout) -> R<(usize, usize)> {
+    let (n, v) = xl.shape().dims2()?;
+    if yl.shape().dims() != [n] {
+        candle_core::bail!("{name}: {n} rows need {n} labels, got {:?}", yl.shape());
+    }
+    Ok((n, v))
+}
+
+impl candle_core::CustomOp2 for CeRows {
+    fn name(&self) -> &'static str {
+        "cross-entropy-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        y: &CpuStorage,
+        yl: &Layout,
+    ) -> R<(CpuStorage, candle_core::Shape)> {
+        let (n, v) = ce_shapes(self.name(), xl, yl)?;
+        let x = super::fused::data::<f32>(x, xl, "cross-entropy rows")?;
+        let y = super::fused::data::<u32>(y, yl, "cross-entropy labels")?;
+        if let Some(&bad) = y.iter().find(|&&l| l as usize >= v) {
+            candle_core::bail!("cross-entropy rows: label {bad} is not below the vocabulary {v}");
+        }
+        let mut out = vec![0f32; 2 * n];
+        let (nll, lse) = out.split_at_mut(n);
+        nll.par_iter_mut()
+            .zip(lse.par_iter_mut())
+            .zip(x.par_chunks(v.max(1)).zip(y.par_iter()))
+            .for_each(|((nll, lse), (row, &label))| {
+                let (m, s) = max_sum_exp(row);
+                let l = m as f64 + s.ln();
+                *lse = l as f32;
+                *nll = (l - row[label as usize] as f64) as f32;
+            });
+        Ok((CpuStorage::F32(out), candle_core::Shape::from((2, n))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        y: &candle_core::CudaStorage,
+        yl: &Layout,
+    ) -> R<(candle_core::CudaStorage, candle_core::Shape)> {
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+        use candle_core::cuda_backend::WrapErr;
+        let (n, v) = ce_shapes(self.name(), xl, yl)?;
+        let dev = x.device().clone();
+        let xv = cuda_view::<f32>(x, xl, self.name())?;
+        let yv = cuda_view::<u32>(y, yl, self.name())?;
+        // SAFETY: the kernel writes all 2 n outputs (thread 0 of each row's block).
+        let out = unsafe { dev.alloc::<f32>(2 * n)? };
+        if n > 0 {
+            let func =
+                dev.get_or_load_custom_func("tallow_ce_rows_f32", "tallow", super::cuda::PTX)?;
+            let mut b = func.builder();
+            b.arg(&xv);
+            b.arg(&yv);
+            b.arg(&out);
+            b.arg(&v);
+            b.arg(&n);
+            // SAFETY: argument types and order match `tallow_ce_rows_f32` in kernels/tallow.cu.
+            unsafe { b.launch(row_config(n)) }.w()?;
+        }
+        Ok((
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev),
+            candle_core::Shape::from((2, n)),
+        ))
+    }
+}
+
+/// [`ce_grad_rows`]' op: the logits in place; inputs the labels and the rows' log-sum-exp
+/// followed by g.
+struct CeGradRows;
+
+impl candle_core::InplaceOp3 for CeGradRows {
+    fn name(&self) -> &'static str {
+        "cross-entropy-grad-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &mut CpuStorage,
+        xl: &Layout,
+        y: &CpuStorage,
+        yl: &Layout,
+        lg: &CpuStorage,
+        lgl: &Layout,
+    ) -> R<()> {
+        let (n, v) = ce_shapes(self.name(), xl, yl)?;
+        let y = super::fused::data::<u32>(y, yl, "cross-entropy labels")?;
+        let lg = super::fused::data::<f32>(lg, lgl, "cross-entropy row statistics")?;
+        if lg.len() != n + 1 || y.iter().any(|&l| l as usize >= v) {
+            candle_core::bail!("cross-entropy grad rows: {n} rows need {n} labels below {v} and {} statistics, got {}", n + 1, lg.len());
+        }
+        let Some((a, b)) = xl.contiguous_offsets() else {
+            candle_core::bail!("cross-entropy grad rows: logits must be contiguous");
+        };
+        let CpuStorage::F32(x) = x else {
+            candle_core::bail!("cross-entropy grad rows: logits must be f32");
+        };
+        let g = lg[n];
+        x[a..b]
+            .par_chunks_mut(v.max(1))
+            .zip(y.par_iter().zip(&lg[..n]))
+            .for_each(|(row, (&label, &lse))| {
+                row.iter_mut().for_each(|e| *e = (*e - lse).exp() * g);
+                row[label as usize] -= g;
+            });
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &mut candle_core::CudaStorage,
+        xl: &Layout,
+        y: &candle_core::CudaStorage,
+        yl: &Layout,
+        lg: &candle_core::CudaStorage,
+        lgl: &Layout,
+    ) -> R<()> {
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+        use candle_core::cuda_backend::WrapErr;
+        let (n, v) = ce_shapes(self.name(), xl, yl)?;
+        if lgl.shape().elem_count() != n + 1 {
+            candle_core::bail!(
+                "cross-entropy grad rows: {} statistics for {n} rows",
+                lgl.shape().elem_count()
+            );
+        }
+        let Some((a, b)) = xl.contiguous_offsets() else {
+            candle_core::bail!("cross-entropy grad rows: logits must be contiguous");
+        };
+        let dev = x.device().clone();
+        let yv = cuda_view::<u32>(y, yl, self.name())?;
+        let lv = cuda_view::<f32>(lg, lgl, self.name())?;
+        let xs = x.as_cuda_slice_mut::<f32>()?;
+        let mut xv = xs.slice_mut(a..b);
+        if n > 0 {
+            let func =
+                dev.get_or_load_custom_func("tallow_ce_grad_f32", "tallow", super::cuda::PTX)?;
+            let mut bld = func.builder();
+            bld.arg(&mut xv);
+            bld.arg(&yv);
+            bld.arg(&lv);
+            bld.arg(&v);
+            bld.arg(&n);
+            // SAFETY: argument types and order match `tallow_ce_grad_f32` in kernels/tallow.cu.
+            unsafe { bld.launch(row_config(n)) }.w()?;
+        }
+        Ok(())
+    }
+}
+
+/// The contiguous elements of a CUDA input.
+#[cfg(feature = "cuda")]
+fn cuda_view<'a, T: candle_core::cuda_backend::CudaDType>(
+    s: &'a candle_core::CudaStorage,
+    l: &Layout,
+    name: &str,
+) -> R<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+    let Some((a, b)) = l.contiguous_offsets() else {
+        candle_core::bail!("{name}: inputs must be contiguous");
+    };
+    Ok(s.as_cuda_slice::<T>()?.slice(a..b))
+}
+
+/// One block of 256 threads per row.
+#[cfg(feature = "cuda")]
+fn row_config(n: usize) -> candle_core::cuda_backend::cudarc::driver::LaunchConfig {
+    candle_core::cuda_backend::cudarc::driver::LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 #[cfg(test)]
 mod ce_tests {
     use super::*;
@@ -216,6 +426,36 @@ mod ce_tests {
             // a label out of range is refused
             assert!(ce_nll_sum(&x, &[0, 1, 2, 3, 37]).is_err());
         }
+        Ok(())
+    }
+
+    /// The device form ([`ce_rows`], [`ce_grad_rows`], here their CPU twins) against the host
+    /// form on the same f32 logits: the NLLs summed within 1e-5 relative, each row's
+    /// log-sum-exp within 1e-5, the in-place gradient (g = 0.25 from a tensor) within 1e-6.
+    /// Leaving out the label's -g (or the scale) moves the gradient by 0.25; a wrong row's
+    /// lse moves the NLL by O(1).
+    #[test]
+    fn device_cross_entropy_ops_match_the_host_form() -> R<()> {
+        let dev = Device::Cpu;
+        let x = (Tensor::randn(0f32, 3., (5, 37), &dev)?).to_dtype(DType::F32)?;
+        let labels = [0u32, 36, 7, 7, 20];
+        let lab = Tensor::new(&labels[..], &dev)?;
+        let (want, stats) = ce_nll_sum(&x, &labels)?;
+        let rows = ce_rows(&x, &lab)?; // (2, n)
+        let got = rows.get(0)?.sum_all()?.to_scalar::<f32>()? as f64;
+        assert!((got - want).abs() <= 1e-5 * want.abs(), "{got} vs {want}");
+        for (i, &(m, s)) in stats.iter().enumerate() {
+            let lse = rows.get(1)?.get(i)?.to_scalar::<f32>()? as f64;
+            assert!((lse - (m + s.ln())).abs() <= 1e-5, "row {i}: {lse}");
+        }
+        let want = x.copy()?;
+        ce_grad_in_place(&want, &labels, 0.25, None)?;
+        let got = x.copy()?;
+        let g = Tensor::new(0.25f32, &dev)?;
+        ce_grad_rows(&got, &lab, &rows.get(1)?, &g)?;
+        let d = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(d <= 1e-6, "gradient off by {d}");
+        assert!(ce_rows(&x, &Tensor::new(&[0u32, 1, 2, 3, 37], &dev)?).is_err());
         Ok(())
     }
 }

@@ -9,6 +9,7 @@
 //! | fused SwiGLU, rotary and RMSNorm (`super::fused::swiglu`, `rope_heads`, `rms_norm`) | CPU, f32 / f64, and bf16 (in f32, rounded where PyTorch's bf16 ops round); CUDA, f32 and bf16 (one kernel of `kernels/tallow.cu` each way, the same arithmetic) |
 //! | the one-op LoRA linear (`super::lora_linear`) | CPU: x f32 / f64 with an adapter of x's dtype, or x bf16 with an f32 adapter; an additive adapter (LoRA) over a frozen base (the linear checks that) |
 //! | chunked attention's kernel (`super::chunked`) | CPU: f32 / f64, or bf16 without soft-capping |
+//! | the LM head's cross-entropy as device ops (`super::cross_entropy::ce_rows`, `ce_grad_rows`) | CUDA, f32 logits (the CPU has its host-side kernel for f32 / f64) |
 //!
 //! Everything else (the rest of CUDA, f16, the other bf16 element-wise ops on the CPU) is Candle's tensor ops, which
 //! every kernel's tests and `tallow doctor` compare the kernel with.
@@ -79,6 +80,14 @@ pub fn fused_with_bf16(backend: Backend, dtype: DType) -> bool {
 /// [`fused_with_bf16`] for a tensor.
 pub fn fused_with_bf16_for(t: &Tensor) -> bool {
     fused_with_bf16(Backend::of(t.device()), t.dtype())
+}
+
+/// The LM head's cross-entropy over logits of `dtype` runs as the device ops of
+/// `super::cross_entropy` (`ce_rows`, `ce_grad_rows`: one CUDA kernel each way, labels and row
+/// statistics on the device): on CUDA, f32 logits (what bf16, f16 and f32 models upcast to). The
+/// CPU's f32 / f64 logits take its host path (`ce_nll_sum`), CUDA's f64 Candle's tensor ops.
+pub fn device_cross_entropy(backend: Backend, dtype: DType) -> bool {
+    backend == Backend::Cuda && dtype == DType::F32
 }
 
 /// A LoRA linear with input `x` and adapter factors of `adapter` dtype may run as one op.
@@ -172,5 +181,8 @@ mod tests {
             );
         }
         assert!(!lora_one_op(Cpu, DType::F32, DType::BF16));
+        assert!(device_cross_entropy(Cuda, DType::F32));
+        assert!(!device_cross_entropy(Cuda, DType::F64));
+        assert!(!device_cross_entropy(Cpu, DType::F32));
     }
 }

@@ -11,7 +11,7 @@
 //! | SwiGLU | [`fused`] | kernel, f32 / f64 / bf16 | kernel, f32 / bf16 | swiglu fwd+bwd |
 //! | eager attention's core (64-row blocks) | [`fused`] | kernel, f32 / f64 | tensor ops | checkpointed layer gradients |
 //! | chunked attention (no T x T; packed rows, windows, soft-caps) | [`chunked`] | kernel, f32 / f64, bf16 uncapped | tensor ops per block | chunked attention (softcap) fwd+bwd |
-//! | cross-entropy of a logits chunk (gradient in place) | [`cross_entropy`] | kernel, f32 / f64 | tensor ops (`crate::nn::loss`) | fused loss fwd+bwd |
+//! | cross-entropy of a logits chunk (gradient in place) | [`cross_entropy`] | kernel, f32 / f64 (host-side) | kernel, f32 logits (device ops, twins in [`cross_entropy`]) | fused loss fwd+bwd |
 //! | frozen / trainable base matmul | [`matmul`] | gemm | cuBLAS | frozen / trainable matmul fwd+bwd |
 //! | the LoRA linear as one op | [`lora_linear`] | kernel, f32 / f64, bf16 x with f32 adapter | tensor ops (`crate::nn::linear`) | lora linear fwd+bwd |
 //! | bf16 base matmuls of the LoRA linear and the LM head on AMX tiles | [`amx`] | kernel (AMX-BF16, else the widened f32 `gemm` twin) | - | amx bf16 matmul |

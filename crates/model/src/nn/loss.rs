@@ -91,15 +91,29 @@ pub fn lm_head_nll(
         .index_select(&targets.positions, 0)?; // (N, C)
     let (value, stats) = nll_sum_no_grad(&h.detach(), &head.detach(), &targets.labels, softcap)?;
     // The backward recomputes the logits chunk by chunk: the graph keeps h, the head, the
-    // labels and (on the CPU) each row's max and sum of exp only.
+    // labels and each row's statistics only.
     let labels = targets.labels.clone();
     ops::attach2(
         "fused-lm-head-nll",
         &h,
         head,
         value,
-        move |h, head, _v, g| nll_bwd(&labels, h, head, g, softcap, stats.as_deref()),
+        move |h, head, _v, g| nll_bwd(&labels, h, head, g, softcap, stats.as_ref()),
     )
+}
+
+/// What the forward found of each row for the backward: on the CPU kernels' host path its max
+/// and sum of exp; on the device ops' path (CUDA) its log-sum-exp, one (rows) f32 tensor per
+/// chunk, on the device.
+enum RowStats {
+    Host(crate::kernels::cross_entropy::RowStats),
+    Device(Vec<Tensor>),
+}
+
+/// Whether the cross-entropy of h's logits runs as the device ops of `kernels::cross_entropy`
+/// (`kernels::dispatch::device_cross_entropy`).
+fn device_ce(h: &Tensor) -> bool {
+    crate::kernels::dispatch::device_cross_entropy(Backend::of(h.device()), ops::upcast(h.dtype()))
 }
 
 /// One chunk's logits, soft-capped when `softcap` is given (in the compute dtype, as
@@ -183,14 +197,14 @@ fn amx_product(
     Ok(p.gemm(&mut out, a, n).then_some(out))
 }
 
-/// The chunked forward. h: (N, C), head: (V, C), labels: (N) -> scalar, and on the CPU each
-/// row's max and sum of exp (`kernels::cross_entropy::RowStats`) for the backward.
+/// The chunked forward. h: (N, C), head: (V, C), labels: (N) -> scalar, and each row's
+/// statistics for the backward ([`RowStats`]; none on the tensor-op path).
 fn nll_sum_no_grad(
     h: &Tensor,
     head: &Tensor,
     labels: &Tensor,
     softcap: Option<f64>,
-) -> Result<(Tensor, Option<crate::kernels::cross_entropy::RowStats>)> {
+) -> Result<(Tensor, Option<RowStats>)> {
     let n = h.dim(0)?;
     let step = chunk_rows(head.dim(0)?);
     let up = ops::upcast(h.dtype());
@@ -199,10 +213,20 @@ fn nll_sum_no_grad(
     let host_labels = cpu_labels(labels, h)?;
     let mut host_total = 0f64;
     let mut stats = Vec::new();
+    let device = device_ce(h);
+    let mut lse = Vec::new();
     for start in (0..n).step_by(step) {
         let len = step.min(n - start);
         let hc = h.narrow(0, start, len)?;
         let logits = chunk_logits(&hc, head, softcap)?; // (n, V)
+        if device {
+            // one kernel: each row's NLL and log-sum-exp, (2, n)
+            let rows =
+                crate::kernels::cross_entropy::ce_rows(&logits, &labels.narrow(0, start, len)?)?;
+            total = (total + rows.get(0)?.sum_all()?)?;
+            lse.push(rows.get(1)?);
+            continue;
+        }
         if let Some(y) = &host_labels {
             let (nll, rows) =
                 crate::kernels::cross_entropy::ce_nll_sum(&logits, &y[start..start + len])?;
@@ -216,7 +240,10 @@ fn nll_sum_no_grad(
     }
     if host_labels.is_some() {
         total = Tensor::new(host_total, h.device())?.to_dtype(up)?;
-        return Ok((total, Some(stats)));
+        return Ok((total, Some(RowStats::Host(stats))));
+    }
+    if device {
+        return Ok((total, Some(RowStats::Device(lse))));
     }
     Ok((total, None))
 }
@@ -244,7 +271,7 @@ fn nll_bwd(
     head: &Tensor,
     grad: &Tensor,
     softcap: Option<f64>,
-    stats: Option<&[(f64, f64)]>,
+    stats: Option<&RowStats>,
 ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
     let (n, _c) = h.dims2()?;
     let v = head.dim(0)?;
@@ -265,9 +292,15 @@ fn nll_bwd(
         Some(_) => g.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
         None => 0.0,
     };
+    let (host_stats, device_lse) = match stats {
+        Some(RowStats::Host(s)) => (Some(&s[..]), None),
+        Some(RowStats::Device(l)) => (None, Some(l)),
+        None => (None, None),
+    };
+    let device = device_ce(&h);
     let mut dh = Vec::new();
     let mut dw: Option<Tensor> = None;
-    for start in (0..n).step_by(step) {
+    for (chunk, start) in (0..n).step_by(step).enumerate() {
         let len = step.min(n - start);
         let hc = h.narrow(0, start, len)?; // (n, C)
         let logits = chunk_logits(&hc, &w, softcap)?; // (n, V)
@@ -283,13 +316,29 @@ fn nll_bwd(
                     &logits,
                     &y[start..start + len],
                     g_host,
-                    stats.map(|s| &s[start..start + len]),
+                    host_stats.map(|s| &s[start..start + len]),
                 )?;
                 let d = match &dcap {
                     Some(dc) => (&logits * dc)?,
                     None => logits.clone(),
                 };
                 let d = crate::kernels::fused::cast(&d, h.dtype())?; // the same buffer in f32 / f64
+                drop(logits);
+                d
+            }
+            // CUDA: the same in the f32 logits' buffer, one kernel, nothing read to the host.
+            None if device => {
+                let y = labels.narrow(0, start, len)?;
+                let lse = match device_lse.and_then(|l| l.get(chunk)) {
+                    Some(l) => l.clone(),
+                    None => crate::kernels::cross_entropy::ce_rows(&logits, &y)?.get(1)?,
+                };
+                crate::kernels::cross_entropy::ce_grad_rows(&logits, &y, &lse, &g)?;
+                let d = match &dcap {
+                    Some(dc) => (&logits * dc)?,
+                    None => logits.clone(),
+                };
+                let d = d.to_dtype(h.dtype())?; // bf16 / f16: the copy the head's product reads
                 drop(logits);
                 d
             }
@@ -501,7 +550,7 @@ mod tests {
             let (loss, stats) = nll_sum_no_grad(&h, &head, &labels, None)?;
             let loss = loss.to_scalar::<f32>()?;
             let g = Tensor::new(1f32, &dev)?;
-            let (dh, _) = nll_bwd(&labels, &h, &head, &g, None, stats.as_deref())?;
+            let (dh, _) = nll_bwd(&labels, &h, &head, &g, None, stats.as_ref())?;
             Ok((loss, dh.expect("dh")))
         };
         let (loss_on, dh_on) = run()?;
