@@ -353,3 +353,39 @@ extern "C" __global__ void tallow_ce_grad_f32(
         xr[j] = j == y ? __fsub_rn(p, g) : p;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// AdamW over one parameter group's flat f32 buffers (`tallow_model::kernels::adamw`, whose CPU
+// twins do the same IEEE operations in the same order: results bit for bit, as torch's
+// single-tensor AdamW on f32): the moments (2, n) updated in place, then the new parameters.
+
+// Candle's affine x * mul + add, the product and the sum rounded apart (its scalar products,
+// `t * c`, are affine(c, 0): the + 0 only turns -0 into +0, kept so the bits agree).
+__device__ __forceinline__ float tallow_affine(const float x, const float mul, const float add) {
+    return __fadd_rn(__fmul_rn(x, mul), add);
+}
+
+// mv[i] = m, mv[n + i] = v: m = m b1 + g c1, v = v b2 + (g g) c2 (c1 = 1 - b1, c2 = 1 - b2).
+extern "C" __global__ void tallow_adamw_moments_f32(
+    float *mv, const float *g, const size_t n, const float b1, const float c1, const float b2,
+    const float c2) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)blockDim.x * gridDim.x) {
+        const float gi = g[i];
+        mv[i] = __fadd_rn(tallow_affine(mv[i], b1, 0.0f), tallow_affine(gi, c1, 0.0f));
+        mv[n + i] = __fadd_rn(tallow_affine(mv[n + i], b2, 0.0f),
+                              tallow_affine(__fmul_rn(gi, gi), c2, 0.0f));
+    }
+}
+
+// out = p' - (m / (sqrt(v) inv_bc2 + eps)) step, p' = p decay when `decay_on` (weight decay).
+extern "C" __global__ void tallow_adamw_param_f32(
+    const float *p, const float *mv, float *out, const size_t n, const float decay,
+    const int decay_on, const float inv_bc2, const float eps, const float step) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)blockDim.x * gridDim.x) {
+        const float pi = decay_on ? tallow_affine(p[i], decay, 0.0f) : p[i];
+        const float denom = tallow_affine(__fsqrt_rn(mv[n + i]), inv_bc2, eps);
+        out[i] = __fsub_rn(pi, tallow_affine(__fdiv_rn(mv[i], denom), step, 0.0f));
+    }
+}

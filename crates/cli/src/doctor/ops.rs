@@ -318,7 +318,7 @@ const CASES: &[Case] = &[
     },
     Case {
         name: "adamw 3 steps",
-        on_cpu: "f64 scalar AdamW against the tensor-op AdamW",
+        on_cpu: "f64 scalar AdamW against AdamW's fused ops",
         f32_tol: 2e-6,
         generic_on_cpu: true,
         reference_f64: false,

@@ -17,6 +17,7 @@
 //! | bf16 base matmuls of the LoRA linear and the LM head on AMX tiles | [`amx`] | kernel (AMX-BF16, else the widened f32 `gemm` twin) | - | amx bf16 matmul |
 //! | NF4 quantize / dequantize, NF4 matmul | [`nf4`] | kernel | CUDA kernel (`kernels/tallow.cu`) + cuBLAS | nf4 dequantize (double quant), nf4 matmul fwd+bwd |
 //! | LoRA dropout mask (a hash of the seed and index) | [`dropout`] | kernel | CUDA kernel (`kernels/tallow.cu`) | lora dropout mask (bit for bit) |
+//! | AdamW's update of a parameter group (moments in place, then the parameters) | [`adamw`] | kernel, f32 | kernel, f32 (`kernels/tallow.cu`) | adamw 3 steps |
 //! | blockwise 8-bit (de)quantization (AdamW8bit's moments, NF4's double quant) | [`blockwise8`] | kernel | tensor ops | adamw8bit 3 steps |
 //!
 //! Storage helpers: [`fused`]'s `Real`, `data`, `uninit`, the bf16 widening and rounding;
@@ -24,6 +25,7 @@
 //! [`consts`]' small tables uploaded once per device; [`cuda`]'s PTX of tallow's own CUDA
 //! kernels (feature `cuda`).
 
+pub mod adamw;
 pub mod amx;
 pub mod blockwise8;
 pub mod chunked;

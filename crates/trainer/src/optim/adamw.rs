@@ -16,18 +16,22 @@
 //! one flat f32 buffer each, its parameters and gradients are copied into flat f32 inputs, the
 //! arithmetic runs once over them, and each new value is copied back. Each element sees the
 //! same operations as in a per-parameter update, so the results are bit for bit those (a test
-//! checks it). Device cost of a step: 13 launches per group ([`adamw_math`]; 12 without weight
-//! decay) and 3 per member (its parameter and gradient copied in, the new value copied back; a
-//! lone member copies neither in), +2 casts for a bf16/f16 parameter, +1 for a bf16/f16
-//! gradient. Updated one parameter at a time it was 14 per parameter (13 without weight
-//! decay): 182 launches per decoder layer and step for 14 LoRA factors, 42 in groups
-//! (`benchmarks/op-counts.md`). The f32 temporaries are a group's (about 24 bytes per
-//! element), which `tallow estimate` counts. Checkpoints keep one `"{i}.exp_avg"` /
-//! `"{i}.exp_avg_sq"` per parameter in its shape, as before.
+//! checks it against [`adamw_update`]'s tensor ops). The arithmetic is two ops
+//! (`tallow_model::kernels::adamw`: the moments, one (2, len) buffer, updated in place, then the
+//! new values; one CUDA kernel each, a CPU twin on the CPU) where Candle's tensor ops
+//! ([`adamw_math`]) took 13 launches. Device cost of a step: 2 launches per group and 3 per
+//! member (its parameter and gradient copied in, the new value copied back; a lone member
+//! copies neither in), +2 casts for a bf16/f16 parameter, +1 for a bf16/f16 gradient. Updated
+//! one parameter at a time with tensor ops it was 14 per parameter (13 without weight decay):
+//! 182 launches per decoder layer and step for 14 LoRA factors, 42 in groups
+//! (`benchmarks/op-counts.md`). The f32 temporaries are a group's flat parameters, gradients
+//! and new values (12 bytes per element), which `tallow estimate` counts. Checkpoints keep one
+//! `"{i}.exp_avg"` / `"{i}.exp_avg_sq"` per parameter in its shape, as before.
 
 use std::collections::HashMap;
 
 use candle_core::{DType, Shape, Tensor, Var};
+use tallow_model::kernels::adamw;
 use tallow_model::kernels::dispatch::Backend;
 
 use super::{check_grads, load_param_state, read_moment_step, step_tensor, Optimizer, STEP_KEY};
@@ -81,10 +85,8 @@ struct Group {
     shapes: Vec<Shape>,
     /// Element offset of each member in the flat buffers.
     offsets: Vec<usize>,
-    /// m, "exp_avg" in torch: (len,).
-    exp_avg: Tensor,
-    /// v, "exp_avg_sq" in torch: (len,).
-    exp_avg_sq: Tensor,
+    /// m and v ("exp_avg", "exp_avg_sq" in torch), one flat buffer: (2, len), updated in place.
+    moments: Tensor,
 }
 
 impl Group {
@@ -107,6 +109,19 @@ impl Group {
             return Ok(pieces.into_iter().next().expect("one piece"));
         }
         Tensor::cat(&pieces, 0) // (len,)
+    }
+}
+
+#[cfg(test)]
+impl Group {
+    /// m (len,)
+    fn exp_avg(&self) -> Tensor {
+        self.moments.get(0).expect("(2, len) moments")
+    }
+
+    /// v (len,)
+    fn exp_avg_sq(&self) -> Tensor {
+        self.moments.get(1).expect("(2, len) moments")
     }
 }
 
@@ -202,8 +217,7 @@ impl Optimizer for AdamW {
                         let len: usize = shapes.iter().map(Shape::elem_count).sum();
                         let dev = params[members[0]].device();
                         Ok(Group {
-                            exp_avg: Tensor::zeros(len, DType::F32, dev)?,
-                            exp_avg_sq: Tensor::zeros(len, DType::F32, dev)?,
+                            moments: Tensor::zeros((2, len), DType::F32, dev)?,
                             params: members,
                             shapes,
                             offsets,
@@ -215,20 +229,20 @@ impl Optimizer for AdamW {
         };
 
         let t = self.t + 1; // t = index of this step, from 1
-        let k = StepConstants::new(&self.hp, t, lr);
+        let k = StepConstants::new(&self.hp, t, lr).fused();
         for group in groups.iter_mut() {
             // flat f32 inputs (len,): parameters (detached: the update records no graph) and
             // gradients
             let p32 = group.flat(|i| params[i].as_detached_tensor())?;
             let g32 = group.flat(|i| grads[i].detach())?;
-            let (p32, m, v) = adamw_math(&p32, &g32, &group.exp_avg, &group.exp_avg_sq, &k)?;
+            // two ops (kernels::adamw): m and v in place, then the new values
+            adamw::adamw_moments(&group.moments, &g32, &k)?;
+            let p32 = adamw::adamw_param(&p32, &group.moments, &k)?;
             for (j, &i) in group.params.iter().enumerate() {
                 // (n,) view -> p's shape, rounded once to p's dtype, copied into p
                 let p = &params[i];
                 p.set(&group.part(&p32, j)?.to_dtype(p.dtype())?)?;
             }
-            group.exp_avg = m;
-            group.exp_avg_sq = v;
         }
         self.t = t;
         Ok(())
@@ -240,8 +254,13 @@ impl Optimizer for AdamW {
         for g in self.groups.iter().flatten() {
             for (j, &i) in g.params.iter().enumerate() {
                 // views of the flat buffers in the parameter's shape
-                let m = g.part(&g.exp_avg, j).expect("member within its group");
-                let v = g.part(&g.exp_avg_sq, j).expect("member within its group");
+                let (m, v) = (g.moments.get(0), g.moments.get(1));
+                let m = m
+                    .and_then(|m| g.part(&m, j))
+                    .expect("member within its group");
+                let v = v
+                    .and_then(|v| g.part(&v, j))
+                    .expect("member within its group");
                 per_param.push((i, m, v));
             }
         }
@@ -282,8 +301,7 @@ impl Optimizer for AdamW {
                     Tensor::cat(&parts, 0)
                 };
                 Ok(Group {
-                    exp_avg: flat(WHAT[0])?,
-                    exp_avg_sq: flat(WHAT[1])?,
+                    moments: Tensor::stack(&[flat(WHAT[0])?, flat(WHAT[1])?], 0)?, // (2, len)
                     params: members,
                     shapes,
                     offsets,
@@ -317,6 +335,20 @@ pub(crate) struct StepConstants {
 }
 
 impl StepConstants {
+    /// The same scalars as the fused ops take them (f32, as Candle's affine rounds them).
+    pub(crate) fn fused(&self) -> adamw::AdamWStep {
+        adamw::AdamWStep {
+            beta1: self.b1 as f32,
+            one_minus_beta1: (1.0 - self.b1) as f32,
+            beta2: self.b2 as f32,
+            one_minus_beta2: (1.0 - self.b2) as f32,
+            inv_bias_correction2_sqrt: (1.0 / self.bias_correction2_sqrt) as f32,
+            eps: self.eps as f32,
+            step_size: self.step_size as f32,
+            decay: (self.wd != 0.0).then_some(self.decay as f32),
+        }
+    }
+
     pub(crate) fn new(hp: &AdamWParams, t: u32, lr: f64) -> Self {
         let AdamWParams {
             beta1: b1,
@@ -515,11 +547,11 @@ mod tests {
             assert!((a - b).abs() <= tol * b.abs().max(1.0), "p {a} vs {b}");
         }
         let st = &opt.groups.as_ref().unwrap()[0];
-        assert_eq!(st.exp_avg.dtype(), DType::F32);
-        for (a, b) in values(&st.exp_avg).iter().zip(&m_ref) {
+        assert_eq!(st.exp_avg().dtype(), DType::F32);
+        for (a, b) in values(&st.exp_avg()).iter().zip(&m_ref) {
             assert!((a - b).abs() <= 1e-7, "m {a} vs {b}");
         }
-        for (a, b) in values(&st.exp_avg_sq).iter().zip(&v_ref) {
+        for (a, b) in values(&st.exp_avg_sq()).iter().zip(&v_ref) {
             assert!((a - b).abs() <= 1e-8, "v {a} vs {b}");
         }
         // g = 0 and p = 0 throughout: still exactly 0.
@@ -539,9 +571,9 @@ mod tests {
         }
         // The moments stay f32 and do not depend on p: f32 accuracy.
         let st = &opt.groups.as_ref().unwrap()[0];
-        assert_eq!(st.exp_avg.dtype(), DType::F32);
-        assert_eq!(st.exp_avg_sq.dtype(), DType::F32);
-        for (a, b) in values(&st.exp_avg).iter().zip(&m_ref) {
+        assert_eq!(st.exp_avg().dtype(), DType::F32);
+        assert_eq!(st.exp_avg_sq().dtype(), DType::F32);
+        for (a, b) in values(&st.exp_avg()).iter().zip(&m_ref) {
             assert!((a - b).abs() <= 1e-7, "m {a} vs {b}");
         }
     }
@@ -674,7 +706,7 @@ mod tests {
             assert_eq!(bits(a), bits(b), "parameter {i}");
         }
         let groups = opt.groups.as_ref().unwrap();
-        let lens: Vec<usize> = groups.iter().map(|g| g.exp_avg.elem_count()).collect();
+        let lens: Vec<usize> = groups.iter().map(|g| g.exp_avg().elem_count()).collect();
         let counts = grouped.iter().map(|p| p.elem_count());
         assert_eq!(lens, group_lengths(counts, GROUP_ELEMS));
         assert_eq!(lens, vec![15 + 7 + 16, GROUP_ELEMS + 3, 12]);

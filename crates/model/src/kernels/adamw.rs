@@ -1,0 +1,226 @@
+//! AdamW's update of one parameter group as two ops over its flat f32 buffers (the optimizer is
+//! `tallow_trainer::optim::adamw`): the moments updated in place ([`adamw_moments`]), then the
+//! new parameters ([`adamw_param`]). On CUDA each is one kernel of `kernels/tallow.cu`
+//! (`tallow_adamw_moments_f32`, `tallow_adamw_param_f32`) where Candle's tensor ops took 13
+//! launches; on the CPU their twins here, one pass each. Both do the IEEE operations of the
+//! tensor-op form (`optim::adamw::adamw_math`, torch's single-tensor AdamW) in the same order,
+//! Candle's scalar products included (`t * c` is `t * c + 0`), so every path gives the same
+//! bits (tested on the CPU; `tallow doctor`'s "adamw 3 steps" on a GPU).
+
+use candle_core::{CpuStorage, Layout, Shape, Tensor};
+use rayon::prelude::*;
+
+type R<T> = candle_core::Result<T>;
+
+/// The scalars of one AdamW step, in f32 as Candle's affine takes them (`T::from_f64`).
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWStep {
+    pub beta1: f32,
+    /// 1 - beta1 (computed in f64, then rounded)
+    pub one_minus_beta1: f32,
+    pub beta2: f32,
+    pub one_minus_beta2: f32,
+    /// 1 / sqrt(1 - beta2^t)
+    pub inv_bias_correction2_sqrt: f32,
+    pub eps: f32,
+    /// lr / (1 - beta1^t)
+    pub step_size: f32,
+    /// 1 - lr * weight_decay, None without weight decay
+    pub decay: Option<f32>,
+}
+
+/// Elements per rayon task.
+const CHUNK: usize = 1 << 14;
+
+/// Candle's CPU affine: x * mul + add, rounded apart.
+#[inline(always)]
+fn affine(x: f32, mul: f32, add: f32) -> f32 {
+    x * mul + add
+}
+
+/// In place: `mv` (2, n) f32 = [m; v] <- [m b1 + g (1 - b1); v b2 + g² (1 - b2)], `g` (n) f32.
+pub fn adamw_moments(mv: &Tensor, g: &Tensor, k: &AdamWStep) -> R<()> {
+    mv.inplace_op2(&g.contiguous()?, &Moments(*k))
+}
+
+/// The new parameters (n) f32 from `p` (n) f32 and the updated `mv` (2, n):
+/// p' - step_size m / (sqrt(v) / sqrt(1 - b2^t) + eps), p' = p (1 - lr wd) with weight decay.
+pub fn adamw_param(p: &Tensor, mv: &Tensor, k: &AdamWStep) -> R<Tensor> {
+    p.contiguous()?.apply_op2_no_bwd(mv, &Param(*k))
+}
+
+struct Moments(AdamWStep);
+
+/// (n, the contiguous offsets of mv) for mv (2, n) and g (n), both f32.
+fn moment_dims(mvl: &Layout, gl: &Layout) -> R<(usize, (usize, usize))> {
+    let n = gl.shape().elem_count();
+    if mvl.shape().dims() != [2, n] {
+        candle_core::bail!("adamw moments: {:?} for a gradient of {n}", mvl.shape());
+    }
+    match mvl.contiguous_offsets() {
+        Some(o) => Ok((n, o)),
+        None => candle_core::bail!("adamw moments: must be contiguous"),
+    }
+}
+
+impl candle_core::InplaceOp2 for Moments {
+    fn name(&self) -> &'static str {
+        "adamw-moments"
+    }
+
+    fn cpu_fwd(&self, mv: &mut CpuStorage, mvl: &Layout, g: &CpuStorage, gl: &Layout) -> R<()> {
+        let (n, (a, b)) = moment_dims(mvl, gl)?;
+        let g = super::fused::data::<f32>(g, gl, "adamw gradient")?;
+        let CpuStorage::F32(mv) = mv else {
+            candle_core::bail!("adamw moments: must be f32");
+        };
+        let (m, v) = mv[a..b].split_at_mut(n);
+        let k = &self.0;
+        m.par_chunks_mut(CHUNK)
+            .zip(v.par_chunks_mut(CHUNK))
+            .zip(g.par_chunks(CHUNK))
+            .for_each(|((m, v), g)| {
+                for ((m, v), &g) in m.iter_mut().zip(v.iter_mut()).zip(g) {
+                    *m = affine(*m, k.beta1, 0.0) + affine(g, k.one_minus_beta1, 0.0);
+                    *v = affine(*v, k.beta2, 0.0) + affine(g * g, k.one_minus_beta2, 0.0);
+                }
+            });
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        mv: &mut candle_core::CudaStorage,
+        mvl: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> R<()> {
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::WrapErr;
+        let (n, (a, b)) = moment_dims(mvl, gl)?;
+        let Some((g0, g1)) = gl.contiguous_offsets() else {
+            candle_core::bail!("adamw gradient: must be contiguous");
+        };
+        let dev = mv.device().clone();
+        let gv = g.as_cuda_slice::<f32>()?.slice(g0..g1);
+        let mut mvv = mv.as_cuda_slice_mut::<f32>()?.slice_mut(a..b);
+        if n == 0 {
+            return Ok(());
+        }
+        let k = &self.0;
+        let func =
+            dev.get_or_load_custom_func("tallow_adamw_moments_f32", "tallow", super::cuda::PTX)?;
+        let mut bld = func.builder();
+        bld.arg(&mut mvv);
+        bld.arg(&gv);
+        bld.arg(&n);
+        bld.arg(&k.beta1);
+        bld.arg(&k.one_minus_beta1);
+        bld.arg(&k.beta2);
+        bld.arg(&k.one_minus_beta2);
+        let cfg = LaunchConfig::for_num_elems(n.min(1 << 30) as u32);
+        // SAFETY: argument types and order match `tallow_adamw_moments_f32`.
+        unsafe { bld.launch(cfg) }.w()?;
+        Ok(())
+    }
+}
+
+struct Param(AdamWStep);
+
+/// A contiguous tensor's element range in its storage.
+type Span = (usize, usize);
+
+impl Param {
+    /// The contiguous offsets of p (n) and mv (2, n).
+    fn dims(&self, pl: &Layout, mvl: &Layout) -> R<(usize, Span, Span)> {
+        let n = pl.shape().elem_count();
+        if mvl.shape().dims() != [2, n] {
+            candle_core::bail!("adamw param: moments {:?} for {n} elements", mvl.shape());
+        }
+        match (pl.contiguous_offsets(), mvl.contiguous_offsets()) {
+            (Some(p), Some(m)) => Ok((n, p, m)),
+            _ => candle_core::bail!("adamw param: inputs must be contiguous"),
+        }
+    }
+}
+
+impl candle_core::CustomOp2 for Param {
+    fn name(&self) -> &'static str {
+        "adamw-param"
+    }
+
+    fn cpu_fwd(
+        &self,
+        p: &CpuStorage,
+        pl: &Layout,
+        mv: &CpuStorage,
+        mvl: &Layout,
+    ) -> R<(CpuStorage, Shape)> {
+        let (n, _, _) = self.dims(pl, mvl)?;
+        let p = super::fused::data::<f32>(p, pl, "adamw param")?;
+        let mv = super::fused::data::<f32>(mv, mvl, "adamw moments")?;
+        let (m, v) = mv.split_at(n);
+        let k = &self.0;
+        let mut out = super::fused::uninit::<f32>(n);
+        out.par_chunks_mut(CHUNK)
+            .zip(
+                p.par_chunks(CHUNK)
+                    .zip(m.par_chunks(CHUNK).zip(v.par_chunks(CHUNK))),
+            )
+            .for_each(|(o, (p, (m, v)))| {
+                for (o, (&p, (&m, &v))) in o.iter_mut().zip(p.iter().zip(m.iter().zip(v))) {
+                    let p = match k.decay {
+                        Some(d) => affine(p, d, 0.0),
+                        None => p,
+                    };
+                    let denom = affine(v.sqrt(), k.inv_bias_correction2_sqrt, k.eps);
+                    *o = p - affine(m / denom, k.step_size, 0.0);
+                }
+            });
+        Ok((CpuStorage::F32(out), Shape::from(n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        p: &candle_core::CudaStorage,
+        pl: &Layout,
+        mv: &candle_core::CudaStorage,
+        mvl: &Layout,
+    ) -> R<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::WrapErr;
+        let (n, (p0, p1), (m0, m1)) = self.dims(pl, mvl)?;
+        let dev = p.device().clone();
+        let pv = p.as_cuda_slice::<f32>()?.slice(p0..p1);
+        let mvv = mv.as_cuda_slice::<f32>()?.slice(m0..m1);
+        // SAFETY: the kernel writes every element.
+        let out = unsafe { dev.alloc::<f32>(n)? };
+        if n > 0 {
+            let k = &self.0;
+            let func =
+                dev.get_or_load_custom_func("tallow_adamw_param_f32", "tallow", super::cuda::PTX)?;
+            let (decay, decay_on) = (k.decay.unwrap_or(1.0), k.decay.is_some() as i32);
+            let mut bld = func.builder();
+            bld.arg(&pv);
+            bld.arg(&mvv);
+            bld.arg(&out);
+            bld.arg(&n);
+            bld.arg(&decay);
+            bld.arg(&decay_on);
+            bld.arg(&k.inv_bias_correction2_sqrt);
+            bld.arg(&k.eps);
+            bld.arg(&k.step_size);
+            let cfg = LaunchConfig::for_num_elems(n.min(1 << 30) as u32);
+            // SAFETY: argument types and order match `tallow_adamw_param_f32`.
+            unsafe { bld.launch(cfg) }.w()?;
+        }
+        Ok((
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev),
+            Shape::from(n),
+        ))
+    }
+}
