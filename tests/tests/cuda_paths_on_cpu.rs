@@ -113,8 +113,8 @@ fn cuda_paths_on_cpu_take_the_tensor_op_attention_and_the_trace_shows_it() {
 }
 
 /// `tallow doctor` on the CPU under `TALLOW_CUDA_PATHS_ON_CPU=1`, f32 and bf16: every op the
-/// CUDA path takes runs through the CPU twins of tallow's CUDA kernels (RMSNorm, rotary,
-/// SwiGLU against f64; the LM head's cross-entropy device ops, `kernels::cross_entropy::ce_rows`
+/// CUDA path takes runs through the CPU twins of tallow's CUDA kernels (RMSNorm in both
+/// forms, rotary, SwiGLU, GeGLU against f64; the LM head's cross-entropy device ops, `kernels::cross_entropy::ce_rows`
 /// / `ce_grad_rows`, against the textbook full-logits formula), and every check passes; the
 /// loss's is held to 1e-4 in f32 (measured 8.9e-8). Dropping the label's -g from the gradient
 /// twin fails the loss checks by 3.3 (f32 and bf16); without the switch the loss check runs the
@@ -130,7 +130,14 @@ fn doctor_passes_on_the_cuda_paths_twins() {
     let checks = report["checks"].as_array().unwrap();
     let failed: Vec<_> = checks.iter().filter(|c| c["ok"] != true).collect();
     assert!(failed.is_empty(), "{failed:?}");
-    for name in ["rmsnorm", "rope", "swiglu", "fused loss"] {
+    for name in [
+        "rmsnorm",
+        "gemma rmsnorm",
+        "rope",
+        "swiglu",
+        "geglu",
+        "fused loss",
+    ] {
         for dt in ["f32", "bf16"] {
             assert!(
                 checks.iter().any(|c| c["name"]

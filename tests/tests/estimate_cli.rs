@@ -298,7 +298,12 @@ fn per_rank_estimate_all_reduce_and_sharded_optimizer_state() {
             largest = largest.max(bucket);
         }
         let all_reduce = 2 * 4 * largest as u64;
-        let update = 6 * 4 * *sizes.iter().max().unwrap() as u64; // adamw's f32 temporaries
+        // adamw's temporaries (`kernels::adamw`'s two ops, moments in place): on the CPU each
+        // tensor is a group of its own; an f32 one (LoRA's) needs only its new values (4 bytes
+        // per element), a bf16 one (this model's, trained in full) its f32 copy, the new
+        // values and their bf16 rounding (10)
+        let per_elem = if full { 10 } else { 4 };
+        let update = per_elem * *sizes.iter().max().unwrap() as u64;
         let two = estimate_json(&config, &[method, &["--nproc", "2"]].concat());
         assert_eq!(
             two["ranks"]["all_reduce_bytes"], all_reduce,

@@ -116,8 +116,9 @@ __device__ __forceinline__ float tallow_block_sum(float v, float *scratch) {
 }
 
 // RMSNorm, as `fused::rms_fwd` (f32) and `RmsNorm::kernel_bf16`: one block per row of c,
-// s = sqrt(sum(x^2) inv_n + eps), y = x / s * w (bf16: r(r(x / s) w)).
-template <typename T, bool ROUND>
+// s = sqrt(sum(x^2) inv_n + eps), y = x / s * w (bf16: r(r(x / s) w)); Gemma's (PLUS_ONE):
+// y = (x (1 / s)) (w + 1), rounded once.
+template <typename T, bool ROUND, bool PLUS_ONE>
 __device__ __forceinline__ void tallow_rms_norm(
     const T *x, const T *w, T *y, const size_t c, const float eps, const float inv_n) {
     __shared__ float scratch[32];
@@ -130,15 +131,31 @@ __device__ __forceinline__ void tallow_rms_norm(
     }
     ss = tallow_block_sum(ss, scratch);
     const float s = __fsqrt_rn(__fadd_rn(__fmul_rn(ss, inv_n), eps));
-    for (size_t i = threadIdx.x; i < c; i += blockDim.x) {
-        const float n = tallow_rb<ROUND>(__fdiv_rn(tallow_to_f32(xr[i]), s));
-        yr[i] = tallow_from_f32<T>(__fmul_rn(n, tallow_to_f32(w[i])));
+    if (PLUS_ONE) {
+        const float r = __frcp_rn(s);
+        for (size_t i = threadIdx.x; i < c; i += blockDim.x) {
+            const float n = __fmul_rn(tallow_to_f32(xr[i]), r);
+            yr[i] = tallow_from_f32<T>(__fmul_rn(n, __fadd_rn(tallow_to_f32(w[i]), 1.0f)));
+        }
+    } else {
+        for (size_t i = threadIdx.x; i < c; i += blockDim.x) {
+            const float n = tallow_rb<ROUND>(__fdiv_rn(tallow_to_f32(xr[i]), s));
+            yr[i] = tallow_from_f32<T>(__fmul_rn(n, tallow_to_f32(w[i])));
+        }
     }
 }
 
+// RMSNorm's backward's g: dy w rounded (ROUND), or Gemma's dy (w + 1).
+template <bool ROUND, bool PLUS_ONE, typename T>
+__device__ __forceinline__ float tallow_rms_g(const T dy, const T w) {
+    if (PLUS_ONE) return __fmul_rn(tallow_to_f32(dy), __fadd_rn(tallow_to_f32(w), 1.0f));
+    return tallow_rb<ROUND>(__fmul_rn(tallow_to_f32(dy), tallow_to_f32(w)));
+}
+
 // RMSNorm's dx, as `fused::rms_bwd` (f32) and `RmsNormBwd::kernel_bf16`: r = 1 / s,
-// g = dy w (bf16: rounded), xn = x r, dx = (g - xn mean(g xn)) r.
-template <typename T, bool ROUND>
+// g = dy w (bf16: rounded; PLUS_ONE: dy (w + 1), not rounded), xn = x r,
+// dx = (g - xn mean(g xn)) r.
+template <typename T, bool ROUND, bool PLUS_ONE>
 __device__ __forceinline__ void tallow_rms_norm_bwd(
     const T *x, const T *w, const T *dy, T *dx, const size_t c, const float eps,
     const float inv_n) {
@@ -153,14 +170,12 @@ __device__ __forceinline__ void tallow_rms_norm_bwd(
     const float r = __frcp_rn(__fsqrt_rn(__fadd_rn(__fmul_rn(ss, inv_n), eps)));
     float dot = 0.0f;
     for (size_t i = threadIdx.x; i < c; i += blockDim.x) {
-        const float g =
-            tallow_rb<ROUND>(__fmul_rn(tallow_to_f32(dy[row + i]), tallow_to_f32(w[i])));
+        const float g = tallow_rms_g<ROUND, PLUS_ONE>(dy[row + i], w[i]);
         dot = __fadd_rn(dot, __fmul_rn(g, __fmul_rn(tallow_to_f32(x[row + i]), r)));
     }
     const float mean = __fmul_rn(tallow_block_sum(dot, scratch), inv_n);
     for (size_t i = threadIdx.x; i < c; i += blockDim.x) {
-        const float g =
-            tallow_rb<ROUND>(__fmul_rn(tallow_to_f32(dy[row + i]), tallow_to_f32(w[i])));
+        const float g = tallow_rms_g<ROUND, PLUS_ONE>(dy[row + i], w[i]);
         const float xn = __fmul_rn(tallow_to_f32(x[row + i]), r);
         dx[row + i] = tallow_from_f32<T>(__fmul_rn(__fsub_rn(g, __fmul_rn(xn, mean)), r));
     }
@@ -274,12 +289,21 @@ __device__ __forceinline__ void tallow_swiglu_bwd(
 #define TALLOW_FUSED(SUFFIX, T, ROUND)                                                           \
     extern "C" __global__ void tallow_rms_norm_##SUFFIX(                                         \
         const T *x, const T *w, T *y, const size_t c, const float eps, const float inv_n) {      \
-        tallow_rms_norm<T, ROUND>(x, w, y, c, eps, inv_n);                                       \
+        tallow_rms_norm<T, ROUND, false>(x, w, y, c, eps, inv_n);                                \
     }                                                                                            \
     extern "C" __global__ void tallow_rms_norm_bwd_##SUFFIX(                                     \
         const T *x, const T *w, const T *dy, T *dx, const size_t c, const float eps,             \
         const float inv_n) {                                                                     \
-        tallow_rms_norm_bwd<T, ROUND>(x, w, dy, dx, c, eps, inv_n);                              \
+        tallow_rms_norm_bwd<T, ROUND, false>(x, w, dy, dx, c, eps, inv_n);                       \
+    }                                                                                            \
+    extern "C" __global__ void tallow_rms_norm_p1_##SUFFIX(                                      \
+        const T *x, const T *w, T *y, const size_t c, const float eps, const float inv_n) {      \
+        tallow_rms_norm<T, ROUND, true>(x, w, y, c, eps, inv_n);                                 \
+    }                                                                                            \
+    extern "C" __global__ void tallow_rms_norm_p1_bwd_##SUFFIX(                                  \
+        const T *x, const T *w, const T *dy, T *dx, const size_t c, const float eps,             \
+        const float inv_n) {                                                                     \
+        tallow_rms_norm_bwd<T, ROUND, true>(x, w, dy, dx, c, eps, inv_n);                        \
     }                                                                                            \
     extern "C" __global__ void tallow_rope_##SUFFIX(                                             \
         const T *x, const T *cs, T *y, const size_t b, const size_t t, const size_t h,           \
@@ -389,3 +413,65 @@ extern "C" __global__ void tallow_adamw_param_f32(
         out[i] = __fsub_rn(pi, tallow_affine(__fdiv_rn(mv[i], denom), step, 0.0f));
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// GeGLU (Gemma), as `fused::GeGlu` / `GeGluBwd`: gelu's tanh approximation in Candle's order of
+// operations (`ops::gelu_tanh`), tanhf for the CPU twin's tanh (the two within a few ulp).
+
+// (act, t): inner = (x (x^2 C) + x) k, t = tanh(inner), act = ((t + 1) x) / 2.
+__device__ __forceinline__ void tallow_gelu_tanh(const float x, float *act, float *t) {
+    const float c = 0.044715f, k = 0.7978845608028654f;  // k = sqrt(2 / pi)
+    const float x2 = __fmul_rn(x, x);
+    const float inner =
+        tallow_affine(__fadd_rn(__fmul_rn(x, tallow_affine(x2, c, 0.0f)), x), k, 0.0f);
+    *t = tanhf(inner);
+    *act = tallow_affine(__fmul_rn(__fadd_rn(*t, 1.0f), x), 0.5f, 0.0f);
+}
+
+// gelu_tanh'(x) from t: (t + 1) / 2 + ((x (1 - t^2)) (k (3 C x^2 + 1))) / 2.
+__device__ __forceinline__ float tallow_gelu_tanh_grad(const float x, const float t) {
+    const float c3 = 0.134145f, k = 0.7978845608028654f;  // 3 C
+    const float dinner = tallow_affine(tallow_affine(__fmul_rn(x, x), c3, 1.0f), k, 0.0f);
+    const float omt2 = tallow_affine(__fmul_rn(t, t), -1.0f, 1.0f);
+    return __fadd_rn(tallow_affine(tallow_affine(t, 1.0f, 1.0f), 0.5f, 0.0f),
+                     tallow_affine(__fmul_rn(__fmul_rn(x, omt2), dinner), 0.5f, 0.0f));
+}
+
+template <typename T, bool ROUND>
+__device__ __forceinline__ void tallow_geglu(const T *g, const T *u, T *y, const size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)blockDim.x * gridDim.x) {
+        float act, t;
+        tallow_gelu_tanh(tallow_to_f32(g[i]), &act, &t);
+        y[i] = tallow_from_f32<T>(__fmul_rn(tallow_rb<ROUND>(act), tallow_to_f32(u[i])));
+    }
+}
+
+// out = (dg, du) (2 n): dg = (dh u) gelu'(g), du = dh r(gelu(g)).
+template <typename T, bool ROUND>
+__device__ __forceinline__ void tallow_geglu_bwd(
+    const T *g, const T *u, const T *dh, T *out, const size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)blockDim.x * gridDim.x) {
+        const float gv = tallow_to_f32(g[i]), d = tallow_to_f32(dh[i]);
+        float act, t;
+        tallow_gelu_tanh(gv, &act, &t);
+        const float dg =
+            __fmul_rn(__fmul_rn(d, tallow_to_f32(u[i])), tallow_gelu_tanh_grad(gv, t));
+        out[i] = tallow_from_f32<T>(dg);
+        out[n + i] = tallow_from_f32<T>(__fmul_rn(d, tallow_rb<ROUND>(act)));
+    }
+}
+
+#define TALLOW_GEGLU(SUFFIX, T, ROUND)                                                           \
+    extern "C" __global__ void tallow_geglu_##SUFFIX(                                            \
+        const T *g, const T *u, T *y, const size_t n) {                                          \
+        tallow_geglu<T, ROUND>(g, u, y, n);                                                      \
+    }                                                                                            \
+    extern "C" __global__ void tallow_geglu_bwd_##SUFFIX(                                        \
+        const T *g, const T *u, const T *dh, T *out, const size_t n) {                           \
+        tallow_geglu_bwd<T, ROUND>(g, u, dh, out, n);                                            \
+    }
+
+TALLOW_GEGLU(f32, float, false)
+TALLOW_GEGLU(bf16, __nv_bfloat16, true)

@@ -173,6 +173,16 @@ const CASES: &[Case] = &[
         run: rmsnorm,
     },
     Case {
+        name: "gemma rmsnorm fwd+bwd",
+        on_cpu: "against f64",
+        f32_tol: 1e-4,
+        generic_on_cpu: false,
+        reference_f64: true,
+        cpu_tol: None,
+        always_f32: false,
+        run: gemma_rmsnorm,
+    },
+    Case {
         name: "rope fwd+bwd",
         on_cpu: "against f64",
         f32_tol: 1e-4,
@@ -191,6 +201,16 @@ const CASES: &[Case] = &[
         cpu_tol: None,
         always_f32: false,
         run: swiglu,
+    },
+    Case {
+        name: "geglu fwd+bwd",
+        on_cpu: "against f64",
+        f32_tol: 1e-4,
+        generic_on_cpu: false,
+        reference_f64: true,
+        cpu_tol: None,
+        always_f32: false,
+        run: geglu,
     },
     Case {
         name: "softmax fwd+bwd",
@@ -449,6 +469,19 @@ fn rmsnorm(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
     Ok(out)
 }
 
+/// Gemma's RMSNorm, `x_normed * (1 + w)` (`ops::rms_norm_plus_one`: bf16 on CUDA's
+/// `tallow_rms_norm_p1_*` kernels and the CPU's bf16 kernel, f32 on the RMSNorm kernels with
+/// 1 + w), w near 0 as Gemma's are, trained (dw checked too).
+fn gemma_rmsnorm(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
+    let r = &mut rng(27);
+    let x = Var::from_tensor(&input(r, &[2, 5, 64], dev, dt)?)?;
+    let w = Var::from_tensor(&input(r, &[64], dev, dt)?.affine(0.3, 0.0)?)?;
+    let y = ops::rms_norm_plus_one(&x, &w, 1e-6).map_err(to_candle)?;
+    let mut out = grads_of(&y, &[&x, &w], 28)?;
+    out.insert(0, y);
+    Ok(out)
+}
+
 /// The rotary embedding as the attention applies it (`ops::rope_heads`): x (B, T, H, D) from
 /// the projection, rotated, moved to (B, H, T, D) and scaled by 1/sqrt(D) in one op (CUDA's
 /// `tallow_rope_*` kernel in f32 and bf16, the CPU's fused kernel), and back in the backward.
@@ -472,6 +505,18 @@ fn swiglu(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
     let u = Var::from_tensor(&input(r, &[2, 5, 48], dev, dt)?)?;
     let y = ops::swiglu(&g, &u).map_err(to_candle)?;
     let mut out = grads_of(&y, &[&g, &u], 24)?;
+    out.insert(0, y);
+    Ok(out)
+}
+
+/// Gemma's GeGLU gate gelu_tanh(g) * u (`ops::geglu`: CUDA's `tallow_geglu_*` kernels, the
+/// CPU's fused kernel), on values up to |4.5| so that tanh saturates for some.
+fn geglu(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
+    let r = &mut rng(25);
+    let g = Var::from_tensor(&(input(r, &[2, 5, 48], dev, dt)? * 1.5)?)?;
+    let u = Var::from_tensor(&input(r, &[2, 5, 48], dev, dt)?)?;
+    let y = ops::geglu(&g, &u).map_err(to_candle)?;
+    let mut out = grads_of(&y, &[&g, &u], 26)?;
     out.insert(0, y);
     Ok(out)
 }

@@ -6,7 +6,7 @@
 //! | path | taken when |
 //! | --- | --- |
 //! | fused element-wise kernels (norms, rotary, softmax, SwiGLU, eager attention's core; `super::fused`) | CPU, f32 / f64 |
-//! | fused SwiGLU, rotary and RMSNorm (`super::fused::swiglu`, `rope_heads`, `rms_norm`) | CPU, f32 / f64, and bf16 (in f32, rounded where PyTorch's bf16 ops round); CUDA, f32 and bf16 (one kernel of `kernels/tallow.cu` each way, the same arithmetic) |
+//! | fused SwiGLU, GeGLU, rotary and RMSNorm (`super::fused::swiglu`, `geglu`, `rope_heads`, `rms_norm`) | CPU, f32 / f64, and bf16 (in f32, rounded where PyTorch's bf16 ops round); CUDA, f32 and bf16 (one kernel of `kernels/tallow.cu` each way, the same arithmetic) |
 //! | the one-op LoRA linear (`super::lora_linear`) | CPU: x f32 / f64 with an adapter of x's dtype, or x bf16 with an f32 adapter; an additive adapter (LoRA) over a frozen base (the linear checks that) |
 //! | chunked attention's kernel (`super::chunked`) | CPU: f32 / f64, or bf16 without soft-capping |
 //! | the LM head's cross-entropy as device ops (`super::cross_entropy::ce_rows`, `ce_grad_rows`) | CUDA, f32 logits (the CPU has its host-side kernel for f32 / f64) |
@@ -66,7 +66,7 @@ pub fn fused_for(t: &Tensor) -> bool {
     fused(Backend::of(t.device()), t.dtype())
 }
 
-/// The fused kernels that also have a bf16 body (SwiGLU, rotary with the head transpose,
+/// The fused kernels that also have a bf16 body (SwiGLU, GeGLU, rotary with the head transpose,
 /// Llama's RMSNorm: computing in f32 and rounding where PyTorch's bf16 ops round) take tensors
 /// of `dtype` on `backend`: on the CPU f32, f64 and bf16; on CUDA f32 and bf16, where each is
 /// one kernel of `kernels/tallow.cu` forward and one backward (f16 and f64 keep Candle's ops).
@@ -168,7 +168,7 @@ mod tests {
                 chunked_kernel: false
             }
         );
-        // CUDA: the kernels of kernels/tallow.cu (SwiGLU, rotary, RMSNorm) in f32 and bf16
+        // CUDA: the kernels of kernels/tallow.cu (SwiGLU, GeGLU, rotary, RMSNorm) in f32 and bf16
         for d in [DType::F32, DType::BF16, DType::F16, DType::F64] {
             assert_eq!(
                 p(Cuda, d, false),

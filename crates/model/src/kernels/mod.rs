@@ -5,10 +5,11 @@
 //!
 //! | op (forward + backward) | file | CPU | CUDA | `tallow doctor` check |
 //! | --- | --- | --- | --- | --- |
-//! | RMSNorm (and Gemma's `1 + w`) | [`fused`] | kernel, f32 / f64 / bf16 (Gemma's: f32 / f64) | kernel, f32 / bf16 (`kernels/tallow.cu`; Gemma's: f32) | rmsnorm fwd+bwd |
+//! | RMSNorm (and Gemma's `1 + w`) | [`fused`] | kernel, f32 / f64 / bf16 | kernel, f32 / bf16 (`kernels/tallow.cu`) | rmsnorm, gemma rmsnorm fwd+bwd |
 //! | rotary embedding (with the head transpose) | [`fused`] | kernel, f32 / f64 / bf16 | kernel, f32 / bf16 | rope fwd+bwd |
 //! | masked softmax | [`fused`] | kernel, f32 / f64 | tensor ops | softmax fwd+bwd |
 //! | SwiGLU | [`fused`] | kernel, f32 / f64 / bf16 | kernel, f32 / bf16 | swiglu fwd+bwd |
+//! | GeGLU (Gemma, gelu's tanh approximation) | [`fused`] | kernel, f32 / f64 / bf16 | kernel, f32 / bf16 | geglu fwd+bwd |
 //! | eager attention's core (64-row blocks) | [`fused`] | kernel, f32 / f64 | tensor ops | checkpointed layer gradients |
 //! | chunked attention (no T x T; packed rows, windows, soft-caps) | [`chunked`] | kernel, f32 / f64, bf16 uncapped | tensor ops per block | chunked attention (softcap) fwd+bwd |
 //! | cross-entropy of a logits chunk (gradient in place) | [`cross_entropy`] | kernel, f32 / f64 (host-side) | kernel, f32 logits (device ops, twins in [`cross_entropy`]) | fused loss fwd+bwd |

@@ -72,6 +72,19 @@ pub fn rms_norm_plus_one(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
         // the identity.
         return rms_norm(x, &w.affine(1.0, 1.0)?, eps);
     }
+    if crate::kernels::dispatch::fused_with_bf16_for(x)
+        && x.dtype() == DType::BF16
+        && w.dtype() == DType::BF16
+    {
+        // one pass forward, one backward (the CPU's kernel, CUDA's `tallow_rms_norm_p1_*`)
+        return Ok(crate::kernels::fused::rms_norm_plus_one_bf16(x, w, eps)?);
+    }
+    rms_norm_plus_one_generic(x, w, eps)
+}
+
+/// [`rms_norm_plus_one`] from Candle tensor ops, on any device (f16; f64 on CUDA), and the
+/// reference the bf16 kernel is tested against.
+pub fn rms_norm_plus_one_generic(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
     let up = upcast(dtype);
     let value = {
@@ -508,6 +521,15 @@ pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
 /// (1e-6 relative error, seen by the f64 finite-difference test).
 /// g, u: (..., I) -> (..., I)
 pub fn geglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    if crate::kernels::dispatch::fused_with_bf16_for(g) && u.dtype() == g.dtype() {
+        return Ok(crate::kernels::fused::geglu(g, u)?); // one pass forward, one backward
+    }
+    geglu_generic(g, u)
+}
+
+/// [`geglu`] from Candle tensor ops, on any device (f16; f64 on CUDA), and the reference the
+/// fused kernel is tested against.
+pub fn geglu_generic(g: &Tensor, u: &Tensor) -> Result<Tensor> {
     let dt = g.dtype();
     let up = upcast(dt);
     let value = {
