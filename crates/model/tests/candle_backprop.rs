@@ -1,6 +1,7 @@
 //! Candle's backward as tallow patches it (vendor/README.md): a tensor's first gradient is
-//! stored as it is when it is contiguous from the start of its storage, instead of added to a
-//! new tensor of zeros; any other first gradient, and every later one, is added as upstream.
+//! stored as it is when it is contiguous from the start of its storage, else copied into a
+//! contiguous buffer of its own, instead of added to a new tensor of zeros; every later one is
+//! added as upstream.
 
 use candle_core::{DType, Device, Tensor, Var};
 
@@ -16,7 +17,7 @@ fn storage_ptr(t: &Tensor) -> usize {
 /// f = sum(w ⊙ g(x, y)) for a graph whose gradients take each path of the patch: a tensor
 /// used twice (x + x: the second gradient added to the first), the operands of a sum (both
 /// given the same gradient as they are), a transpose and a broadcast (non-contiguous
-/// gradients, added to zeros), a narrow (a gradient that is a view at an offset), a reshape,
+/// gradients, copied), a narrow (a gradient that is a view at an offset), a reshape,
 /// a product and a matmul. Every gradient within 1e-6 relative of central differences (step
 /// 1e-6, f64). Replacing a gradient instead of adding to it (x + x's second gradient) is off
 /// by x's whole first gradient, order 1.

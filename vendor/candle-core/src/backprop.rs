@@ -722,11 +722,12 @@ impl GradStore {
     }
 
     /// Adds `grad` to the gradient of `tensor` (tallow's patch, vendor/README.md). A first
-    /// gradient that is contiguous from the start of its storage, with `tensor`'s shape, dtype
-    /// and device, is stored as it is (a reference to the same storage) instead of added to a
-    /// new tensor of zeros: one pass and one buffer less per gradient, the same values (0 + g
-    /// is g, but for the sign of a zero). Any other first gradient goes through the zeros as
-    /// upstream, so that the stored tensor is contiguous and its own.
+    /// gradient with `tensor`'s shape, dtype and device is stored as it is (a reference to the
+    /// same storage) when it is contiguous from the start of its storage, else as a contiguous
+    /// copy of its own (a transposed or offset view: one copy), instead of added to a new
+    /// tensor of zeros (a memset and an add, two buffers): the same values (0 + g is g, but
+    /// for the sign of a zero). A first gradient of another shape, dtype or device goes
+    /// through the zeros as upstream (whose add then refuses it).
     fn accumulate(&mut self, tensor: &Tensor, grad: &Tensor) -> Result<()> {
         match self.0.entry(tensor.id()) {
             Entry::Occupied(mut entry) => {
@@ -735,13 +736,13 @@ impl GradStore {
             }
             Entry::Vacant(entry) => {
                 let layout = grad.layout();
-                let as_is = layout.is_contiguous()
-                    && layout.start_offset() == 0
-                    && grad.shape() == tensor.shape()
+                let fits = grad.shape() == tensor.shape()
                     && grad.dtype() == tensor.dtype()
                     && grad.device().same_device(tensor.device());
-                let grad = if as_is {
+                let grad = if fits && layout.is_contiguous() && layout.start_offset() == 0 {
                     grad.clone()
+                } else if fits {
+                    grad.force_contiguous()?
                 } else {
                     tensor.zeros_like()?.add(grad)?
                 };
