@@ -115,7 +115,7 @@ pub struct StepLog {
     pub launches_forward: u64,
     /// The same for the backward passes.
     pub launches_backward: u64,
-    /// The same for the optimizer step.
+    /// The same for the optimizer phase: the gradient norm, clipping and the update.
     pub launches_optimizer: u64,
     /// Preference runs: TRL's metrics of the step (`rewards/chosen`, `rewards/accuracies`, ...,
     /// [`crate::preference::METRIC_NAMES`]), written as keys of the line.
@@ -1213,6 +1213,9 @@ impl<'a> Session<'a> {
                 &self.last_checkpoint,
             )?,
         };
+        // The phase's device operations, counted from the gradient norm on (per parameter: its
+        // sum of squares and, with clipping, its scaling) to the optimizer's update.
+        let ops = opcount::mark();
         let grad_norm = clip_grad_norm(&mut grads, t.max_grad_norm)?;
         // The one host read of the step: its loss and gradient norm together (and a preference
         // run's metric sums).
@@ -1254,7 +1257,6 @@ impl<'a> Session<'a> {
             }
         }
         let lr = lr_at(t.schedule, t.lr, step, t.warmup_steps, self.total_steps);
-        let ops = opcount::mark();
         let stepped = self
             .shard
             .step(self.opt.as_mut(), &self.vars, self.dist, &grads, lr);
