@@ -102,6 +102,12 @@ template <bool ROUND> __device__ __forceinline__ float tallow_rb(float v) {
     return ROUND ? __bfloat162float(__float2bfloat16_rn(v)) : v;
 }
 
+// Candle's affine x * mul + add, the product and the sum rounded apart (its scalar products,
+// `t * c`, are affine(c, 0): the + 0 only turns -0 into +0, kept so the bits agree).
+__device__ __forceinline__ float tallow_affine(const float x, const float mul, const float add) {
+    return __fadd_rn(__fmul_rn(x, mul), add);
+}
+
 // The sum of `v` over the block's threads, returned to every thread. `scratch` holds one float
 // per warp (blockDim.x a multiple of 32, at most 1024).
 __device__ __forceinline__ float tallow_block_sum(float v, float *scratch) {
@@ -248,14 +254,51 @@ __device__ __forceinline__ void tallow_sigmoid_silu(const float v, float *s, flo
     *y = __fdiv_rn(__fmul_rn(v, num), den);
 }
 
-// SwiGLU, as `fused::swiglu_chunk_body` (f32: silu(g) u) and `swiglu_chunk_bf16_body`
-// (r(r(silu(g)) u)).
-template <typename T, bool ROUND>
-__device__ __forceinline__ void tallow_swiglu(const T *g, const T *u, T *y, const size_t n) {
+// gelu's tanh approximation (Gemma's GeGLU), as `fused::gelu_tanh` / `gelu_tanh_grad`: in
+// Candle's order of operations (`ops::gelu_tanh`), tanhf for the CPU twin's tanh (the two within
+// a few ulp).
+// (act, t): inner = (x (x^2 C) + x) k, t = tanh(inner), act = ((t + 1) x) / 2.
+__device__ __forceinline__ void tallow_gelu_tanh(const float x, float *act, float *t) {
+    const float c = 0.044715f, k = 0.7978845608028654f;  // k = sqrt(2 / pi)
+    const float x2 = __fmul_rn(x, x);
+    const float inner =
+        tallow_affine(__fadd_rn(__fmul_rn(x, tallow_affine(x2, c, 0.0f)), x), k, 0.0f);
+    *t = tanhf(inner);
+    *act = tallow_affine(__fmul_rn(__fadd_rn(*t, 1.0f), x), 0.5f, 0.0f);
+}
+
+// gelu_tanh'(x) from t: (t + 1) / 2 + ((x (1 - t^2)) (k (3 C x^2 + 1))) / 2.
+__device__ __forceinline__ float tallow_gelu_tanh_grad(const float x, const float t) {
+    const float c3 = 0.134145f, k = 0.7978845608028654f;  // 3 C
+    const float dinner = tallow_affine(tallow_affine(__fmul_rn(x, x), c3, 1.0f), k, 0.0f);
+    const float omt2 = tallow_affine(__fmul_rn(t, t), -1.0f, 1.0f);
+    return __fadd_rn(tallow_affine(tallow_affine(t, 1.0f, 1.0f), 0.5f, 0.0f),
+                     tallow_affine(__fmul_rn(__fmul_rn(x, omt2), dinner), 0.5f, 0.0f));
+}
+
+// The activations of the gated MLPs, for tallow_gate.
+struct TallowSilu {
+    static __device__ __forceinline__ float act(const float v) {
+        float s, y;
+        tallow_sigmoid_silu(v, &s, &y);
+        return y;
+    }
+};
+struct TallowGelu {
+    static __device__ __forceinline__ float act(const float v) {
+        float a, t;
+        tallow_gelu_tanh(v, &a, &t);
+        return a;
+    }
+};
+
+// A gated MLP's gate, act(g) u: SwiGLU as `fused::swiglu_chunk_body` (f32) and
+// `swiglu_chunk_bf16_body` (r(r(silu(g)) u)), GeGLU as `fused::GeGlu` (r(r(gelu(g)) u)).
+template <typename T, bool ROUND, typename Act>
+__device__ __forceinline__ void tallow_gate(const T *g, const T *u, T *y, const size_t n) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (size_t)blockDim.x * gridDim.x) {
-        float s, a;
-        tallow_sigmoid_silu(tallow_to_f32(g[i]), &s, &a);
+        const float a = Act::act(tallow_to_f32(g[i]));
         y[i] = tallow_from_f32<T>(__fmul_rn(tallow_rb<ROUND>(a), tallow_to_f32(u[i])));
     }
 }
@@ -286,6 +329,22 @@ __device__ __forceinline__ void tallow_swiglu_bwd(
     }
 }
 
+// GeGLU's backward into out = (dg, du) (2 n): dg = (dh u) gelu'(g), du = dh r(gelu(g)).
+template <typename T, bool ROUND>
+__device__ __forceinline__ void tallow_geglu_bwd(
+    const T *g, const T *u, const T *dh, T *out, const size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)blockDim.x * gridDim.x) {
+        const float gv = tallow_to_f32(g[i]), d = tallow_to_f32(dh[i]);
+        float act, t;
+        tallow_gelu_tanh(gv, &act, &t);
+        const float dg =
+            __fmul_rn(__fmul_rn(d, tallow_to_f32(u[i])), tallow_gelu_tanh_grad(gv, t));
+        out[i] = tallow_from_f32<T>(dg);
+        out[n + i] = tallow_from_f32<T>(__fmul_rn(d, tallow_rb<ROUND>(act)));
+    }
+}
+
 #define TALLOW_FUSED(SUFFIX, T, ROUND)                                                           \
     extern "C" __global__ void tallow_rms_norm_##SUFFIX(                                         \
         const T *x, const T *w, T *y, const size_t c, const float eps, const float inv_n) {      \
@@ -312,11 +371,19 @@ __device__ __forceinline__ void tallow_swiglu_bwd(
     }                                                                                            \
     extern "C" __global__ void tallow_swiglu_##SUFFIX(                                           \
         const T *g, const T *u, T *y, const size_t n) {                                          \
-        tallow_swiglu<T, ROUND>(g, u, y, n);                                                     \
+        tallow_gate<T, ROUND, TallowSilu>(g, u, y, n);                                           \
     }                                                                                            \
     extern "C" __global__ void tallow_swiglu_bwd_##SUFFIX(                                       \
         const T *g, const T *u, const T *dh, T *out, const size_t n) {                           \
         tallow_swiglu_bwd<T, ROUND>(g, u, dh, out, n);                                           \
+    }                                                                                            \
+    extern "C" __global__ void tallow_geglu_##SUFFIX(                                            \
+        const T *g, const T *u, T *y, const size_t n) {                                          \
+        tallow_gate<T, ROUND, TallowGelu>(g, u, y, n);                                           \
+    }                                                                                            \
+    extern "C" __global__ void tallow_geglu_bwd_##SUFFIX(                                        \
+        const T *g, const T *u, const T *dh, T *out, const size_t n) {                           \
+        tallow_geglu_bwd<T, ROUND>(g, u, dh, out, n);                                            \
     }
 
 TALLOW_FUSED(f32, float, false)
@@ -383,12 +450,6 @@ extern "C" __global__ void tallow_ce_grad_f32(
 // twins do the same IEEE operations in the same order: results bit for bit, as torch's
 // single-tensor AdamW on f32): the moments (2, n) updated in place, then the new parameters.
 
-// Candle's affine x * mul + add, the product and the sum rounded apart (its scalar products,
-// `t * c`, are affine(c, 0): the + 0 only turns -0 into +0, kept so the bits agree).
-__device__ __forceinline__ float tallow_affine(const float x, const float mul, const float add) {
-    return __fadd_rn(__fmul_rn(x, mul), add);
-}
-
 // mv[i] = m, mv[n + i] = v: m = m b1 + g c1, v = v b2 + (g g) c2 (c1 = 1 - b1, c2 = 1 - b2).
 extern "C" __global__ void tallow_adamw_moments_f32(
     float *mv, const float *g, const size_t n, const float b1, const float c1, const float b2,
@@ -413,65 +474,3 @@ extern "C" __global__ void tallow_adamw_param_f32(
         out[i] = __fsub_rn(pi, tallow_affine(__fdiv_rn(mv[i], denom), step, 0.0f));
     }
 }
-
-// ---------------------------------------------------------------------------------------------
-// GeGLU (Gemma), as `fused::GeGlu` / `GeGluBwd`: gelu's tanh approximation in Candle's order of
-// operations (`ops::gelu_tanh`), tanhf for the CPU twin's tanh (the two within a few ulp).
-
-// (act, t): inner = (x (x^2 C) + x) k, t = tanh(inner), act = ((t + 1) x) / 2.
-__device__ __forceinline__ void tallow_gelu_tanh(const float x, float *act, float *t) {
-    const float c = 0.044715f, k = 0.7978845608028654f;  // k = sqrt(2 / pi)
-    const float x2 = __fmul_rn(x, x);
-    const float inner =
-        tallow_affine(__fadd_rn(__fmul_rn(x, tallow_affine(x2, c, 0.0f)), x), k, 0.0f);
-    *t = tanhf(inner);
-    *act = tallow_affine(__fmul_rn(__fadd_rn(*t, 1.0f), x), 0.5f, 0.0f);
-}
-
-// gelu_tanh'(x) from t: (t + 1) / 2 + ((x (1 - t^2)) (k (3 C x^2 + 1))) / 2.
-__device__ __forceinline__ float tallow_gelu_tanh_grad(const float x, const float t) {
-    const float c3 = 0.134145f, k = 0.7978845608028654f;  // 3 C
-    const float dinner = tallow_affine(tallow_affine(__fmul_rn(x, x), c3, 1.0f), k, 0.0f);
-    const float omt2 = tallow_affine(__fmul_rn(t, t), -1.0f, 1.0f);
-    return __fadd_rn(tallow_affine(tallow_affine(t, 1.0f, 1.0f), 0.5f, 0.0f),
-                     tallow_affine(__fmul_rn(__fmul_rn(x, omt2), dinner), 0.5f, 0.0f));
-}
-
-template <typename T, bool ROUND>
-__device__ __forceinline__ void tallow_geglu(const T *g, const T *u, T *y, const size_t n) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (size_t)blockDim.x * gridDim.x) {
-        float act, t;
-        tallow_gelu_tanh(tallow_to_f32(g[i]), &act, &t);
-        y[i] = tallow_from_f32<T>(__fmul_rn(tallow_rb<ROUND>(act), tallow_to_f32(u[i])));
-    }
-}
-
-// out = (dg, du) (2 n): dg = (dh u) gelu'(g), du = dh r(gelu(g)).
-template <typename T, bool ROUND>
-__device__ __forceinline__ void tallow_geglu_bwd(
-    const T *g, const T *u, const T *dh, T *out, const size_t n) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (size_t)blockDim.x * gridDim.x) {
-        const float gv = tallow_to_f32(g[i]), d = tallow_to_f32(dh[i]);
-        float act, t;
-        tallow_gelu_tanh(gv, &act, &t);
-        const float dg =
-            __fmul_rn(__fmul_rn(d, tallow_to_f32(u[i])), tallow_gelu_tanh_grad(gv, t));
-        out[i] = tallow_from_f32<T>(dg);
-        out[n + i] = tallow_from_f32<T>(__fmul_rn(d, tallow_rb<ROUND>(act)));
-    }
-}
-
-#define TALLOW_GEGLU(SUFFIX, T, ROUND)                                                           \
-    extern "C" __global__ void tallow_geglu_##SUFFIX(                                            \
-        const T *g, const T *u, T *y, const size_t n) {                                          \
-        tallow_geglu<T, ROUND>(g, u, y, n);                                                      \
-    }                                                                                            \
-    extern "C" __global__ void tallow_geglu_bwd_##SUFFIX(                                        \
-        const T *g, const T *u, const T *dh, T *out, const size_t n) {                           \
-        tallow_geglu_bwd<T, ROUND>(g, u, dh, out, n);                                            \
-    }
-
-TALLOW_GEGLU(f32, float, false)
-TALLOW_GEGLU(bf16, __nv_bfloat16, true)

@@ -755,16 +755,7 @@ fn optimizer_bytes(
         // values, rounded). Measured on the CPU, full fine-tuning of a tiny Llama with a 2M
         // embedding (`tallow bench`, 2026-11-28): the optimizer phase +0.95% (f32), +0.89% (bf16).
         let cap = crate::optim::adamw::group_elems(Backend::named(device));
-        let mut groups: Vec<(usize, usize)> = Vec::new(); // (elements, members)
-        for &n in sizes {
-            match groups.last_mut() {
-                Some((len, members)) if *len + n <= cap => {
-                    *len += n;
-                    *members += 1;
-                }
-                _ => groups.push((n, 1)),
-            }
-        }
+        let groups = crate::optim::adamw::group_sizes(sizes.iter().copied(), cap);
         let per_elem = |members: usize| match (members, var_bytes) {
             (1, 4) => 4,
             (1, _) => 10,

@@ -445,18 +445,18 @@ fn input(r: &mut rand::rngs::StdRng, shape: &[usize], dev: &Device, dtype: DType
     randn(r, shape)?.to_dtype(dtype)?.to_device(dev)
 }
 
-/// Gradients of sum(y * probe) for a seeded probe: a backward with a non-trivial upstream grad.
-fn grads_of(y: &Tensor, wrt: &[&Var], seed: u64) -> R<Vec<Tensor>> {
+/// A check's outputs: `y`, then the gradients of sum(y * probe) for `wrt`, for a seeded probe
+/// (a backward with a non-trivial upstream grad).
+fn value_and_grads(y: Tensor, wrt: &[&Var], seed: u64) -> R<Vec<Tensor>> {
     let probe = input(&mut rng(seed), y.dims(), y.device(), y.dtype())?;
-    let loss = (y * probe)?.to_dtype(ops::upcast(y.dtype()))?.sum_all()?;
+    let loss = (&y * probe)?.to_dtype(ops::upcast(y.dtype()))?.sum_all()?;
     let g = loss.backward()?;
-    wrt.iter()
-        .map(|v| {
-            g.get(v)
-                .cloned()
-                .ok_or_else(|| candle_core::Error::Msg("a gradient is missing".into()))
-        })
-        .collect()
+    let grads = wrt.iter().map(|v| {
+        g.get(v)
+            .cloned()
+            .ok_or_else(|| candle_core::Error::Msg("a gradient is missing".into()))
+    });
+    std::iter::once(Ok(y)).chain(grads).collect()
 }
 
 fn rmsnorm(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
@@ -464,9 +464,7 @@ fn rmsnorm(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
     let x = Var::from_tensor(&input(r, &[2, 5, 64], dev, dt)?)?;
     let w = Var::from_tensor(&input(r, &[64], dev, dt)?.affine(0.1, 1.0)?)?;
     let y = ops::rms_norm(&x, &w, 1e-6).map_err(to_candle)?;
-    let mut out = grads_of(&y, &[&x, &w], 2)?;
-    out.insert(0, y);
-    Ok(out)
+    value_and_grads(y, &[&x, &w], 2)
 }
 
 /// Gemma's RMSNorm, `x_normed * (1 + w)` (`ops::rms_norm_plus_one`: bf16 on CUDA's
@@ -477,9 +475,7 @@ fn gemma_rmsnorm(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
     let x = Var::from_tensor(&input(r, &[2, 5, 64], dev, dt)?)?;
     let w = Var::from_tensor(&input(r, &[64], dev, dt)?.affine(0.3, 0.0)?)?;
     let y = ops::rms_norm_plus_one(&x, &w, 1e-6).map_err(to_candle)?;
-    let mut out = grads_of(&y, &[&x, &w], 28)?;
-    out.insert(0, y);
-    Ok(out)
+    value_and_grads(y, &[&x, &w], 28)
 }
 
 /// The rotary embedding as the attention applies it (`ops::rope_heads`): x (B, T, H, D) from
@@ -492,33 +488,34 @@ fn rope(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
     let inv = ops::rope_inv_freq(16, 10000.0, None);
     let (cos, sin) = ops::rope_tables(&pos, &inv, dt).map_err(to_candle)?;
     let y = ops::rope_heads(&x, &cos, &sin, 0.25).map_err(to_candle)?;
-    let mut out = grads_of(&y, &[&x], 4)?;
-    out.insert(0, y);
-    Ok(out)
+    value_and_grads(y, &[&x], 4)
 }
 
 /// SwiGLU's gate silu(g) * u (`ops::swiglu`: CUDA's `tallow_swiglu_*` kernels, the CPU's fused
 /// kernel), on values of both signs up to |3| so that silu's two branches and its curve count.
 fn swiglu(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
-    let r = &mut rng(23);
-    let g = Var::from_tensor(&(input(r, &[2, 5, 48], dev, dt)? * 1.5)?)?;
-    let u = Var::from_tensor(&input(r, &[2, 5, 48], dev, dt)?)?;
-    let y = ops::swiglu(&g, &u).map_err(to_candle)?;
-    let mut out = grads_of(&y, &[&g, &u], 24)?;
-    out.insert(0, y);
-    Ok(out)
+    gate(dev, dt, ops::swiglu, 23)
 }
 
 /// Gemma's GeGLU gate gelu_tanh(g) * u (`ops::geglu`: CUDA's `tallow_geglu_*` kernels, the
 /// CPU's fused kernel), on values up to |4.5| so that tanh saturates for some.
 fn geglu(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
-    let r = &mut rng(25);
+    gate(dev, dt, ops::geglu, 25)
+}
+
+/// A gated activation `op(g, u)` on g, u (2, 5, 48), g 1.5 x N(0, 1), inputs from `seed`, the
+/// probe from `seed + 1`.
+fn gate(
+    dev: &Device,
+    dt: DType,
+    op: fn(&Tensor, &Tensor) -> tallow_model::Result<Tensor>,
+    seed: u64,
+) -> R<Vec<Tensor>> {
+    let r = &mut rng(seed);
     let g = Var::from_tensor(&(input(r, &[2, 5, 48], dev, dt)? * 1.5)?)?;
     let u = Var::from_tensor(&input(r, &[2, 5, 48], dev, dt)?)?;
-    let y = ops::geglu(&g, &u).map_err(to_candle)?;
-    let mut out = grads_of(&y, &[&g, &u], 26)?;
-    out.insert(0, y);
-    Ok(out)
+    let y = op(&g, &u).map_err(to_candle)?;
+    value_and_grads(y, &[&g, &u], seed + 1)
 }
 
 fn softmax(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
@@ -527,9 +524,7 @@ fn softmax(dev: &Device, dt: DType, _generic: bool) -> R<Vec<Tensor>> {
     let segments = vec![vec![0u32; 9], [vec![0u32; 4], vec![1u32; 5]].concat()];
     let mask = ops::attention_mask(&segments, None, dt, dev).map_err(to_candle)?;
     let p = ops::masked_softmax(&s, &mask).map_err(to_candle)?;
-    let mut out = grads_of(&p, &[&s], 6)?;
-    out.insert(0, p);
-    Ok(out)
+    value_and_grads(p, &[&s], 6)
 }
 
 /// Grouped heads (KV 2, 2 queries each), a packed row and a sliding window of 12 over 40
@@ -565,9 +560,7 @@ fn chunked_attention_with(
     } else {
         chunked::chunked_attention_capped(&q, &k, &v, &mask, softcap)?
     };
-    let mut out = grads_of(&y, &[&q, &k, &v], 14)?;
-    out.insert(0, y);
-    Ok(out)
+    value_and_grads(y, &[&q, &k, &v], 14)
 }
 
 fn frozen_matmul(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
@@ -579,9 +572,7 @@ fn frozen_matmul(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
     } else {
         x.as_tensor().apply_op1(FrozenMatmul { w })?
     };
-    let mut out = grads_of(&y, &[&x], 8)?;
-    out.insert(0, y);
-    Ok(out)
+    value_and_grads(y, &[&x], 8)
 }
 
 fn trainable_matmul(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
@@ -593,9 +584,7 @@ fn trainable_matmul(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
     } else {
         x.as_tensor().apply_op2(w.as_tensor(), TrainableMatmul)?
     };
-    let mut out = grads_of(&y, &[&x, &w], 10)?;
-    out.insert(0, y);
-    Ok(out)
+    value_and_grads(y, &[&x, &w], 10)
 }
 
 /// bf16 products in f32: (64, 96) x (96, 64), the right operand given as a linear's weight
@@ -698,9 +687,7 @@ fn nf4_matmul(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
     } else {
         x.as_tensor().apply_op1(Nf4Matmul { w: q })?
     };
-    let mut out = grads_of(&y, &[&x], 13)?;
-    out.insert(0, y);
-    Ok(out)
+    value_and_grads(y, &[&x], 13)
 }
 
 /// The mask applied to ones (f32, the adapter dtype whatever the model's), and the backward of
@@ -802,9 +789,7 @@ fn lora_linear(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
         };
         lin.forward(&x).map_err(to_candle)?
     };
-    let mut out = grads_of(&y, &[&x, &a, &b], 16)?;
-    out.insert(0, y);
-    Ok(out)
+    value_and_grads(y, &[&x, &a, &b], 16)
 }
 
 fn hp() -> AdamWParams {

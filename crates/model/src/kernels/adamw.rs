@@ -97,14 +97,11 @@ impl candle_core::InplaceOp2 for Moments {
         gl: &Layout,
     ) -> R<()> {
         use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
         use candle_core::cuda_backend::WrapErr;
         let (n, (a, b)) = moment_dims(mvl, gl)?;
-        let Some((g0, g1)) = gl.contiguous_offsets() else {
-            candle_core::bail!("adamw gradient: must be contiguous");
-        };
         let dev = mv.device().clone();
-        let gv = g.as_cuda_slice::<f32>()?.slice(g0..g1);
+        let gv = super::cuda::view::<f32>(g, gl, "adamw gradient")?;
         let mut mvv = mv.as_cuda_slice_mut::<f32>()?.slice_mut(a..b);
         if n == 0 {
             return Ok(());
@@ -120,7 +117,7 @@ impl candle_core::InplaceOp2 for Moments {
         bld.arg(&k.one_minus_beta1);
         bld.arg(&k.beta2);
         bld.arg(&k.one_minus_beta2);
-        let cfg = LaunchConfig::for_num_elems(n.min(1 << 30) as u32);
+        let cfg = super::cuda::Grid::Elems(n).config();
         // SAFETY: argument types and order match `tallow_adamw_moments_f32`.
         unsafe { bld.launch(cfg) }.w()?;
         Ok(())
@@ -129,20 +126,14 @@ impl candle_core::InplaceOp2 for Moments {
 
 struct Param(AdamWStep);
 
-/// A contiguous tensor's element range in its storage.
-type Span = (usize, usize);
-
 impl Param {
-    /// The contiguous offsets of p (n) and mv (2, n).
-    fn dims(&self, pl: &Layout, mvl: &Layout) -> R<(usize, Span, Span)> {
+    /// n, for p (n) and mv (2, n) (each read where it is checked to be contiguous).
+    fn elems(&self, pl: &Layout, mvl: &Layout) -> R<usize> {
         let n = pl.shape().elem_count();
         if mvl.shape().dims() != [2, n] {
             candle_core::bail!("adamw param: moments {:?} for {n} elements", mvl.shape());
         }
-        match (pl.contiguous_offsets(), mvl.contiguous_offsets()) {
-            (Some(p), Some(m)) => Ok((n, p, m)),
-            _ => candle_core::bail!("adamw param: inputs must be contiguous"),
-        }
+        Ok(n)
     }
 }
 
@@ -158,7 +149,7 @@ impl candle_core::CustomOp2 for Param {
         mv: &CpuStorage,
         mvl: &Layout,
     ) -> R<(CpuStorage, Shape)> {
-        let (n, _, _) = self.dims(pl, mvl)?;
+        let n = self.elems(pl, mvl)?;
         let p = super::fused::data::<f32>(p, pl, "adamw param")?;
         let mv = super::fused::data::<f32>(mv, mvl, "adamw moments")?;
         let (m, v) = mv.split_at(n);
@@ -191,12 +182,12 @@ impl candle_core::CustomOp2 for Param {
         mvl: &Layout,
     ) -> R<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
-        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
         use candle_core::cuda_backend::WrapErr;
-        let (n, (p0, p1), (m0, m1)) = self.dims(pl, mvl)?;
+        let n = self.elems(pl, mvl)?;
         let dev = p.device().clone();
-        let pv = p.as_cuda_slice::<f32>()?.slice(p0..p1);
-        let mvv = mv.as_cuda_slice::<f32>()?.slice(m0..m1);
+        let pv = super::cuda::view::<f32>(p, pl, "adamw param")?;
+        let mvv = super::cuda::view::<f32>(mv, mvl, "adamw moments")?;
         // SAFETY: the kernel writes every element.
         let out = unsafe { dev.alloc::<f32>(n)? };
         if n > 0 {
@@ -214,7 +205,7 @@ impl candle_core::CustomOp2 for Param {
             bld.arg(&k.inv_bias_correction2_sqrt);
             bld.arg(&k.eps);
             bld.arg(&k.step_size);
-            let cfg = LaunchConfig::for_num_elems(n.min(1 << 30) as u32);
+            let cfg = super::cuda::Grid::Elems(n).config();
             // SAFETY: argument types and order match `tallow_adamw_param_f32`.
             unsafe { bld.launch(cfg) }.w()?;
         }

@@ -243,8 +243,8 @@ impl candle_core::CustomOp2 for CeRows {
         use candle_core::cuda_backend::WrapErr;
         let (n, v) = ce_shapes(self.name(), xl, yl)?;
         let dev = x.device().clone();
-        let xv = cuda_view::<f32>(x, xl, self.name())?;
-        let yv = cuda_view::<u32>(y, yl, self.name())?;
+        let xv = super::cuda::view::<f32>(x, xl, self.name())?;
+        let yv = super::cuda::view::<u32>(y, yl, self.name())?;
         // SAFETY: the kernel writes all 2 n outputs (thread 0 of each row's block).
         let out = unsafe { dev.alloc::<f32>(2 * n)? };
         if n > 0 {
@@ -257,7 +257,7 @@ impl candle_core::CustomOp2 for CeRows {
             b.arg(&v);
             b.arg(&n);
             // SAFETY: argument types and order match `tallow_ce_rows_f32` in kernels/tallow.cu.
-            unsafe { b.launch(row_config(n)) }.w()?;
+            unsafe { b.launch(per_row(n).config()) }.w()?;
         }
         Ok((
             candle_core::CudaStorage::wrap_cuda_slice(out, dev),
@@ -330,8 +330,8 @@ impl candle_core::InplaceOp3 for CeGradRows {
             candle_core::bail!("cross-entropy grad rows: logits must be contiguous");
         };
         let dev = x.device().clone();
-        let yv = cuda_view::<u32>(y, yl, self.name())?;
-        let lv = cuda_view::<f32>(lg, lgl, self.name())?;
+        let yv = super::cuda::view::<u32>(y, yl, self.name())?;
+        let lv = super::cuda::view::<f32>(lg, lgl, self.name())?;
         let xs = x.as_cuda_slice_mut::<f32>()?;
         let mut xv = xs.slice_mut(a..b);
         if n > 0 {
@@ -344,32 +344,18 @@ impl candle_core::InplaceOp3 for CeGradRows {
             bld.arg(&v);
             bld.arg(&n);
             // SAFETY: argument types and order match `tallow_ce_grad_f32` in kernels/tallow.cu.
-            unsafe { bld.launch(row_config(n)) }.w()?;
+            unsafe { bld.launch(per_row(n).config()) }.w()?;
         }
         Ok(())
     }
 }
 
-/// The contiguous elements of a CUDA input.
+/// One block of 256 threads per row of the logits.
 #[cfg(feature = "cuda")]
-fn cuda_view<'a, T: candle_core::cuda_backend::CudaDType>(
-    s: &'a candle_core::CudaStorage,
-    l: &Layout,
-    name: &str,
-) -> R<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
-    let Some((a, b)) = l.contiguous_offsets() else {
-        candle_core::bail!("{name}: inputs must be contiguous");
-    };
-    Ok(s.as_cuda_slice::<T>()?.slice(a..b))
-}
-
-/// One block of 256 threads per row.
-#[cfg(feature = "cuda")]
-fn row_config(n: usize) -> candle_core::cuda_backend::cudarc::driver::LaunchConfig {
-    candle_core::cuda_backend::cudarc::driver::LaunchConfig {
-        grid_dim: (n as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+fn per_row(n: usize) -> super::cuda::Grid {
+    super::cuda::Grid::Rows {
+        rows: n,
+        threads: 256,
     }
 }
 

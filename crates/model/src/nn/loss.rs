@@ -309,50 +309,47 @@ fn nll_bwd(
             Some(cap) => Some((1.0 - (&logits / cap)?.sqr()?)?),
             None => None,
         };
-        let dlogits = match &host_labels {
-            // CPU: softmax - onehot, scaled, in the logits' own buffer.
-            Some(y) => {
-                crate::kernels::cross_entropy::ce_grad_in_place(
+        let dlogits = if host_labels.is_some() || device {
+            // softmax - onehot, scaled, in the logits' own buffer: on the CPU by its host-side
+            // kernel, on CUDA by one kernel with nothing read to the host
+            match &host_labels {
+                Some(y) => crate::kernels::cross_entropy::ce_grad_in_place(
                     &logits,
                     &y[start..start + len],
                     g_host,
                     host_stats.map(|s| &s[start..start + len]),
-                )?;
-                let d = match &dcap {
-                    Some(dc) => (&logits * dc)?,
-                    None => logits.clone(),
-                };
-                let d = crate::kernels::fused::cast(&d, h.dtype())?; // the same buffer in f32 / f64
-                drop(logits);
-                d
-            }
-            // CUDA: the same in the f32 logits' buffer, one kernel, nothing read to the host.
-            None if device => {
-                let y = labels.narrow(0, start, len)?;
-                let lse = match device_lse.and_then(|l| l.get(chunk)) {
-                    Some(l) => l.clone(),
-                    None => crate::kernels::cross_entropy::ce_rows(&logits, &y)?.get(1)?,
-                };
-                crate::kernels::cross_entropy::ce_grad_rows(&logits, &y, &lse, &g)?;
-                let d = match &dcap {
-                    Some(dc) => (&logits * dc)?,
-                    None => logits.clone(),
-                };
-                let d = d.to_dtype(h.dtype())?; // bf16 / f16: the copy the head's product reads
-                drop(logits);
-                d
-            }
-            None => {
-                let p = ops::softmax_last_dim(&logits)
-                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-                drop(logits);
-                let labels = labels.narrow(0, start, len)?.unsqueeze(1)?; // (n, 1)
-                let onehot = labels.broadcast_eq(&vocab)?.to_dtype(up)?; // (n, V)
-                let d = (p - onehot)?.broadcast_mul(&g)?; // (n, V)
-                match &dcap {
-                    Some(dc) => (d * dc)?.to_dtype(h.dtype())?,
-                    None => d.to_dtype(h.dtype())?,
+                )?,
+                None => {
+                    let y = labels.narrow(0, start, len)?;
+                    let lse = match device_lse.and_then(|l| l.get(chunk)) {
+                        Some(l) => l.clone(),
+                        None => crate::kernels::cross_entropy::ce_rows(&logits, &y)?.get(1)?,
+                    };
+                    crate::kernels::cross_entropy::ce_grad_rows(&logits, &y, &lse, &g)?;
                 }
+            }
+            let d = match &dcap {
+                Some(dc) => (&logits * dc)?,
+                None => logits.clone(),
+            };
+            // In the model's dtype (for f32 / f64 the same buffer): the CPU's cast on rayon's
+            // threads, CUDA's `to_dtype` (one launch, which the CUDA path run on the CPU counts).
+            let d = match &host_labels {
+                Some(_) => crate::kernels::fused::cast(&d, h.dtype())?,
+                None => d.to_dtype(h.dtype())?,
+            };
+            drop(logits);
+            d
+        } else {
+            let p = ops::softmax_last_dim(&logits)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            drop(logits);
+            let labels = labels.narrow(0, start, len)?.unsqueeze(1)?; // (n, 1)
+            let onehot = labels.broadcast_eq(&vocab)?.to_dtype(up)?; // (n, V)
+            let d = (p - onehot)?.broadcast_mul(&g)?; // (n, V)
+            match &dcap {
+                Some(dc) => (d * dc)?.to_dtype(h.dtype())?,
+                None => d.to_dtype(h.dtype())?,
             }
         };
         let c = w.dim(1)?;

@@ -148,15 +148,19 @@ fn plan(params: &[Var], cap: Option<usize>) -> Vec<(Vec<usize>, Vec<Shape>, Vec<
     groups.into_iter().map(|(m, s, o, _)| (m, s, o)).collect()
 }
 
-/// The lengths of the groups [`plan`] makes for parameters of `counts` elements (in the
-/// trainable order, one device) with groups of up to `cap` ([`group_elems`]): the update's f32
-/// temporaries are group-sized, so the memory estimate sizes them by the largest.
-pub fn group_lengths(counts: impl IntoIterator<Item = usize>, cap: usize) -> Vec<usize> {
-    let mut out: Vec<usize> = Vec::new();
+/// The groups [`plan`] makes for parameters of `counts` elements (in the trainable order, one
+/// device) with groups of up to `cap` ([`group_elems`]), each as (elements, members): the
+/// update's f32 temporaries are group-sized (a lone member's fewer), which the memory estimate
+/// counts.
+pub fn group_sizes(counts: impl IntoIterator<Item = usize>, cap: usize) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
     for n in counts {
         match out.last_mut() {
-            Some(len) if *len + n <= cap => *len += n,
-            _ => out.push(n),
+            Some((len, members)) if *len + n <= cap => {
+                *len += n;
+                *members += 1;
+            }
+            _ => out.push((n, 1)),
         }
     }
     out
@@ -639,7 +643,7 @@ mod tests {
     /// The grouped update (module docs) gives a per-parameter update's bits: mixed shapes,
     /// f32 and bf16 parameters, a group of several members, a parameter larger than
     /// [`GROUP_ELEMS`] (a group of its own) and one after it, 3 steps with weight decay, against
-    /// [`adamw_update`] run on each parameter alone; the groups are the ones [`group_lengths`]
+    /// [`adamw_update`] run on each parameter alone; the groups are the ones [`group_sizes`]
     /// (the estimate's) says. Shifting a member's offset by one element, or writing the wrong
     /// member back, fails it.
     #[test]
@@ -706,10 +710,13 @@ mod tests {
             assert_eq!(bits(a), bits(b), "parameter {i}");
         }
         let groups = opt.groups.as_ref().unwrap();
-        let lens: Vec<usize> = groups.iter().map(|g| g.exp_avg().elem_count()).collect();
+        let sizes: Vec<(usize, usize)> = groups
+            .iter()
+            .map(|g| (g.exp_avg().elem_count(), g.params.len()))
+            .collect();
         let counts = grouped.iter().map(|p| p.elem_count());
-        assert_eq!(lens, group_lengths(counts, GROUP_ELEMS));
-        assert_eq!(lens, vec![15 + 7 + 16, GROUP_ELEMS + 3, 12]);
+        assert_eq!(sizes, group_sizes(counts, GROUP_ELEMS));
+        assert_eq!(sizes, vec![(15 + 7 + 16, 3), (GROUP_ELEMS + 3, 1), (12, 1)]);
         let state: HashMap<String, Tensor> = opt.state().into_iter().collect();
         for (i, (m, _)) in moments.iter().enumerate() {
             assert_eq!(
