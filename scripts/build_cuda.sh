@@ -3,7 +3,7 @@
 # install, with the CUDA toolkit taken from NVIDIA's PyPI wheels. The plain `tallow` (CPU build)
 # hands `--device cuda` to a `tallow-cuda` installed beside it (docs/cuda.md says why).
 #
-#   scripts/build_cuda.sh                        # CUDA 13, PTX for compute 8.0 -> target/release/tallow-cuda
+#   scripts/build_cuda.sh                        # CUDA 13, PTX for compute 8.0 (tallow's kernels also SASS sm_80/90) -> target/release/tallow-cuda
 #   CUDA_MAJOR=12 scripts/build_cuda.sh          # CUDA 12.4 (drivers 550-579; see below)
 #   CUDA_ROOT=/usr/local/cuda-12.6 scripts/build_cuda.sh   # an installed toolkit
 #   CUDA_COMPUTE_CAP=90 scripts/build_cuda.sh    # PTX for one capability (80 = A100 / RTX 30 and up)

@@ -474,3 +474,134 @@ extern "C" __global__ void tallow_adamw_param_f32(
         out[i] = __fsub_rn(pi, tallow_affine(__fdiv_rn(mv[i], denom), step, 0.0f));
     }
 }
+
+// The one-op LoRA linear's sums (`tallow_model::kernels::lora_linear`), in place on the base's
+// product `o` (rows, n), whose gemm wrote it; `l` the adapter's f32 product (rows, n).
+// bf16, as `sum_rows_bf16_body`: o = r(r(o) + r(l)), with a bias c (n) o = r(r(r(o) + c) + r(l))
+// (o is already bf16: the gemm rounded it); the sums in f32, each rounded to bf16 (_rn).
+extern "C" __global__ void tallow_lora_sum_bf16(
+    __nv_bfloat16 *o, const float *l, const __nv_bfloat16 *c, const size_t rows, const size_t n) {
+    const size_t total = rows * n;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)blockDim.x * gridDim.x) {
+        float t = __bfloat162float(o[i]);
+        if (c != nullptr) {
+            t = tallow_rb<true>(__fadd_rn(t, __bfloat162float(c[i % n])));
+        }
+        o[i] = __float2bfloat16_rn(__fadd_rn(t, tallow_rb<true>(l[i])));
+    }
+}
+
+// f32, as the twin's masked-adapter sum of dx (`LoraLinearDx::run` with dropout): o += l.
+extern "C" __global__ void tallow_lora_sum_f32(float *o, const float *l, const size_t total) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)blockDim.x * gridDim.x) {
+        o[i] = __fadd_rn(o[i], l[i]);
+    }
+}
+
+// Chunked attention's path on CUDA (`tallow_model::kernels::attn_block`): the element-wise
+// work of one block of query rows, around its two cuBLAS matmuls. s: the block's scores q kᵀ
+// (rows, nk) in the model dtype, rows = (B, KV, n_rep, m) for query positions p0 .. p0 + m
+// and keys lo .. lo + nk; seg: (B, T) segment ids. Key j is visible to query i as
+// `AttentionMask` says (j <= i, the same segment, i - j < window; window 0: none); a masked
+// score is -inf. With a soft-cap (cap > 0) a score is cap tanh(s / cap) first, each step in
+// the model dtype as the tensor ops round it (inv_cap = 1 / cap, from f64 as Candle's
+// affine takes it). Every row sees its own position's key.
+template <typename T, bool ROUND>
+__device__ __forceinline__ float tallow_attn_score(
+    const T *s, const uint32_t *seg, const size_t row, const size_t j, const size_t m,
+    const size_t nk, const size_t heads, const size_t t, const size_t p0, const size_t lo,
+    const size_t window, const float cap, const float inv_cap) {
+    const size_t b = row / (heads * m), qi = p0 + row % m, kj = lo + j;
+    const uint32_t *sb = seg + b * t;
+    if (kj > qi || sb[kj] != sb[qi] || (window != 0 && qi - kj >= window)) return -INFINITY;
+    float v = tallow_to_f32(s[row * nk + j]);
+    if (cap > 0.0f) {
+        // Candle's affine in the scores' dtype: its multipliers rounded to that dtype too
+        v = tallow_rb<ROUND>(tallow_affine(v, tallow_rb<ROUND>(inv_cap), 0.0f));
+        v = tallow_rb<ROUND>(tanhf(v));
+        v = tallow_rb<ROUND>(tallow_affine(v, tallow_rb<ROUND>(cap), 0.0f));
+    }
+    return v;
+}
+
+#define TALLOW_ATTN_ARGS                                                                       \
+    const size_t m, const size_t nk, const size_t heads, const size_t t, const size_t p0,     \
+        const size_t lo, const size_t window, const float cap, const float inv_cap
+#define TALLOW_ATTN_PASS m, nk, heads, t, p0, lo, window, cap, inv_cap
+
+// lse[row] = max + log(sum exp(score - max)) over the row's keys: one block per row.
+template <typename T, bool ROUND>
+__device__ __forceinline__ void tallow_attn_lse(
+    const T *s, const uint32_t *seg, float *lse, TALLOW_ATTN_ARGS) {
+    __shared__ float scratch[32];
+    const size_t row = blockIdx.x;
+    float mx = -INFINITY;
+    for (size_t j = threadIdx.x; j < nk; j += blockDim.x)
+        mx = fmaxf(mx, tallow_attn_score<T, ROUND>(s, seg, row, j, TALLOW_ATTN_PASS));
+    mx = tallow_block_max(mx, scratch);
+    float sum = 0.0f;
+    for (size_t j = threadIdx.x; j < nk; j += blockDim.x)
+        sum += expf(__fsub_rn(tallow_attn_score<T, ROUND>(s, seg, row, j, TALLOW_ATTN_PASS), mx));
+    sum = tallow_block_sum(sum, scratch);
+    if (threadIdx.x == 0) lse[row] = __fadd_rn(mx, logf(sum));
+}
+
+// p = exp(score - lse) in the model dtype; lse of row (g, i) at lse[g lt + lp0 + i] (g: the
+// row's (B, KV, n_rep) index, i its query position in the block).
+template <typename T, bool ROUND>
+__device__ __forceinline__ void tallow_attn_probs(
+    const T *s, const uint32_t *seg, const float *lse, T *p, const size_t rows,
+    const size_t lt, const size_t lp0, TALLOW_ATTN_ARGS) {
+    const size_t total = rows * nk;
+    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+         e += (size_t)blockDim.x * gridDim.x) {
+        const size_t row = e / nk, j = e % nk;
+        const float l = lse[(row / m) * lt + lp0 + row % m];
+        const float x = tallow_attn_score<T, ROUND>(s, seg, row, j, TALLOW_ATTN_PASS);
+        p[e] = tallow_from_f32<T>(expf(__fsub_rn(x, l)));
+    }
+}
+
+// dS = P (dP - D) in the model dtype, P = exp(score - lse) in f32, through the cap's
+// derivative 1 - (c tanh(s / c) / c)^2 when capped; stats = [lse; D] over every query row
+// (2, rows_all), the block's rows at g lt + p0 + i (D = rowsum(dY Y)).
+template <typename T, bool ROUND>
+__device__ __forceinline__ void tallow_attn_ds(
+    const T *s, const uint32_t *seg, const T *dp, const float *stats, T *ds, const size_t rows,
+    const size_t rows_all, TALLOW_ATTN_ARGS) {
+    const size_t total = rows * nk;
+    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+         e += (size_t)blockDim.x * gridDim.x) {
+        const size_t row = e / nk, j = e % nk;
+        const size_t at = (row / m) * t + p0 + row % m;
+        const float x = tallow_attn_score<T, ROUND>(s, seg, row, j, TALLOW_ATTN_PASS);
+        const float pj = expf(__fsub_rn(x, stats[at]));
+        float d = __fmul_rn(pj, __fsub_rn(tallow_to_f32(dp[e]), stats[rows_all + at]));
+        if (cap > 0.0f && x != -INFINITY) {
+            const float th = tallow_affine(x, inv_cap, 0.0f);
+            d = __fmul_rn(d, tallow_affine(__fmul_rn(th, th), -1.0f, 1.0f));
+        }
+        ds[e] = tallow_from_f32<T>(d);
+    }
+}
+
+#define TALLOW_ATTN(SUFFIX, T, ROUND)                                                          \
+    extern "C" __global__ void tallow_attn_lse_##SUFFIX(                                      \
+        const T *s, const uint32_t *seg, float *lse, TALLOW_ATTN_ARGS) {                      \
+        tallow_attn_lse<T, ROUND>(s, seg, lse, TALLOW_ATTN_PASS);                             \
+    }                                                                                          \
+    extern "C" __global__ void tallow_attn_probs_##SUFFIX(                                    \
+        const T *s, const uint32_t *seg, const float *lse, T *p, const size_t rows,           \
+        const size_t lt, const size_t lp0, TALLOW_ATTN_ARGS) {                                \
+        tallow_attn_probs<T, ROUND>(s, seg, lse, p, rows, lt, lp0, TALLOW_ATTN_PASS);         \
+    }                                                                                          \
+    extern "C" __global__ void tallow_attn_ds_##SUFFIX(                                       \
+        const T *s, const uint32_t *seg, const T *dp, const float *stats, T *ds,              \
+        const size_t rows, const size_t rows_all, TALLOW_ATTN_ARGS) {                         \
+        tallow_attn_ds<T, ROUND>(s, seg, dp, stats, ds, rows, rows_all, TALLOW_ATTN_PASS);    \
+    }
+
+TALLOW_ATTN(f32, float, false)
+TALLOW_ATTN(bf16, __nv_bfloat16, true)

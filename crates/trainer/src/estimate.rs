@@ -345,13 +345,51 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
     }
 }
 
+/// The one-op LoRA linear's buffers on CUDA (`tallow_model::kernels::lora_linear`, cuBLAS), for
+/// `tokens` rows, forward and backward: the largest over the adapted linears (input K, output
+/// N; 4 bytes an f32 element, `s` the model dtype's). Forward: x widened to f32 (bf16) and its
+/// dropped-out copy (dropout), the adapter's f32 product beside the base's (bf16; an f32 model
+/// accumulates it into the output in place). Backward: dY widened to f32 (bf16), then the
+/// larger of the adapter gradients' inputs (x in f32 and dropped out) and dx's adapter share
+/// (in f32 where it is summed apart: bf16 or dropout, and its masked copy), beside dx itself.
+/// The f32 buffers are per chunk of rows (`lora_linear::chunk_rows`), dx is every row's.
+/// Zero on the CPU, whose twin's buffers are in the measured per-element figures, and where
+/// the linear is not one op. r-sized buffers (x Aᵀ, dY B) are left out.
+fn one_op_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool, tokens: u64) -> (u64, u64) {
+    let ops = paths(m, cfg, cpu);
+    let kind = cfg.lora.kind.spec();
+    if cpu || !ops.lora_one_op || cfg.trains_full() || !kind.additive() {
+        return (0, 0);
+    }
+    let s = dtype_bytes(cfg.model.dtype) as u64;
+    let half = (s == 2) as u64;
+    let drop = (cfg.lora.dropout > 0.0) as u64;
+    let targets = lora_targets(m, cfg);
+    let (mut fwd, mut bwd) = (0, 0);
+    for l in m
+        .layer_linears()
+        .iter()
+        .filter(|l| targets.contains(&l.module()))
+    {
+        let (k, n) = (l.inp as u64, l.out as u64);
+        let rows = tokens.min(tallow_model::kernels::lora_linear::chunk_rows(l.inp, l.out) as u64);
+        fwd = fwd.max(rows * (4 * k * (half + drop) + 4 * n * half));
+        let apart = (half | drop) * 4 * k;
+        let grads_in = 4 * k * (half + drop);
+        let chunk = rows * (4 * n * half + grads_in.max(apart + drop * 4 * k));
+        bwd = bwd.max(tokens * s * k + chunk); // dx, every row, and one chunk's buffers
+    }
+    (fwd, bwd)
+}
+
 /// One layer's attention transients beyond what the graph keeps, forward and backward.
 /// Eager: the backward's score-sized gradients, f32 (the forward's scores are kept, counted in
 /// [`layer_activation_bytes`]); the CPU's fused op needs none of them. Chunked
 /// (`tallow_model::kernels::chunked`): on the CPU each (batch, kv head) task holds two 64-row blocks of
-/// scores; on CUDA a block's scores are at most `BLOCK_SCORE_BYTES`, about 3 such in the
-/// forward (scores, exp, probabilities) and 4 in the backward (the recomputed ones, P, dP, dS)
-/// plus P and dS cast to a half-precision model dtype, plus f32 dK / dV sums.
+/// scores; on CUDA a block's f32 scores are at most `BLOCK_SCORE_BYTES`; its block kernels
+/// (f32, bf16) keep 2 score-sized tensors in the model dtype forward and 4 backward, plus f32
+/// dK / dV sums; f16 and f64, on tensor ops, about 3 f32 ones in the forward (scores, exp,
+/// probabilities) and 4 in the backward plus P and dS cast to the model dtype.
 fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> (u64, u64) {
     let ops = paths(m, cfg, cpu);
     let (b, t) = (rows_per_micro_batch(cfg), cfg.data.max_seq_len);
@@ -389,16 +427,21 @@ fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> (u64
     }
     let rows = tallow_model::kernels::chunked::block_rows(b, h, t);
     let block = (b * h * rows * t * 4) as u64;
+    let s = dtype_bytes(cfg.model.dtype) as u64;
+    let sums = (2 * b * t * kv * d * 4) as u64; // dK, dV summed in f32
+    if !cpu && matches!(cfg.model.dtype, ModelDtype::F32 | ModelDtype::Bf16) {
+        // CUDA's block kernels (`tallow_model::kernels::attn_block`): no f32 copy of a block's
+        // scores, mask or exponentials; the forward holds the scores and P in the model dtype,
+        // the backward the recomputed scores, P, dP and dS (the cap's derivative inside).
+        let scores = block / 4 * s;
+        return (2 * scores, 4 * scores + sums);
+    }
     let extra = capped as u64 * block;
     // The backward's block at its peak (traced with `TALLOW_TRACE_PEAK` on the CUDA path,
     // 2026-11-27): the recomputed scores, P, dP and dS in f32, and P and dS cast to the model
-    // dtype for the matmuls (no copy in f32).
-    let s = dtype_bytes(cfg.model.dtype) as u64;
+    // dtype for the matmuls (no copy in f32). f16 and f64 on CUDA.
     let casts = if s == 4 { 0 } else { 2 * block * s / 4 };
-    (
-        3 * block + extra,
-        4 * block + casts + extra + (2 * b * t * kv * d * 4) as u64,
-    )
+    (3 * block + extra, 4 * block + casts + extra + sums)
 }
 
 fn mib(b: u64) -> String {
@@ -1022,8 +1065,21 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     // model dtype: six of them, 6 x s (not measured yet).
     let ffn_grad = if cpu { 24 } else { 6 * s };
     let (scores_fwd, scores_bwd) = attention_transients(m, cfg, cpu);
-    let attn_bwd =
-        scores_bwd + tokens * 4 * 4 * c as u64 + tokens * ffn_grad * m.intermediate_size as u64;
+    let (lin_fwd, lin_bwd) = one_op_transients(m, cfg, cpu, tokens);
+    // The down projection's backward is where the feed-forward's gradients are in flight: on
+    // CUDA the one-op linear's own buffers there, or the figure above, whichever is larger.
+    let ffn_bwd = (tokens * ffn_grad * m.intermediate_size as u64).max(lin_bwd);
+    // On the CPU the attention core's backward runs after the MLP's, whose gradients are gone
+    // by then (Candle frees a node's gradient once it has passed it on): the larger of the two
+    // is in flight, not both (measured: a bnb-4bit Llama, hidden 512, intermediate 1408, 256
+    // tokens, bf16 without AMX: the sum overshot its backward peak by 12%, the larger is within
+    // 3%). CUDA keeps the sum until a GPU measures it.
+    let attn_bwd = tokens * 4 * 4 * c as u64
+        + if cpu {
+            scores_bwd.max(ffn_bwd)
+        } else {
+            scores_bwd + ffn_bwd
+        };
     let lm_bwd = ce_bwd + 8 * tokens * c as u64;
     // A checkpointed layer (`tallow_model::decoder::checkpointing`) is rebuilt in two halves: the
     // attention half with its graph, then the MLP half tile by tile (tiles of C tokens), each
@@ -1137,7 +1193,8 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
             (at_layer, 0)
         };
     let rebuilt_forward = if checkpointed > 0 { rebuilt_forward } else { 0 };
-    let workspace_forward = (rebuilt_forward + dequantized + scores_fwd).max(loss_forward);
+    let workspace_forward =
+        (rebuilt_forward + dequantized + scores_fwd.max(lin_fwd)).max(loss_forward);
     // Load: bf16/f32 tensors are converted one at a time; NF4 quantizes from an f32 copy; a
     // bitsandbytes checkpoint's packed codes are read and reordered (two copies of n / 2).
     let load_transient = if pre.is_some() {
@@ -1741,13 +1798,24 @@ mod tests {
         );
         assert_eq!(cuda.outside_pool_bytes, CUDA_CONTEXT_BYTES);
         assert_eq!(cpu.outside_pool_bytes, 0);
-        // In bf16 the CPU's one-op LoRA linears keep one output each where CUDA's unfused
-        // linears keep the adapter's f32 intermediates and casts.
+        // In bf16 the one-op LoRA linears keep one output each on both devices (CUDA's cuBLAS
+        // body as the CPU's kernel), and CUDA's hold their f32 buffers while they run.
         let bf16 = cfg(&[]);
         let (b, t) = (bf16.train.micro_batch_size, bf16.data.max_seq_len);
         let on_cuda = layer_activation_bytes(&model(), &bf16, b, t, false);
         let on_cpu = layer_activation_bytes(&model(), &bf16, b, t, true);
-        assert!(on_cpu < on_cuda, "bf16: {on_cpu} (CPU) vs {on_cuda} (CUDA)");
+        assert_eq!(on_cpu, on_cuda, "bf16: {on_cpu} (CPU) vs {on_cuda} (CUDA)");
+        let tokens = (b * t) as u64;
+        let (c, i) = (model().hidden_size as u64, model().intermediate_size as u64);
+        // the largest: down_proj (K = I), with the default dropout: x widened and dropped out
+        // (2 x 4 I) beside the adapter's product (4 C); then dY widened (4 C), dx's f32 share
+        // and its masked copy (2 x 4 I), beside dx (2 I)
+        assert!(bf16.lora.dropout > 0.0);
+        assert_eq!(
+            one_op_transients(&model(), &bf16, false, tokens),
+            (tokens * (8 * i + 4 * c), tokens * (4 * c + 10 * i))
+        );
+        assert_eq!(one_op_transients(&model(), &bf16, true, tokens), (0, 0));
     }
 
     /// Chunked attention's saved activations are linear in the sequence length, eager's are not;

@@ -36,10 +36,39 @@ pub fn breakdown() -> Vec<(&'static str, u64)> {
     v
 }
 
+thread_local! {
+    static UNCOUNTED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static ON_THIS_THREAD: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Device operations issued by this thread so far (for tests, which share the process with
+/// others running in parallel).
+pub fn count_on_this_thread() -> u64 {
+    ON_THIS_THREAD.with(|c| c.get())
+}
+
+/// Runs `f` without counting the operations it issues on this thread: for a CPU twin of a
+/// device op that computes the device op's values with a different sequence of operations
+/// and counts the device op's own launches itself (with [`add`] after the scope).
+pub fn uncounted<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            UNCOUNTED.with(|u| u.set(self.0));
+        }
+    }
+    let _restore = Restore(UNCOUNTED.with(|u| u.replace(true)));
+    f()
+}
+
 /// One operation named `name` issued.
 #[inline]
 pub fn add(name: &'static str) {
+    if UNCOUNTED.with(|u| u.get()) {
+        return;
+    }
     TOTAL.fetch_add(1, Ordering::Relaxed);
+    ON_THIS_THREAD.with(|c| c.set(c.get() + 1));
     if BREAKDOWN_ON.load(Ordering::Relaxed) {
         if let Ok(mut g) = BREAKDOWN.lock() {
             *g.get_or_insert_with(HashMap::new).entry(name).or_insert(0) += 1;

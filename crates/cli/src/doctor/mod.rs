@@ -32,6 +32,8 @@ fn build() -> serde_json::Value {
         // The PTX target of the CUDA kernels (build-time CUDA_COMPUTE_CAP; 80 by default).
         "cuda_compute_cap": option_env!("CUDA_COMPUTE_CAP").unwrap_or(if cfg!(feature = "cuda") { "80" } else { "" }),
         "cuda_toolkit": toolkit(),
+        // What tallow's own kernels are compiled to (SASS targets, PTX for the rest).
+        "cuda_kernels": kernel_targets(),
         "tf32_f32_matmuls": tf32(),
     })
 }
@@ -46,6 +48,16 @@ fn toolkit() -> &'static str {
 
 #[cfg(not(feature = "cuda"))]
 fn toolkit() -> &'static str {
+    ""
+}
+
+#[cfg(feature = "cuda")]
+fn kernel_targets() -> &'static str {
+    tallow_model::kernels::cuda::TARGETS
+}
+
+#[cfg(not(feature = "cuda"))]
+fn kernel_targets() -> &'static str {
     ""
 }
 

@@ -323,6 +323,16 @@ const CASES: &[Case] = &[
         run: lora_linear,
     },
     Case {
+        name: "lora linear nf4+bias+dropout fwd+bwd",
+        on_cpu: "the linear's tensor-op path against the one-op LoRA linear",
+        f32_tol: 1e-4,
+        generic_on_cpu: true,
+        reference_f64: false,
+        cpu_tol: None,
+        always_f32: false,
+        run: lora_linear_full,
+    },
+    Case {
         name: "amx bf16 matmul",
         on_cpu: "AMX tiles against the widened f32 gemm (where the CPU has no AMX: the twin twice)",
         // Both sum exact bf16 products in f32, in different orders: K = 96 terms of O(1) differ
@@ -790,6 +800,40 @@ fn lora_linear(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
         lin.forward(&x).map_err(to_candle)?
     };
     value_and_grads(y, &[&x, &a, &b], 16)
+}
+
+/// The one-op LoRA linear with what [`lora_linear`] leaves out: an NF4 base (double-quant), a
+/// frozen bias and dropout (p 0.25) on the adapter's input. On CUDA: the base dequantized by
+/// its kernel, the bias's rows copied under the f32 output (or added by the bf16 rounding
+/// kernel) and the dropout kernel on x and on dx's adapter share. `generic` on the CPU: the
+/// same linear's tensor-op path (`Linear::forward_unfused`).
+fn lora_linear_full(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    use tallow_model::kernels::dropout::Dropout;
+    let r = &mut rng(31);
+    let x = Var::from_tensor(&input(r, &[2, 5, 128], dev, dt)?)?;
+    let bias = (input(r, &[40], dev, dt)? * 0.5)?;
+    let a = Var::from_tensor(&(input(r, &[8, 128], dev, DType::F32)? * 0.1)?)?;
+    let b = Var::from_tensor(&(input(r, &[40, 8], dev, DType::F32)? * 0.15)?)?;
+    let drop = Arc::new(Dropout::new(0.25));
+    drop.set(Some(0x5eed));
+    let lin = Linear {
+        weight: Base::Nf4(Arc::new(nf4_weight(dev, dt, true)?)),
+        bias: Some(Param::Frozen(bias)),
+        adapter: Some(Box::new(Lora {
+            a: a.clone(),
+            b: b.clone(),
+            scale: 2.0,
+            dropout: Some(drop),
+            id: 3,
+        })),
+    };
+    let y = if generic {
+        lin.forward_unfused(&x, None)
+    } else {
+        lin.forward(&x)
+    }
+    .map_err(to_candle)?;
+    value_and_grads(y, &[&x, &a, &b], 32)
 }
 
 fn hp() -> AdamWParams {

@@ -107,8 +107,7 @@ impl candle_core::InplaceOp2 for Moments {
             return Ok(());
         }
         let k = &self.0;
-        let func =
-            dev.get_or_load_custom_func("tallow_adamw_moments_f32", "tallow", super::cuda::PTX)?;
+        let func = crate::kernels::cuda::func(&dev, "tallow_adamw_moments_f32")?;
         let mut bld = func.builder();
         bld.arg(&mut mvv);
         bld.arg(&gv);
@@ -192,8 +191,7 @@ impl candle_core::CustomOp2 for Param {
         let out = unsafe { dev.alloc::<f32>(n)? };
         if n > 0 {
             let k = &self.0;
-            let func =
-                dev.get_or_load_custom_func("tallow_adamw_param_f32", "tallow", super::cuda::PTX)?;
+            let func = crate::kernels::cuda::func(&dev, "tallow_adamw_param_f32")?;
             let (decay, decay_on) = (k.decay.unwrap_or(1.0), k.decay.is_some() as i32);
             let mut bld = func.builder();
             bld.arg(&pv);

@@ -248,8 +248,7 @@ impl candle_core::CustomOp2 for CeRows {
         // SAFETY: the kernel writes all 2 n outputs (thread 0 of each row's block).
         let out = unsafe { dev.alloc::<f32>(2 * n)? };
         if n > 0 {
-            let func =
-                dev.get_or_load_custom_func("tallow_ce_rows_f32", "tallow", super::cuda::PTX)?;
+            let func = crate::kernels::cuda::func(&dev, "tallow_ce_rows_f32")?;
             let mut b = func.builder();
             b.arg(&xv);
             b.arg(&yv);
@@ -335,8 +334,7 @@ impl candle_core::InplaceOp3 for CeGradRows {
         let xs = x.as_cuda_slice_mut::<f32>()?;
         let mut xv = xs.slice_mut(a..b);
         if n > 0 {
-            let func =
-                dev.get_or_load_custom_func("tallow_ce_grad_f32", "tallow", super::cuda::PTX)?;
+            let func = crate::kernels::cuda::func(&dev, "tallow_ce_grad_f32")?;
             let mut bld = func.builder();
             bld.arg(&mut xv);
             bld.arg(&yv);

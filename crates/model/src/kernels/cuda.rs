@@ -1,8 +1,21 @@
-//! tallow's own CUDA kernels (`kernels/tallow.cu`), compiled to PTX by build.rs and loaded once
-//! per device by Candle (`CudaDevice::get_or_load_custom_func`, module name "tallow").
+//! tallow's own CUDA kernels (`kernels/tallow.cu`), compiled by build.rs into one fatbin (SASS
+//! for sm_80 and sm_90, PTX for `CUDA_COMPUTE_CAP`) and loaded once per device by Candle
+//! (`CudaDevice::get_or_load_custom_image`, module name "tallow"; the driver picks the SASS
+//! for its GPU, or JIT-compiles the PTX).
 
-/// PTX of `kernels/tallow.cu` for `CUDA_COMPUTE_CAP` (default 80).
-pub const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/tallow.ptx"));
+/// The fatbin of `kernels/tallow.cu`.
+pub const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/tallow.fatbin"));
+
+/// What [`FATBIN`] holds ("SASS sm_80, sm_90 + PTX compute_80"), for `tallow doctor`.
+pub const TARGETS: &str = env!("TALLOW_CUDA_TARGETS");
+
+/// The kernel `name` of [`FATBIN`] on `dev` (the module is loaded on first use).
+pub(crate) fn func(
+    dev: &candle_core::cuda_backend::CudaDevice,
+    name: &str,
+) -> Result<candle_core::cuda_backend::CudaFunc> {
+    dev.get_or_load_custom_image(name, "tallow", FATBIN)
+}
 
 /// The CUDA toolkit that compiled [`PTX`] ("13.0"): the driver must support at least this CUDA
 /// version to JIT-compile it.
@@ -58,4 +71,119 @@ impl Grid {
             Grid::Elems(n) => n == 0,
         }
     }
+}
+
+/// The element types of [`gemm`]: cuBLAS's type tag for each, and the compute type Candle's
+/// own matmul of that type uses (f32 accumulation; TF32 / reduced-precision bf16 only where
+/// Candle's process-wide switches allow it, `train.tf32`), so a product here rounds as
+/// `Tensor::matmul` would.
+pub(crate) trait GemmType:
+    CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+{
+    const DATA: candle_core::cuda_backend::cudarc::cublas::sys::cudaDataType_t;
+    fn compute() -> candle_core::cuda_backend::cudarc::cublas::sys::cublasComputeType_t;
+}
+
+impl GemmType for f32 {
+    const DATA: candle_core::cuda_backend::cudarc::cublas::sys::cudaDataType_t =
+        candle_core::cuda_backend::cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F;
+    fn compute() -> candle_core::cuda_backend::cudarc::cublas::sys::cublasComputeType_t {
+        use candle_core::cuda_backend::cudarc::cublas::sys::cublasComputeType_t as C;
+        if candle_core::cuda_backend::gemm_reduced_precision_f32() {
+            C::CUBLAS_COMPUTE_32F_FAST_TF32
+        } else {
+            C::CUBLAS_COMPUTE_32F
+        }
+    }
+}
+
+impl GemmType for half::bf16 {
+    const DATA: candle_core::cuda_backend::cudarc::cublas::sys::cudaDataType_t =
+        candle_core::cuda_backend::cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;
+    fn compute() -> candle_core::cuda_backend::cudarc::cublas::sys::cublasComputeType_t {
+        use candle_core::cuda_backend::cudarc::cublas::sys::cublasComputeType_t as C;
+        if candle_core::cuda_backend::gemm_reduced_precision_bf16() {
+            C::CUBLAS_COMPUTE_32F_FAST_16BF
+        } else {
+            C::CUBLAS_COMPUTE_32F
+        }
+    }
+}
+
+/// One operand of [`gemm`]: a row-major matrix, used as stored or transposed.
+pub(crate) struct Operand<'a, T> {
+    pub view: &'a CudaView<'a, T>,
+    /// Used transposed: the left operand (M, K) stored as a row-major (K, M), the right one
+    /// (K, N) stored as a row-major (N, K) (a linear's weight in x Wᵀ).
+    pub t: bool,
+}
+
+/// `dst (M, N) := alpha · lhs (M, K) · rhs (K, N) + beta · dst`, row-major, in one cuBLAS
+/// call (`cublasGemmEx`), the twin of the CPU's `gemm_into` (`super::lora_linear`). cuBLAS is
+/// column-major: a row-major (M, N) is its (N, M), so it computes dstᵀ = rhsᵀ · lhsᵀ, rhs's
+/// buffer as its A and lhs's as its B. `beta` 0: dst's old contents are not read.
+pub(crate) fn gemm<T: GemmType>(
+    dev: &candle_core::cuda_backend::CudaDevice,
+    dst: &mut impl candle_core::cuda_backend::cudarc::driver::DevicePtrMut<T>,
+    lhs: Operand<'_, T>,
+    rhs: Operand<'_, T>,
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::cublas::{result, sys::cublasOperation_t as Op};
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    use candle_core::cuda_backend::WrapErr;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if lhs.view.len() < m * k || rhs.view.len() < k * n || dst.len() < m * n {
+        candle_core::bail!("gemm: ({m}, {k}) x ({k}, {n}) on buffers too short");
+    }
+    let int = |v: usize| -> Result<i32> {
+        i32::try_from(v)
+            .map_err(|_| candle_core::Error::Msg(format!("gemm: {v} is past cuBLAS's int")))
+    };
+    let (transa, lda) = if rhs.t {
+        (Op::CUBLAS_OP_T, k)
+    } else {
+        (Op::CUBLAS_OP_N, n)
+    };
+    let (transb, ldb) = if lhs.t {
+        (Op::CUBLAS_OP_T, m)
+    } else {
+        (Op::CUBLAS_OP_N, k)
+    };
+    let blas = dev.cublas_handle();
+    let stream = dev.cuda_stream();
+    let (a, _ga) = rhs.view.device_ptr(&stream);
+    let (b, _gb) = lhs.view.device_ptr(&stream);
+    let (c, _gc) = dst.device_ptr_mut(&stream);
+    // SAFETY: the buffers hold the (K, N), (M, K) and (M, N) matrices (checked above), the leading
+    // dimensions are their row lengths, alpha and beta are f32 as the compute types take them,
+    // and all three are on the handle's stream.
+    unsafe {
+        result::gemm_ex(
+            *blas.handle(),
+            transa,
+            transb,
+            int(n)?,
+            int(m)?,
+            int(k)?,
+            (&alpha) as *const f32 as *const _,
+            a as *const _,
+            T::DATA,
+            int(lda)?,
+            b as *const _,
+            T::DATA,
+            int(ldb)?,
+            (&beta) as *const f32 as *const _,
+            c as *mut _,
+            T::DATA,
+            int(n)?,
+            T::compute(),
+            candle_core::cuda_backend::cudarc::cublas::sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .w()
 }

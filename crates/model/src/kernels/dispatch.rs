@@ -7,8 +7,9 @@
 //! | --- | --- |
 //! | fused element-wise kernels (norms, rotary, softmax, SwiGLU, eager attention's core; `super::fused`) | CPU, f32 / f64 |
 //! | fused SwiGLU, GeGLU, rotary and RMSNorm (`super::fused::swiglu`, `geglu`, `rope_heads`, `rms_norm`) | CPU, f32 / f64, and bf16 (in f32, rounded where PyTorch's bf16 ops round); CUDA, f32 and bf16 (one kernel of `kernels/tallow.cu` each way, the same arithmetic) |
-//! | the one-op LoRA linear (`super::lora_linear`) | CPU: x f32 / f64 with an adapter of x's dtype, or x bf16 with an f32 adapter; an additive adapter (LoRA) over a frozen base (the linear checks that) |
+//! | the one-op LoRA linear (`super::lora_linear`) | CPU: x f32 / f64 with an adapter of x's dtype, or x bf16 with an f32 adapter; CUDA: the same but f64 (cuBLAS gemms with the scale and the accumulation in their alpha / beta, and a rounding kernel); an additive adapter (LoRA) over a frozen base (the linear checks that) |
 //! | chunked attention's kernel (`super::chunked`) | CPU: f32 / f64, or bf16 without soft-capping |
+//! | chunked attention's block kernels around cuBLAS's matmuls (`super::attn_block`) | CUDA: f32 and bf16 (the tensor-op path's softmax, mask and dS) |
 //! | the LM head's cross-entropy as device ops (`super::cross_entropy::ce_rows`, `ce_grad_rows`) | CUDA, f32 logits (the CPU has its host-side kernel for f32 / f64) |
 //!
 //! Everything else (the rest of CUDA, f16, the other bf16 element-wise ops on the CPU) is Candle's tensor ops, which
@@ -53,7 +54,26 @@ impl Backend {
 /// without a CUDA context). Read once per process.
 pub fn cuda_paths_on_cpu() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TALLOW_CUDA_PATHS_ON_CPU").is_ok_and(|v| v.trim() == "1"))
+    FORCED.with(|f| f.get()).unwrap_or_else(|| {
+        *ON.get_or_init(|| std::env::var("TALLOW_CUDA_PATHS_ON_CPU").is_ok_and(|v| v.trim() == "1"))
+    })
+}
+
+thread_local! {
+    static FORCED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with [`cuda_paths_on_cpu`] on for this thread, whatever the environment says: for
+/// tests of a CUDA path's twin inside a test process.
+pub fn with_cuda_paths_on_cpu<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<bool>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            FORCED.with(|f| f.set(self.0));
+        }
+    }
+    let _restore = Restore(FORCED.with(|f| f.replace(Some(true))));
+    f()
 }
 
 /// The fused element-wise kernels take tensors of `dtype` on `backend`.
@@ -90,11 +110,14 @@ pub fn device_cross_entropy(backend: Backend, dtype: DType) -> bool {
     backend == Backend::Cuda && dtype == DType::F32
 }
 
-/// A LoRA linear with input `x` and adapter factors of `adapter` dtype may run as one op.
+/// A LoRA linear with input `x` and adapter factors of `adapter` dtype may run as one op: on
+/// the CPU f32 / f64 (x and adapter alike) and a bf16 x with an f32 adapter; on CUDA f32 and
+/// a bf16 x with an f32 adapter (cuBLAS gemms and one rounding kernel, `super::lora_linear`).
 pub fn lora_one_op(backend: Backend, x: DType, adapter: DType) -> bool {
-    match (x, adapter) {
-        (DType::BF16, DType::F32) => backend == Backend::Cpu,
-        (x, a) => x == a && fused(backend, x),
+    match (backend, x, adapter) {
+        (_, DType::BF16, DType::F32) => true,
+        (Backend::Cpu, x, a) => x == a && matches!(x, DType::F32 | DType::F64),
+        (Backend::Cuda, x, a) => x == a && x == DType::F32,
     }
 }
 
@@ -168,19 +191,23 @@ mod tests {
                 chunked_kernel: false
             }
         );
-        // CUDA: the kernels of kernels/tallow.cu (SwiGLU, GeGLU, rotary, RMSNorm) in f32 and bf16
+        // CUDA: the kernels of kernels/tallow.cu (SwiGLU, GeGLU, rotary, RMSNorm) in f32 and
+        // bf16, the one-op LoRA linear (cuBLAS) for f32 and for bf16 with its f32 adapter
         for d in [DType::F32, DType::BF16, DType::F16, DType::F64] {
             assert_eq!(
                 p(Cuda, d, false),
                 Paths {
                     fused: false,
                     fused_with_bf16: matches!(d, DType::F32 | DType::BF16),
-                    lora_one_op: false,
+                    lora_one_op: matches!(d, DType::F32 | DType::BF16),
                     chunked_kernel: false
                 }
             );
         }
         assert!(!lora_one_op(Cpu, DType::F32, DType::BF16));
+        assert!(!lora_one_op(Cuda, DType::F64, DType::F64));
+        assert!(!lora_one_op(Cuda, DType::F16, DType::F32));
+        assert!(lora_one_op(Cpu, DType::F64, DType::F64));
         assert!(device_cross_entropy(Cuda, DType::F32));
         assert!(!device_cross_entropy(Cuda, DType::F64));
         assert!(!device_cross_entropy(Cpu, DType::F32));

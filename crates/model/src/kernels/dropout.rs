@@ -172,8 +172,7 @@ impl CustomOp1 for DropoutOp {
         })?;
         let x = x.slice(start..end);
         let n = end - start;
-        let func =
-            dev.get_or_load_custom_func("tallow_dropout_f32", "tallow", crate::kernels::cuda::PTX)?;
+        let func = crate::kernels::cuda::func(&dev, "tallow_dropout_f32")?;
         // SAFETY: every element is written by the kernel.
         let y = unsafe { dev.alloc::<f32>(n)? };
         let (seed, threshold, scale) = (self.seed, self.threshold(), self.scale());

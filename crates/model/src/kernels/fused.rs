@@ -315,11 +315,7 @@ mod gpu {
         // SAFETY: every element is written by the kernel (each kernel's comment says how).
         let out = unsafe { dev.alloc::<T>(out_len)? };
         if !grid.is_empty() {
-            let func = dev.get_or_load_custom_func(
-                &format!("{name}_{suffix}"),
-                "tallow",
-                crate::kernels::cuda::PTX,
-            )?;
+            let func = crate::kernels::cuda::func(&dev, &format!("{name}_{suffix}"))?;
             let mut b = func.builder();
             for v in &views {
                 b.arg(v);

@@ -1,9 +1,10 @@
 //! The LoRA linear on the CPU as one graph op: `y = x Wᵀ (+ b) + s · dropout(x) Aᵀ Bᵀ` with the
 //! adapter's product accumulated into the base matmul's output, and one backward buffer for
 //! dx. f32 / f64, and a bf16 model's (bf16 x, base and bias; f32 adapter, widened and rounded
-//! back where the graph of Candle ops rounds). CUDA runs the linear as tensor ops
-//! (`crate::nn::linear::Linear::forward_unfused`); which path a linear takes is
-//! `crate::nn::dispatch`'s rule.
+//! back where the graph of Candle ops rounds). On CUDA the same op (f32, and bf16 x with an f32
+//! adapter) is a few cuBLAS calls whose alpha and beta do the scale and the accumulation, and a
+//! rounding kernel for bf16 ([`LoraLinearOp::device_launches`] counts them); the CPU bodies
+//! below are its twins. Which path a linear takes is `crate::kernels::dispatch`'s rule.
 
 use std::sync::Arc;
 
@@ -38,9 +39,9 @@ pub struct LoraLinearOp {
     pub mkn: (usize, usize, usize),
 }
 
-/// The dense base weight (N, K) in the compute dtype, on the CPU (NF4 dequantized, dropped by
-/// the caller after use).
-fn cpu_weight(base: &LoraBase) -> candle_core::Result<Tensor> {
+/// The dense base weight (N, K) in the compute dtype, on the base's device (NF4 dequantized:
+/// one kernel, which Candle counts as a launch on either side; dropped by the caller after use).
+fn dense_weight(base: &LoraBase) -> candle_core::Result<Tensor> {
     match base {
         LoraBase::Dense(w) => Ok(w.clone()),
         LoraBase::Nf4(w) => w.dequantize_candle(),
@@ -136,7 +137,7 @@ fn base_product_bf16(
     rhs_t: bool,
     (m, n, k): (usize, usize, usize),
 ) -> candle_core::Result<()> {
-    let w = cpu_weight(base)?;
+    let w = dense_weight(base)?;
     let (st, l) = w.storage_and_layout();
     let wb: &[bf16] = crate::kernels::fused::storage_data(&st, l, "lora linear weight")?;
     if amx::gemm_bf16(dst, lhs, wb, rhs_t, (m, n, k)) {
@@ -175,7 +176,7 @@ impl LoraLinearOp {
             })?,
             None => false,
         };
-        let w = cpu_weight(&self.base)?;
+        let w = dense_weight(&self.base)?;
         with_cpu_slice::<T, _>(&w, |wv| {
             gemm_into(&mut y, read, x, wv, true, (m, n, k), T::one());
             Ok(())
@@ -311,9 +312,29 @@ impl candle_core::CustomOp3 for LoraLinearOp {
                 "lora linear: x, A and B must all be f32 or all f64, or x bf16 with A, B f32"
             ),
         };
-        let mut dims = xl.shape().dims().to_vec();
-        *dims.last_mut().expect("rank >= 1") = n;
-        Ok((y, Shape::from(dims)))
+        if crate::kernels::dispatch::cuda_paths_on_cpu() {
+            // The twin of the CUDA body: its launches beyond the op's own one.
+            let bf16 = matches!(x, CpuStorage::BF16(_));
+            count_launches(self.device_launches(bf16).forward - 1);
+        }
+        Ok((y, out_shape(xl, n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        a: &candle_core::CudaStorage,
+        al: &Layout,
+        b: &candle_core::CudaStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (_, _, n) = self.mkn;
+        Ok((
+            device::forward(self, x, xl, a, al, b, bl)?,
+            out_shape(xl, n),
+        ))
     }
 
     fn bwd(
@@ -324,11 +345,111 @@ impl candle_core::CustomOp3 for LoraLinearOp {
         _y: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dy = dy.detach().contiguous()?;
+        let want_dx = x.track_op();
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            let (dx, da, db) = device::backward(self, x, a, b, &dy, want_dx)?;
+            return Ok((dx, Some(da), Some(db)));
+        }
+        if crate::kernels::dispatch::cuda_paths_on_cpu() {
+            // The twin of the CUDA body: these tensor ops compute its values; the count is its
+            // launches (and the NF4 dequantization, which is a counted op on either side).
+            let grads = candle_core::launches::uncounted(|| self.cpu_bwd(x, a, b, &dy, want_dx))?;
+            let bf16 = x.dtype() == candle_core::DType::BF16;
+            let dequant = want_dx && matches!(self.base, LoraBase::Nf4(_));
+            count_launches(self.device_launches(bf16).backward(want_dx) + dequant as usize);
+            return Ok(grads);
+        }
+        self.cpu_bwd(x, a, b, &dy, want_dx)
+    }
+}
+
+/// `n` device launches issued (the launch count of `candle_core::launches`).
+fn count_launches(n: usize) {
+    for _ in 0..n {
+        candle_core::launches::add("lora-linear");
+    }
+}
+
+/// x's shape (..., K) with the last dim `n`.
+fn out_shape(xl: &Layout, n: usize) -> Shape {
+    let mut dims = xl.shape().dims().to_vec();
+    *dims.last_mut().expect("rank >= 1") = n;
+    Shape::from(dims)
+}
+
+/// Rows per chunk of the one-op linear's adapter side on CUDA ([`device`]) for input K and output
+/// N: its f32 buffers (x widened, the adapter's product, dY widened, dx's adapter share) hold
+/// at most 2^24 elements each (64 MiB), whatever the sequence's length. `tallow estimate`
+/// counts them so.
+pub fn chunk_rows(k: usize, n: usize) -> usize {
+    ((1usize << 24) / k.max(n).max(1)).max(1)
+}
+
+/// The launches of the one-op linear's CUDA body ([`device`]), for a bf16 or an f32 x: what its
+/// CPU twin counts under `TALLOW_CUDA_PATHS_ON_CPU` and the body counts on a GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceLaunches {
+    /// The forward, the op's own launch included.
+    pub forward: usize,
+    bf16: bool,
+    dropout: bool,
+    /// Chunks of rows of the adapter's side ([`chunk_rows`]).
+    chunks: usize,
+}
+
+impl DeviceLaunches {
+    /// The backward's: for dx (when x needs it) dY W over every row; then per chunk dY B and x
+    /// Aᵀ (both scaled by alpha), dB and dA (summed over the chunks by beta), with x and dY
+    /// cast to f32 first for a bf16 x and x's dropout mask applied; and for dx (s dY B) A,
+    /// accumulated by beta (f32, no dropout) or apart and summed by a kernel (bf16: the
+    /// rounding kernel; f32 with dropout: the mask, then an add).
+    pub fn backward(&self, dx: bool) -> usize {
+        let (h, d) = (self.bf16 as usize, self.dropout as usize);
+        let adapter = 4 + 2 * h + d;
+        let dx_share = match (dx, self.bf16 || self.dropout) {
+            (false, _) => 0,
+            (true, false) => 1,
+            (true, true) => 2 + d,
+        };
+        dx as usize + self.chunks * (adapter + dx_share)
+    }
+}
+
+impl LoraLinearOp {
+    /// [`DeviceLaunches`] of this op: the forward is x Wᵀ over every row (for an f32 x onto
+    /// the bias's rows, copied there first), then per chunk of rows s · xd Aᵀ and the product
+    /// with Bᵀ, with x's f32 copy and the rounding kernel (which adds the bias) for a bf16 x,
+    /// and the dropout mask's kernel when there is dropout.
+    pub fn device_launches(&self, bf16: bool) -> DeviceLaunches {
+        let (m, k, n) = self.mkn;
+        let dropout = self.dropout.is_some();
+        let chunks = m.div_ceil(chunk_rows(k, n));
+        let (h, d) = (bf16 as usize, dropout as usize);
+        let bias = (!bf16 && self.bias.is_some()) as usize;
+        DeviceLaunches {
+            forward: 1 + bias + chunks * (2 + d + 2 * h),
+            bf16,
+            dropout,
+            chunks,
+        }
+    }
+
+    /// The backward on the CPU: the adapter's gradients from tensor ops, dx from one op.
+    fn cpu_bwd(
+        &self,
+        x: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        dy: &Tensor,
+        want_dx: bool,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (m, k, n) = self.mkn;
         let (a, b) = (a.detach(), b.detach());
         // The adapter's side runs in its own dtype: a bf16 x and dY widened to f32 (exact).
         let x2 = crate::kernels::fused::cast(&x.detach().reshape((m, k))?, a.dtype())?;
-        let dy2 = dy.detach().contiguous()?.reshape((m, n))?;
+        let dy2 = dy.reshape((m, n))?;
         let dy2a = crate::kernels::fused::cast(&dy2, a.dtype())?;
         let xd = match &self.dropout {
             Some(op) => x2.apply_op1_no_bwd(op)?,
@@ -338,7 +459,7 @@ impl candle_core::CustomOp3 for LoraLinearOp {
         let xa = (xd.matmul(&a.t()?)? * self.scale)?; // s (xd Aᵀ): (M, r)
         let db = dy2a.t()?.matmul(&xa)?; // (N, r)
         let da = dyb.t()?.matmul(&xd)?; // (r, K)
-        let dx = if x.track_op() {
+        let dx = if want_dx {
             let dx = dy2.apply_op2_no_bwd(
                 &dyb,
                 &LoraLinearDx {
@@ -372,7 +493,7 @@ impl LoraLinearDx {
     ) -> candle_core::Result<Vec<T>> {
         let (m, k, n) = self.mkn;
         let mut dx = crate::kernels::fused::uninit::<T>(m * k);
-        let w = cpu_weight(&self.base)?;
+        let w = dense_weight(&self.base)?;
         with_cpu_slice::<T, _>(&w, |wv| {
             gemm_into(&mut dx, false, dy, wv, false, (m, k, n), T::one()); // dY W
             Ok(())
@@ -446,5 +567,499 @@ impl CustomOp2 for LoraLinearDx {
             _ => candle_core::bail!("lora linear dx: f32 / f64, or dY bf16 with dY B f32"),
         };
         Ok((dx, Shape::from((m, k))))
+    }
+}
+
+/// The one-op linear on CUDA: cuBLAS gemms (`super::cuda::gemm`, f32 accumulation) whose alpha
+/// applies the LoRA scale and whose beta accumulates into the output, Candle's cast and copy
+/// kernels, the dropout kernel and `kernels/tallow.cu`'s `tallow_lora_sum_*`. Step for step
+/// the CPU bodies above ([`LoraLinearOp::run`], [`LoraLinearOp::run_bf16`], the tensor ops of
+/// the CPU backward and [`LoraLinearDx`]): the same products and the same roundings, summed in
+/// cuBLAS's order. Each launch is counted ([`count_launches`]; the op itself is counted by
+/// Candle), as many as [`LoraLinearOp::device_launches`] says.
+#[cfg(feature = "cuda")]
+mod device {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, CudaView, CudaViewMut, PushKernelArg,
+    };
+    use candle_core::cuda_backend::{CudaDevice, WrapErr};
+    use candle_core::{CudaStorage, CustomOp1, DType, Layout, Result, Storage, Tensor};
+    use half::bf16;
+
+    use super::{count_launches, dense_weight, LoraBase, LoraLinearOp};
+    use crate::kernels::cuda::{gemm, view, GemmType, Grid, Operand};
+    use crate::kernels::dropout::DropoutOp;
+
+    const NAME: &str = "lora linear";
+
+    /// A tensor's CUDA storage (the tensor must be on CUDA).
+    fn cuda_of(st: &Storage) -> Result<&CudaStorage> {
+        match st {
+            Storage::Cuda(c) => Ok(c),
+            _ => candle_core::bail!("{NAME}: a tensor is not on the CUDA device"),
+        }
+    }
+
+    /// The base weight W (N, K) on the device, in x's dtype, for `f`.
+    fn with_weight<T: GemmType, R>(
+        base: &LoraBase,
+        f: impl FnOnce(&CudaView<'_, T>) -> Result<R>,
+    ) -> Result<R> {
+        let w = dense_weight(base)?;
+        let (st, l) = w.storage_and_layout();
+        let v = view::<T>(cuda_of(&st)?, l, NAME)?;
+        f(&v)
+    }
+
+    /// A fresh f32 buffer of `len` (every element is written before it is read).
+    fn alloc<T: candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+        dev: &CudaDevice,
+        len: usize,
+    ) -> Result<CudaSlice<T>> {
+        // SAFETY: the callers write every element (a gemm with beta 0, a cast, a kernel).
+        unsafe { dev.alloc::<T>(len) }
+    }
+
+    /// `tallow_lora_sum_bf16`: o = r(r(o) (+ c) + r(l)), in place.
+    fn sum_bf16(
+        dev: &CudaDevice,
+        o: &mut CudaViewMut<'_, bf16>,
+        l: &CudaView<'_, f32>,
+        bias: Option<&CudaView<'_, bf16>>,
+        (rows, n): (usize, usize),
+    ) -> Result<()> {
+        let grid = Grid::Elems(rows * n);
+        if grid.is_empty() {
+            return Ok(());
+        }
+        let func = crate::kernels::cuda::func(dev, "tallow_lora_sum_bf16")?;
+        let null = 0u64;
+        let mut b = func.builder();
+        b.arg(o);
+        b.arg(l);
+        match bias {
+            Some(c) => b.arg(c),
+            None => b.arg(&null),
+        };
+        b.arg(&rows);
+        b.arg(&n);
+        // SAFETY: argument types and order match `tallow_lora_sum_bf16` in kernels/tallow.cu;
+        // a null bias pointer is what the kernel reads as "no bias".
+        unsafe { b.launch(grid.config()) }.w()?;
+        Ok(())
+    }
+
+    /// `tallow_lora_sum_f32`: o += l, in place.
+    fn sum_f32(
+        dev: &CudaDevice,
+        o: &mut CudaViewMut<'_, f32>,
+        l: &CudaView<'_, f32>,
+    ) -> Result<()> {
+        let total = o.len();
+        let grid = Grid::Elems(total);
+        if grid.is_empty() {
+            return Ok(());
+        }
+        let func = crate::kernels::cuda::func(dev, "tallow_lora_sum_f32")?;
+        let mut b = func.builder();
+        b.arg(o);
+        b.arg(l);
+        b.arg(&total);
+        // SAFETY: argument types and order match `tallow_lora_sum_f32` in kernels/tallow.cu.
+        unsafe { b.launch(grid.config()) }.w()?;
+        Ok(())
+    }
+
+    /// Rows `r0..r1` of a row-major (M, cols) input in f32: a view of it (f32) or a new copy
+    /// (bf16: Candle's cast kernel, one launch), then, with `dropout`, masked into a new buffer
+    /// (one launch; element i of the rows is element r0 · cols + i of the whole tensor's mask).
+    enum Rows<'a> {
+        Borrowed(CudaView<'a, f32>),
+        Owned(CudaStorage),
+    }
+
+    impl Rows<'_> {
+        fn view(&self) -> Result<CudaView<'_, f32>> {
+            Ok(match self {
+                Rows::Borrowed(v) => v.slice(..),
+                Rows::Owned(s) => s.as_cuda_slice::<f32>()?.slice(..),
+            })
+        }
+    }
+
+    fn f32_rows<'a>(
+        s: &'a CudaStorage,
+        l: &Layout,
+        (r0, r1): (usize, usize),
+        cols: usize,
+        dropout: Option<DropoutOp>,
+        launched: &mut usize,
+    ) -> Result<Rows<'a>> {
+        let Some((o, _)) = l.contiguous_offsets() else {
+            candle_core::bail!("{NAME}: inputs must be contiguous");
+        };
+        let (start, end) = (o + r0 * cols, o + r1 * cols);
+        let part = Layout::contiguous_with_offset((r1 - r0, cols), start);
+        let rows = match s.dtype() {
+            DType::F32 => Rows::Borrowed(s.as_cuda_slice::<f32>()?.slice(start..end)),
+            DType::BF16 => {
+                *launched += 1;
+                Rows::Owned(s.to_dtype(&part, DType::F32)?)
+            }
+            dt => candle_core::bail!("{NAME}: {dt:?} on CUDA (f32, or bf16 with an f32 adapter)"),
+        };
+        let Some(d) = dropout else {
+            return Ok(rows);
+        };
+        *launched += 1;
+        let d = d.skip(r0 * cols);
+        Ok(Rows::Owned(match &rows {
+            Rows::Borrowed(_) => d.cuda_fwd(s, &part)?.0,
+            Rows::Owned(c) => d.cuda_fwd(c, &Layout::contiguous((r1 - r0, cols)))?.0,
+        }))
+    }
+
+    /// The row ranges of the chunks of M rows.
+    fn chunks(m: usize, rows: usize) -> impl Iterator<Item = (usize, usize)> {
+        (0..m)
+            .step_by(rows.max(1))
+            .map(move |r0| (r0, (r0 + rows).min(m)))
+    }
+
+    /// An operand used as stored (`t` false) or transposed.
+    fn arg<'a, T>(view: &'a CudaView<'a, T>, t: bool) -> Operand<'a, T> {
+        Operand { view, t }
+    }
+
+    /// y = x Wᵀ (+ bias) + s · dropout(x) Aᵀ Bᵀ: x (M, K), A (r, K), B (N, r) -> (M, N). The
+    /// base product over every row at once; the adapter's chunk of rows by chunk of rows
+    /// ([`super::chunk_rows`]), so that its f32 buffers do not grow with the sequence.
+    pub(super) fn forward(
+        op: &LoraLinearOp,
+        x: &CudaStorage,
+        xl: &Layout,
+        a: &CudaStorage,
+        al: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<CudaStorage> {
+        let (m, k, n) = op.mkn;
+        if xl.shape().elem_count() != m * k || !al.shape().elem_count().is_multiple_of(k.max(1)) {
+            candle_core::bail!(
+                "{NAME}: input {:?} and A {:?} for ({m}, {k})",
+                xl.shape(),
+                al.shape()
+            );
+        }
+        let r = al.shape().elem_count() / k.max(1);
+        let dev = x.device().clone();
+        let (av, bv) = (view::<f32>(a, al, NAME)?, view::<f32>(b, bl, NAME)?);
+        let bf16 = x.dtype() == DType::BF16;
+        let mut launched = 1; // the base gemm, below
+                              // The base product, into the output (f32: onto the bias's rows).
+        let mut out = match x.dtype() {
+            DType::F32 => {
+                let mut y = CudaStorage::wrap_cuda_slice(alloc::<f32>(&dev, m * n)?, dev.clone());
+                let mut beta = 0.0;
+                if let Some(bias) = &op.bias {
+                    let (bs, bl) = bias.storage_and_layout();
+                    let Some((b0, _)) = bl.contiguous_offsets() else {
+                        candle_core::bail!("{NAME}: the bias must be contiguous");
+                    };
+                    cuda_of(&bs)?.copy2d(&mut y, m, n, 0, n, b0, 0)?; // every row := bias
+                    launched += 1;
+                    beta = 1.0;
+                }
+                let xv = view::<f32>(x, xl, NAME)?;
+                with_weight::<f32, _>(&op.base, |w| {
+                    let dst = y.as_cuda_slice_mut::<f32>()?;
+                    gemm(
+                        &dev,
+                        dst,
+                        arg(&xv, false),
+                        arg(w, true),
+                        (m, n, k),
+                        1.0,
+                        beta,
+                    )
+                })?;
+                y
+            }
+            DType::BF16 => {
+                let mut t = alloc::<bf16>(&dev, m * n)?;
+                let xv = view::<bf16>(x, xl, NAME)?;
+                with_weight::<bf16, _>(&op.base, |w| {
+                    gemm(
+                        &dev,
+                        &mut t,
+                        arg(&xv, false),
+                        arg(w, true),
+                        (m, n, k),
+                        1.0,
+                        0.0,
+                    )
+                })?;
+                CudaStorage::wrap_cuda_slice(t, dev.clone())
+            }
+            dt => candle_core::bail!("{NAME}: {dt:?} on CUDA (f32, or bf16 with an f32 adapter)"),
+        };
+        let bias = op
+            .bias
+            .as_ref()
+            .filter(|_| bf16)
+            .map(|c| c.storage_and_layout());
+        let bias = match &bias {
+            Some((st, l)) => Some(view::<bf16>(cuda_of(st)?, l, NAME)?),
+            None => None,
+        };
+        for (r0, r1) in chunks(m, super::chunk_rows(k, n)) {
+            let rows = r1 - r0;
+            // xa = s · xd Aᵀ (rows, r), then its product with Bᵀ
+            let xd = f32_rows(x, xl, (r0, r1), k, op.dropout, &mut launched)?;
+            let mut xa = alloc::<f32>(&dev, rows * r)?;
+            let s = op.scale as f32;
+            gemm(
+                &dev,
+                &mut xa,
+                arg(&xd.view()?, false),
+                arg(&av, true),
+                (rows, r, k),
+                s,
+                0.0,
+            )?;
+            let xa = xa.slice(..);
+            launched += 2; // this gemm and the next
+            if bf16 {
+                // l = xa Bᵀ in f32, then out = r(r(out) (+ bias) + r(l)) on these rows
+                let mut l = alloc::<f32>(&dev, rows * n)?;
+                gemm(
+                    &dev,
+                    &mut l,
+                    arg(&xa, false),
+                    arg(&bv, true),
+                    (rows, n, r),
+                    1.0,
+                    0.0,
+                )?;
+                let mut o = out.as_cuda_slice_mut::<bf16>()?.slice_mut(r0 * n..r1 * n);
+                sum_bf16(&dev, &mut o, &l.slice(..), bias.as_ref(), (rows, n))?;
+                launched += 1;
+            } else {
+                // out += xa Bᵀ
+                let mut o = out.as_cuda_slice_mut::<f32>()?.slice_mut(r0 * n..r1 * n);
+                gemm(
+                    &dev,
+                    &mut o,
+                    arg(&xa, false),
+                    arg(&bv, true),
+                    (rows, n, r),
+                    1.0,
+                    1.0,
+                )?;
+            }
+        }
+        debug_assert_eq!(launched, op.device_launches(bf16).forward);
+        count_launches(launched - 1);
+        Ok(out)
+    }
+
+    /// A CUDA tensor of `shape` over `slice`, outside the graph (a gradient).
+    fn tensor<T: candle_core::cuda_backend::CudaDType>(
+        slice: CudaSlice<T>,
+        dev: &CudaDevice,
+        shape: &[usize],
+    ) -> Tensor {
+        Tensor::from_storage(
+            Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone())),
+            shape,
+            candle_core::op::BackpropOp::none(),
+            false,
+        )
+    }
+
+    /// dx, in x's dtype.
+    enum Dx {
+        F32(CudaSlice<f32>),
+        Bf16(CudaSlice<bf16>),
+    }
+
+    /// dx (when `want_dx`), dA and dB of the forward above, for the upstream gradient dy (M, N)
+    /// (contiguous): dx = dY W over every row at once, then chunk by chunk of rows s dY B,
+    /// s xd Aᵀ, dB += dYᵀ (s xd Aᵀ), dA += (s dY B)ᵀ xd (beta 1 after the first chunk) and dx's
+    /// rows += mask ⊙ (s dY B) A, each product one gemm.
+    pub(super) fn backward(
+        op: &LoraLinearOp,
+        x: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        dy: &Tensor,
+        want_dx: bool,
+    ) -> Result<(Option<Tensor>, Tensor, Tensor)> {
+        let (m, k, n) = op.mkn;
+        let r = a.elem_count() / k.max(1);
+        let (xst, xl) = x.storage_and_layout();
+        let (dyst, dyl) = dy.storage_and_layout();
+        let (ast, al) = a.storage_and_layout();
+        let (bst, bl) = b.storage_and_layout();
+        let (xs, dys) = (cuda_of(&xst)?, cuda_of(&dyst)?);
+        let dev = xs.device().clone();
+        let av = view::<f32>(cuda_of(&ast)?, al, NAME)?;
+        let bv = view::<f32>(cuda_of(&bst)?, bl, NAME)?;
+        let bf16 = x.dtype() == DType::BF16;
+        let mut launched = 0;
+        // dA and dB are sums over the chunks; with no rows, zeros
+        let (mut da, mut db) = if m == 0 {
+            (
+                dev.alloc_zeros::<f32>(r * k)?,
+                dev.alloc_zeros::<f32>(n * r)?,
+            )
+        } else {
+            (alloc::<f32>(&dev, r * k)?, alloc::<f32>(&dev, n * r)?)
+        };
+        // dx starts as the base's share dY W, every row at once
+        let mut dx = match (want_dx, bf16) {
+            (false, _) => None,
+            (true, true) => {
+                let mut d = alloc::<bf16>(&dev, m * k)?;
+                let dyv = view::<bf16>(dys, dyl, NAME)?;
+                with_weight::<bf16, _>(&op.base, |w| {
+                    gemm(
+                        &dev,
+                        &mut d,
+                        arg(&dyv, false),
+                        arg(w, false),
+                        (m, k, n),
+                        1.0,
+                        0.0,
+                    )
+                })?;
+                Some(Dx::Bf16(d))
+            }
+            (true, false) => {
+                let mut d = alloc::<f32>(&dev, m * k)?;
+                let dyv = view::<f32>(dys, dyl, NAME)?;
+                with_weight::<f32, _>(&op.base, |w| {
+                    gemm(
+                        &dev,
+                        &mut d,
+                        arg(&dyv, false),
+                        arg(w, false),
+                        (m, k, n),
+                        1.0,
+                        0.0,
+                    )
+                })?;
+                Some(Dx::F32(d))
+            }
+        };
+        launched += want_dx as usize;
+        let s = op.scale as f32;
+        for (i, (r0, r1)) in chunks(m, super::chunk_rows(k, n)).enumerate() {
+            let rows = r1 - r0;
+            let beta = if i == 0 { 0.0 } else { 1.0 };
+            let dyr = f32_rows(dys, dyl, (r0, r1), n, None, &mut launched)?;
+            let dyv = dyr.view()?;
+            // s dY B (rows, r)
+            let mut dyb = alloc::<f32>(&dev, rows * r)?;
+            gemm(
+                &dev,
+                &mut dyb,
+                arg(&dyv, false),
+                arg(&bv, false),
+                (rows, r, n),
+                s,
+                0.0,
+            )?;
+            let dybv = dyb.slice(..);
+            {
+                // the adapter's gradients, from x's rows in f32 (dropped out), freed before dx
+                let xd = f32_rows(xs, xl, (r0, r1), k, op.dropout, &mut launched)?;
+                let xd = xd.view()?;
+                let mut xa = alloc::<f32>(&dev, rows * r)?;
+                gemm(
+                    &dev,
+                    &mut xa,
+                    arg(&xd, false),
+                    arg(&av, true),
+                    (rows, r, k),
+                    s,
+                    0.0,
+                )?;
+                let xa = xa.slice(..);
+                gemm(
+                    &dev,
+                    &mut db,
+                    arg(&dyv, true),
+                    arg(&xa, false),
+                    (n, r, rows),
+                    1.0,
+                    beta,
+                )?;
+                gemm(
+                    &dev,
+                    &mut da,
+                    arg(&dybv, true),
+                    arg(&xd, false),
+                    (r, k, rows),
+                    1.0,
+                    beta,
+                )?;
+                launched += 4;
+            }
+            let Some(dx) = &mut dx else {
+                continue;
+            };
+            // these rows of dx += mask ⊙ (s dY B) A
+            if let (Dx::F32(d), None) = (&mut *dx, op.dropout) {
+                let mut o = d.slice_mut(r0 * k..r1 * k);
+                gemm(
+                    &dev,
+                    &mut o,
+                    arg(&dybv, false),
+                    arg(&av, false),
+                    (rows, k, r),
+                    1.0,
+                    1.0,
+                )?;
+                launched += 1;
+                continue;
+            }
+            let mut l = alloc::<f32>(&dev, rows * k)?;
+            gemm(
+                &dev,
+                &mut l,
+                arg(&dybv, false),
+                arg(&av, false),
+                (rows, k, r),
+                1.0,
+                0.0,
+            )?;
+            let l = CudaStorage::wrap_cuda_slice(l, dev.clone());
+            launched += 2; // this gemm and the sum
+            let l = match op.dropout {
+                Some(d) => {
+                    launched += 1;
+                    d.skip(r0 * k)
+                        .cuda_fwd(&l, &Layout::contiguous((rows, k)))?
+                        .0
+                }
+                None => l,
+            };
+            let lv = l.as_cuda_slice::<f32>()?.slice(..);
+            match dx {
+                Dx::Bf16(d) => {
+                    sum_bf16(&dev, &mut d.slice_mut(r0 * k..r1 * k), &lv, None, (rows, k))?
+                }
+                Dx::F32(d) => sum_f32(&dev, &mut d.slice_mut(r0 * k..r1 * k), &lv)?,
+            }
+        }
+        debug_assert_eq!(launched, op.device_launches(bf16).backward(want_dx));
+        count_launches(launched);
+        let dx = dx.map(|d| match d {
+            Dx::F32(d) => tensor(d, &dev, x.dims()),
+            Dx::Bf16(d) => tensor(d, &dev, x.dims()),
+        });
+        Ok((dx, tensor(da, &dev, &[r, k]), tensor(db, &dev, &[n, r])))
     }
 }

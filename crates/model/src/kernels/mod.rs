@@ -28,6 +28,7 @@
 
 pub mod adamw;
 pub mod amx;
+pub mod attn_block;
 pub mod blockwise8;
 pub mod chunked;
 pub mod consts;

@@ -688,11 +688,8 @@ impl Dequant {
                 let (st, l) = a.storage_and_layout();
                 let a = view::<f32>(&st, l, "absmax")?;
                 self.check_len(packed.len(), a.len())?;
-                let func = dev.get_or_load_custom_func(
-                    &format!("tallow_nf4_dequant_{kernel}"),
-                    "tallow",
-                    crate::kernels::cuda::PTX,
-                )?;
+                let func =
+                    crate::kernels::cuda::func(dev, &format!("tallow_nf4_dequant_{kernel}"))?;
                 let mut b = func.builder();
                 b.arg(packed);
                 b.arg(&lut_v);
@@ -712,11 +709,8 @@ impl Dequant {
                 let (a_st, a_l) = nested.absmax.storage_and_layout();
                 let nested_absmax = view::<f32>(&a_st, a_l, "nested absmax")?;
                 self.check_len(packed.len(), codes.len())?;
-                let func = dev.get_or_load_custom_func(
-                    &format!("tallow_nf4_dequant_dq_{kernel}"),
-                    "tallow",
-                    crate::kernels::cuda::PTX,
-                )?;
+                let func =
+                    crate::kernels::cuda::func(dev, &format!("tallow_nf4_dequant_dq_{kernel}"))?;
                 let nested_block = nested.block;
                 let mut b = func.builder();
                 b.arg(packed);

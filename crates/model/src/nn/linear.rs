@@ -487,6 +487,88 @@ pub(crate) mod tests {
         Ok(errors)
     }
 
+    /// Under `TALLOW_CUDA_PATHS_ON_CPU` the one-op linear runs its CPU twin and counts the
+    /// launches of its CUDA body (`LoraLinearOp::device_launches`, the NF4 base's dequantization
+    /// on top, which is a counted op on both sides): f32 and bf16 x, with and without a bias,
+    /// dropout and an NF4 base, forward and backward, with dx and without. The launch table of
+    /// `benchmarks/op-counts.md` rests on these counts; a twin that skipped its count (checked:
+    /// the backward's `count_launches` removed) counts 0 where 6 are due (f32, no bias, no dropout).
+    #[test]
+    fn the_cuda_paths_twin_counts_the_cuda_bodys_launches() -> Result<()> {
+        use crate::kernels::dispatch::with_cuda_paths_on_cpu;
+        use candle_core::launches::count_on_this_thread as count;
+        use candle_core::CustomOp3;
+        let dev = Device::Cpu;
+        let (n, k, r) = (24, 32, 4);
+        for dtype in [DType::F32, DType::BF16] {
+            let w = seeded(&[n, k], 0.5, 1)?.to_dtype(dtype)?;
+            let bias = seeded(&[n], 1., 2)?.to_dtype(dtype)?;
+            let mut q = Nf4Weight::quantize(&w.to_dtype(DType::F32)?, true)?;
+            q.dtype = dtype;
+            let nf4 = Arc::new(q);
+            for (base, with_bias, p) in [
+                (Base::Dense(Param::Frozen(w.clone())), false, 0.0),
+                (Base::Dense(Param::Frozen(w.clone())), true, 0.0),
+                (Base::Dense(Param::Frozen(w.clone())), true, 0.3),
+                (Base::Nf4(nf4.clone()), false, 0.3),
+            ] {
+                let is_nf4 = matches!(base, Base::Nf4(_)) as u64;
+                let dropout = Arc::new(Dropout::new(p));
+                dropout.set(Some(99));
+                let lora = Lora {
+                    a: Var::from_tensor(&lora_a_init(r, k, 7, &dev)?)?,
+                    b: Var::from_tensor(&seeded(&[n, r], 1., 3)?)?,
+                    scale: 1.5,
+                    dropout: Some(dropout),
+                    id: 1,
+                };
+                let lin = Linear {
+                    weight: base.clone(),
+                    bias: with_bias.then(|| Param::Frozen(bias.clone())),
+                    adapter: Some(Box::new(lora.clone())),
+                };
+                let case = format!("{dtype:?} bias={with_bias} p={p} nf4={is_nf4}");
+                let x = Var::from_tensor(&seeded(&[2, 3, k], 1., 4)?.to_dtype(dtype)?)?;
+                let op = LoraLinearOp {
+                    base: match &base {
+                        Base::Dense(p) => LoraBase::Dense(p.tensor().clone()),
+                        Base::Nf4(w) => LoraBase::Nf4(w.clone()),
+                    },
+                    bias: with_bias.then(|| bias.clone()),
+                    scale: 1.5,
+                    dropout: lora.active_dropout(),
+                    mkn: (6, k, n),
+                };
+                let want = op.device_launches(dtype == DType::BF16);
+                with_cuda_paths_on_cpu(|| -> Result<()> {
+                    assert!(lin.fuses(x.as_tensor()), "{case}: the one-op path");
+                    let c0 = count();
+                    let y = lin.forward(x.as_tensor())?;
+                    let forward = count() - c0;
+                    assert_eq!(forward, want.forward as u64 + is_nf4, "{case}: forward");
+                    let dy = seeded(&[2, 3, n], 1., 5)?.to_dtype(dtype)?;
+                    let (a, b) = (lora.a.as_tensor(), lora.b.as_tensor());
+                    for (input, dx) in [
+                        (x.as_tensor().clone(), true),
+                        (x.as_tensor().detach(), false),
+                    ] {
+                        let c0 = count();
+                        let g = op.bwd(&input, a, b, &y, &dy)?;
+                        let backward = count() - c0;
+                        let want = want.backward(dx) as u64 + is_nf4 * dx as u64;
+                        assert_eq!(backward, want, "{case}: backward, dx {dx}");
+                        assert_eq!(
+                            (g.0.is_some(), g.1.is_some(), g.2.is_some()),
+                            (dx, true, true)
+                        );
+                    }
+                    Ok(())
+                })?;
+            }
+        }
+        Ok(())
+    }
+
     /// The fused LoRA linear (CPU, f32 / f64) against the unfused graph of Candle ops, value and
     /// gradients of x, A and B: with and without a frozen bias, with dropout (the same masks
     /// forward and backward), on a dense and an NF4 base. Tolerance 1e-5 relative in f32 (reordered

@@ -336,6 +336,35 @@ impl CudaDevice {
         })
     }
 
+    /// [`Self::get_or_load_custom_func`] for a module given as a compiled image (a cubin or a
+    /// fatbin, which holds NUL bytes and so cannot pass as PTX text). Not in upstream
+    /// candle-core: added for tallow (vendor/README.md).
+    pub fn get_or_load_custom_image(
+        &self,
+        fn_name: &str,
+        module_name: &str,
+        image: &[u8],
+    ) -> Result<CudaFunc> {
+        let ms = self.custom_modules.read().unwrap();
+        if let Some(mdl) = ms.get(module_name).as_ref() {
+            let func = mdl.load_function(fn_name).w()?;
+            return Ok(CudaFunc {
+                func,
+                stream: self.stream.clone(),
+            });
+        }
+        drop(ms);
+        let mut ms = self.custom_modules.write().unwrap();
+        let ptx = cudarc::nvrtc::Ptx::from_binary(image.to_vec());
+        let cuda_module = self.context.load_module(ptx).w()?;
+        ms.insert(module_name.to_string(), cuda_module.clone());
+        let func = cuda_module.load_function(fn_name).w()?;
+        Ok(CudaFunc {
+            func,
+            stream: self.stream.clone(),
+        })
+    }
+
     pub fn get_or_load_func(&self, fn_name: &str, mdl: &kernels::Module) -> Result<CudaFunc> {
         let ms = self.modules.read().unwrap();
         if let Some(mdl) = ms.mdls[mdl.index()].as_ref() {
