@@ -605,3 +605,27 @@ __device__ __forceinline__ void tallow_attn_ds(
 
 TALLOW_ATTN(f32, float, false)
 TALLOW_ATTN(bf16, __nv_bfloat16, true)
+
+// D = rowsum(dY Y) of chunked attention's backward (`attn_block::RowDot`): out[row] = sum over
+// the row's d elements of f32(dy) f32(y), one block per row, no f32 copy of dY or Y.
+template <typename T>
+__device__ __forceinline__ void tallow_attn_rowdot(
+    const T *dy, const T *y, float *out, const size_t d) {
+    __shared__ float scratch[32];
+    const size_t row = blockIdx.x;
+    float acc = 0.0f;
+    for (size_t j = threadIdx.x; j < d; j += blockDim.x)
+        acc = __fadd_rn(acc, __fmul_rn(tallow_to_f32(dy[row * d + j]), tallow_to_f32(y[row * d + j])));
+    acc = tallow_block_sum(acc, scratch);
+    if (threadIdx.x == 0) out[row] = acc;
+}
+
+extern "C" __global__ void tallow_attn_rowdot_f32(
+    const float *dy, const float *y, float *out, const size_t d) {
+    tallow_attn_rowdot<float>(dy, y, out, d);
+}
+
+extern "C" __global__ void tallow_attn_rowdot_bf16(
+    const __nv_bfloat16 *dy, const __nv_bfloat16 *y, float *out, const size_t d) {
+    tallow_attn_rowdot<__nv_bfloat16>(dy, y, out, d);
+}

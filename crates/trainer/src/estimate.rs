@@ -439,9 +439,15 @@ fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> (u64
     let extra = capped as u64 * block;
     // The backward's block at its peak (traced with `TALLOW_TRACE_PEAK` on the CUDA path,
     // 2026-11-27): the recomputed scores, P, dP and dS in f32, and P and dS cast to the model
-    // dtype for the matmuls (no copy in f32). f16 and f64 on CUDA.
+    // dtype for the matmuls (no copy in f32). f16 and f64 on CUDA. Before the blocks, D =
+    // rowsum(dY Y) from dY and Y in f32 (f64) and their product, each the size of the output.
     let casts = if s == 4 { 0 } else { 2 * block * s / 4 };
-    (3 * block + extra, 4 * block + casts + extra + sums)
+    let out = (b * t * h * d) as u64;
+    let rowsum = if s == 8 { 8 * out } else { 12 * out };
+    (
+        3 * block + extra,
+        (4 * block + casts + extra + sums).max(rowsum),
+    )
 }
 
 fn mib(b: u64) -> String {

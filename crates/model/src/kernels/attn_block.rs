@@ -3,7 +3,7 @@
 //! (`kernels/tallow.cu`'s `tallow_attn_lse_*`, `tallow_attn_probs_*`, `tallow_attn_ds_*`, f32 and
 //! bf16), around the block's cuBLAS matmuls: each row's log-sum-exp ([`Lse`]), the
 //! probabilities ([`Probs`]) and dS ([`Ds`]), each computing the mask from the segment ids
-//! itself. Candle's ops took about 25 launches for a block's forward (the mask from the ids,
+//! itself, and the backward's D = rowsum(dY Y) ([`RowDot`]). Candle's ops took about 25 launches for a block's forward (the mask from the ids,
 //! the cast, the soft-cap, max, exp, sum, division, log) and 10 more in its backward. The CPU
 //! bodies here are their twins: each element as the kernel computes it (the sums of a row in
 //! another order), run in the kernels' place under `TALLOW_CUDA_PATHS_ON_CPU`.
@@ -130,6 +130,65 @@ pub struct Probs {
 /// exp(score - lse) in f32; `stats` (2, rows_all) f32 holds every query row's log-sum-exp, then
 /// its D = rowsum(dY Y), the block's rows at g T + p0 + i.
 pub struct Ds(pub Block);
+
+/// D = rowsum(dY Y) of the attention backward: dy, y (rows, d) in the model dtype -> (rows,) f32,
+/// each product and the sum in f32 (`tallow_attn_rowdot_*`: one block per row), where the
+/// tensor ops made f32 copies of dY and Y and their product, each the size of the output.
+pub struct RowDot;
+
+impl CustomOp2 for RowDot {
+    fn name(&self) -> &'static str {
+        "attn-rowdot"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dy: &CpuStorage,
+        dyl: &Layout,
+        y: &CpuStorage,
+        yl: &Layout,
+    ) -> R<(CpuStorage, Shape)> {
+        let d = *dyl.shape().dims().last().unwrap_or(&1);
+        if dyl.shape() != yl.shape() || d == 0 {
+            candle_core::bail!(
+                "{}: dY {:?} and Y {:?}",
+                self.name(),
+                dyl.shape(),
+                yl.shape()
+            );
+        }
+        let (dy, _) = widened(dy, dyl, self.name())?;
+        let (y, _) = widened(y, yl, self.name())?;
+        let out = dy
+            .chunks(d)
+            .zip(y.chunks(d))
+            .map(|(a, b)| a.iter().zip(b).fold(0f32, |acc, (a, b)| acc + a * b))
+            .collect::<Vec<f32>>();
+        let rows = out.len();
+        Ok((CpuStorage::F32(out), Shape::from(rows)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dy: &candle_core::CudaStorage,
+        dyl: &Layout,
+        y: &candle_core::CudaStorage,
+        yl: &Layout,
+    ) -> R<(candle_core::CudaStorage, Shape)> {
+        let d = *dyl.shape().dims().last().unwrap_or(&1);
+        if dyl.shape() != yl.shape() || d == 0 {
+            candle_core::bail!(
+                "{}: dY {:?} and Y {:?}",
+                self.name(),
+                dyl.shape(),
+                yl.shape()
+            );
+        }
+        let rows = dyl.shape().elem_count() / d;
+        Ok((cuda::rowdot(dy, dyl, y, yl, rows, d)?, Shape::from(rows)))
+    }
+}
 
 impl CustomOp1 for Lse {
     fn name(&self) -> &'static str {
@@ -289,6 +348,50 @@ mod cuda {
 
     use super::{Block, R};
     use crate::kernels::cuda::{func, view, Grid};
+
+    /// `tallow_attn_rowdot_*` over `rows` rows of `d`.
+    pub(super) fn rowdot(
+        dy: &CudaStorage,
+        dyl: &Layout,
+        y: &CudaStorage,
+        yl: &Layout,
+        rows: usize,
+        d: usize,
+    ) -> R<CudaStorage> {
+        fn run<T: CudaDType + DeviceRepr>(
+            dy: &CudaStorage,
+            dyl: &Layout,
+            y: &CudaStorage,
+            yl: &Layout,
+            rows: usize,
+            d: usize,
+            suffix: &str,
+        ) -> R<CudaStorage> {
+            let dev = dy.device().clone();
+            let (dyv, yv) = (
+                view::<T>(dy, dyl, "attention dY")?,
+                view::<T>(y, yl, "attention Y")?,
+            );
+            // SAFETY: thread 0 of each row's block writes its element.
+            let out = unsafe { dev.alloc::<f32>(rows)? };
+            if rows > 0 {
+                let f = func(&dev, &format!("tallow_attn_rowdot_{suffix}"))?;
+                let mut bld = f.builder();
+                bld.arg(&dyv);
+                bld.arg(&yv);
+                bld.arg(&out);
+                bld.arg(&d);
+                // SAFETY: argument types and order match `tallow_attn_rowdot_*`.
+                unsafe { bld.launch(Grid::Rows { rows, threads: 64 }.config()) }.w()?;
+            }
+            Ok(CudaStorage::wrap_cuda_slice(out, dev))
+        }
+        match (dy.dtype(), y.dtype()) {
+            (DType::F32, DType::F32) => run::<f32>(dy, dyl, y, yl, rows, d, "f32"),
+            (DType::BF16, DType::BF16) => run::<bf16>(dy, dyl, y, yl, rows, d, "bf16"),
+            (a, b) => candle_core::bail!("attention rowdot: dY {a:?} and Y {b:?}"),
+        }
+    }
 
     /// Which kernel, with its inputs beyond the scores.
     pub(super) enum Kind<'a> {
