@@ -587,25 +587,6 @@ __device__ __forceinline__ void tallow_attn_ds(
     }
 }
 
-#define TALLOW_ATTN(SUFFIX, T, ROUND)                                                          \
-    extern "C" __global__ void tallow_attn_lse_##SUFFIX(                                      \
-        const T *s, const uint32_t *seg, float *lse, TALLOW_ATTN_ARGS) {                      \
-        tallow_attn_lse<T, ROUND>(s, seg, lse, TALLOW_ATTN_PASS);                             \
-    }                                                                                          \
-    extern "C" __global__ void tallow_attn_probs_##SUFFIX(                                    \
-        const T *s, const uint32_t *seg, const float *lse, T *p, const size_t rows,           \
-        const size_t lt, const size_t lp0, TALLOW_ATTN_ARGS) {                                \
-        tallow_attn_probs<T, ROUND>(s, seg, lse, p, rows, lt, lp0, TALLOW_ATTN_PASS);         \
-    }                                                                                          \
-    extern "C" __global__ void tallow_attn_ds_##SUFFIX(                                       \
-        const T *s, const uint32_t *seg, const T *dp, const float *stats, T *ds,              \
-        const size_t rows, const size_t rows_all, TALLOW_ATTN_ARGS) {                         \
-        tallow_attn_ds<T, ROUND>(s, seg, dp, stats, ds, rows, rows_all, TALLOW_ATTN_PASS);    \
-    }
-
-TALLOW_ATTN(f32, float, false)
-TALLOW_ATTN(bf16, __nv_bfloat16, true)
-
 // D = rowsum(dY Y) of chunked attention's backward (`attn_block::RowDot`): out[row] = sum over
 // the row's d elements of f32(dy) f32(y), one block per row, no f32 copy of dY or Y.
 template <typename T>
@@ -620,12 +601,25 @@ __device__ __forceinline__ void tallow_attn_rowdot(
     if (threadIdx.x == 0) out[row] = acc;
 }
 
-extern "C" __global__ void tallow_attn_rowdot_f32(
-    const float *dy, const float *y, float *out, const size_t d) {
-    tallow_attn_rowdot<float>(dy, y, out, d);
-}
+#define TALLOW_ATTN(SUFFIX, T, ROUND)                                                          \
+    extern "C" __global__ void tallow_attn_lse_##SUFFIX(                                      \
+        const T *s, const uint32_t *seg, float *lse, TALLOW_ATTN_ARGS) {                      \
+        tallow_attn_lse<T, ROUND>(s, seg, lse, TALLOW_ATTN_PASS);                             \
+    }                                                                                          \
+    extern "C" __global__ void tallow_attn_probs_##SUFFIX(                                    \
+        const T *s, const uint32_t *seg, const float *lse, T *p, const size_t rows,           \
+        const size_t lt, const size_t lp0, TALLOW_ATTN_ARGS) {                                \
+        tallow_attn_probs<T, ROUND>(s, seg, lse, p, rows, lt, lp0, TALLOW_ATTN_PASS);         \
+    }                                                                                          \
+    extern "C" __global__ void tallow_attn_ds_##SUFFIX(                                       \
+        const T *s, const uint32_t *seg, const T *dp, const float *stats, T *ds,              \
+        const size_t rows, const size_t rows_all, TALLOW_ATTN_ARGS) {                         \
+        tallow_attn_ds<T, ROUND>(s, seg, dp, stats, ds, rows, rows_all, TALLOW_ATTN_PASS);    \
+    }                                                                                          \
+    extern "C" __global__ void tallow_attn_rowdot_##SUFFIX(                                   \
+        const T *dy, const T *y, float *out, const size_t d) {                                \
+        tallow_attn_rowdot<T>(dy, y, out, d);                                                  \
+    }
 
-extern "C" __global__ void tallow_attn_rowdot_bf16(
-    const __nv_bfloat16 *dy, const __nv_bfloat16 *y, float *out, const size_t d) {
-    tallow_attn_rowdot<__nv_bfloat16>(dy, y, out, d);
-}
+TALLOW_ATTN(f32, float, false)
+TALLOW_ATTN(bf16, __nv_bfloat16, true)

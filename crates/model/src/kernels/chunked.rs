@@ -731,7 +731,9 @@ fn acc(x: &Tensor) -> DType {
     }
 }
 
-/// The pieces of one block on the tensor-op path: q rows, k and v over its keys, its mask.
+/// The pieces of one block of the tensor-op path: q's rows, k and v over its keys, and the raw
+/// scores q kᵀ in q's dtype, as eager attention computes them; `spec` describes the block to
+/// the block kernels (`super::attn_block`, CUDA), which apply the cap and the mask themselves.
 struct Block {
     p0: usize,
     m: usize,
@@ -742,10 +744,9 @@ struct Block {
     /// (B, KV, nk, D)
     k: Tensor,
     v: Tensor,
-    /// scores (soft-capped) + mask in [`acc`]'s dtype: (B, KV, n_rep, m, nk)
+    /// (B, KV, n_rep * m, nk)
     s: Tensor,
-    /// With soft-capping: the cap's derivative 1 - tanh² in [`acc`]'s dtype, same shape.
-    dcap: Option<Tensor>,
+    spec: super::attn_block::Block,
 }
 
 /// The blocks of query positions [p0, p1) of the tensor-op path, `rows` each.
@@ -776,69 +777,6 @@ fn block(
         .reshape((b, kv, n_rep * m, d))?; // (B, KV, n_rep*m, D), copied
     let kb = k.narrow(2, lo, nk)?.contiguous()?; // (B, KV, nk, D)
     let vb = v.narrow(2, lo, nk)?.contiguous()?;
-    let mut s = qb.matmul(&kb.t()?)?; // (B, KV, n_rep*m, nk), in q's dtype as eager attention
-    let mut dcap = None;
-    if let Some(c) = softcap {
-        // cap * tanh(s / cap) in q's dtype, as transformers' eager attention
-        s = ((s / c)?.tanh()? * c)?;
-        let th = (s.to_dtype(acc(q))? / c)?;
-        dcap = Some((1.0 - th.sqr()?)?.reshape((b, kv, n_rep, m, nk))?);
-    }
-    let s = s
-        .to_dtype(acc(q))?
-        .reshape((b, kv, n_rep, m, nk))?
-        .broadcast_add(&mask.block(p0, p1, lo, hi)?.to_dtype(acc(q))?)?;
-    Ok(Block {
-        p0,
-        m,
-        lo,
-        nk,
-        q: qb,
-        k: kb,
-        v: vb,
-        s,
-        dcap,
-    })
-}
-
-/// A block of the tensor-op path for the block kernels (`super::attn_block`, CUDA): q's rows,
-/// k and v over its keys, and the raw scores q kᵀ in q's dtype; the kernels apply the cap and
-/// the mask themselves.
-struct KernelBlock {
-    p0: usize,
-    m: usize,
-    lo: usize,
-    nk: usize,
-    /// (B, KV, n_rep * m, D)
-    q: Tensor,
-    /// (B, KV, nk, D)
-    k: Tensor,
-    v: Tensor,
-    /// (B, KV, n_rep * m, nk)
-    s: Tensor,
-    spec: super::attn_block::Block,
-}
-
-fn kernel_block(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: &AttentionMask,
-    (p0, p1): (usize, usize),
-    softcap: Option<f64>,
-) -> R<KernelBlock> {
-    let (b, kv, r, d) = q.dims4()?;
-    let t = k.dim(2)?;
-    let n_rep = r / t;
-    let m = p1 - p0;
-    let (lo, hi) = mask.key_range(p0, p1);
-    let nk = hi - lo;
-    let qb = q
-        .reshape((b, kv, n_rep, t, d))?
-        .narrow(3, p0, m)?
-        .reshape((b, kv, n_rep * m, d))?; // (B, KV, n_rep*m, D), copied
-    let kb = k.narrow(2, lo, nk)?.contiguous()?; // (B, KV, nk, D)
-    let vb = v.narrow(2, lo, nk)?.contiguous()?;
     let s = qb.matmul(&kb.t()?)?; // (B, KV, n_rep*m, nk)
     let spec = super::attn_block::Block {
         segments: mask.segments.clone(),
@@ -851,7 +789,7 @@ fn kernel_block(
         window: mask.window.unwrap_or(0),
         cap: softcap.unwrap_or(0.0) as f32,
     };
-    Ok(KernelBlock {
+    Ok(Block {
         p0,
         m,
         lo,
@@ -862,6 +800,36 @@ fn kernel_block(
         s,
         spec,
     })
+}
+
+/// The block's scores as the tensor ops use them: soft-capped (cap tanh(s / cap) in q's
+/// dtype, as transformers' eager attention), in [`acc`]'s dtype, plus the mask:
+/// (B, KV, n_rep, m, nk); with `derivative`, also the cap's 1 - tanh² (same shape, the
+/// backward's).
+fn masked_scores(
+    bl: &Block,
+    mask: &AttentionMask,
+    softcap: Option<f64>,
+    derivative: bool,
+) -> R<(Tensor, Option<Tensor>)> {
+    let (b, kv, rows, nk) = bl.s.dims4()?;
+    let shape = (b, kv, rows / bl.m, bl.m, nk);
+    let acc = acc(&bl.s);
+    let mut s = bl.s.clone();
+    let mut dcap = None;
+    if let Some(c) = softcap {
+        s = ((s / c)?.tanh()? * c)?;
+        if derivative {
+            let th = (s.to_dtype(acc)? / c)?;
+            dcap = Some((1.0 - th.sqr()?)?.reshape(shape)?);
+        }
+    }
+    let add = mask.block(bl.p0, bl.p0 + bl.m, bl.lo, bl.lo + nk)?;
+    let s = s
+        .to_dtype(acc)?
+        .reshape(shape)?
+        .broadcast_add(&add.to_dtype(acc)?)?;
+    Ok((s, dcap))
 }
 
 /// y (B, KV, n_rep * T, D) and lse (B, KV, n_rep * T) in [`acc`]'s dtype.
@@ -876,39 +844,35 @@ fn generic_fwd(
     let (b, kv, r, d) = q.dims4()?;
     let t = k.dim(2)?;
     let n_rep = r / t;
+    // CUDA: each block's element-wise work as two kernels around its two matmuls
+    let kernels = super::attn_block::takes(q);
     let mut ys = Vec::new();
     let mut lses = Vec::new();
-    if super::attn_block::takes(q) {
-        // CUDA: each block's element-wise work as two kernels around its two matmuls
-        for range in blocks(t, rows) {
-            let bl = kernel_block(q, k, v, mask, range, softcap)?;
-            let lse =
-                bl.s.apply_op1_no_bwd(&super::attn_block::Lse(bl.spec.clone()))?; // (rows,)
-            let probs = super::attn_block::Probs {
-                block: bl.spec.clone(),
-                lt: bl.m,
-                lp0: 0,
-            };
-            let p = bl.s.apply_op2_no_bwd(&lse, &probs)?; // (B, KV, n_rep*m, nk)
-            ys.push(p.matmul(&bl.v)?.reshape((b, kv, n_rep, bl.m, d))?);
-            lses.push(lse.reshape((b, kv, n_rep, bl.m))?);
-        }
-        let y = Tensor::cat(&ys, 3)?.reshape((b, kv, r, d))?;
-        let lse = Tensor::cat(&lses, 3)?.reshape((b, kv, r))?;
-        return Ok((y, lse));
-    }
     for range in blocks(t, rows) {
         let bl = block(q, k, v, mask, range, softcap)?;
-        let mx = bl.s.max_keepdim(D::Minus1)?; // (B, KV, n_rep, m, 1)
-        let e = bl.s.broadcast_sub(&mx)?.exp()?;
-        let sum = e.sum_keepdim(D::Minus1)?;
-        let p = e.broadcast_div(&sum)?.to_dtype(v.dtype())?; // softmax in f32, cast back
-        let y = p
-            .reshape((b, kv, n_rep * bl.m, bl.nk))?
-            .matmul(&bl.v)? // (B, KV, n_rep*m, D)
-            .reshape((b, kv, n_rep, bl.m, d))?;
-        ys.push(y);
-        lses.push((mx + sum.log()?)?.squeeze(D::Minus1)?); // (B, KV, n_rep, m)
+        let (m, nk) = (bl.m, bl.nk);
+        // P in v's dtype (B, KV, n_rep*m, nk), the rows' log-sum-exp (B, KV, n_rep, m)
+        let (p, lse) = if kernels {
+            let lse =
+                bl.s.apply_op1_no_bwd(&super::attn_block::Lse(bl.spec.clone()))?;
+            let probs = super::attn_block::Probs {
+                block: bl.spec.clone(),
+                lt: m,
+                lp0: 0,
+            };
+            let p = bl.s.apply_op2_no_bwd(&lse, &probs)?;
+            (p, lse.reshape((b, kv, n_rep, m))?)
+        } else {
+            let (s, _) = masked_scores(&bl, mask, softcap, false)?;
+            let mx = s.max_keepdim(D::Minus1)?; // (B, KV, n_rep, m, 1)
+            let e = s.broadcast_sub(&mx)?.exp()?;
+            let sum = e.sum_keepdim(D::Minus1)?;
+            let p = e.broadcast_div(&sum)?.to_dtype(v.dtype())?; // softmax in f32, cast back
+            let lse = (mx + sum.log()?)?.squeeze(D::Minus1)?;
+            (p.reshape((b, kv, n_rep * m, nk))?, lse)
+        };
+        ys.push(p.matmul(&bl.v)?.reshape((b, kv, n_rep, m, d))?); // (B, KV, n_rep, m, D)
+        lses.push(lse);
     }
     let y = Tensor::cat(&ys, 3)?.reshape((b, kv, r, d))?;
     let lse = Tensor::cat(&lses, 3)?.reshape((b, kv, r))?;
@@ -940,8 +904,10 @@ fn generic_bwd(
     let (q, k, v, y, dy) = (q.detach(), k.detach(), v.detach(), y.detach(), dy.detach());
     let lse = lse.detach();
     let dy5 = dy.reshape((b, kv, n_rep, t, d))?;
-    // rowsum(dY Y) in f32: (B, KV, n_rep, T, 1); on CUDA one kernel, no f32 copies of dY, Y
-    let di = if super::attn_block::takes(&q) {
+    // CUDA: D, and each block's P and dS, one kernel each
+    let kernels = super::attn_block::takes(&q);
+    // rowsum(dY Y) in f32: (B, KV, n_rep, T, 1); on CUDA no f32 copies of dY, Y
+    let di = if kernels {
         dy.contiguous()?
             .apply_op2_no_bwd(&y.contiguous()?, &super::attn_block::RowDot)?
     } else {
@@ -949,51 +915,48 @@ fn generic_bwd(
     }
     .reshape((b, kv, n_rep, t, 1))?;
     let lse = lse.reshape((b, kv, n_rep, t, 1))?;
+    // The kernels' row statistics for the whole sequence: (log-sum-exp, then D), and the
+    // log-sum-exp alone.
+    let flat = if kernels {
+        let lse_all = lse.flatten_all()?;
+        Some((Tensor::cat(&[&lse_all, &di.flatten_all()?], 0)?, lse_all))
+    } else {
+        None
+    };
     let dk = Tensor::zeros((b, kv, t, d), acc(&q), q.device())?;
     let dv = Tensor::zeros((b, kv, t, d), acc(&q), q.device())?;
     let mut dqs = Vec::new();
-    if super::attn_block::takes(&q) {
-        // CUDA: P and dS of each block as one kernel each (the row statistics, log-sum-exp
-        // then D, in one (2, rows) buffer for the whole sequence)
-        let stats = Tensor::cat(&[lse.flatten_all()?, di.flatten_all()?], 0)?; // (2 B KV r,)
-        let lse_all = lse.flatten_all()?;
-        for range in blocks(t, rows) {
-            let bl = kernel_block(&q, &k, &v, mask, range, softcap)?;
-            let (m, nk) = (bl.m, bl.nk);
-            let probs = super::attn_block::Probs {
-                block: bl.spec.clone(),
-                lt: t,
-                lp0: bl.p0,
-            };
-            let p = bl.s.apply_op2_no_bwd(&lse_all, &probs)?; // (B, KV, n_rep*m, nk)
-            let dyb = dy5.narrow(3, bl.p0, m)?.reshape((b, kv, n_rep * m, d))?;
-            let dp = dyb.matmul(&bl.v.t()?)?; // dY vᵀ, in q's dtype as the scores
-            let ds =
-                bl.s.apply_op3_no_bwd(&dp, &stats, &super::attn_block::Ds(bl.spec.clone()))?;
-            dqs.push(ds.matmul(&bl.k)?.reshape((b, kv, n_rep, m, d))?); // dS k
-            let dkb = ds.t()?.matmul(&bl.q)?.to_dtype(acc(&q))?; // (B, KV, nk, D): dSᵀ q
-            let dvb = p.t()?.matmul(&dyb)?.to_dtype(acc(&q))?; // Pᵀ dY
-            dk.slice_set(&(dk.narrow(2, bl.lo, nk)? + dkb)?, 2, bl.lo)?;
-            dv.slice_set(&(dv.narrow(2, bl.lo, nk)? + dvb)?, 2, bl.lo)?;
-        }
-        let dq = Tensor::cat(&dqs, 3)?.reshape((b, kv, r, d))?;
-        return Ok((dq, dk.to_dtype(k.dtype())?, dv.to_dtype(v.dtype())?));
-    }
     for range in blocks(t, rows) {
         let bl = block(&q, &k, &v, mask, range, softcap)?;
         let (m, nk) = (bl.m, bl.nk);
-        let p = bl.s.broadcast_sub(&lse.narrow(3, bl.p0, m)?)?.exp()?; // (B, KV, n_rep, m, nk)
         let dyb = dy5.narrow(3, bl.p0, m)?.reshape((b, kv, n_rep * m, d))?;
-        let dp = dyb
-            .matmul(&bl.v.t()?)?
-            .to_dtype(acc(&q))?
-            .reshape((b, kv, n_rep, m, nk))?; // dY vᵀ
-        let mut ds = (p.clone() * dp.broadcast_sub(&di.narrow(3, bl.p0, m)?)?)?; // P (dP - rowsum(dY Y))
-        if let Some(g) = &bl.dcap {
-            ds = (ds * g)?; // through the cap: dS_raw = dS (1 - tanh²)
-        }
-        let ds = ds.to_dtype(q.dtype())?.reshape((b, kv, n_rep * m, nk))?;
-        let p = p.to_dtype(q.dtype())?.reshape((b, kv, n_rep * m, nk))?;
+        let dp = dyb.matmul(&bl.v.t()?)?; // dY vᵀ (B, KV, n_rep*m, nk), in q's dtype
+                                          // P and dS = P (dP - rowsum(dY Y)) in q's dtype (B, KV, n_rep*m, nk)
+        let (p, ds) = match &flat {
+            Some((stats, lse_all)) => {
+                let probs = super::attn_block::Probs {
+                    block: bl.spec.clone(),
+                    lt: t,
+                    lp0: bl.p0,
+                };
+                let p = bl.s.apply_op2_no_bwd(lse_all, &probs)?;
+                let ds = super::attn_block::Ds(bl.spec.clone());
+                (p, bl.s.apply_op3_no_bwd(&dp, stats, &ds)?)
+            }
+            None => {
+                let (s, dcap) = masked_scores(&bl, mask, softcap, true)?;
+                let p = s.broadcast_sub(&lse.narrow(3, bl.p0, m)?)?.exp()?; // (B, KV, n_rep, m, nk)
+                let dp = dp.to_dtype(acc(&q))?.reshape((b, kv, n_rep, m, nk))?;
+                let mut ds = (p.clone() * dp.broadcast_sub(&di.narrow(3, bl.p0, m)?)?)?;
+                if let Some(g) = &dcap {
+                    ds = (ds * g)?; // through the cap: dS_raw = dS (1 - tanh²)
+                }
+                (
+                    p.to_dtype(q.dtype())?.reshape((b, kv, n_rep * m, nk))?,
+                    ds.to_dtype(q.dtype())?.reshape((b, kv, n_rep * m, nk))?,
+                )
+            }
+        };
         dqs.push(ds.matmul(&bl.k)?.reshape((b, kv, n_rep, m, d))?); // dS k
         let dkb = ds.t()?.matmul(&bl.q)?.to_dtype(acc(&q))?; // (B, KV, nk, D): dSᵀ q
         let dvb = p.t()?.matmul(&dyb)?.to_dtype(acc(&q))?; // Pᵀ dY

@@ -581,13 +581,13 @@ impl CustomOp2 for LoraLinearDx {
 mod device {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, CudaView, CudaViewMut, PushKernelArg,
+        CudaSlice, CudaView, CudaViewMut, DevicePtrMut, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDevice, WrapErr};
     use candle_core::{CudaStorage, CustomOp1, DType, Layout, Result, Storage, Tensor};
     use half::bf16;
 
-    use super::{count_launches, dense_weight, LoraBase, LoraLinearOp};
+    use super::{count_launches, dense_weight, LoraLinearOp};
     use crate::kernels::cuda::{gemm, view, GemmType, Grid, Operand};
     use crate::kernels::dropout::DropoutOp;
 
@@ -601,18 +601,26 @@ mod device {
         }
     }
 
-    /// The base weight W (N, K) on the device, in x's dtype, for `f`.
-    fn with_weight<T: GemmType, R>(
-        base: &LoraBase,
-        f: impl FnOnce(&CudaView<'_, T>) -> Result<R>,
-    ) -> Result<R> {
-        let w = dense_weight(base)?;
+    /// dst (M, N) := lhs (M, K) · Wᵀ (`w_t`: the forward's x Wᵀ, N = W's rows) or lhs · W (the
+    /// backward's dY W) + beta · dst, the base weight W in the compute dtype on the device (an
+    /// NF4 base dequantized by its kernel first): one gemm.
+    fn base_product<T: GemmType>(
+        dev: &CudaDevice,
+        op: &LoraLinearOp,
+        dst: &mut impl DevicePtrMut<T>,
+        (lhs, ll): (&CudaStorage, &Layout),
+        w_t: bool,
+        mnk: (usize, usize, usize),
+        beta: f32,
+    ) -> Result<()> {
+        let lv = view::<T>(lhs, ll, NAME)?;
+        let w = dense_weight(&op.base)?;
         let (st, l) = w.storage_and_layout();
-        let v = view::<T>(cuda_of(&st)?, l, NAME)?;
-        f(&v)
+        let wv = view::<T>(cuda_of(&st)?, l, NAME)?;
+        gemm(dev, dst, arg(&lv, false), arg(&wv, w_t), mnk, 1.0, beta)
     }
 
-    /// A fresh f32 buffer of `len` (every element is written before it is read).
+    /// A fresh buffer of `len` (every element is written before it is read).
     fn alloc<T: candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
         dev: &CudaDevice,
         len: usize,
@@ -756,8 +764,8 @@ mod device {
         let dev = x.device().clone();
         let (av, bv) = (view::<f32>(a, al, NAME)?, view::<f32>(b, bl, NAME)?);
         let bf16 = x.dtype() == DType::BF16;
-        let mut launched = 1; // the base gemm, below
-                              // The base product, into the output (f32: onto the bias's rows).
+        // The base product, into the output (f32: onto the bias's rows); its gemm is a launch.
+        let mut launched = 1;
         let mut out = match x.dtype() {
             DType::F32 => {
                 let mut y = CudaStorage::wrap_cuda_slice(alloc::<f32>(&dev, m * n)?, dev.clone());
@@ -771,35 +779,13 @@ mod device {
                     launched += 1;
                     beta = 1.0;
                 }
-                let xv = view::<f32>(x, xl, NAME)?;
-                with_weight::<f32, _>(&op.base, |w| {
-                    let dst = y.as_cuda_slice_mut::<f32>()?;
-                    gemm(
-                        &dev,
-                        dst,
-                        arg(&xv, false),
-                        arg(w, true),
-                        (m, n, k),
-                        1.0,
-                        beta,
-                    )
-                })?;
+                let dst = y.as_cuda_slice_mut::<f32>()?;
+                base_product(&dev, op, dst, (x, xl), true, (m, n, k), beta)?;
                 y
             }
             DType::BF16 => {
                 let mut t = alloc::<bf16>(&dev, m * n)?;
-                let xv = view::<bf16>(x, xl, NAME)?;
-                with_weight::<bf16, _>(&op.base, |w| {
-                    gemm(
-                        &dev,
-                        &mut t,
-                        arg(&xv, false),
-                        arg(w, true),
-                        (m, n, k),
-                        1.0,
-                        0.0,
-                    )
-                })?;
+                base_product(&dev, op, &mut t, (x, xl), true, (m, n, k), 0.0)?;
                 CudaStorage::wrap_cuda_slice(t, dev.clone())
             }
             dt => candle_core::bail!("{NAME}: {dt:?} on CUDA (f32, or bf16 with an f32 adapter)"),
@@ -922,34 +908,12 @@ mod device {
             (false, _) => None,
             (true, true) => {
                 let mut d = alloc::<bf16>(&dev, m * k)?;
-                let dyv = view::<bf16>(dys, dyl, NAME)?;
-                with_weight::<bf16, _>(&op.base, |w| {
-                    gemm(
-                        &dev,
-                        &mut d,
-                        arg(&dyv, false),
-                        arg(w, false),
-                        (m, k, n),
-                        1.0,
-                        0.0,
-                    )
-                })?;
+                base_product(&dev, op, &mut d, (dys, dyl), false, (m, k, n), 0.0)?;
                 Some(Dx::Bf16(d))
             }
             (true, false) => {
                 let mut d = alloc::<f32>(&dev, m * k)?;
-                let dyv = view::<f32>(dys, dyl, NAME)?;
-                with_weight::<f32, _>(&op.base, |w| {
-                    gemm(
-                        &dev,
-                        &mut d,
-                        arg(&dyv, false),
-                        arg(w, false),
-                        (m, k, n),
-                        1.0,
-                        0.0,
-                    )
-                })?;
+                base_product(&dev, op, &mut d, (dys, dyl), false, (m, k, n), 0.0)?;
                 Some(Dx::F32(d))
             }
         };

@@ -236,13 +236,18 @@ impl Linear {
 
     /// The LoRA linear as one op ([`LoraLinearOp`]) where [`Linear::fuses`]; None elsewhere.
     fn forward_fused(&self, x: &Tensor) -> Result<Option<Tensor>> {
-        if !self.fuses(x) {
-            return Ok(None);
-        }
-        let Some(lora) = self.lora() else {
+        let (Some(op), Some(lora)) = (self.one_op(x)?, self.lora()) else {
             return Ok(None);
         };
-        let bias = self.bias.as_ref().map(|b| b.tensor().clone());
+        let (a, b) = (no_grad::enter(&lora.a), no_grad::enter(&lora.b));
+        Ok(Some(x.contiguous()?.apply_op3(&a, &b, op)?))
+    }
+
+    /// The op [`Linear::forward_fused`] applies to x, where [`Linear::fuses`].
+    fn one_op(&self, x: &Tensor) -> Result<Option<LoraLinearOp>> {
+        let Some(lora) = self.lora().filter(|_| self.fuses(x)) else {
+            return Ok(None);
+        };
         let (n, k) = self.weight.dims();
         if x.dim(candle_core::D::Minus1)? != k {
             return Err(candle_core::Error::Msg(format!(
@@ -251,21 +256,17 @@ impl Linear {
             ))
             .into());
         }
-        let m = x.elem_count() / k;
-        let dropout = lora.active_dropout();
         let base = match &self.weight {
             Base::Dense(p) => LoraBase::Dense(p.tensor().clone()),
             Base::Nf4(w) => LoraBase::Nf4(w.clone()),
         };
-        let op = LoraLinearOp {
+        Ok(Some(LoraLinearOp {
             base,
-            bias,
+            bias: self.bias.as_ref().map(|b| b.tensor().clone()),
             scale: lora.scale,
-            dropout,
-            mkn: (m, k, n),
-        };
-        let (a, b) = (no_grad::enter(&lora.a), no_grad::enter(&lora.b));
-        Ok(Some(x.contiguous()?.apply_op3(&a, &b, op)?))
+            dropout: lora.active_dropout(),
+            mkn: (x.elem_count() / k, k, n),
+        }))
     }
 
     /// The linear from Candle ops and tallow's matmul ops, on any device and dtype.
@@ -417,12 +418,15 @@ pub(crate) mod tests {
         Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
     }
 
-    fn fused_against_unfused(
+    /// The four one-op LoRA linears the tests below run, for x of `dtype` and an adapter of
+    /// `adapter` dtype, (out, in, rank) = (n, k, r): a dense base with no bias, with a frozen
+    /// bias, with the bias and dropout (p 0.3), and an NF4 base (double quant) with dropout;
+    /// each with its name and its adapter.
+    fn one_op_cases(
         dtype: DType,
         adapter: DType,
         (n, k, r): (usize, usize, usize),
-        rows: (usize, usize),
-    ) -> Result<Vec<(String, [f64; 4])>> {
+    ) -> Result<Vec<(String, Linear, Lora)>> {
         let dev = Device::Cpu;
         let w = seeded(&[n, k], 0.5, 1)?.to_dtype(dtype)?;
         let bias = seeded(&[n], 1., 2)?.to_dtype(dtype)?;
@@ -431,7 +435,7 @@ pub(crate) mod tests {
             q.dtype = dtype;
             q
         });
-        let mut errors = Vec::new();
+        let mut cases = Vec::new();
         for (base, with_bias, p) in [
             (Base::Dense(Param::Frozen(w.clone())), false, 0.0),
             (Base::Dense(Param::Frozen(w.clone())), true, 0.0),
@@ -447,11 +451,26 @@ pub(crate) mod tests {
                 dropout: Some(dropout),
                 id: 4,
             };
+            let nf4 = matches!(base, Base::Nf4(_));
             let lin = Linear {
                 weight: base,
                 bias: with_bias.then(|| Param::Frozen(bias.clone())),
                 adapter: Some(Box::new(lora.clone())),
             };
+            let name = format!("{dtype:?} bias={with_bias} p={p} nf4={nf4}");
+            cases.push((name, lin, lora));
+        }
+        Ok(cases)
+    }
+
+    fn fused_against_unfused(
+        dtype: DType,
+        adapter: DType,
+        (n, k, r): (usize, usize, usize),
+        rows: (usize, usize),
+    ) -> Result<Vec<(String, [f64; 4])>> {
+        let mut errors = Vec::new();
+        for (name, lin, lora) in one_op_cases(dtype, adapter, (n, k, r))? {
             let x = seeded(&[rows.0, rows.1, k], 1., 4)?.to_dtype(dtype)?;
             let x = Var::from_tensor(&x)?;
             let probe = seeded(&[rows.0, rows.1, n], 1., 5)?.to_dtype(dtype)?;
@@ -482,7 +501,7 @@ pub(crate) mod tests {
                     .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
                     .fold(0.0, f64::max);
             }
-            errors.push((format!("{dtype:?} bias={with_bias} p={p}"), e));
+            errors.push((name, e));
         }
         Ok(errors)
     }
@@ -498,50 +517,15 @@ pub(crate) mod tests {
         use crate::kernels::dispatch::with_cuda_paths_on_cpu;
         use candle_core::launches::count_on_this_thread as count;
         use candle_core::CustomOp3;
-        let dev = Device::Cpu;
         let (n, k, r) = (24, 32, 4);
         for dtype in [DType::F32, DType::BF16] {
-            let w = seeded(&[n, k], 0.5, 1)?.to_dtype(dtype)?;
-            let bias = seeded(&[n], 1., 2)?.to_dtype(dtype)?;
-            let mut q = Nf4Weight::quantize(&w.to_dtype(DType::F32)?, true)?;
-            q.dtype = dtype;
-            let nf4 = Arc::new(q);
-            for (base, with_bias, p) in [
-                (Base::Dense(Param::Frozen(w.clone())), false, 0.0),
-                (Base::Dense(Param::Frozen(w.clone())), true, 0.0),
-                (Base::Dense(Param::Frozen(w.clone())), true, 0.3),
-                (Base::Nf4(nf4.clone()), false, 0.3),
-            ] {
-                let is_nf4 = matches!(base, Base::Nf4(_)) as u64;
-                let dropout = Arc::new(Dropout::new(p));
-                dropout.set(Some(99));
-                let lora = Lora {
-                    a: Var::from_tensor(&lora_a_init(r, k, 7, &dev)?)?,
-                    b: Var::from_tensor(&seeded(&[n, r], 1., 3)?)?,
-                    scale: 1.5,
-                    dropout: Some(dropout),
-                    id: 1,
-                };
-                let lin = Linear {
-                    weight: base.clone(),
-                    bias: with_bias.then(|| Param::Frozen(bias.clone())),
-                    adapter: Some(Box::new(lora.clone())),
-                };
-                let case = format!("{dtype:?} bias={with_bias} p={p} nf4={is_nf4}");
+            for (case, lin, lora) in one_op_cases(dtype, DType::F32, (n, k, r))? {
+                let is_nf4 = matches!(lin.weight, Base::Nf4(_)) as u64;
                 let x = Var::from_tensor(&seeded(&[2, 3, k], 1., 4)?.to_dtype(dtype)?)?;
-                let op = LoraLinearOp {
-                    base: match &base {
-                        Base::Dense(p) => LoraBase::Dense(p.tensor().clone()),
-                        Base::Nf4(w) => LoraBase::Nf4(w.clone()),
-                    },
-                    bias: with_bias.then(|| bias.clone()),
-                    scale: 1.5,
-                    dropout: lora.active_dropout(),
-                    mkn: (6, k, n),
-                };
+                let op =
+                    with_cuda_paths_on_cpu(|| lin.one_op(x.as_tensor()))?.expect("the one-op path");
                 let want = op.device_launches(dtype == DType::BF16);
                 with_cuda_paths_on_cpu(|| -> Result<()> {
-                    assert!(lin.fuses(x.as_tensor()), "{case}: the one-op path");
                     let c0 = count();
                     let y = lin.forward(x.as_tensor())?;
                     let forward = count() - c0;
