@@ -13,7 +13,7 @@
 #   5. while time is left: the longest context the estimate says fits 8B QLoRA in 24 GiB, run at
 #      that length and at 2x (packed rows), measured.
 #
-#   scripts/gpu_first_contact.sh --out DIR [--deadline 480]
+#   scripts/gpu_first_contact.sh --out DIR [--deadline 480] [--skip-long]   # --skip-long: no step 5
 #   scripts/gpu_first_contact.sh --smoke --out DIR      # the same on the CPU, toy shapes (CI)
 #
 # Writes at most 8 files into DIR (none over 16 MB): section.md (a dated section ready to append
@@ -31,7 +31,7 @@
 #   COMMIT    recorded in the header when the copy has no .git.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DEADLINE=480 OUT= SMOKE=0
+DEADLINE=480 OUT= SMOKE=0 LONG=1
 COMMAND="scripts/gpu_first_contact.sh $*"
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
 while [ $# -gt 0 ]; do
@@ -39,6 +39,7 @@ while [ $# -gt 0 ]; do
     --out) OUT=$2; shift ;;
     --deadline) DEADLINE=$2; shift ;;
     --smoke) SMOKE=1 ;;
+    --skip-long) LONG=0 ;;
     -h|--help) usage 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -158,7 +159,9 @@ suffix=
 MODEL8=$WORK/bench/models/llama-3.1-8b$suffix
 export LC=$WORK/long-context
 mkdir -p "$LC"
-if [ -f "$MODEL8/bench.jsonl" ]; then
+if [ "$LONG" = 0 ]; then
+  printf 'long-context\tnot run: --skip-long\t0\n' >> "$STEPS_TSV"
+elif [ -f "$MODEL8/bench.jsonl" ]; then
   cat > "$LC/job.toml" <<EOF
 [model]
 path = "$MODEL8"

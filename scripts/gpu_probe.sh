@@ -6,7 +6,10 @@
 #   1. Qwen2.5-0.5B LoRA, bf16: attention chunked vs eager x rows of 512 vs 2048 tokens, 4 steps
 #      (eager at 2048 is what the chunked path costs over a (T, T) one; 512 vs 2048 separates
 #      the per-launch cost from the per-token one);
-#   2. PyTorch + PEFT (sdpa) on the same model at 512 tokens, beside step 1's 512 cells;
+#   2. PyTorch + PEFT (sdpa) on the same model at 512 tokens, beside step 1's 512 cells; then
+#      where the time of a chunked bf16 step at 2048 tokens goes, op by op (`TALLOW_OP_TIMES=1
+#      tallow train`: one device sync per op, each op's time to the next op's start; 5 steps,
+#      the last 4 timed);
 #   3. Llama-3.1-8B QLoRA, checkpointing, at --long tokens (default 8192), 2 steps: measured
 #      peak against `tallow estimate`, tokens/s.
 #
@@ -92,6 +95,9 @@ if run make-qwen 40 bash -c 'make_model "$0" "$1"' "$Q" benchmarks/models/qwen2.
     --grid model.attention=chunked,eager --steps 4 --json --work-dir "$WORK/qwen-grid"
   run peft-short 40 $PY scripts/bench_peft_reference.py train --model "$Q" --data "$Q/bench.jsonl" \
     --steps 6 --warmup 2 --micro-batch 1 --seq "$SHORT" --device "$DEVICE" --dtype bf16
+  run op-times 60 env TALLOW_OP_TIMES=1 "$TALLOW" train --config "$WORK/base.toml" --quiet \
+    --set "model.path=$Q" --set "data.train=$Q/bench.jsonl" --set "data.max_seq_len=$MID" \
+    --set train.max_steps=5 --set train.log_every=1 --set "train.output_dir=$WORK/op-times"
 fi
 # 3: long context, 8B QLoRA.
 if run make-8b 40 bash -c 'make_model "$0" "$1"' "$L8" benchmarks/models/llama-3.1-8b-instruct.json; then
@@ -102,7 +108,7 @@ if run make-8b 40 bash -c 'make_model "$0" "$1"' "$L8" benchmarks/models/llama-3
 fi
 
 # The report.
-LOGS=$LOGS STEPS_MD=$WORK/steps.md COMMAND=$COMMAND $PY - > "$OUT/probe.md" <<'PY'
+LOGS=$LOGS STEPS_MD=$WORK/steps.md COMMAND=$COMMAND MID=$MID $PY - > "$OUT/probe.md" <<'PY'
 import datetime, json, os
 logs = os.environ["LOGS"]
 def rows(name):
@@ -121,6 +127,14 @@ for name in ("qwen-grid",) + tuple(n[:-4] for n in sorted(os.listdir(logs)) if n
         mp, ep = r.get("measured_peak_bytes"), r.get("estimated_peak_bytes")
         print(f"| {name}: {cell} | {r.get('tokens_per_s') or 0:.0f} | {(mp or 0) / 2**20:.0f} | {(ep or 0) / 2**20:.0f} | "
               f"{'oom' if r.get('oom') else (r.get('error') or '')} |")
+try:
+    err = open(f"{logs}/op-times.err").read().splitlines()
+    i = next(i for i, l in enumerate(err) if l.startswith("device time by op"))
+    print(f"\nQwen2.5-0.5B LoRA bf16, chunked, {os.environ['MID']} tokens, {err[i]}\n\n```")
+    print("\n".join(l for l in err[i + 1:i + 40] if l.startswith("  ")))
+    print("```")
+except (OSError, StopIteration) as e:
+    print(f"\nop times: no result ({e})")
 try:
     p = [json.loads(l) for l in open(f"{logs}/peft-short.out") if l.startswith("{")][-1]
     print(f"\nPEFT at the short length: {p.get('tokens_per_s', 0):.0f} tok/s, peak {json.dumps(p.get('peak'))}")

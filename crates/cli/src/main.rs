@@ -52,6 +52,22 @@ fn main() {
             candle_core::launches::set_breakdown(breakdown);
             let r = train::run(a);
             tallow_trainer::memory::trace::report();
+            let times = candle_core::launches::timing();
+            if !times.is_empty() {
+                let total: f64 = times.iter().map(|t| t.2).sum();
+                eprintln!(
+                    "device time by op, steps after the first (TALLOW_OP_TIMES): {:.1} ms",
+                    total * 1e3
+                );
+                eprintln!("  {:>9}  {:>10}  {:>6}  op", "ops", "ms", "share");
+                for (op, n, secs) in times {
+                    eprintln!(
+                        "  {n:>9}  {:>10.2}  {:>5.1}%  {op}",
+                        secs * 1e3,
+                        100.0 * secs / total
+                    );
+                }
+            }
             if breakdown {
                 eprintln!("device operations by op, whole run:");
                 for (op, n) in candle_core::launches::breakdown() {

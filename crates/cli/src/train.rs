@@ -1,6 +1,7 @@
 //! `tallow train`: read the config, run the training loop, show progress.
 
 use anyhow::{Context, Result};
+use candle_core::Device;
 use tallow_trainer::config::TrainConfig;
 use tallow_trainer::error::TrainError;
 use tallow_trainer::estimate::{estimate, plan};
@@ -78,6 +79,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
     } else {
         Progress::silent()
     };
+    // Development switch (benchmarks/cuda.md, "Where a step's time goes"): device time per op
+    // name over the steps after the run's first, printed when the run ends (main.rs).
+    let mut op_times = OpTimes::new(&device);
     let mut on_event = |e: Event| match e {
         Event::Start {
             total_steps,
@@ -89,6 +93,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             load_live_bytes,
             memory,
         } => {
+            op_times.start(start_step, total_steps);
             progress.start(
                 total_steps as u64,
                 start_step as u64,
@@ -147,6 +152,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 );
             }
             progress.update(s.step as u64, &msg);
+            op_times.step_done(s.step);
         }
         Event::Eval { step, loss } => progress.note(&format!("step {step}: eval loss {loss:.4}")),
         Event::Checkpoint { step, path } => {
@@ -231,7 +237,7 @@ fn out_of_memory(
     e: TrainError,
     a: &TrainArgs,
     cfg: &TrainConfig,
-    device: &candle_core::Device,
+    device: &Device,
 ) -> anyhow::Error {
     let TrainError::OutOfMemory { limit_bytes, .. } = &e else {
         return e.into();
@@ -252,4 +258,44 @@ fn out_of_memory(
     }
     eprintln!("{help}");
     e.into()
+}
+
+/// `TALLOW_OP_TIMES=1`: times the device's ops by name (`candle_core::launches::set_timing`, one
+/// synchronization per op) from the end of the run's first step (CUDA's JIT, the pool's first
+/// allocations) to the end of its last, leaving out the host's work between steps; main.rs
+/// prints the totals.
+struct OpTimes {
+    device: Option<Device>,
+    first: usize,
+    last: usize,
+}
+
+impl OpTimes {
+    fn new(device: &Device) -> Self {
+        let on = std::env::var("TALLOW_OP_TIMES").is_ok_and(|v| v == "1");
+        OpTimes {
+            device: on.then(|| device.clone()),
+            first: 0,
+            last: 0,
+        }
+    }
+
+    fn start(&mut self, start_step: usize, total_steps: usize) {
+        (self.first, self.last) = (start_step + 1, total_steps);
+    }
+
+    /// After step `step` (1-based) has logged: start, pause between steps, or stop.
+    fn step_done(&self, step: usize) {
+        let Some(device) = &self.device else { return };
+        if step == self.last {
+            candle_core::launches::set_timing(None);
+        } else if step == self.first {
+            let d = device.clone();
+            candle_core::launches::set_timing(Some(Box::new(move || {
+                let _ = d.synchronize();
+            })));
+        } else {
+            candle_core::launches::timing_pause();
+        }
+    }
 }

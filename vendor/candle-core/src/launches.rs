@@ -74,4 +74,75 @@ pub fn add(name: &'static str) {
             *g.get_or_insert_with(HashMap::new).entry(name).or_insert(0) += 1;
         }
     }
+    if TIMING_ON.load(Ordering::Relaxed) {
+        time(name);
+    }
+}
+
+/// Synchronizes the device the timed ops run on (the application's device handle).
+pub type SyncHook = Box<dyn Fn() + Send + Sync>;
+
+/// Device time per op name ([`set_timing`]): a development measure for a GPU machine with no
+/// profiler. While it is on, every counted op first synchronizes the device through the hook,
+/// and the time since the previous op was issued goes to that previous op: its kernels (all of
+/// a custom op's, cuBLAS included) plus the host's work between the two. It slows the run (one
+/// sync per op); [`timing_pause`] leaves gaps (the host's work between steps) uncounted.
+struct Timing {
+    hook: SyncHook,
+    last: Option<(&'static str, std::time::Instant)>,
+}
+
+static TIMING_ON: AtomicBool = AtomicBool::new(false);
+static TIMING: Mutex<Option<Timing>> = Mutex::new(None);
+static TIMES: Mutex<Option<HashMap<&'static str, (u64, f64)>>> = Mutex::new(None);
+
+/// Starts timing ops with `hook` (Some) or stops (None); the totals are kept until read.
+pub fn set_timing(hook: Option<SyncHook>) {
+    let mut t = TIMING.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(old) = t.as_mut() {
+        close(old);
+    }
+    TIMING_ON.store(hook.is_some(), Ordering::Relaxed);
+    *t = hook.map(|hook| Timing { hook, last: None });
+}
+
+/// Synchronizes, gives the op in flight its time, and counts nothing until the next op.
+pub fn timing_pause() {
+    if let Some(t) = TIMING.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+        close(t);
+    }
+}
+
+/// Per op name: ops timed and seconds, most seconds first.
+pub fn timing() -> Vec<(&'static str, u64, f64)> {
+    let mut v: Vec<(&'static str, u64, f64)> = TIMES
+        .lock()
+        .map(|g| g.as_ref().map(|m| m.iter().map(|(k, (n, s))| (*k, *n, *s)).collect()).unwrap_or_default())
+        .unwrap_or_default();
+    v.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.0.cmp(b.0)));
+    v
+}
+
+fn close(t: &mut Timing) {
+    if let Some((name, since)) = t.last.take() {
+        (t.hook)();
+        credit(name, since.elapsed().as_secs_f64());
+    }
+}
+
+fn credit(name: &'static str, secs: f64) {
+    if let Ok(mut g) = TIMES.lock() {
+        let e = g.get_or_insert_with(HashMap::new).entry(name).or_insert((0, 0.0));
+        e.0 += 1;
+        e.1 += secs;
+    }
+}
+
+#[cold]
+fn time(name: &'static str) {
+    let mut g = TIMING.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(t) = g.as_mut() {
+        close(t);
+        t.last = Some((name, std::time::Instant::now()));
+    }
 }
