@@ -41,5 +41,6 @@ gpu_run_env() {
   if [ -n "$cu13" ] && [ -d "$cu13" ]; then
     export LD_LIBRARY_PATH=$cu13${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   fi
-  export CUDA_CACHE_MAXSIZE=4294967296 CUDA_CACHE_PATH=$2/nv-cache
+  # (a CUDA_CACHE_PATH already set is kept: two scripts in one call share one cache)
+  export CUDA_CACHE_MAXSIZE=4294967296 CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-$2/nv-cache}
 }
