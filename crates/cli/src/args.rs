@@ -238,8 +238,9 @@ pub struct MergeArgs {
 
 #[derive(clap::Args, Debug)]
 pub struct EvalArgs {
-    /// HF-layout model directory (config.json, safetensors, tokenizer.json), or a hub id
-    /// OWNER/NAME[@REVISION] (from the HF cache, downloaded when missing).
+    /// HF-layout model directory (config.json, safetensors, tokenizer.json), a GGUF file
+    /// (docs/gguf.md), or a hub id OWNER/NAME[@REVISION] (from the HF cache, downloaded when
+    /// missing).
     #[arg(long)]
     pub model: PathBuf,
     /// JSONL file: {"text"}, {"prompt","completion"}, {"messages"} or {"prompt", "chosen",
@@ -297,7 +298,8 @@ pub struct EvalArgs {
 /// value, else transformers' default.
 #[derive(clap::Args, Debug)]
 pub struct DecodeArgs {
-    /// HF-layout model directory (config.json, safetensors, tokenizer.json).
+    /// HF-layout model directory (config.json, safetensors, tokenizer.json), or a GGUF file
+    /// (docs/gguf.md).
     #[arg(long)]
     pub model: PathBuf,
     /// PEFT LoRA adapter directory to apply to the model.

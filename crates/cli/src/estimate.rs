@@ -26,6 +26,13 @@ fn cuda_present() -> bool {
 pub fn model_config(cfg: &TrainConfig) -> Result<DecoderConfig> {
     let path = tallow_hub::resolve_model_config(&cfg.model.path)
         .with_context(|| format!("model.path {}", cfg.model.path.display()))?;
+    // A GGUF file: the config.json of the model dir tallow keeps for it (docs/gguf.md).
+    let path = match tallow_model::io::gguf::is_gguf(&path) {
+        true => tallow_model::io::gguf::model_dir(&path)
+            .with_context(|| format!("model.path {}", cfg.model.path.display()))?
+            .join("config.json"),
+        false => path,
+    };
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("{}: cannot read the model's config.json", path.display()))?;
     Ok(DecoderConfig::from_json_str_ignoring(

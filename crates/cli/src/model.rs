@@ -11,14 +11,17 @@ use tallow_model::{CausalLM, LoadOptions, LoraSpec};
 use tallow_trainer::config::Quantize;
 
 /// `--model` as a local dir: a hub id (`OWNER/NAME[@REVISION]`) becomes its cached snapshot,
-/// downloaded when missing; a local path must be a directory.
+/// downloaded when missing; a GGUF file its model dir; any other local path must be a directory.
 pub fn dir(model: &Path) -> Result<PathBuf> {
     let dir =
         tallow_hub::resolve_model(model).with_context(|| format!("--model {}", model.display()))?;
+    // A GGUF file reads as the model dir tallow keeps for it (docs/gguf.md).
+    let dir = tallow_model::io::gguf::as_model_dir(&dir)
+        .with_context(|| format!("--model {}", model.display()))?;
     if !dir.is_dir() {
         bail!(
             "--model {}: no such directory (give an HF-layout dir with config.json, safetensors \
-             and tokenizer.json, or a hub id OWNER/NAME[@REVISION])",
+             and tokenizer.json, a GGUF file, or a hub id OWNER/NAME[@REVISION])",
             model.display()
         );
     }

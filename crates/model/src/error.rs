@@ -52,6 +52,18 @@ pub enum ModelError {
         refusals: Vec<Refusal>,
     },
 
+    /// Every metadata key or tensor of a GGUF file that tallow cannot read exactly, at once.
+    #[error(
+        "{path}: tallow cannot read this GGUF file exactly ({}):\n{}\nConvert the original \
+         model's safetensors instead, or see docs/gguf.md for what is read",
+        if refusals.len() == 1 { "this key".to_string() } else { format!("these {} keys", refusals.len()) },
+        refusals.iter().map(|r| format!("  - {r}")).collect::<Vec<_>>().join("\n")
+    )]
+    GgufRefused {
+        path: PathBuf,
+        refusals: Vec<Refusal>,
+    },
+
     #[error(
         "{dir}: no weights found: expected `model.safetensors` or `model.safetensors.index.json`"
     )]

@@ -195,6 +195,8 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
     // downloaded when missing; local paths are used as written.
     let hub = |key: &'static str| move |source| TrainError::Hub { key, source };
     let model_dir = tallow_hub::resolve_model(&cfg.model.path).map_err(hub("model.path"))?;
+    // A GGUF file reads as the model dir tallow keeps for it (docs/gguf.md).
+    let model_dir = tallow_model::io::gguf::as_model_dir(&model_dir)?;
     let model_dir = model_dir.as_path();
     let d = &cfg.data;
     let train_src = DataSource::open(&d.train, d.train_split(), d).map_err(hub("data.train"))?;

@@ -2,6 +2,7 @@
 //! renamed into place, so a killed run never leaves a half-written checkpoint, adapter or model.
 //! And the reading of small text / JSON files with errors that name the file.
 
+pub mod gguf;
 pub mod weights;
 
 use std::io::Write;

@@ -8,19 +8,87 @@ use std::path::{Path, PathBuf};
 use candle_core::safetensors::{Load, MmapedSafetensors};
 use candle_core::{DType, Device, Tensor};
 
+use super::gguf::{self, GgufFile};
 use crate::error::{ModelError, Result};
 
 /// The safetensors files of one checkpoint, with a name -> (file, stored name) routing table
-/// (the stored name differs for an image-text model's text tower, [`Weights::text_tower`]).
+/// (the stored name differs for an image-text model's text tower, [`Weights::text_tower`]);
+/// or the GGUF file of a GGUF model dir (`crate::io::gguf`), its tensors routed by HF name.
 pub struct Weights {
     dir: PathBuf,
     files: Vec<(PathBuf, MmapedSafetensors)>,
     routing: HashMap<String, (usize, String)>,
+    gguf: Option<Gguf>,
+}
+
+/// A GGUF file read under HF names: HF name -> GGUF name, and the head counts whose rotary row
+/// order llama.cpp changed in q / k (Llama only).
+struct Gguf {
+    file: GgufFile,
+    names: HashMap<String, String>,
+    unpermute: Option<(usize, usize)>,
+}
+
+impl Gguf {
+    fn open(path: &Path) -> Result<Self> {
+        let file = GgufFile::open(path)?;
+        let arch = file.arch()?.to_string();
+        let int = |k: &str| -> Result<usize> {
+            Ok(file.int(&format!("{arch}.{k}"))?.unwrap_or(0) as usize)
+        };
+        let layers = int("block_count")?;
+        let heads = int("attention.head_count")?;
+        let kv = file
+            .int(&format!("{arch}.attention.head_count_kv"))?
+            .map_or(heads, |n| n as usize);
+        let names = gguf::tensor_names(layers)
+            .into_iter()
+            .filter(|(_, g)| file.has_tensor(g))
+            .collect();
+        Ok(Self {
+            unpermute: (arch == "llama").then_some((heads, kv)),
+            file,
+            names,
+        })
+    }
+
+    fn stored(&self, dir: &Path, name: &str) -> Result<&str> {
+        self.names
+            .get(name)
+            .map(String::as_str)
+            .ok_or_else(|| ModelError::MissingTensor {
+                dir: dir.to_path_buf(),
+                name: name.to_string(),
+                hint: format!(" ({})", self.file.path.display()),
+            })
+    }
+
+    /// `name` dequantized to f32 on the CPU, in the HF row order.
+    fn read(&self, dir: &Path, name: &str) -> Result<Tensor> {
+        let stored = self.stored(dir, name)?;
+        let t = self.file.read_f32(stored)?;
+        match self.unpermute {
+            Some((heads, _)) if stored.ends_with(".attn_q.weight") => {
+                gguf::unpermute_rows(&t, heads)
+            }
+            Some((_, kv)) if stored.ends_with(".attn_k.weight") => gguf::unpermute_rows(&t, kv),
+            _ => Ok(t),
+        }
+    }
 }
 
 impl Weights {
     /// Opens `dir/model.safetensors` or the shards named by `dir/model.safetensors.index.json`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
+        let linked = dir.join(gguf::LINK);
+        if linked.exists() {
+            return Ok(Self {
+                dir: dir.to_path_buf(),
+                files: Vec::new(),
+                routing: HashMap::new(),
+                gguf: Some(Gguf::open(&linked)?),
+            });
+        }
         let single = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
         let paths = if index.exists() {
@@ -86,6 +154,7 @@ impl Weights {
             dir: dir.to_path_buf(),
             files,
             routing,
+            gguf: None,
         })
     }
 
@@ -117,15 +186,25 @@ impl Weights {
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.routing.contains_key(name)
+        match &self.gguf {
+            Some(g) => g.names.contains_key(name),
+            None => self.routing.contains_key(name),
+        }
     }
 
-    pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.routing.keys().map(String::as_str)
+    pub fn names(&self) -> Box<dyn Iterator<Item = &str> + '_> {
+        match &self.gguf {
+            Some(g) => Box::new(g.names.keys().map(String::as_str)),
+            None => Box::new(self.routing.keys().map(String::as_str)),
+        }
     }
 
     /// The on-disk shape of a tensor, without reading it.
     pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        if let Some(g) = &self.gguf {
+            let stored = g.stored(&self.dir, name)?;
+            return Ok(g.file.shape(stored).unwrap_or_default());
+        }
         let (_, st, name) = self.file_of(name)?;
         Ok(st.get(name)?.shape().to_vec())
     }
@@ -138,6 +217,18 @@ impl Weights {
         dtype: DType,
         device: &Device,
     ) -> Result<Tensor> {
+        if let Some(g) = &self.gguf {
+            let t = g.read(&self.dir, name)?;
+            if t.dims() != shape {
+                return Err(ModelError::ShapeMismatch {
+                    path: g.file.path.clone(),
+                    name: name.to_string(),
+                    expected: shape.to_vec(),
+                    found: t.dims().to_vec(),
+                });
+            }
+            return Ok(t.to_dtype(dtype)?.to_device(device)?);
+        }
         let (path, st, stored) = self.file_of(name)?;
         let view = st.get(stored)?;
         if view.shape() != shape {
@@ -157,12 +248,19 @@ impl Weights {
     /// Reads `name` as stored (no dtype conversion, no shape check) onto `device`: the parts of a
     /// quantized weight (u8 codes, f32 scales, a u8 JSON state).
     pub fn load_raw(&self, name: &str, device: &Device) -> Result<Tensor> {
+        if let Some(g) = &self.gguf {
+            return Ok(g.read(&self.dir, name)?.to_device(device)?);
+        }
         let (_, st, name) = self.file_of(name)?;
         Ok(st.get(name)?.load(device)?)
     }
 
     /// The stored dtype of `name`, without reading it.
     pub fn dtype(&self, name: &str) -> Result<DType> {
+        if let Some(g) = &self.gguf {
+            let stored = g.stored(&self.dir, name)?;
+            return Ok(g.file.dtype(stored).unwrap_or(DType::F32));
+        }
         let (path, st, stored) = self.file_of(name)?;
         let view = st.get(stored)?;
         DType::try_from(view.dtype()).map_err(|e| ModelError::BadSafetensors {
@@ -173,6 +271,9 @@ impl Weights {
 
     /// The file holding `name` (for messages), or the directory when it is not there.
     pub fn file_name(&self, name: &str) -> String {
+        if let Some(g) = &self.gguf {
+            return g.file.path.display().to_string();
+        }
         match self.routing.get(name) {
             Some((i, _)) => self.files[*i].0.display().to_string(),
             None => self.dir.display().to_string(),

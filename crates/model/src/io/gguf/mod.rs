@@ -1,0 +1,354 @@
+//! GGUF checkpoints (llama.cpp's format) read as the HF checkpoint they were converted from.
+//!
+//! A `.gguf` file holds the weights (dense or in llama.cpp's block formats), the model's
+//! hyper-parameters and its tokenizer as metadata. tallow reads it as a model dir:
+//! [`model_dir`] writes, once per file, a small dir in the cache with the `config.json`,
+//! `tokenizer.json` and `tokenizer_config.json` transformers would build from the file (see
+//! [`config`] and [`tokenizer`]) and a `model.gguf` link to the file itself; [`Weights`]
+//! (`crate::io::weights`) reads the tensors from that link under their HF names, dequantized to
+//! the requested dtype, undoing llama.cpp's conversion (the rotary row order of Llama's q / k).
+//! Every command that takes a model path therefore takes a `.gguf` too (docs/gguf.md).
+//!
+//! [`Weights`]: crate::io::weights::Weights
+
+pub mod config;
+pub mod tokenizer;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{ModelError, Result};
+
+/// The link a GGUF model dir holds to its file.
+pub const LINK: &str = "model.gguf";
+
+/// An open GGUF file: its metadata and tensor table (the tensors are read on demand).
+pub struct GgufFile {
+    pub path: PathBuf,
+    pub content: Content,
+}
+
+fn bad(path: &Path, msg: impl std::fmt::Display) -> ModelError {
+    ModelError::BadSafetensors {
+        path: path.to_path_buf(),
+        msg: format!("not a readable GGUF file: {msg}"),
+    }
+}
+
+impl GgufFile {
+    pub fn open(path: &Path) -> Result<Self> {
+        let mut f = std::fs::File::open(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let content = Content::read(&mut f).map_err(|e| bad(path, e))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            content,
+        })
+    }
+
+    /// `general.architecture`.
+    pub fn arch(&self) -> Result<&str> {
+        self.string("general.architecture")?
+            .ok_or_else(|| bad(&self.path, "no `general.architecture` in its metadata"))
+    }
+
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.content.metadata.get(key)
+    }
+
+    fn wrong_type(&self, key: &str, want: &str) -> ModelError {
+        ModelError::Config {
+            path: self.path.clone(),
+            key: key.to_string(),
+            msg: format!(
+                "expected {want}, found {:?}",
+                self.get(key).map(Value::value_type)
+            ),
+        }
+    }
+
+    pub fn string(&self, key: &str) -> Result<Option<&str>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(_) => Err(self.wrong_type(key, "a string")),
+        }
+    }
+
+    /// An integer of any width.
+    pub fn int(&self, key: &str) -> Result<Option<i64>> {
+        let v = match self.get(key) {
+            None => return Ok(None),
+            Some(v) => v,
+        };
+        let n = match v {
+            Value::U8(x) => *x as i64,
+            Value::I8(x) => *x as i64,
+            Value::U16(x) => *x as i64,
+            Value::I16(x) => *x as i64,
+            Value::U32(x) => *x as i64,
+            Value::I32(x) => *x as i64,
+            Value::U64(x) => *x as i64,
+            Value::I64(x) => *x,
+            _ => return Err(self.wrong_type(key, "an integer")),
+        };
+        Ok(Some(n))
+    }
+
+    pub fn float(&self, key: &str) -> Result<Option<f64>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::F32(x)) => Ok(Some(*x as f64)),
+            Some(Value::F64(x)) => Ok(Some(*x)),
+            Some(_) => match self.int(key) {
+                Ok(n) => Ok(n.map(|n| n as f64)),
+                Err(_) => Err(self.wrong_type(key, "a number")),
+            },
+        }
+    }
+
+    pub fn bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(_) => Err(self.wrong_type(key, "a boolean")),
+        }
+    }
+
+    /// An array of strings.
+    pub fn strings(&self, key: &str) -> Result<Option<Vec<&str>>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| match v {
+                    Value::String(s) => Ok(s.as_str()),
+                    _ => Err(self.wrong_type(key, "an array of strings")),
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(Some),
+            Some(_) => Err(self.wrong_type(key, "an array of strings")),
+        }
+    }
+
+    /// An array of integers.
+    pub fn ints(&self, key: &str) -> Result<Option<Vec<i64>>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| match v {
+                    Value::I32(x) => Ok(*x as i64),
+                    Value::U32(x) => Ok(*x as i64),
+                    Value::I64(x) => Ok(*x),
+                    Value::U64(x) => Ok(*x as i64),
+                    Value::U8(x) => Ok(*x as i64),
+                    Value::I8(x) => Ok(*x as i64),
+                    Value::U16(x) => Ok(*x as i64),
+                    Value::I16(x) => Ok(*x as i64),
+                    _ => Err(self.wrong_type(key, "an array of integers")),
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(Some),
+            Some(_) => Err(self.wrong_type(key, "an array of integers")),
+        }
+    }
+
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
+
+    /// The row-major shape of tensor `name` (GGUF lists dimensions innermost first).
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.content
+            .tensor_infos
+            .get(name)
+            .map(|t| t.shape.dims().to_vec())
+    }
+
+    /// The dtype a tensor holds without dequantizing: f32 / f16 / bf16 as stored, f32 for the
+    /// block formats (what they dequantize to).
+    pub fn dtype(&self, name: &str) -> Option<DType> {
+        self.content
+            .tensor_infos
+            .get(name)
+            .map(|t| match t.ggml_dtype {
+                GgmlDType::F16 => DType::F16,
+                GgmlDType::BF16 => DType::BF16,
+                _ => DType::F32,
+            })
+    }
+
+    /// Tensor `name` dequantized to f32 on the CPU.
+    pub fn read_f32(&self, name: &str) -> Result<Tensor> {
+        let mut f = std::fs::File::open(&self.path).map_err(|source| ModelError::Io {
+            path: self.path.clone(),
+            source,
+        })?;
+        let q = self
+            .content
+            .tensor(&mut f, name, &Device::Cpu)
+            .map_err(|e| bad(&self.path, format!("tensor `{name}`: {e}")))?;
+        Ok(q.dequantize(&Device::Cpu)?.to_dtype(DType::F32)?)
+    }
+}
+
+/// How an architecture's tensors are named in GGUF: HF name -> GGUF name, for `layers` decoder
+/// layers (every name llama.cpp's converter writes for the dense families tallow reads).
+pub fn tensor_names(layers: usize) -> HashMap<String, String> {
+    let mut m: HashMap<String, String> = [
+        ("model.embed_tokens.weight", "token_embd.weight"),
+        ("model.norm.weight", "output_norm.weight"),
+        ("lm_head.weight", "output.weight"),
+    ]
+    .into_iter()
+    .map(|(a, b)| (a.to_string(), b.to_string()))
+    .collect();
+    let per_layer = [
+        ("input_layernorm.weight", "attn_norm.weight"),
+        ("post_attention_layernorm.weight", "ffn_norm.weight"),
+        ("self_attn.q_proj.weight", "attn_q.weight"),
+        ("self_attn.k_proj.weight", "attn_k.weight"),
+        ("self_attn.v_proj.weight", "attn_v.weight"),
+        ("self_attn.o_proj.weight", "attn_output.weight"),
+        ("self_attn.q_proj.bias", "attn_q.bias"),
+        ("self_attn.k_proj.bias", "attn_k.bias"),
+        ("self_attn.v_proj.bias", "attn_v.bias"),
+        ("self_attn.o_proj.bias", "attn_output.bias"),
+        ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+        ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+        ("mlp.gate_proj.weight", "ffn_gate.weight"),
+        ("mlp.up_proj.weight", "ffn_up.weight"),
+        ("mlp.down_proj.weight", "ffn_down.weight"),
+    ];
+    for i in 0..layers {
+        for (hf, gg) in per_layer {
+            m.insert(format!("model.layers.{i}.{hf}"), format!("blk.{i}.{gg}"));
+        }
+    }
+    m
+}
+
+/// llama.cpp's converter reorders the rows of Llama's q and k weights for its rotary kernel
+/// (`LlamaModel.permute` in convert_hf_to_gguf.py: per head, the two rotary halves
+/// interleaved); this puts them back: (heads, rows/heads/2, 2, cols) -> (heads, 2,
+/// rows/heads/2, cols). transformers' GGUF loader does the same (`_reverse_permute_weights`).
+pub fn unpermute_rows(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let (rows, cols) = w.dims2()?;
+    if heads == 0 || rows % (2 * heads) != 0 {
+        return Err(ModelError::Invalid(format!(
+            "cannot undo the rotary row order of a ({rows}, {cols}) weight over {heads} heads"
+        )));
+    }
+    // (rows, cols) -> (heads, rows/heads/2, 2, cols) -> swap the middle two -> (rows, cols)
+    Ok(w.reshape((heads, rows / heads / 2, 2, cols))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((rows, cols))?)
+}
+
+/// The cache dir where a GGUF file's model dir goes: `$TALLOW_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/tallow`, else `~/.cache/tallow`; under it `gguf/`.
+fn cache_root() -> PathBuf {
+    let base = std::env::var_os("TALLOW_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|x| PathBuf::from(x).join("tallow")))
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tallow")))
+        .unwrap_or_else(|| std::env::temp_dir().join("tallow-cache"));
+    base.join("gguf")
+}
+
+/// Whether `path` names a GGUF file (by its first four bytes, whatever its name).
+pub fn is_gguf(path: &Path) -> bool {
+    use std::io::Read;
+    if !path.is_file() {
+        return false;
+    }
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .is_ok()
+        && &magic == b"GGUF"
+}
+
+/// `path` as a model dir: the model dir of a GGUF file ([`model_dir`]), anything else as it is.
+pub fn as_model_dir(path: &Path) -> Result<PathBuf> {
+    if is_gguf(path) {
+        model_dir(path)
+    } else {
+        Ok(path.to_path_buf())
+    }
+}
+
+/// The model dir of GGUF file `path` (made on first use, then reused while the file is
+/// unchanged: the dir's name carries the file's path, size and modification time). What it
+/// holds is described in the module's doc; it is written atomically.
+pub fn model_dir(path: &Path) -> Result<PathBuf> {
+    model_dir_in(path, &cache_root())
+}
+
+/// [`model_dir`] under the cache dir `root` (its `gguf/`).
+pub fn model_dir_in(path: &Path, root: &Path) -> Result<PathBuf> {
+    let abs = std::fs::canonicalize(path).map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let meta = std::fs::metadata(&abs).map_err(|source| ModelError::Io {
+        path: abs.clone(),
+        source,
+    })?;
+    let mtime = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    let key = fnv1a(format!("{}\0{}\0{mtime}", abs.display(), meta.len()).as_bytes());
+    let stem = abs
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or("model")
+        .to_string();
+    let dir = root.join(format!("{stem}-{key:016x}"));
+    if dir.join("config.json").is_file() && dir.join(LINK).exists() {
+        return Ok(dir);
+    }
+    let file = GgufFile::open(&abs)?;
+    let config = config::hf_config(&file)?;
+    let (tok, tok_config) = tokenizer::hf_tokenizer(&file)?;
+    let staged = super::staging_dir(&dir)?;
+    let json = |v: &serde_json::Value| serde_json::to_vec_pretty(v).unwrap_or_default();
+    super::write_atomic(&staged.join("config.json"), &json(&config))?;
+    super::write_atomic(&staged.join("tokenizer.json"), &json(&tok))?;
+    super::write_atomic(&staged.join("tokenizer_config.json"), &json(&tok_config))?;
+    link(&abs, &staged.join(LINK))?;
+    super::replace_dir(&staged, &dir)?;
+    Ok(dir)
+}
+
+#[cfg(unix)]
+fn link(target: &Path, at: &Path) -> Result<()> {
+    std::os::unix::fs::symlink(target, at).map_err(|source| ModelError::Io {
+        path: at.to_path_buf(),
+        source,
+    })
+}
+
+#[cfg(not(unix))]
+fn link(target: &Path, at: &Path) -> Result<()> {
+    std::fs::hard_link(target, at).map_err(|source| ModelError::Io {
+        path: at.to_path_buf(),
+        source,
+    })
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf29ce484222325u64, |h, b| {
+        (h ^ *b as u64).wrapping_mul(0x100000001b3)
+    })
+}

@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""GGUF fixtures: tiny models converted by llama.cpp's own converter, and what transformers'
+GGUF loader computes on them (dev-only; issue 39, docs/gguf.md).
+
+Run from the repository root, after scripts/make_fixtures.py has made the tiny models:
+
+    /work/pyref/bin/python scripts/make_gguf_fixtures.py convert      # the .gguf files
+    /work/pyref/bin/python scripts/make_gguf_fixtures.py reference    # transformers 4.57's numbers
+    /work/pyref5/bin/python scripts/make_gguf_fixtures.py reference   # transformers 5's numbers
+    python3 scripts/make_gguf_fixtures.py vocabs    # llama.cpp's vocabulary test files, for
+                                                     # tests/tests/gguf_vocabs.rs (not committed)
+
+`convert` downloads llama-cpp-python 0.3.36's source archive from PyPI (pinned by SHA-256; it
+vendors llama.cpp with `convert_hf_to_gguf.py`, its `conversion/` package and `gguf-py`, MIT
+licence), unpacks those into a scratch dir (nothing of it is committed) and runs the converter
+on tests/fixtures/models/ (needs torch, transformers, sentencepiece, numpy: the pinned stack of
+scripts/requirements-fixtures.txt plus `sentencepiece`):
+
+    tiny-llama -> tests/fixtures/gguf/tiny-llama-f32.gguf   (f32; Llama 3 rope scaling, so the
+                  file carries `rope_freqs.weight`; q / k rows in llama.cpp's rotary order)
+    tiny-qwen2 -> tests/fixtures/gguf/tiny-qwen2-q8_0.gguf  (Q8_0 blocks; q/k/v biases, tied)
+    tiny-qwen2 -> tests/fixtures/gguf/tiny-qwen2-f16.gguf   (f16)
+    tiny-qwen3 -> tests/fixtures/gguf/tiny-qwen3-f32.gguf   (f32; q/k norms, head dim 32 != 64/4...)
+
+The converter names a BPE vocabulary's pre-tokenizer (`tokenizer.ggml.pre`) by hashing the ids
+the tokenizer gives a test string, and knows only real models' hashes: for these tiny
+vocabularies it is told the name of the split their tokenizer.json uses (llama-bpe for tiny-llama,
+qwen2 for tiny-qwen2 and tiny-qwen3), the one thing not left to it.
+
+`reference` loads each file with transformers' GGUF support (`from_pretrained(dir,
+gguf_file=...)`, float32) and writes tests/fixtures/gguf/reference-v{4,5}.json:
+
+    {"versions": {...}, "texts": [...],
+     "files": {NAME: {"ids": [[...] per text]   (tokenizer(text).input_ids),
+                      "tokenizer_json": the tokenizer transformers built from the file, as
+                       tokenizers serializes it (its tokenizer.json),
+                      "nll_sum": float, "count": int  (summed next-token NLL over every text's
+                       ids, each row on its own, count = its targets),
+                      "original_nll_sum": float  (the same ids through the safetensors model the
+                       file was converted from, tests/fixtures/models/MODEL, float32),
+                      "config": {model_type, hidden_size, head_dim, rope},
+                      "error": str (instead of nll_sum and config, when transformers cannot
+                       load the model from the file)}}}
+
+Where transformers' GGUF loader computes something else than the model the file came from, the
+numbers say so: tiny-llama's nll_sum differs from its original_nll_sum (the loader drops
+`rope_freqs.weight`, so its rope is unscaled), and tiny-qwen3's file does not load (the loader
+leaves `attention.key_length` out of the config, so Qwen3Config's default head_dim 128 meets
+weights of head dim 32): "error".
+"""
+
+import hashlib
+import json
+import os
+import runpy
+import sys
+import tarfile
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+FIX = REPO / "tests" / "fixtures"
+OUT = FIX / "gguf"
+SDIST = (
+    "https://files.pythonhosted.org/packages/ec/e9/"
+    "e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/llama_cpp_python-0.3.36.tar.gz"
+)
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+LLAMA_CPP = "llama_cpp_python-0.3.36/vendor/llama.cpp"
+SCRATCH = Path(os.environ.get("GGUF_SCRATCH", "/tmp/tallow-gguf-scratch"))
+
+# (fixture model, output type, tokenizer.ggml.pre, file name)
+FILES = [
+    ("tiny-llama", "f32", "llama-bpe", "tiny-llama-f32.gguf"),
+    ("tiny-qwen2", "q8_0", "qwen2", "tiny-qwen2-q8_0.gguf"),
+    ("tiny-qwen2", "f16", "qwen2", "tiny-qwen2-f16.gguf"),
+    ("tiny-qwen3", "f32", "qwen2", "tiny-qwen3-f32.gguf"),
+]
+
+TEXTS = [
+    "Hello world, this is a test.",
+    "The quick brown fox jumps over the lazy dog. 12345 67",
+    "  leading spaces, tabs\tand\nnew lines\n\n and CAPS: I'm, you'll, it's",
+    "Unicode: café, naïve, 東京, emoji 🦙 and <|im_end|> as text",
+]
+
+
+def llama_cpp() -> Path:
+    """The scratch copy of llama.cpp's converter (downloaded and checked once)."""
+    root = SCRATCH / LLAMA_CPP
+    if (root / "convert_hf_to_gguf.py").exists():
+        return root
+    SCRATCH.mkdir(parents=True, exist_ok=True)
+    archive = SCRATCH / "llama_cpp_python-0.3.36.tar.gz"
+    if not archive.exists():
+        urllib.request.urlretrieve(SDIST, archive)
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+    if digest != SDIST_SHA256:
+        sys.exit(f"{archive}: SHA-256 {digest}, expected {SDIST_SHA256}")
+    wanted = [f"{LLAMA_CPP}/{p}" for p in ("convert_hf_to_gguf.py", "conversion", "gguf-py", "LICENSE", "models")]
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if any(m.name == w or m.name.startswith(w + "/") for w in wanted)]
+        tar.extractall(SCRATCH, members=members, filter="data")
+    return root
+
+
+def convert():
+    root = llama_cpp()
+    sys.path[:0] = [str(root / "gguf-py"), str(root)]
+    import conversion.base as base  # llama.cpp's
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    for model, outtype, pre, name in FILES:
+        base.TextModel.get_vocab_base_pre = lambda self, tokenizer, pre=pre: pre
+        sys.argv = ["convert_hf_to_gguf.py", str(FIX / "models" / model), "--outfile", str(OUT / name),
+                    "--outtype", outtype]
+        runpy.run_path(str(root / "convert_hf_to_gguf.py"), run_name="__main__")
+        print(f"wrote {OUT / name} ({(OUT / name).stat().st_size} bytes)")
+
+
+def reference():
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import gguf
+
+    def nll_of(model, ids):
+        nll = 0.0
+        with torch.no_grad():
+            for row in ids:
+                x = torch.tensor([row])
+                logits = model(x).logits[0, :-1].double()
+                nll += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
+        return nll
+
+    files = {}
+    for model_name, _, _, name in FILES:
+        tok = AutoTokenizer.from_pretrained(OUT, gguf_file=name)
+        ids = [tok(t).input_ids for t in TEXTS]
+        original = AutoModelForCausalLM.from_pretrained(FIX / "models" / model_name, dtype=torch.float32)
+        entry = {"ids": ids, "count": sum(len(r) - 1 for r in ids),
+                 "tokenizer_json": json.loads(tok.backend_tokenizer.to_str()),
+                 "original_nll_sum": nll_of(original.eval(), ids)}
+        try:
+            model = AutoModelForCausalLM.from_pretrained(OUT, gguf_file=name, dtype=torch.float32)
+        except Exception as e:  # noqa: BLE001 -- recorded: what transformers does with the file
+            entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        else:
+            c = model.config
+            rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None)
+            entry["nll_sum"] = nll_of(model.eval(), ids)
+            entry["config"] = {"model_type": c.model_type, "hidden_size": c.hidden_size,
+                               "head_dim": getattr(c, "head_dim", None), "rope": rope}
+        files[name] = entry
+        print(name, {k: v for k, v in entry.items() if k not in ("ids", "tokenizer_json")})
+    major = transformers.__version__.split(".")[0]
+    versions = {"transformers": transformers.__version__, "torch": torch.__version__,
+                "gguf": getattr(gguf, "__version__", "?"), "llama.cpp": "llama-cpp-python 0.3.36's vendor copy"}
+    out = OUT / f"reference-v{major}.json"
+    out.write_text(json.dumps({"versions": versions, "texts": TEXTS, "files": files}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+def vocabs():
+    """llama.cpp's tokenizer test files (`models/ggml-vocab-*.gguf`: real vocabularies without
+    weights, with `.inp` texts and the `.out` ids llama.cpp gives them), unpacked for the ignored
+    test tests/tests/gguf_vocabs.rs: prints the dir to pass as TALLOW_LLAMA_CPP_VOCABS."""
+    print(llama_cpp() / "models")
+
+
+if __name__ == "__main__":
+    {"convert": convert, "reference": reference, "vocabs": vocabs}[sys.argv[1] if len(sys.argv) > 1 else ""]()

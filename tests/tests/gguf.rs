@@ -1,0 +1,437 @@
+//! GGUF import (issue 39, docs/gguf.md): tiny models converted by llama.cpp's own
+//! `convert_hf_to_gguf.py`, read by tallow, against what transformers 4.57 and 5 compute on the
+//! same files and on the safetensors models they came from (`scripts/make_gguf_fixtures.py`,
+//! `tests/fixtures/gguf/reference-v{4,5}.json`).
+//!
+//! Tolerance: mean next-token NLL within 1e-5 (f32). The effects it must see are 10-100x that:
+//! Q8_0 vs the f32 original 1.2e-3, f16 vs original 6e-5, the Llama 3 rope scaling 9.8e-3
+//! (checked by breaking each on purpose: no q / k row un-permute, no `rope_scaling` from
+//! `rope_freqs.weight`).
+
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device, Tensor};
+use serde_json::Value;
+use tallow_model::io::gguf;
+use tallow_model::{lm_head_nll, CausalLM, LoadOptions, Targets};
+use tallow_tests::*;
+use tallow_text::TextTokenizer;
+
+const TOL: f64 = 1e-5;
+
+fn gguf_fixture(name: &str) -> PathBuf {
+    fixtures().join("gguf").join(name)
+}
+
+fn read_json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+fn references() -> Vec<(String, Value)> {
+    ["4", "5"]
+        .iter()
+        .map(|v| {
+            (
+                format!("transformers {v}"),
+                read_json(&gguf_fixture(&format!("reference-v{v}.json"))),
+            )
+        })
+        .collect()
+}
+
+/// The model dir of a fixture file, in a cache of this test process.
+fn dir_of(name: &str, cache: &Path) -> PathBuf {
+    gguf::model_dir_in(&gguf_fixture(name), cache).unwrap()
+}
+
+/// Summed next-token NLL of each row on its own.
+fn nll_sum(model: &CausalLM, rows: &[Vec<u32>]) -> f64 {
+    let mut total = 0.0;
+    for ids in rows {
+        let input = Tensor::new(ids.as_slice(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let h = model.forward_hidden(&input, None).unwrap();
+        // every token but the first is predicted
+        let mut targets = vec![true; ids.len()];
+        targets[0] = false;
+        let t = Targets::new(std::slice::from_ref(ids), &[targets], &Device::Cpu).unwrap();
+        let nll = lm_head_nll(&h, model.lm_head_weight(), &t, None).unwrap();
+        total += nll
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
+    }
+    total
+}
+
+fn ids_of(entry: &Value) -> Vec<Vec<u32>> {
+    entry["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn the_tokenizer_gives_transformers_gguf_ids() {
+    let cache = scratch("gguf-tok");
+    for (who, reference) in references() {
+        let texts = reference["texts"].as_array().unwrap();
+        for (name, entry) in reference["files"].as_object().unwrap() {
+            let tok = TextTokenizer::from_model_dir(&dir_of(name, &cache)).unwrap();
+            for (text, want) in texts.iter().zip(ids_of(entry)) {
+                let got = tok.encode(text.as_str().unwrap(), true).unwrap();
+                assert_eq!(got, want, "{who}, {name}: {text}");
+            }
+        }
+    }
+}
+
+/// The whole tokenizer.json (vocabulary, merges, added tokens, normalizer, pre-tokenizer split,
+/// post-processor's BOS, decoder) equals the one transformers 5 builds from the same file
+/// (`integrations/gguf/gguf_tokenizer_mapping.py`). transformers 4.57 built another (GPT-2's
+/// regex for every vocabulary, Qwen 2's NFC): its ids agree with 5's on the texts above, which
+/// hold no case where the two differ.
+#[test]
+fn the_tokenizer_json_is_the_one_transformers_5_builds() {
+    let cache = scratch("gguf-tokjson");
+    let (_, reference) = references().pop().unwrap();
+    for (name, entry) in reference["files"].as_object().unwrap() {
+        let dir = dir_of(name, &cache);
+        let ours = read_json(&dir.join("tokenizer.json"));
+        let theirs = &entry["tokenizer_json"];
+        let keys: Vec<&String> = theirs.as_object().unwrap().keys().collect();
+        assert!(keys.len() >= 8, "{keys:?}");
+        let vocab = theirs["model"]["vocab"].as_object().unwrap().len() as u64;
+        for key in keys {
+            let mut want = theirs[key].clone();
+            if key == "added_tokens" {
+                // transformers' GPT2Tokenizer adds its own default `<|endoftext|>` when the
+                // vocabulary lacks it, with an id past the model's embedding rows (325 of 325 in
+                // tiny-llama): not a token of the file, and an id the model cannot take
+                want.as_array_mut()
+                    .unwrap()
+                    .retain(|t| t["id"].as_u64().unwrap() < vocab);
+            }
+            assert_eq!(ours[key], want, "{name}: tokenizer.json `{key}`");
+        }
+    }
+}
+
+#[test]
+fn eval_matches_transformers_on_the_same_file_and_the_original_model() {
+    let cache = scratch("gguf-eval");
+    for (who, reference) in references() {
+        for (name, entry) in reference["files"].as_object().unwrap() {
+            let model = CausalLM::load(
+                &dir_of(name, &cache),
+                &LoadOptions::frozen(DType::F32, &Device::Cpu),
+            )
+            .unwrap();
+            let count = entry["count"].as_f64().unwrap();
+            let got = nll_sum(&model, &ids_of(entry)) / count;
+            let original = entry["original_nll_sum"].as_f64().unwrap() / count;
+            match (name.as_str(), entry["nll_sum"].as_f64()) {
+                // Where transformers' GGUF loader reads what the file says: its number.
+                ("tiny-qwen2-q8_0.gguf" | "tiny-qwen2-f16.gguf", Some(t)) => {
+                    let want = t / count;
+                    assert!((got - want).abs() < TOL, "{who}, {name}: {got} vs {want}");
+                    // and the format's rounding is seen (Q8_0: 1.2e-3, f16: 6e-5 of the mean)
+                    assert!(
+                        (got - original).abs() > 5.0 * TOL,
+                        "{who}, {name}: {got} vs {original}"
+                    );
+                }
+                // Llama 3's rope scaling (rope_freqs.weight): transformers drops it and computes
+                // an unscaled rope; tallow reads it back and computes the original model.
+                ("tiny-llama-f32.gguf", Some(t)) => {
+                    assert!(
+                        (got - original).abs() < TOL,
+                        "{who}, {name}: {got} vs {original}"
+                    );
+                    assert!(
+                        (t / count - original).abs() > 100.0 * TOL,
+                        "{who}: {t} {original}"
+                    );
+                }
+                // Qwen3's head dim: transformers cannot load the file (it keeps head_dim 128);
+                // tallow computes the original model.
+                ("tiny-qwen3-f32.gguf", None) => {
+                    assert!(entry["error"].is_string());
+                    assert!(
+                        (got - original).abs() < TOL,
+                        "{who}, {name}: {got} vs {original}"
+                    );
+                }
+                other => panic!("{who}: no expectation for {other:?}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn the_model_dir_holds_the_hf_config_and_is_reused() {
+    let cache = scratch("gguf-dir");
+    let dir = dir_of("tiny-llama-f32.gguf", &cache);
+    let config = read_json(&dir.join("config.json"));
+    let original = read_json(&model_dir("tiny-llama").join("config.json"));
+    for key in [
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "tie_word_embeddings",
+    ] {
+        assert_eq!(config[key], original[key], "{key}");
+    }
+    let (got, want) = (&config["rope_scaling"], &original["rope_scaling"]);
+    for key in ["rope_type", "original_max_position_embeddings"] {
+        assert_eq!(got[key], want[key], "rope_scaling.{key}");
+    }
+    for key in ["factor", "low_freq_factor", "high_freq_factor"] {
+        assert_eq!(got[key].as_f64(), want[key].as_f64(), "rope_scaling.{key}");
+    }
+    let tc = read_json(&dir.join("tokenizer_config.json"));
+    assert!(tc["chat_template"].as_str().unwrap().contains("bos_token"));
+    // the same file: the same dir, not rewritten
+    let before = std::fs::metadata(dir.join("config.json"))
+        .unwrap()
+        .modified()
+        .unwrap();
+    assert_eq!(dir_of("tiny-llama-f32.gguf", &cache), dir);
+    let after = std::fs::metadata(dir.join("config.json"))
+        .unwrap()
+        .modified()
+        .unwrap();
+    assert_eq!(before, after);
+}
+
+/// Writes a copy of fixture `name` with metadata `edit`ed (candle's GGUF writer).
+fn edited_copy(name: &str, to: &Path, edit: impl FnOnce(&mut Vec<(String, gguf_file::Value)>)) {
+    let path = gguf_fixture(name);
+    let mut f = std::fs::File::open(&path).unwrap();
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    let mut meta: Vec<(String, gguf_file::Value)> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    edit(&mut meta);
+    let tensors: Vec<(String, candle_core::quantized::QTensor)> = content
+        .tensor_infos
+        .keys()
+        .map(|n| (n.clone(), content.tensor(&mut f, n, &Device::Cpu).unwrap()))
+        .collect();
+    let mut out = std::fs::File::create(to).unwrap();
+    gguf_file::write(
+        &mut out,
+        &meta
+            .iter()
+            .map(|(k, v)| (k.as_str(), v))
+            .collect::<Vec<_>>(),
+        &tensors
+            .iter()
+            .map(|(k, v)| (k.as_str(), v))
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+}
+
+#[test]
+fn keys_that_change_the_maths_are_refused_by_name() {
+    let tmp = scratch("gguf-refused");
+    let file = tmp.join("edited.gguf");
+    edited_copy("tiny-qwen2-q8_0.gguf", &file, |m| {
+        m.push(("qwen2.expert_count".into(), gguf_file::Value::U32(8)));
+        m.push((
+            "qwen2.rope.scaling.type".into(),
+            gguf_file::Value::String("yarn".into()),
+        ));
+    });
+    let e = gguf::model_dir_in(&file, &tmp.join("cache"))
+        .unwrap_err()
+        .to_string();
+    for needle in [
+        "edited.gguf",
+        "these 2 keys",
+        "`qwen2.expert_count` = 8",
+        "`qwen2.rope.scaling.type` = \"yarn\"",
+    ] {
+        assert!(e.contains(needle), "`{needle}` not in: {e}");
+    }
+    // an architecture tallow does not read
+    edited_copy("tiny-qwen2-q8_0.gguf", &file, |m| {
+        for (k, v) in m.iter_mut() {
+            if k == "general.architecture" {
+                *v = gguf_file::Value::String("gemma2".into());
+            }
+        }
+    });
+    let e = gguf::model_dir_in(&file, &tmp.join("cache"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("gemma2") && e.contains("llama, qwen2, qwen3"),
+        "{e}"
+    );
+    // a SentencePiece vocabulary (not read yet)
+    edited_copy("tiny-qwen2-q8_0.gguf", &file, |m| {
+        for (k, v) in m.iter_mut() {
+            if k == "tokenizer.ggml.model" {
+                *v = gguf_file::Value::String("llama".into());
+            }
+        }
+    });
+    let e = gguf::model_dir_in(&file, &tmp.join("cache"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`tokenizer.ggml.model` = \"llama\""), "{e}");
+    // not a GGUF at all: read as a directory path, as before
+    assert!(!gguf::is_gguf(&model_dir("tiny-qwen2").join("config.json")));
+}
+
+#[test]
+fn eval_and_lora_training_take_a_gguf_file() {
+    let tmp = scratch("gguf-cli");
+    let env = [("TALLOW_CACHE_DIR", tmp.join("cache").display().to_string())];
+    let file = gguf_fixture("tiny-qwen2-q8_0.gguf");
+    let data = data_file("text");
+    let run = tallow_env(
+        [
+            "eval",
+            "--model",
+            file.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--dtype",
+            "f32",
+            "--json",
+        ],
+        &env,
+    );
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let out: Value = serde_json::from_str(run.stdout.lines().last().unwrap()).unwrap();
+    assert!(out["loss"].as_f64().unwrap() > 0.0);
+    // the same as the model dir it reads as
+    let dir = gguf::model_dir_in(&file, &tmp.join("cache").join("gguf")).unwrap();
+    let run2 = tallow_env(
+        [
+            "eval",
+            "--model",
+            dir.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--dtype",
+            "f32",
+            "--json",
+        ],
+        &env,
+    );
+    let out2: Value = serde_json::from_str(run2.stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(out["loss"], out2["loss"]);
+
+    let config = tmp.join("train.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[model]\npath = {:?}\ndtype = \"f32\"\n[lora]\nrank = 4\n[data]\ntrain = {:?}\n\
+             max_seq_len = 64\n[train]\nmax_steps = 2\nlr = 1e-3\ndevice = \"cpu\"\n\
+             output_dir = {:?}\n",
+            file.display().to_string(),
+            data.display().to_string(),
+            tmp.join("out").display().to_string()
+        ),
+    )
+    .unwrap();
+    let run = tallow_env(["train", "--config", config.to_str().unwrap()], &env);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let adapter = tmp.join("out/adapter");
+    assert!(
+        adapter.join("adapter_model.safetensors").exists(),
+        "{}",
+        run.stderr
+    );
+
+    // The adapter on the GGUF base, and merged into it: the merged HF-layout model computes the
+    // same loss.
+    let eval = |model: &Path, adapter: Option<&Path>| -> f64 {
+        let mut args = vec![
+            "eval".to_string(),
+            "--model".into(),
+            model.display().to_string(),
+            "--data".into(),
+            data.display().to_string(),
+            "--dtype".into(),
+            "f32".into(),
+            "--json".into(),
+        ];
+        if let Some(a) = adapter {
+            args.extend(["--adapter".into(), a.display().to_string()]);
+        }
+        let run = tallow_env(&args, &env);
+        assert_eq!(run.code, 0, "{}", run.stderr);
+        let v: Value = serde_json::from_str(run.stdout.lines().last().unwrap()).unwrap();
+        v["loss"].as_f64().unwrap()
+    };
+    let merged = tmp.join("merged");
+    let run = tallow_env(
+        [
+            "merge",
+            "--model",
+            file.to_str().unwrap(),
+            "--adapter",
+            adapter.to_str().unwrap(),
+            "--out",
+            merged.to_str().unwrap(),
+            "--dtype",
+            "f32",
+        ],
+        &env,
+    );
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let (with_adapter, base) = (eval(&file, Some(&adapter)), eval(&file, None));
+    let merged_loss = eval(&merged, None);
+    assert!(
+        (with_adapter - merged_loss).abs() < TOL,
+        "{with_adapter} vs {merged_loss}"
+    );
+    assert!(
+        (with_adapter - base).abs() > 100.0 * TOL,
+        "the adapter changed nothing: {base}"
+    );
+
+    // generate with the file's chat template
+    let run = tallow_env(
+        [
+            "generate",
+            "--model",
+            file.to_str().unwrap(),
+            "--prompt",
+            "Hi",
+            "--chat",
+            "--max-new-tokens",
+            "4",
+            "--json",
+        ],
+        &env,
+    );
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let v: Value = serde_json::from_str(run.stdout.lines().last().unwrap()).unwrap();
+    let tok = TextTokenizer::from_model_dir(&dir).unwrap();
+    let im_start = tok.encode("<|im_start|>", false).unwrap();
+    assert_eq!(v["prompt_ids"][0].as_u64(), Some(im_start[0] as u64), "{v}");
+}
