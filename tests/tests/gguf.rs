@@ -413,6 +413,28 @@ fn eval_and_lora_training_take_a_gguf_file() {
         (with_adapter - base).abs() > 100.0 * TOL,
         "the adapter changed nothing: {base}"
     );
+    // and exported with the adapter merged in: the GGUF computes the same loss
+    let exported = tmp.join("merged.gguf");
+    let run = tallow_env(
+        [
+            "export",
+            "--model",
+            file.to_str().unwrap(),
+            "--adapter",
+            adapter.to_str().unwrap(),
+            "--outtype",
+            "f32",
+            "--out",
+            exported.to_str().unwrap(),
+        ],
+        &env,
+    );
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let exported_loss = eval(&exported, None);
+    assert!(
+        (with_adapter - exported_loss).abs() < TOL,
+        "{with_adapter} vs {exported_loss}"
+    );
 
     // generate with the file's chat template
     let run = tallow_env(
@@ -434,4 +456,132 @@ fn eval_and_lora_training_take_a_gguf_file() {
     let tok = TextTokenizer::from_model_dir(&dir).unwrap();
     let im_start = tok.encode("<|im_start|>", false).unwrap();
     assert_eq!(v["prompt_ids"][0].as_u64(), Some(im_start[0] as u64), "{v}");
+}
+
+/// The metadata (as text, for comparison) and tensors (type, shape, bytes) of a GGUF file.
+type Dump = (
+    std::collections::BTreeMap<String, String>,
+    std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)>,
+);
+
+fn dump(path: &Path) -> Dump {
+    let mut f = std::fs::File::open(path).unwrap();
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    let meta = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), format!("{v:?}")))
+        .collect();
+    let tensors = content
+        .tensor_infos
+        .iter()
+        .map(|(n, info)| {
+            let q = content.tensor(&mut f, n, &Device::Cpu).unwrap();
+            let bytes = q.data().unwrap().to_vec();
+            (
+                n.clone(),
+                (
+                    format!("{:?}", info.ggml_dtype),
+                    info.shape.dims().to_vec(),
+                    bytes,
+                ),
+            )
+        })
+        .collect();
+    (meta, tensors)
+}
+
+/// `tallow export --format gguf` of each fixture model writes the file llama.cpp's converter
+/// wrote for it (tests/fixtures/gguf/): every metadata key with the same type and value
+/// (`general.name` aside: the converter derives it from the dir name by heuristics of its own),
+/// every tensor with the same type, shape and bytes (Q8_0 blocks, f16 rounding, Llama's q / k
+/// row order and its `rope_freqs.weight` included). Exporting the imported Q8_0 file again gives
+/// it back byte for byte.
+#[test]
+fn export_writes_what_llama_cpp_converter_writes() {
+    let tmp = scratch("gguf-export");
+    let env = [("TALLOW_CACHE_DIR", tmp.join("cache").display().to_string())];
+    let cases = [
+        ("tiny-llama", "f32", "tiny-llama-f32.gguf"),
+        ("tiny-qwen2", "q8_0", "tiny-qwen2-q8_0.gguf"),
+        ("tiny-qwen2", "f16", "tiny-qwen2-f16.gguf"),
+        ("tiny-qwen3", "f32", "tiny-qwen3-f32.gguf"),
+    ];
+    let mut compare = |model: &Path, outtype: &str, fixture: &str| {
+        let out = tmp.join(format!("{fixture}-{}", outtype));
+        let run = tallow_env(
+            [
+                "export",
+                "--model",
+                model.to_str().unwrap(),
+                "--outtype",
+                outtype,
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            &env,
+        );
+        assert_eq!(run.code, 0, "{}", run.stderr);
+        let (mut ours_meta, ours) = dump(&out);
+        let (mut theirs_meta, theirs) = dump(&gguf_fixture(fixture));
+        ours_meta.remove("general.name");
+        theirs_meta.remove("general.name");
+        assert_eq!(ours_meta, theirs_meta, "{fixture}: metadata");
+        assert_eq!(
+            ours.keys().collect::<Vec<_>>(),
+            theirs.keys().collect::<Vec<_>>(),
+            "{fixture}: tensor names"
+        );
+        for (name, (ty, shape, bytes)) in &theirs {
+            let (oty, oshape, obytes) = &ours[name];
+            assert_eq!((oty, oshape), (ty, shape), "{fixture}: {name}");
+            assert!(obytes == bytes, "{fixture}: {name}: the bytes differ");
+        }
+    };
+    for (model, outtype, fixture) in cases {
+        compare(&model_dir(model), outtype, fixture);
+    }
+    compare(
+        &gguf_fixture("tiny-qwen2-q8_0.gguf"),
+        "q8_0",
+        "tiny-qwen2-q8_0.gguf",
+    );
+}
+
+#[test]
+fn export_refuses_what_it_cannot_write() {
+    let tmp = scratch("gguf-export-bad");
+    let env = [("TALLOW_CACHE_DIR", tmp.join("cache").display().to_string())];
+    let out = tmp.join("x.gguf");
+    let run = tallow_env(
+        [
+            "export",
+            "--model",
+            model_dir("tiny-gemma2").to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        &env,
+    );
+    assert_ne!(run.code, 0);
+    assert!(
+        run.stderr.contains("model_type") && run.stderr.contains("gemma2"),
+        "{}",
+        run.stderr
+    );
+    assert!(!out.exists());
+    let run = tallow_env(
+        [
+            "export",
+            "--model",
+            model_dir("tiny-qwen2").to_str().unwrap(),
+            "--outtype",
+            "q4_k",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        &env,
+    );
+    assert_ne!(run.code, 0);
+    assert!(run.stderr.contains("--outtype q4_k"), "{}", run.stderr);
 }

@@ -26,6 +26,8 @@ pub enum Command {
     Eval(EvalArgs),
     /// Fold a LoRA adapter into its base model and save an HF-layout model.
     Merge(MergeArgs),
+    /// Write a model (and an adapter merged into it) as a GGUF file for llama.cpp / Ollama.
+    Export(ExportArgs),
     /// Generate text after a prompt (streamed to stdout), from a model and optional adapter.
     Generate(GenerateArgs),
     /// Interactive multi-turn chat (reads lines from stdin; /reset clears, /exit quits).
@@ -232,6 +234,29 @@ pub struct MergeArgs {
     pub double_quant: bool,
     /// Read the model's config.json as if this key were absent (repeatable): for a key tallow
     /// refuses because transformers reads it, when you know it has no effect on this model.
+    #[arg(long = "ignore-config-key", value_name = "KEY")]
+    pub ignore_config_keys: Vec<String>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ExportArgs {
+    /// Model directory, GGUF file, or hub id OWNER/NAME[@REVISION].
+    #[arg(long)]
+    pub model: PathBuf,
+    /// PEFT adapter directory to merge into the model first (as `tallow merge` does).
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
+    /// Output file.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Output format: gguf.
+    #[arg(long, default_value = "gguf")]
+    pub format: String,
+    /// Tensor type of the matrices: f32 | f16 | bf16 | q8_0 (norms and biases stay f32, as
+    /// llama.cpp's converter keeps them).
+    #[arg(long, default_value = "f16")]
+    pub outtype: String,
+    /// Read the model's config.json as if this key were absent (repeatable).
     #[arg(long = "ignore-config-key", value_name = "KEY")]
     pub ignore_config_keys: Vec<String>,
 }

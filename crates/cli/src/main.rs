@@ -12,6 +12,7 @@ mod doctor;
 mod download;
 mod estimate;
 mod eval;
+mod export;
 mod generate;
 mod gpu;
 mod merge;
@@ -78,6 +79,7 @@ fn main() {
         }
         args::Command::Eval(a) => eval::run(a),
         args::Command::Merge(a) => merge::run(a),
+        args::Command::Export(a) => export::run(a),
         args::Command::Generate(a) => generate::run(a),
         args::Command::Chat(a) => chat::run(a),
         args::Command::Download(a) => download::run(a),

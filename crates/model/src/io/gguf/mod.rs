@@ -13,6 +13,7 @@
 
 pub mod config;
 pub mod tokenizer;
+pub mod write;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,530 @@
+//! An HF model (its tensors by HF name, `config.json`, `tokenizer.json`, `tokenizer_config.json`)
+//! written as the GGUF file llama.cpp's `convert_hf_to_gguf.py` writes for it: the same metadata
+//! keys and values, the same tensor names, shapes and types, and for f32 / f16 / Q8_0 the same
+//! bytes (tests/tests/gguf.rs compares with the converter's own output). `tallow export` calls it.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::Value as G;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Tensor};
+use serde_json::Value;
+
+use crate::error::{ModelError, Refusal, Result};
+
+/// The tensor type of a GGUF export (`--outtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutType {
+    F32,
+    F16,
+    BF16,
+    Q8_0,
+}
+
+impl OutType {
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "f32" => Self::F32,
+            "f16" => Self::F16,
+            "bf16" => Self::BF16,
+            "q8_0" => Self::Q8_0,
+            _ => return None,
+        })
+    }
+
+    /// `general.file_type` (llama.cpp's `LlamaFileType`).
+    fn file_type(self) -> u32 {
+        match self {
+            Self::F32 => 0,
+            Self::F16 => 1,
+            Self::Q8_0 => 7,
+            Self::BF16 => 32,
+        }
+    }
+}
+
+/// What an export reads beside the tensors.
+pub struct Source<'a> {
+    /// The model's name (`general.name`).
+    pub name: &'a str,
+    pub config: &'a Value,
+    pub tokenizer: &'a Value,
+    pub tokenizer_config: &'a Value,
+    /// `chat_template.jinja`, used when tokenizer_config.json has no template.
+    pub chat_template: Option<&'a str>,
+}
+
+fn refuse(path: &Path, key: &str, value: Option<String>, msg: &str) -> ModelError {
+    ModelError::GgufRefused {
+        path: path.to_path_buf(),
+        refusals: vec![Refusal {
+            key: key.into(),
+            value,
+            msg: msg.into(),
+        }],
+    }
+}
+
+/// Writes `tensors` (HF names, any dtype) and `src` to the GGUF file `path`, atomically.
+pub fn write_gguf(
+    path: &Path,
+    tensors: &[(String, Tensor)],
+    src: &Source,
+    out: OutType,
+) -> Result<()> {
+    let c = src.config;
+    let model_type = c["model_type"].as_str().unwrap_or("");
+    let arch = match model_type {
+        "llama" | "mistral" => "llama",
+        "qwen2" => "qwen2",
+        "qwen3" => "qwen3",
+        other => {
+            return Err(refuse(
+                path,
+                "model_type",
+                Some(format!("{other:?}")),
+                "GGUF export writes llama, mistral, qwen2 and qwen3 models so far",
+            ))
+        }
+    };
+    let int = |k: &str| c[k].as_u64().unwrap_or(0) as u32;
+    let (hidden, heads) = (int("hidden_size"), int("num_attention_heads"));
+    let kv = c["num_key_value_heads"]
+        .as_u64()
+        .map_or(heads, |n| n as u32);
+    let head_dim = c["head_dim"]
+        .as_u64()
+        .map_or(hidden / heads.max(1), |d| d as u32);
+    let layers = int("num_hidden_layers");
+    let theta = rope_theta(c);
+
+    // Tensors, by llama.cpp's names.
+    let names: HashMap<String, String> = super::tensor_names(layers as usize).into_iter().collect();
+    let mut rows: Vec<(String, QTensor)> = Vec::new();
+    let mut params = 0u64;
+    if arch == "llama" {
+        if let Some(f) = llama3_rope_freqs(c, theta, head_dim) {
+            rows.push((
+                "rope_freqs.weight".into(),
+                QTensor::quantize(&f, GgmlDType::F32)?,
+            ));
+        }
+    }
+    let mut sorted: Vec<&(String, Tensor)> = tensors.iter().collect();
+    sorted.sort_by_key(|(n, _)| hf_order(n));
+    for (hf, t) in sorted {
+        let Some(gg) = names.get(hf) else {
+            return Err(refuse(
+                path,
+                hf,
+                None,
+                "a tensor GGUF export does not know the llama.cpp name of",
+            ));
+        };
+        let mut t = t.to_dtype(DType::F32)?;
+        if arch == "llama" && gg.ends_with("attn_q.weight") {
+            t = permute_rows(&t, heads as usize)?;
+        } else if arch == "llama" && gg.ends_with("attn_k.weight") {
+            t = permute_rows(&t, kv as usize)?;
+        }
+        params += t.elem_count() as u64;
+        let ty = match (t.rank(), out) {
+            (1, _) | (_, OutType::F32) => GgmlDType::F32,
+            (_, OutType::F16) => GgmlDType::F16,
+            (_, OutType::BF16) => GgmlDType::BF16,
+            // a row that is not whole Q8_0 blocks stays f16, as llama.cpp's converter does
+            (_, OutType::Q8_0) if t.dims()[t.rank() - 1] % 32 != 0 => GgmlDType::F16,
+            (_, OutType::Q8_0) => GgmlDType::Q8_0,
+        };
+        rows.push((gg.clone(), QTensor::quantize(&t, ty)?));
+    }
+
+    // Metadata, in the converter's order.
+    let mut m: Vec<(String, G)> = Vec::new();
+    let mut put = |k: &str, v: G| m.push((k.to_string(), v));
+    let a = |k: &str| format!("{arch}.{k}");
+    put("general.architecture", G::String(arch.into()));
+    put("general.type", G::String("model".into()));
+    put("general.name", G::String(src.name.into()));
+    put("general.size_label", G::String(size_label(params)));
+    put(&a("block_count"), G::U32(layers));
+    put(&a("context_length"), G::U32(int("max_position_embeddings")));
+    put(&a("embedding_length"), G::U32(hidden));
+    put(&a("feed_forward_length"), G::U32(int("intermediate_size")));
+    put(&a("attention.head_count"), G::U32(heads));
+    put(&a("attention.head_count_kv"), G::U32(kv));
+    put(&a("rope.freq_base"), G::F32(theta as f32));
+    put(
+        &a("attention.layer_norm_rms_epsilon"),
+        G::F32(c["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32),
+    );
+    if arch != "qwen2" {
+        put(&a("attention.key_length"), G::U32(head_dim));
+        put(&a("attention.value_length"), G::U32(head_dim));
+    }
+    put("general.file_type", G::U32(out.file_type()));
+    if arch == "llama" {
+        put(&a("vocab_size"), G::U32(int("vocab_size")));
+        put(&a("rope.dimension_count"), G::U32(head_dim));
+    }
+    put("general.quantization_version", G::U32(2));
+    for (k, v) in tokenizer_metadata(path, src, int("vocab_size") as usize)? {
+        put(&k, v);
+    }
+
+    let tmp = path.with_file_name(format!(
+        ".{}.tmp-{}",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("out"),
+        std::process::id()
+    ));
+    let io = |source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let result = (|| -> Result<()> {
+        let mut f = std::fs::File::create(&tmp).map_err(io)?;
+        candle_core::quantized::gguf_file::write(
+            &mut f,
+            &m.iter().map(|(k, v)| (k.as_str(), v)).collect::<Vec<_>>(),
+            &rows
+                .iter()
+                .map(|(k, v)| (k.as_str(), v))
+                .collect::<Vec<_>>(),
+        )?;
+        f.sync_all().map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(io)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Where an HF tensor goes in the file: the embedding, then each layer in the order of its HF
+/// names (as the converter meets them in a safetensors file), then the final norm and the head.
+fn hf_order(name: &str) -> (usize, usize, String) {
+    if name == "model.embed_tokens.weight" {
+        return (0, 0, String::new());
+    }
+    if let Some(rest) = name.strip_prefix("model.layers.") {
+        let (i, tail) = rest.split_once('.').unwrap_or((rest, ""));
+        return (1, i.parse().unwrap_or(0), tail.to_string());
+    }
+    (2, 0, name.to_string())
+}
+
+fn rope_theta(c: &Value) -> f64 {
+    c["rope_theta"]
+        .as_f64()
+        .or_else(|| c["rope_parameters"]["rope_theta"].as_f64())
+        .unwrap_or(10000.0)
+}
+
+/// llama.cpp's rope factors for a `llama3` rope scaling, computed as its converter does (f32
+/// frequencies, `generate_extra_tensors` in conversion/llama.py).
+fn llama3_rope_freqs(c: &Value, theta: f64, head_dim: u32) -> Option<Tensor> {
+    let r = if c["rope_scaling"].is_object() {
+        &c["rope_scaling"]
+    } else {
+        &c["rope_parameters"]
+    };
+    let kind = r["rope_type"].as_str().or_else(|| r["type"].as_str())?;
+    if kind != "llama3" {
+        return None;
+    }
+    let f = |k: &str, d: f64| r[k].as_f64().unwrap_or(d) as f32;
+    let (factor, low, high) = (
+        f("factor", 8.0),
+        f("low_freq_factor", 1.0),
+        f("high_freq_factor", 4.0),
+    );
+    let original = f("original_max_position_embeddings", 8192.0);
+    let (low_wavelen, high_wavelen) = (original / low, original / high);
+    let factors: Vec<f32> = (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0f32 / (theta as f32).powf((2 * i) as f32 / head_dim as f32);
+            let wavelen = (2.0 * std::f64::consts::PI) as f32 / freq;
+            if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor
+            } else {
+                let smooth = (original / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            }
+        })
+        .collect();
+    Tensor::new(factors, &candle_core::Device::Cpu).ok()
+}
+
+/// llama.cpp's rotary row order for Llama's q / k (`LlamaModel.permute`): per head, (2,
+/// rows/heads/2) -> (rows/heads/2, 2). [`super::unpermute_rows`] undoes it.
+fn permute_rows(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let (rows, cols) = w.dims2()?;
+    // (rows, cols) -> (heads, 2, rows/heads/2, cols) -> swap the middle two -> (rows, cols)
+    Ok(w.reshape((heads, 2, rows / heads / 2, cols))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((rows, cols))?)
+}
+
+/// gguf-py's `model_weight_count_rounded_notation`: "107K", "494M", "7.6B".
+fn size_label(n: u64) -> String {
+    let n = n as f64;
+    let (scaled, suffix) = if n > 1e12 {
+        (n * 1e-12, "T")
+    } else if n > 1e9 {
+        (n * 1e-9, "B")
+    } else if n > 1e6 {
+        (n * 1e-6, "M")
+    } else {
+        (n * 1e-3, "K")
+    };
+    let digits = format!("{}", scaled.round() as u64)
+        .trim_start_matches('0')
+        .len();
+    let fix = 2usize.saturating_sub(digits);
+    format!("{scaled:.fix$}{suffix}")
+}
+
+/// llama.cpp's `tokenizer.ggml.*` and `tokenizer.chat_template` for a byte-level BPE
+/// tokenizer, as the converter's `get_vocab_base` and gguf-py's `SpecialVocab` write them.
+fn tokenizer_metadata(path: &Path, src: &Source, vocab_size: usize) -> Result<Vec<(String, G)>> {
+    let tj = src.tokenizer;
+    let model = &tj["model"];
+    if model["type"].as_str() != Some("BPE") {
+        return Err(refuse(
+            path,
+            "tokenizer.json model.type",
+            model["type"].as_str().map(|s| format!("{s:?}")),
+            "GGUF export writes byte-level BPE tokenizers so far",
+        ));
+    }
+    let pre = pre_name(&tj["pre_tokenizer"]).ok_or_else(|| {
+        refuse(
+            path,
+            "tokenizer.json pre_tokenizer",
+            None,
+            "a pre-tokenizer llama.cpp does not name (its `tokenizer.ggml.pre`): llama.cpp would \
+             split the text differently",
+        )
+    })?;
+    let vocab = model["vocab"].as_object().cloned().unwrap_or_default();
+    let added: Vec<&Value> = tj["added_tokens"]
+        .as_array()
+        .map(|a| a.iter().collect())
+        .unwrap_or_default();
+    let mut by_id: Vec<Option<String>> = vec![None; vocab_size];
+    for (t, id) in &vocab {
+        if let Some(slot) = id.as_u64().and_then(|i| by_id.get_mut(i as usize)) {
+            *slot = Some(t.clone());
+        }
+    }
+    let added_by_id: HashMap<u64, &Value> = added
+        .iter()
+        .filter_map(|a| Some((a["id"].as_u64()?, *a)))
+        .collect();
+    let (mut tokens, mut types) = (Vec::new(), Vec::new());
+    for (i, t) in by_id.iter().enumerate() {
+        // NORMAL 1, CONTROL 3, USER_DEFINED 4, UNUSED 5
+        let (token, ty) = match (added_by_id.get(&(i as u64)), t) {
+            (Some(a), _) => {
+                let content = a["content"].as_str().unwrap_or("").to_string();
+                if a["special"].as_bool() == Some(true) || looks_special(&content) {
+                    (content, 3)
+                } else {
+                    (content.replace('\u{2581}', " "), 4)
+                }
+            }
+            (None, Some(t)) => (t.clone(), 1),
+            (None, None) => (format!("[PAD{i}]"), 5),
+        };
+        tokens.push(G::String(token));
+        types.push(G::I32(ty));
+    }
+    let merges: Vec<G> = model["merges"]
+        .as_array()
+        .map(|m| {
+            m.iter()
+                .map(|x| match x {
+                    Value::String(s) => G::String(s.clone()),
+                    Value::Array(p) => G::String(
+                        p.iter()
+                            .map(|s| s.as_str().unwrap_or("").replace(' ', "\u{0120}"))
+                            .collect::<Vec<_>>()
+                            .join(" "),
+                    ),
+                    _ => G::String(String::new()),
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut out: Vec<(String, G)> = vec![
+        ("tokenizer.ggml.model".into(), G::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), G::String(pre.into())),
+        ("tokenizer.ggml.tokens".into(), G::Array(tokens)),
+        ("tokenizer.ggml.token_type".into(), G::Array(types)),
+        ("tokenizer.ggml.merges".into(), G::Array(merges)),
+    ];
+    let (ids, adds) = special_tokens(src, &added, vocab_size);
+    for (typ, id) in ids {
+        let key = match typ {
+            "unk" => "unknown",
+            "sep" => "seperator",
+            "pad" => "padding",
+            t => t,
+        };
+        out.push((format!("tokenizer.ggml.{key}_token_id"), G::U32(id)));
+    }
+    for (typ, on) in adds {
+        out.push((format!("tokenizer.ggml.add_{typ}_token"), G::Bool(on)));
+    }
+    let template = src.tokenizer_config["chat_template"]
+        .as_str()
+        .or(src.chat_template);
+    if let Some(t) = template {
+        out.push(("tokenizer.chat_template".into(), G::String(t.into())));
+    }
+    Ok(out)
+}
+
+/// The converter's `does_token_look_special`.
+fn looks_special(t: &str) -> bool {
+    ["<pad>", "<mask>", "<2mass>", "[@BOS@]"].contains(&t)
+        || (t.starts_with("<|") && t.ends_with("|>"))
+        || (t.starts_with("<\u{ff5c}") && t.ends_with("\u{ff5c}>"))
+        || (t.starts_with("<unused") && t.ends_with('>'))
+}
+
+/// llama.cpp's name for a tokenizer.json pre-tokenizer: the split regex it uses (the
+/// reverse of [`super::tokenizer`]'s table), or GPT-2's byte-level regex.
+fn pre_name(p: &Value) -> Option<&'static str> {
+    if p["type"] == "ByteLevel" && p["use_regex"] == true {
+        return Some("gpt-2");
+    }
+    let parts = p["pretokenizers"].as_array()?;
+    let re = parts
+        .iter()
+        .find(|x| x["type"] == "Split")
+        .and_then(|x| x["pattern"]["Regex"].as_str())?;
+    ["llama-bpe", "qwen2", "qwen35", "tekken", "gpt-4o"]
+        .into_iter()
+        .find(|name| super::tokenizer::split_regex(name) == Some(re))
+}
+
+type SpecialIds = Vec<(&'static str, u32)>;
+type AddFlags = Vec<(&'static str, bool)>;
+
+/// Special token ids and add-flags as gguf-py's `SpecialVocab` reads them: the post-processor
+/// (BOS / EOS around a TemplateProcessing single sequence, a separator in its pair template;
+/// none for ByteLevel), then tokenizer_config.json (`add_*_token`, `*_token` by added-token
+/// content), then config.json's `*_token_id`.
+fn special_tokens(src: &Source, added: &[&Value], vocab_size: usize) -> (SpecialIds, AddFlags) {
+    const TYPES: [&str; 7] = ["bos", "eos", "unk", "sep", "pad", "cls", "mask"];
+    let tc = src.tokenizer_config;
+    let token_str = |typ: &str| -> Option<String> {
+        match &tc[format!("{typ}_token")] {
+            Value::String(s) => Some(s.clone()),
+            Value::Object(o) => o.get("content")?.as_str().map(String::from),
+            _ => None,
+        }
+    };
+    let (bos, eos) = (token_str("bos"), token_str("eos"));
+    let mut add: Vec<(&'static str, bool)> = Vec::new();
+    let set_add =
+        |add: &mut Vec<(&'static str, bool)>, typ: &'static str, on: bool, force| match add
+            .iter_mut()
+            .find(|(t, _)| *t == typ)
+        {
+            Some(e) if force => e.1 = on,
+            Some(_) => {}
+            None => add.push((typ, on)),
+        };
+    let pp = &src.tokenizer["post_processor"];
+    let processors: Vec<&Value> = match pp["processors"].as_array() {
+        Some(a) => a.iter().collect(),
+        None if pp.is_object() => vec![pp],
+        None => vec![],
+    };
+    for p in processors {
+        match p["type"].as_str() {
+            Some("ByteLevel") => {
+                set_add(&mut add, "bos", false, false);
+                set_add(&mut add, "eos", false, false);
+            }
+            Some("TemplateProcessing") => {
+                let single = p["single"].as_array().cloned().unwrap_or_default();
+                let pair = p["pair"].as_array().cloned().unwrap_or_default();
+                let special = |x: Option<&Value>| -> Option<String> {
+                    x?.get("SpecialToken")?
+                        .get("id")?
+                        .as_str()
+                        .map(String::from)
+                };
+                let (mut first, mut last) = (None, None);
+                if single.len() > 1 {
+                    first = special(single.first());
+                    if let Some(f) = &first {
+                        set_add(&mut add, "bos", Some(f) == bos.as_ref(), true);
+                    }
+                    last = special(single.last());
+                    if let Some(l) = &last {
+                        set_add(&mut add, "eos", Some(l) == eos.as_ref(), true);
+                    }
+                }
+                let start = usize::from(first.is_some() && special(pair.first()) == first);
+                let stop = if last.is_some() && special(pair.last()) == last {
+                    pair.len().saturating_sub(1)
+                } else {
+                    pair.len()
+                };
+                let inner = pair.get(start..stop).unwrap_or(&[]);
+                let seq = |x: Option<&Value>| {
+                    x.and_then(|v| v.get("Sequence")?.get("id")?.as_str().map(String::from))
+                };
+                if inner.len() > 2
+                    && seq(inner.first()).as_deref() == Some("A")
+                    && seq(inner.last()).as_deref() == Some("B")
+                {
+                    let middle = &inner[1..inner.len() - 1];
+                    let is_sep = |x: Option<&Value>| {
+                        special(x).is_some_and(|s| {
+                            Some(&s) == eos.as_ref() || Some(s) == token_str("sep")
+                        })
+                    };
+                    let sep = (is_sep(middle.first()) && last.is_none())
+                        || (middle.len() == 2 && is_sep(middle.get(1)));
+                    set_add(&mut add, "sep", sep, true);
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut ids: Vec<(&'static str, u32)> = Vec::new();
+    for typ in TYPES {
+        if let Some(on) = tc[format!("add_{typ}_token")].as_bool() {
+            set_add(&mut add, typ, on, false);
+        }
+        let id = token_str(typ).and_then(|t| {
+            added
+                .iter()
+                .find(|a| a["content"].as_str() == Some(&t))
+                .and_then(|a| a["id"].as_u64())
+        });
+        if let Some(id) = id.filter(|&i| (i as usize) < vocab_size) {
+            ids.push((typ, id as u32));
+        }
+    }
+    for typ in TYPES {
+        if ids.iter().any(|(t, _)| *t == typ) {
+            continue;
+        }
+        let v = &src.config[format!("{typ}_token_id")];
+        let id = v.as_u64().or_else(|| v.as_array()?.first()?.as_u64());
+        if let Some(id) = id.filter(|&i| (i as usize) < vocab_size) {
+            ids.push((typ, id as u32));
+        }
+    }
+    (ids, add)
+}
