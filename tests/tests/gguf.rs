@@ -507,7 +507,7 @@ fn export_writes_what_llama_cpp_converter_writes() {
         ("tiny-qwen2", "f16", "tiny-qwen2-f16.gguf"),
         ("tiny-qwen3", "f32", "tiny-qwen3-f32.gguf"),
     ];
-    let mut compare = |model: &Path, outtype: &str, fixture: &str| {
+    let compare = |model: &Path, outtype: &str, fixture: &str| {
         let out = tmp.join(format!("{fixture}-{}", outtype));
         let run = tallow_env(
             [
