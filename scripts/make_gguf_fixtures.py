@@ -22,6 +22,11 @@ scripts/requirements-fixtures.txt plus `sentencepiece`):
     tiny-qwen2 -> tests/fixtures/gguf/tiny-qwen2-f16.gguf   (f16)
     tiny-qwen3 -> tests/fixtures/gguf/tiny-qwen3-f32.gguf   (f32; q/k norms, head dim 32 != 64/4...)
 
+and `convert_lora_to_gguf.py` on two PEFT adapter fixtures (llama.cpp's LoRA adapter layout):
+
+    adapters/tiny-llama-peft -> tests/fixtures/gguf/tiny-llama-peft-f32.gguf
+    adapters/tiny-qwen2-peft -> tests/fixtures/gguf/tiny-qwen2-peft-f16.gguf
+
 The converter names a BPE vocabulary's pre-tokenizer (`tokenizer.ggml.pre`) by hashing the ids
 the tokenizer gives a test string, and knows only real models' hashes: for these tiny
 vocabularies it is told the name of the split their tokenizer.json uses (llama-bpe for tiny-llama,
@@ -77,6 +82,13 @@ FILES = [
     ("tiny-qwen3", "f32", "qwen2", "tiny-qwen3-f32.gguf"),
 ]
 
+# (PEFT adapter fixture, its base model, output type, file name): convert_lora_to_gguf.py's
+# adapter files, which `tallow export --adapter-only` must reproduce.
+LORA_FILES = [
+    ("tiny-llama-peft", "tiny-llama", "f32", "tiny-llama-peft-f32.gguf"),
+    ("tiny-qwen2-peft", "tiny-qwen2", "f16", "tiny-qwen2-peft-f16.gguf"),
+]
+
 TEXTS = [
     "Hello world, this is a test.",
     "The quick brown fox jumps over the lazy dog. 12345 67",
@@ -88,7 +100,7 @@ TEXTS = [
 def llama_cpp() -> Path:
     """The scratch copy of llama.cpp's converter (downloaded and checked once)."""
     root = SCRATCH / LLAMA_CPP
-    if (root / "convert_hf_to_gguf.py").exists():
+    if (root / "convert_lora_to_gguf.py").exists():
         return root
     SCRATCH.mkdir(parents=True, exist_ok=True)
     archive = SCRATCH / "llama_cpp_python-0.3.36.tar.gz"
@@ -97,7 +109,8 @@ def llama_cpp() -> Path:
     digest = hashlib.sha256(archive.read_bytes()).hexdigest()
     if digest != SDIST_SHA256:
         sys.exit(f"{archive}: SHA-256 {digest}, expected {SDIST_SHA256}")
-    wanted = [f"{LLAMA_CPP}/{p}" for p in ("convert_hf_to_gguf.py", "conversion", "gguf-py", "LICENSE", "models")]
+    wanted = [f"{LLAMA_CPP}/{p}" for p in ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion",
+                                           "gguf-py", "LICENSE", "models")]
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers() if any(m.name == w or m.name.startswith(w + "/") for w in wanted)]
         tar.extractall(SCRATCH, members=members, filter="data")
@@ -115,6 +128,11 @@ def convert():
         sys.argv = ["convert_hf_to_gguf.py", str(FIX / "models" / model), "--outfile", str(OUT / name),
                     "--outtype", outtype]
         runpy.run_path(str(root / "convert_hf_to_gguf.py"), run_name="__main__")
+        print(f"wrote {OUT / name} ({(OUT / name).stat().st_size} bytes)")
+    for adapter, model, outtype, name in LORA_FILES:
+        sys.argv = ["convert_lora_to_gguf.py", str(FIX / "adapters" / adapter), "--base", str(FIX / "models" / model),
+                    "--outfile", str(OUT / name), "--outtype", outtype]
+        runpy.run_path(str(root / "convert_lora_to_gguf.py"), run_name="__main__")
         print(f"wrote {OUT / name} ({(OUT / name).stat().st_size} bytes)")
 
 

@@ -585,3 +585,85 @@ fn export_refuses_what_it_cannot_write() {
     assert_ne!(run.code, 0);
     assert!(run.stderr.contains("--outtype q4_k"), "{}", run.stderr);
 }
+
+/// `tallow export --adapter-only` writes the adapter file llama.cpp's `convert_lora_to_gguf.py`
+/// writes from the same PEFT adapter (key for key, tensor for tensor, byte for byte; Llama's q / k
+/// B rows in llama.cpp's rotary order). An rsLoRA adapter is written with alpha * sqrt(r), so that
+/// llama.cpp's alpha / r is PEFT's alpha / sqrt(r) (the converter writes alpha as it is); DoRA is
+/// refused.
+#[test]
+fn adapter_only_export_writes_what_convert_lora_to_gguf_writes() {
+    let tmp = scratch("gguf-lora");
+    let env = [("TALLOW_CACHE_DIR", tmp.join("cache").display().to_string())];
+    let export = |model: &str, adapter: &str, outtype: &str, out: &Path| {
+        tallow_env(
+            [
+                "export",
+                "--model",
+                model_dir(model).to_str().unwrap(),
+                "--adapter",
+                fixtures().join("adapters").join(adapter).to_str().unwrap(),
+                "--adapter-only",
+                "--outtype",
+                outtype,
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            &env,
+        )
+    };
+    for (model, adapter, outtype, fixture) in [
+        (
+            "tiny-llama",
+            "tiny-llama-peft",
+            "f32",
+            "tiny-llama-peft-f32.gguf",
+        ),
+        (
+            "tiny-qwen2",
+            "tiny-qwen2-peft",
+            "f16",
+            "tiny-qwen2-peft-f16.gguf",
+        ),
+    ] {
+        let out = tmp.join(fixture);
+        let run = export(model, adapter, outtype, &out);
+        assert_eq!(run.code, 0, "{}", run.stderr);
+        let (mut ours_meta, ours) = dump(&out);
+        let (mut theirs_meta, theirs) = dump(&gguf_fixture(fixture));
+        ours_meta.remove("general.name");
+        theirs_meta.remove("general.name");
+        assert_eq!(ours_meta, theirs_meta, "{fixture}: metadata");
+        assert_eq!(
+            ours.keys().collect::<Vec<_>>(),
+            theirs.keys().collect::<Vec<_>>(),
+            "{fixture}: tensor names"
+        );
+        for (name, (ty, shape, bytes)) in &theirs {
+            let (oty, oshape, obytes) = &ours[name];
+            assert_eq!((oty, oshape), (ty, shape), "{fixture}: {name}");
+            assert!(obytes == bytes, "{fixture}: {name}: the bytes differ");
+        }
+    }
+    let out = tmp.join("rslora.gguf");
+    let run = export("tiny-qwen2", "tiny-qwen2-peft-rslora", "f32", &out);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let cfg = read_json(&fixtures().join("adapters/tiny-qwen2-peft-rslora/adapter_config.json"));
+    let (r, alpha) = (
+        cfg["r"].as_f64().unwrap(),
+        cfg["lora_alpha"].as_f64().unwrap(),
+    );
+    let (meta, _) = dump(&out);
+    assert_eq!(
+        meta["adapter.lora.alpha"],
+        format!("{:?}", gguf_file::Value::F32((alpha * r.sqrt()) as f32))
+    );
+    let run = export(
+        "tiny-qwen2",
+        "tiny-qwen2-peft-dora",
+        "f32",
+        &tmp.join("dora.gguf"),
+    );
+    assert_ne!(run.code, 0);
+    assert!(run.stderr.contains("`use_dora`"), "{}", run.stderr);
+}

@@ -246,6 +246,10 @@ pub struct ExportArgs {
     /// PEFT adapter directory to merge into the model first (as `tallow merge` does).
     #[arg(long)]
     pub adapter: Option<PathBuf>,
+    /// Write the --adapter alone, in llama.cpp's GGUF LoRA layout (`llama-cli -m BASE.gguf
+    /// --lora FILE`), instead of the merged model.
+    #[arg(long)]
+    pub adapter_only: bool,
     /// Output file.
     #[arg(long)]
     pub out: PathBuf,

@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use tallow_model::io::gguf::write::{write_gguf, OutType, Source};
+use tallow_model::io::gguf::write::{write_gguf, write_gguf_lora, LoraPair, OutType, Source};
 use tallow_model::merge_lora;
 use tallow_trainer::config::Quantize;
 
@@ -18,6 +18,9 @@ pub fn run(a: ExportArgs) -> Result<()> {
         bail!("--outtype {}: expected f32, f16, bf16 or q8_0", a.outtype);
     };
     let dir = model::dir(&a.model)?;
+    if a.adapter_only {
+        return adapter_only(&a, &dir, out);
+    }
     // Merged in f32 on the CPU, rounded once to the output type.
     let opts = model::options(
         Quantize::None,
@@ -104,4 +107,90 @@ fn display_name(path: &std::path::Path) -> String {
         })
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// `--adapter-only`: the PEFT adapter in llama.cpp's GGUF LoRA layout. llama.cpp scales a pair by
+/// alpha / rank, so an rsLoRA adapter (alpha / sqrt(rank)) is written with alpha * sqrt(rank);
+/// what llama.cpp cannot apply (DoRA, per-module alphas, trained embeddings or head) is refused.
+fn adapter_only(a: &ExportArgs, dir: &std::path::Path, out: OutType) -> Result<()> {
+    let Some(adapter) = &a.adapter else {
+        bail!("--adapter-only needs --adapter DIR");
+    };
+    let cfg_path = adapter.join("adapter_config.json");
+    let cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(&cfg_path).with_context(|| format!("{}", cfg_path.display()))?,
+    )
+    .with_context(|| format!("{}: not valid JSON", cfg_path.display()))?;
+    let refuse = |key: &str, why: &str| -> Result<()> {
+        bail!(
+            "{}: `{key}`: {why}; merge it instead (tallow export without --adapter-only)",
+            cfg_path.display()
+        )
+    };
+    if cfg["use_dora"].as_bool() == Some(true) {
+        refuse("use_dora", "llama.cpp's LoRA layout has no DoRA magnitudes")?;
+    }
+    if cfg["alpha_pattern"]
+        .as_object()
+        .is_some_and(|m| !m.is_empty())
+    {
+        refuse("alpha_pattern", "llama.cpp applies one alpha to every pair")?;
+    }
+    if cfg["modules_to_save"]
+        .as_array()
+        .is_some_and(|m| !m.is_empty())
+    {
+        refuse(
+            "modules_to_save",
+            "llama.cpp's LoRA layout holds LoRA pairs only",
+        )?;
+    }
+    let rank = cfg["r"].as_f64().unwrap_or(8.0);
+    let mut alpha = cfg["lora_alpha"].as_f64().unwrap_or(rank);
+    if cfg["use_rslora"].as_bool() == Some(true) {
+        alpha *= rank.sqrt();
+    }
+    let file = adapter.join("adapter_model.safetensors");
+    let tensors = candle_core::safetensors::load(&file, &Device::Cpu)
+        .with_context(|| format!("{}", file.display()))?;
+    let mut pairs = Vec::new();
+    for (name, t) in &tensors {
+        let Some(module) = name
+            .strip_prefix("base_model.model.")
+            .and_then(|n| n.strip_suffix(".lora_A.weight"))
+        else {
+            if !name.ends_with(".lora_B.weight") {
+                bail!("{}: `{name}` is not a LoRA A or B tensor", file.display());
+            }
+            continue;
+        };
+        let b_name = format!("base_model.model.{module}.lora_B.weight");
+        let b = tensors
+            .get(&b_name)
+            .with_context(|| format!("{}: no `{b_name}` beside `{name}`", file.display()))?;
+        pairs.push(LoraPair {
+            weight: format!("{module}.weight"),
+            a: t.clone(),
+            b: b.clone(),
+        });
+    }
+    let config = tallow_model::DecoderConfig::from_dir_ignoring(dir, &a.ignore_config_keys)?
+        .to_hf_json(DType::F32);
+    write_gguf_lora(
+        &a.out,
+        &pairs,
+        alpha as f32,
+        &config,
+        &display_name(adapter),
+        out,
+    )
+    .with_context(|| format!("writing {}", a.out.display()))?;
+    println!(
+        "exported {} ({} LoRA pairs, alpha {alpha}) -> {} (GGUF LoRA adapter, {})",
+        adapter.display(),
+        pairs.len(),
+        a.out.display(),
+        a.outtype
+    );
+    Ok(())
 }

@@ -173,32 +173,7 @@ pub fn write_gguf(
         put(&k, v);
     }
 
-    let tmp = path.with_file_name(format!(
-        ".{}.tmp-{}",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("out"),
-        std::process::id()
-    ));
-    let io = |source| ModelError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    let result = (|| -> Result<()> {
-        let mut f = std::fs::File::create(&tmp).map_err(io)?;
-        candle_core::quantized::gguf_file::write(
-            &mut f,
-            &m.iter().map(|(k, v)| (k.as_str(), v)).collect::<Vec<_>>(),
-            &rows
-                .iter()
-                .map(|(k, v)| (k.as_str(), v))
-                .collect::<Vec<_>>(),
-        )?;
-        f.sync_all().map_err(io)?;
-        std::fs::rename(&tmp, path).map_err(io)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    write_file(path, &m, &rows)
 }
 
 /// Where an HF tensor goes in the file: the embedding, then each layer in the order of its HF
@@ -527,4 +502,122 @@ fn special_tokens(src: &Source, added: &[&Value], vocab_size: usize) -> (Special
         }
     }
     (ids, add)
+}
+
+/// One LoRA pair of an adapter: the adapted weight's HF name (`model.layers.0.self_attn.q_proj.weight`),
+/// A (r, in) and B (out, r).
+pub struct LoraPair {
+    pub weight: String,
+    pub a: Tensor,
+    pub b: Tensor,
+}
+
+/// Writes a LoRA adapter of a model with `config` as the GGUF adapter file llama.cpp's
+/// `convert_lora_to_gguf.py` writes (`llama-cli --lora FILE`): `general.type` "adapter",
+/// `adapter.type` "lora", `adapter.lora.alpha`, and per adapted weight `{name}.lora_a` (A) and
+/// `{name}.lora_b` (B; Llama's q / k rows in llama.cpp's rotary order), atomically. llama.cpp
+/// scales each pair by alpha / rank: the caller passes the alpha that gives the adapter's scale.
+pub fn write_gguf_lora(
+    path: &Path,
+    pairs: &[LoraPair],
+    alpha: f32,
+    config: &Value,
+    name: &str,
+    out: OutType,
+) -> Result<()> {
+    let model_type = config["model_type"].as_str().unwrap_or("");
+    let arch = match model_type {
+        "llama" | "mistral" => "llama",
+        "qwen2" => "qwen2",
+        "qwen3" => "qwen3",
+        other => {
+            return Err(refuse(
+                path,
+                "model_type",
+                Some(format!("{other:?}")),
+                "GGUF export writes llama, mistral, qwen2 and qwen3 adapters so far",
+            ))
+        }
+    };
+    let c = config;
+    let int = |k: &str| c[k].as_u64().unwrap_or(0) as usize;
+    let heads = int("num_attention_heads");
+    let kv = c["num_key_value_heads"]
+        .as_u64()
+        .map_or(heads, |n| n as usize);
+    let names: HashMap<String, String> = super::tensor_names(int("num_hidden_layers"))
+        .into_iter()
+        .collect();
+    let ty = |t: &Tensor| match out {
+        OutType::F32 => GgmlDType::F32,
+        OutType::F16 => GgmlDType::F16,
+        OutType::BF16 => GgmlDType::BF16,
+        OutType::Q8_0 if t.dims()[t.rank() - 1] % 32 != 0 => GgmlDType::F16,
+        OutType::Q8_0 => GgmlDType::Q8_0,
+    };
+    let mut rows: Vec<(String, QTensor)> = Vec::new();
+    let mut sorted: Vec<&LoraPair> = pairs.iter().collect();
+    sorted.sort_by_key(|p| hf_order(&p.weight));
+    for p in sorted {
+        let Some(gg) = names.get(&p.weight) else {
+            return Err(refuse(
+                path,
+                &p.weight,
+                None,
+                "an adapted weight llama.cpp's LoRA layout has no name for",
+            ));
+        };
+        let a = p.a.to_dtype(DType::F32)?;
+        let mut b = p.b.to_dtype(DType::F32)?;
+        if arch == "llama" && gg.ends_with("attn_q.weight") {
+            b = permute_rows(&b, heads)?;
+        } else if arch == "llama" && gg.ends_with("attn_k.weight") {
+            b = permute_rows(&b, kv)?;
+        }
+        rows.push((format!("{gg}.lora_a"), QTensor::quantize(&a, ty(&a))?));
+        rows.push((format!("{gg}.lora_b"), QTensor::quantize(&b, ty(&b))?));
+    }
+    let mut m: Vec<(String, G)> = vec![
+        ("general.architecture".into(), G::String(arch.into())),
+        ("general.type".into(), G::String("adapter".into())),
+        ("adapter.type".into(), G::String("lora".into())),
+        ("general.name".into(), G::String(name.into())),
+        ("adapter.lora.alpha".into(), G::F32(alpha)),
+    ];
+    // (the converter writes no `general.file_type` into an adapter, whatever its type)
+    m.push(("general.quantization_version".into(), G::U32(2)));
+    write_file(path, &m, &rows)
+}
+
+/// `metadata` and `tensors` as a GGUF file at `path`: a temporary name, synced, renamed.
+fn write_file(path: &Path, metadata: &[(String, G)], tensors: &[(String, QTensor)]) -> Result<()> {
+    let tmp = path.with_file_name(format!(
+        ".{}.tmp-{}",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("out"),
+        std::process::id()
+    ));
+    let io = |source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let result = (|| -> Result<()> {
+        let mut f = std::fs::File::create(&tmp).map_err(io)?;
+        candle_core::quantized::gguf_file::write(
+            &mut f,
+            &metadata
+                .iter()
+                .map(|(k, v)| (k.as_str(), v))
+                .collect::<Vec<_>>(),
+            &tensors
+                .iter()
+                .map(|(k, v)| (k.as_str(), v))
+                .collect::<Vec<_>>(),
+        )?;
+        f.sync_all().map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(io)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
 }
