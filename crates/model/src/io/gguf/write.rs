@@ -129,15 +129,7 @@ pub fn write_gguf(
             t = permute_rows(&t, kv as usize)?;
         }
         params += t.elem_count() as u64;
-        let ty = match (t.rank(), out) {
-            (1, _) | (_, OutType::F32) => GgmlDType::F32,
-            (_, OutType::F16) => GgmlDType::F16,
-            (_, OutType::BF16) => GgmlDType::BF16,
-            // a row that is not whole Q8_0 blocks stays f16, as llama.cpp's converter does
-            (_, OutType::Q8_0) if t.dims()[t.rank() - 1] % 32 != 0 => GgmlDType::F16,
-            (_, OutType::Q8_0) => GgmlDType::Q8_0,
-        };
-        rows.push((gg.clone(), QTensor::quantize(&t, ty)?));
+        rows.push((gg.clone(), QTensor::quantize(&t, tensor_type(&t, out))?));
     }
 
     // Metadata, in the converter's order.
@@ -174,6 +166,18 @@ pub fn write_gguf(
     }
 
     write_file(path, &m, &rows)
+}
+
+/// The type a tensor is written in: vectors (norms, biases) stay f32, matrices take `out`, and a
+/// matrix whose rows are not whole Q8_0 blocks is written f16, as llama.cpp's converter does.
+fn tensor_type(t: &Tensor, out: OutType) -> GgmlDType {
+    match (t.rank(), out) {
+        (1, _) | (_, OutType::F32) => GgmlDType::F32,
+        (_, OutType::F16) => GgmlDType::F16,
+        (_, OutType::BF16) => GgmlDType::BF16,
+        (_, OutType::Q8_0) if !t.dims()[t.rank() - 1].is_multiple_of(32) => GgmlDType::F16,
+        (_, OutType::Q8_0) => GgmlDType::Q8_0,
+    }
 }
 
 /// Where an HF tensor goes in the file: the embedding, then each layer in the order of its HF
@@ -548,13 +552,6 @@ pub fn write_gguf_lora(
     let names: HashMap<String, String> = super::tensor_names(int("num_hidden_layers"))
         .into_iter()
         .collect();
-    let ty = |t: &Tensor| match out {
-        OutType::F32 => GgmlDType::F32,
-        OutType::F16 => GgmlDType::F16,
-        OutType::BF16 => GgmlDType::BF16,
-        OutType::Q8_0 if t.dims()[t.rank() - 1] % 32 != 0 => GgmlDType::F16,
-        OutType::Q8_0 => GgmlDType::Q8_0,
-    };
     let mut rows: Vec<(String, QTensor)> = Vec::new();
     let mut sorted: Vec<&LoraPair> = pairs.iter().collect();
     sorted.sort_by_key(|p| hf_order(&p.weight));
@@ -574,8 +571,14 @@ pub fn write_gguf_lora(
         } else if arch == "llama" && gg.ends_with("attn_k.weight") {
             b = permute_rows(&b, kv)?;
         }
-        rows.push((format!("{gg}.lora_a"), QTensor::quantize(&a, ty(&a))?));
-        rows.push((format!("{gg}.lora_b"), QTensor::quantize(&b, ty(&b))?));
+        rows.push((
+            format!("{gg}.lora_a"),
+            QTensor::quantize(&a, tensor_type(&a, out))?,
+        ));
+        rows.push((
+            format!("{gg}.lora_b"),
+            QTensor::quantize(&b, tensor_type(&b, out))?,
+        ));
     }
     let mut m: Vec<(String, G)> = vec![
         ("general.architecture".into(), G::String(arch.into())),
