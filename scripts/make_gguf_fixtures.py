@@ -21,6 +21,11 @@ scripts/requirements-fixtures.txt plus `sentencepiece`):
     tiny-qwen2 -> tests/fixtures/gguf/tiny-qwen2-q8_0.gguf  (Q8_0 blocks; q/k/v biases, tied)
     tiny-qwen2 -> tests/fixtures/gguf/tiny-qwen2-f16.gguf   (f16)
     tiny-qwen3 -> tests/fixtures/gguf/tiny-qwen3-f32.gguf   (f32; q/k norms, head dim 32 != 64/4...)
+    tiny-llama-spm -> tests/fixtures/gguf/tiny-llama-spm-f32.gguf  (a SentencePiece vocabulary,
+                  `tokenizer.ggml.model` = "llama", as Llama 2 and Mistral have: tiny-llama's shape
+                  without rope scaling, random weights (seed 0), and a 400-piece SentencePiece BPE
+                  model with byte fallback trained here on tests/fixtures/data's texts; the model
+                  dir is made in the scratch dir and not committed, only its GGUF)
 
 and `convert_lora_to_gguf.py` on two PEFT adapter fixtures (llama.cpp's LoRA adapter layout):
 
@@ -77,6 +82,7 @@ SCRATCH = Path(os.environ.get("GGUF_SCRATCH", "/tmp/tallow-gguf-scratch"))
 # (fixture model, output type, tokenizer.ggml.pre, file name)
 FILES = [
     ("tiny-llama", "f32", "llama-bpe", "tiny-llama-f32.gguf"),
+    ("tiny-llama-spm", "f32", None, "tiny-llama-spm-f32.gguf"),
     ("tiny-qwen2", "q8_0", "qwen2", "tiny-qwen2-q8_0.gguf"),
     ("tiny-qwen2", "f16", "qwen2", "tiny-qwen2-f16.gguf"),
     ("tiny-qwen3", "f32", "qwen2", "tiny-qwen3-f32.gguf"),
@@ -117,16 +123,47 @@ def llama_cpp() -> Path:
     return root
 
 
+def make_spm_model() -> Path:
+    """tiny-llama-spm (see the module doc), in the scratch dir."""
+    import sentencepiece as spm
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
+
+    out = SCRATCH / "tiny-llama-spm"
+    corpus = SCRATCH / "spm-corpus.txt"
+    lines = []
+    for f in sorted((FIX / "data").glob("*.jsonl")):
+        for line in f.read_text(encoding="utf-8").splitlines():
+            lines += [v for v in json.loads(line).values() if isinstance(v, str)]
+    corpus.write_text("\n".join(lines + TEXTS) + "\n", encoding="utf-8")
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(SCRATCH / "spm"), vocab_size=400, model_type="bpe",
+        byte_fallback=True, hard_vocab_limit=False, character_coverage=1.0, seed_sentencepiece_size=1000,
+        num_threads=1, add_dummy_prefix=True, split_digits=True)
+    tok = LlamaTokenizer(vocab_file=str(SCRATCH / "spm.model"), legacy=False)
+    base = json.loads((FIX / "models" / "tiny-llama" / "config.json").read_text())
+    base.update(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                rope_scaling=None)
+    for k in ("architectures", "transformers_version", "dtype", "model_type"):
+        base.pop(k, None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**base))
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
 def convert():
     root = llama_cpp()
     sys.path[:0] = [str(root / "gguf-py"), str(root)]
     import conversion.base as base  # llama.cpp's
 
     OUT.mkdir(parents=True, exist_ok=True)
+    original = base.TextModel.get_vocab_base_pre
     for model, outtype, pre, name in FILES:
-        base.TextModel.get_vocab_base_pre = lambda self, tokenizer, pre=pre: pre
-        sys.argv = ["convert_hf_to_gguf.py", str(FIX / "models" / model), "--outfile", str(OUT / name),
-                    "--outtype", outtype]
+        base.TextModel.get_vocab_base_pre = (lambda self, tokenizer, pre=pre: pre) if pre else original
+        src = make_spm_model() if model == "tiny-llama-spm" else FIX / "models" / model
+        sys.argv = ["convert_hf_to_gguf.py", str(src), "--outfile", str(OUT / name), "--outtype", outtype]
         runpy.run_path(str(root / "convert_hf_to_gguf.py"), run_name="__main__")
         print(f"wrote {OUT / name} ({(OUT / name).stat().st_size} bytes)")
     for adapter, model, outtype, name in LORA_FILES:
@@ -156,7 +193,8 @@ def reference():
     for model_name, _, _, name in FILES:
         tok = AutoTokenizer.from_pretrained(OUT, gguf_file=name)
         ids = [tok(t).input_ids for t in TEXTS]
-        original = AutoModelForCausalLM.from_pretrained(FIX / "models" / model_name, dtype=torch.float32)
+        src = SCRATCH / model_name if model_name == "tiny-llama-spm" else FIX / "models" / model_name
+        original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
         entry = {"ids": ids, "count": sum(len(r) - 1 for r in ids),
                  "tokenizer_json": json.loads(tok.backend_tokenizer.to_str()),
                  "original_nll_sum": nll_of(original.eval(), ids)}

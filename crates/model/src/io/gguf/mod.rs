@@ -161,6 +161,23 @@ impl GgufFile {
         }
     }
 
+    /// An array of numbers.
+    pub fn floats(&self, key: &str) -> Result<Option<Vec<f64>>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| match v {
+                    Value::F32(x) => Ok(*x as f64),
+                    Value::F64(x) => Ok(*x),
+                    _ => Err(self.wrong_type(key, "an array of numbers")),
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(Some),
+            Some(_) => Err(self.wrong_type(key, "an array of numbers")),
+        }
+    }
+
     pub fn has_tensor(&self, name: &str) -> bool {
         self.content.tensor_infos.contains_key(name)
     }

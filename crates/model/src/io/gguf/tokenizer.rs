@@ -56,15 +56,25 @@ fn bytes_to_unicode() -> [char; 256] {
 /// (`tokenizer.json`, `tokenizer_config.json`) of `file`.
 pub fn hf_tokenizer(file: &GgufFile) -> Result<(Value, Value)> {
     let model = file.string("tokenizer.ggml.model")?.unwrap_or("");
-    if model != "gpt2" {
+    let arch = file.string("general.architecture")?.unwrap_or("");
+    // Gemma's and Phi-3's SentencePiece files need builders of their own (transformers'
+    // GGUF_SENTENCEPIECE_BUILDERS): not written yet.
+    let spm = model == "llama" && !matches!(arch, "gemma" | "gemma2" | "gemma3" | "phi3");
+    if model != "gpt2" && !spm {
         return Err(ModelError::GgufRefused {
             path: file.path.clone(),
             refusals: vec![Refusal {
                 key: "tokenizer.ggml.model".into(),
                 value: Some(format!("{model:?}")),
-                msg: "only byte-level BPE (`gpt2`) vocabularies are read from GGUF yet".into(),
+                msg: format!(
+                    "byte-level BPE (`gpt2`) and SentencePiece (`llama`, but not {arch}'s own) \
+                     vocabularies are read from GGUF so far"
+                ),
             }],
         });
+    }
+    if spm {
+        return sentencepiece(file);
     }
     let missing = |key: &str| ModelError::Config {
         path: file.path.clone(),
@@ -98,22 +108,8 @@ pub fn hf_tokenizer(file: &GgufFile) -> Result<(Value, Value)> {
         .map(|m| json!(m.split(' ').collect::<Vec<_>>()))
         .collect();
 
-    // Control tokens are added as special (those outside the byte alphabet are llama.cpp
-    // mislabels and skipped); user-defined ones as plain added tokens.
-    let mut added = Vec::new();
-    for (id, (t, ty)) in tokens.iter().zip(&types).enumerate() {
-        let special = match *ty {
-            CONTROL if in_alphabet(t) => true,
-            USER_DEFINED if vocab.contains_key(*t) => false,
-            _ => continue,
-        };
-        added.push(
-            json!({"id": id, "content": t, "single_word": false, "lstrip": false,
-            "rstrip": false, "normalized": false, "special": special}),
-        );
-    }
-    // user-defined tokens come after the control ones, as transformers adds them
-    added.sort_by_key(|a| !a["special"].as_bool().unwrap_or(false));
+    // Control tokens outside the byte alphabet are llama.cpp mislabels, skipped.
+    let added = added_tokens(&tokens, &types, &in_alphabet, &vocab);
 
     let pre = file.string("tokenizer.ggml.pre")?.unwrap_or("");
     let pre_tokenizer = match split_regex(pre) {
@@ -125,38 +121,8 @@ pub fn hf_tokenizer(file: &GgufFile) -> Result<(Value, Value)> {
         }
     };
 
-    // (id, token as the vocabulary spells it) of a special token the metadata names by id (a
-    // control token outside the byte alphabet, such as DeepSeek's `<｜end▁of▁sentence｜>`, is
-    // not an added token and is known by its byte-level spelling)
-    let special = |key: &str| -> Result<Option<(i64, String)>> {
-        Ok(file
-            .int(key)?
-            .and_then(|id| tokens.get(id as usize).map(|t| (id, spelled(t)))))
-    };
-    let bos = special("tokenizer.ggml.bos_token_id")?;
-    let eos = special("tokenizer.ggml.eos_token_id")?;
-    let add_bos = file.bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false);
-    let add_eos = file.bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
-    // The post-processor: BOS / EOS around each sequence when the file says to add them.
-    let mut special_tokens = Map::new();
-    let mut single = Vec::new();
-    let mut pair = Vec::new();
-    let mut piece = |t: &Option<(i64, String)>, on: bool, type_id: u32, out: &mut Vec<Value>| {
-        if let (Some((id, t)), true) = (t, on) {
-            out.push(json!({"SpecialToken": {"id": t, "type_id": type_id}}));
-            special_tokens.insert(t.clone(), json!({"id": t, "ids": [id], "tokens": [t]}));
-        }
-    };
-    piece(&bos, add_bos, 0, &mut single);
-    single.push(json!({"Sequence": {"id": "A", "type_id": 0}}));
-    piece(&eos, add_eos, 0, &mut single);
-    piece(&bos, add_bos, 0, &mut pair);
-    pair.push(json!({"Sequence": {"id": "A", "type_id": 0}}));
-    piece(&eos, add_eos, 0, &mut pair);
-    piece(&bos, add_bos, 1, &mut pair);
-    pair.push(json!({"Sequence": {"id": "B", "type_id": 1}}));
-    piece(&eos, add_eos, 1, &mut pair);
-
+    let specials = Specials::read(file, &tokens, &spelled, false)?;
+    let post_processor = specials.post_processor();
     let tokenizer = json!({
         "version": "1.0",
         "truncation": null,
@@ -164,30 +130,216 @@ pub fn hf_tokenizer(file: &GgufFile) -> Result<(Value, Value)> {
         "added_tokens": added,
         "normalizer": null,
         "pre_tokenizer": pre_tokenizer,
-        "post_processor": {"type": "TemplateProcessing", "single": single, "pair": pair,
-            "special_tokens": special_tokens},
+        "post_processor": post_processor,
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true,
             "use_regex": true},
         "model": {"type": "BPE", "dropout": null, "unk_token": null,
             "continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": false,
             "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": merges},
     });
-    let mut config = Map::new();
-    for (name, key) in [
-        ("bos_token", "tokenizer.ggml.bos_token_id"),
-        ("eos_token", "tokenizer.ggml.eos_token_id"),
-        ("unk_token", "tokenizer.ggml.unknown_token_id"),
-        ("pad_token", "tokenizer.ggml.padding_token_id"),
-    ] {
-        config.insert(
-            name.into(),
-            special(key)?.map_or(Value::Null, |(_, t)| Value::from(t)),
+    let config = specials.tokenizer_config(file)?;
+    Ok((tokenizer, config))
+}
+
+/// The special tokens a file names by id (as the vocabulary spells them: a control token outside
+/// the byte alphabet, such as DeepSeek's `<｜end▁of▁sentence｜>`, is not an added token and is
+/// known by its byte-level spelling) and whether BOS / EOS are added.
+struct Specials {
+    bos: Option<(i64, String)>,
+    eos: Option<(i64, String)>,
+    unk: Option<(i64, String)>,
+    pad: Option<(i64, String)>,
+    add_bos: bool,
+    add_eos: bool,
+}
+
+impl Specials {
+    /// `add_bos_default`: a SentencePiece file without the flag adds BOS (transformers and
+    /// llama.cpp alike); a byte-level one does not.
+    fn read(
+        file: &GgufFile,
+        tokens: &[&str],
+        spelled: &dyn Fn(&str) -> String,
+        add_bos_default: bool,
+    ) -> Result<Self> {
+        let special = |key: &str| -> Result<Option<(i64, String)>> {
+            Ok(file
+                .int(key)?
+                .and_then(|id| tokens.get(id as usize).map(|t| (id, spelled(t)))))
+        };
+        Ok(Self {
+            bos: special("tokenizer.ggml.bos_token_id")?,
+            eos: special("tokenizer.ggml.eos_token_id")?,
+            unk: special("tokenizer.ggml.unknown_token_id")?,
+            pad: special("tokenizer.ggml.padding_token_id")?,
+            add_bos: file
+                .bool("tokenizer.ggml.add_bos_token")?
+                .unwrap_or(add_bos_default),
+            add_eos: file.bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false),
+        })
+    }
+
+    /// BOS / EOS around each sequence when the file says to add them.
+    fn post_processor(&self) -> Value {
+        let mut special_tokens = Map::new();
+        let (mut single, mut pair) = (Vec::new(), Vec::new());
+        let mut piece =
+            |t: &Option<(i64, String)>, on: bool, type_id: u32, out: &mut Vec<Value>| {
+                if let (Some((id, t)), true) = (t, on) {
+                    out.push(json!({"SpecialToken": {"id": t, "type_id": type_id}}));
+                    special_tokens.insert(t.clone(), json!({"id": t, "ids": [id], "tokens": [t]}));
+                }
+            };
+        piece(&self.bos, self.add_bos, 0, &mut single);
+        single.push(json!({"Sequence": {"id": "A", "type_id": 0}}));
+        piece(&self.eos, self.add_eos, 0, &mut single);
+        piece(&self.bos, self.add_bos, 0, &mut pair);
+        pair.push(json!({"Sequence": {"id": "A", "type_id": 0}}));
+        piece(&self.eos, self.add_eos, 0, &mut pair);
+        piece(&self.bos, self.add_bos, 1, &mut pair);
+        pair.push(json!({"Sequence": {"id": "B", "type_id": 1}}));
+        piece(&self.eos, self.add_eos, 1, &mut pair);
+        json!({"type": "TemplateProcessing", "single": single, "pair": pair,
+            "special_tokens": special_tokens})
+    }
+
+    fn tokenizer_config(&self, file: &GgufFile) -> Result<Value> {
+        let name = |t: &Option<(i64, String)>| t.as_ref().map_or(Value::Null, |(_, t)| json!(t));
+        let mut config = Map::new();
+        config.insert("bos_token".into(), name(&self.bos));
+        config.insert("eos_token".into(), name(&self.eos));
+        config.insert("unk_token".into(), name(&self.unk));
+        config.insert("pad_token".into(), name(&self.pad));
+        config.insert("add_bos_token".into(), json!(self.add_bos));
+        config.insert("add_eos_token".into(), json!(self.add_eos));
+        if let Some(t) = file.string("tokenizer.chat_template")? {
+            config.insert("chat_template".into(), json!(t));
+        }
+        Ok(Value::Object(config))
+    }
+}
+
+/// Added tokens as transformers' `add_gguf_special_tokens` adds them: control tokens as special
+/// (`keep(token)` false: skipped), then (after them) user-defined ones in the vocabulary as plain
+/// added tokens.
+fn added_tokens(
+    tokens: &[&str],
+    types: &[i64],
+    keep: &dyn Fn(&str) -> bool,
+    vocab: &Map<String, Value>,
+) -> Vec<Value> {
+    let mut added = Vec::new();
+    for (id, (t, ty)) in tokens.iter().zip(types).enumerate() {
+        let special = match *ty {
+            CONTROL if keep(t) => true,
+            USER_DEFINED if vocab.contains_key(*t) => false,
+            _ => continue,
+        };
+        added.push(
+            json!({"id": id, "content": t, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": special}),
         );
     }
-    config.insert("add_bos_token".into(), json!(add_bos));
-    config.insert("add_eos_token".into(), json!(add_eos));
-    if let Some(t) = file.string("tokenizer.chat_template")? {
-        config.insert("chat_template".into(), json!(t));
+    added.sort_by_key(|a| !a["special"].as_bool().unwrap_or(false));
+    added
+}
+
+/// A SentencePiece vocabulary (`tokenizer.ggml.model` = "llama": Llama 2, Mistral, ...) as
+/// transformers 5 builds it (`sentencepiece_tokenizer` -> `LlamaTokenizer(vocab, merges)`): BPE
+/// with byte fallback over the tokens as the file spells them, the file's merges or, when it has
+/// none (llama.cpp writes none for these), merges recovered from the scores
+/// ([`generate_merges`]); Metaspace pre-tokenization (a `▁` before the first word), and the
+/// decoder that undoes it.
+fn sentencepiece(file: &GgufFile) -> Result<(Value, Value)> {
+    let missing = |key: &str| ModelError::Config {
+        path: file.path.clone(),
+        key: key.to_string(),
+        msg: "missing from the file's metadata".into(),
+    };
+    let tokens = file
+        .strings("tokenizer.ggml.tokens")?
+        .ok_or_else(|| missing("tokenizer.ggml.tokens"))?;
+    let types = file.ints("tokenizer.ggml.token_type")?.unwrap_or_default();
+    let mut vocab = Map::new();
+    for (id, t) in tokens.iter().enumerate() {
+        vocab.insert(t.to_string(), json!(id));
     }
-    Ok((tokenizer, Value::Object(config)))
+    let merges: Vec<Value> = match file.strings("tokenizer.ggml.merges")? {
+        Some(m) => m
+            .iter()
+            .map(|m| json!(m.split(' ').collect::<Vec<_>>()))
+            .collect(),
+        None => {
+            let scores = file
+                .floats("tokenizer.ggml.scores")?
+                .ok_or_else(|| missing("tokenizer.ggml.scores"))?;
+            generate_merges(&tokens, &scores)
+                .into_iter()
+                .map(|(l, r)| json!([l, r]))
+                .collect()
+        }
+    };
+    let added = added_tokens(&tokens, &types, &|_| true, &vocab);
+    let specials = Specials::read(file, &tokens, &|t| t.to_string(), true)?;
+    let tokenizer = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "first",
+            "split": false},
+        "post_processor": specials.post_processor(),
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": true,
+            "byte_fallback": true, "ignore_merges": false, "vocab": vocab, "merges": merges},
+    });
+    Ok((tokenizer, specials.tokenizer_config(file)?))
+}
+
+/// transformers' `generate_merges(vocab, vocab_scores)`: every split of every token into two
+/// tokens of the vocabulary, ordered by the token's score (highest first), then by the lengths
+/// of the two parts (longest first), ties in vocabulary order.
+fn generate_merges(tokens: &[&str], scores: &[f64]) -> Vec<(String, String)> {
+    // dict(zip(tokens, scores)) and {token: index}: a repeated token keeps its first position
+    // in the order, its last score and its last index
+    let mut index: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    let mut score: std::collections::HashMap<&str, f64> = std::collections::HashMap::new();
+    let mut order: Vec<&str> = Vec::new();
+    for (i, t) in tokens.iter().enumerate() {
+        if !score.contains_key(t) {
+            order.push(t);
+        }
+        score.insert(t, scores.get(i).copied().unwrap_or(0.0));
+        index.insert(t, i);
+    }
+    let mut merges: Vec<(String, String, f64)> = Vec::new();
+    for t in &order {
+        let chars: Vec<(usize, char)> = t.char_indices().collect();
+        let mut local: Vec<(&str, &str)> = Vec::new();
+        for &(at, _) in chars.iter().skip(1) {
+            let (l, r) = t.split_at(at);
+            if index.contains_key(l) && index.contains_key(r) {
+                local.push((l, r));
+            }
+        }
+        local.sort_by_key(|(l, r)| (index[l], index[r]));
+        merges.extend(
+            local
+                .into_iter()
+                .map(|(l, r)| (l.to_string(), r.to_string(), score[t])),
+        );
+    }
+    // sorted(key=(score, len(l), len(r)), reverse=True), stable
+    merges.sort_by(|a, b| {
+        let ka = (a.0.chars().count(), a.1.chars().count());
+        let kb = (b.0.chars().count(), b.1.chars().count());
+        b.2.total_cmp(&a.2).then(kb.cmp(&ka))
+    });
+    merges.into_iter().map(|(l, r, _)| (l, r)).collect()
 }
