@@ -689,3 +689,38 @@ fn adapter_only_export_writes_what_convert_lora_to_gguf_writes() {
     assert_ne!(run.code, 0);
     assert!(run.stderr.contains("`use_dora`"), "{}", run.stderr);
 }
+
+/// A truncated GGUF (its metadata cut, or its tensor data) stops eval with a message that names
+/// the user's file, says what is missing and what to do; exit code non-zero.
+#[test]
+fn a_truncated_file_is_named_with_the_fix() {
+    let tmp = scratch("gguf-truncated");
+    let env = [("TALLOW_CACHE_DIR", tmp.join("cache").display().to_string())];
+    let bytes = std::fs::read(gguf_fixture("tiny-qwen2-f16.gguf")).unwrap();
+    for (keep, what) in [(2000, "array of 323 elements"), (100_000, "tensor `")] {
+        let file = tmp.join(format!("cut-{keep}.gguf"));
+        std::fs::write(&file, &bytes[..keep]).unwrap();
+        let run = tallow_env(
+            [
+                "eval",
+                "--model",
+                file.to_str().unwrap(),
+                "--data",
+                data_file("text").to_str().unwrap(),
+            ],
+            &env,
+        );
+        assert_ne!(run.code, 0);
+        for needle in [
+            &format!("{}: not a readable GGUF file", file.display()),
+            what,
+            "truncated or corrupt",
+        ] {
+            assert!(
+                run.stderr.contains(needle),
+                "`{needle}` not in: {}",
+                run.stderr
+            );
+        }
+    }
+}

@@ -52,6 +52,12 @@ pub enum ModelError {
         refusals: Vec<Refusal>,
     },
 
+    #[error(
+        "{path}: not a readable GGUF file ({msg}); the file may be truncated or corrupt: \
+         download or convert it again"
+    )]
+    BadGguf { path: PathBuf, msg: String },
+
     /// Every metadata key or tensor of a GGUF file that tallow cannot read exactly, at once.
     #[error(
         "{path}: tallow cannot read this GGUF file exactly ({}):\n{}\nConvert the original \

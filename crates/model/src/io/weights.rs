@@ -82,11 +82,13 @@ impl Weights {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let linked = dir.join(gguf::LINK);
         if linked.exists() {
+            // the file the link names, so that messages name the user's file
+            let file = std::fs::canonicalize(&linked).unwrap_or(linked);
             return Ok(Self {
                 dir: dir.to_path_buf(),
                 files: Vec::new(),
                 routing: HashMap::new(),
-                gguf: Some(Gguf::open(&linked)?),
+                gguf: Some(Gguf::open(&file)?),
             });
         }
         let single = dir.join("model.safetensors");

@@ -33,10 +33,12 @@ pub struct GgufFile {
     pub content: Content,
 }
 
+/// A read error of `path`: Candle's message without the backtrace it may carry.
 fn bad(path: &Path, msg: impl std::fmt::Display) -> ModelError {
-    ModelError::BadSafetensors {
+    let msg = msg.to_string();
+    ModelError::BadGguf {
         path: path.to_path_buf(),
-        msg: format!("not a readable GGUF file: {msg}"),
+        msg: msg.lines().next().unwrap_or("").trim().to_string(),
     }
 }
 
