@@ -379,6 +379,15 @@ fn eval_and_lora_training_take_a_gguf_file() {
         ),
     )
     .unwrap();
+    // the estimate reads the file's hyper-parameters
+    let run = tallow_env(["estimate", "--config", config.to_str().unwrap()], &env);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert!(
+        run.stdout
+            .contains("Qwen2ForCausalLM (2 layers, hidden 64, vocab 323)"),
+        "{}",
+        run.stdout
+    );
     let run = tallow_env(["train", "--config", config.to_str().unwrap()], &env);
     assert_eq!(run.code, 0, "{}", run.stderr);
     let adapter = tmp.join("out/adapter");

@@ -182,14 +182,24 @@ pub fn hf_config(file: &GgufFile) -> Result<Value> {
     Ok(Value::Object(c))
 }
 
+/// A metadata value as a refusal shows it: a string quoted, an array by its length, a number
+/// or boolean as written.
 fn describe(file: &GgufFile, key: &str) -> String {
+    use candle_core::quantized::gguf_file::Value as G;
     match file.get(key) {
-        Some(candle_core::quantized::gguf_file::Value::String(s)) => format!("{s:?}"),
-        Some(candle_core::quantized::gguf_file::Value::Array(a)) => format!("[{} values]", a.len()),
-        Some(v) => format!("{v:?}")
-            .split_once('(')
-            .map(|(_, x)| x.trim_end_matches(')').to_string())
-            .unwrap_or_default(),
+        Some(G::String(s)) => format!("{s:?}"),
+        Some(G::Array(a)) => format!("[{} values]", a.len()),
+        Some(G::Bool(b)) => b.to_string(),
+        Some(G::F32(_) | G::F64(_)) => file
+            .float(key)
+            .ok()
+            .flatten()
+            .map_or(String::new(), |x| x.to_string()),
+        Some(_) => file
+            .int(key)
+            .ok()
+            .flatten()
+            .map_or(String::new(), |x| x.to_string()),
         None => String::new(),
     }
 }

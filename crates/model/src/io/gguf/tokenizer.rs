@@ -76,14 +76,9 @@ pub fn hf_tokenizer(file: &GgufFile) -> Result<(Value, Value)> {
     if spm {
         return sentencepiece(file);
     }
-    let missing = |key: &str| ModelError::Config {
-        path: file.path.clone(),
-        key: key.to_string(),
-        msg: "missing from the file's metadata".into(),
-    };
     let tokens = file
         .strings("tokenizer.ggml.tokens")?
-        .ok_or_else(|| missing("tokenizer.ggml.tokens"))?;
+        .ok_or_else(|| missing(file, "tokenizer.ggml.tokens"))?;
     let merges = file.strings("tokenizer.ggml.merges")?.unwrap_or_default();
     let types = file.ints("tokenizer.ggml.token_type")?.unwrap_or_default();
     let spelling = bytes_to_unicode();
@@ -139,6 +134,15 @@ pub fn hf_tokenizer(file: &GgufFile) -> Result<(Value, Value)> {
     });
     let config = specials.tokenizer_config(file)?;
     Ok((tokenizer, config))
+}
+
+/// A metadata key the tokenizer cannot do without, absent.
+fn missing(file: &GgufFile, key: &str) -> ModelError {
+    ModelError::Config {
+        path: file.path.clone(),
+        key: key.to_string(),
+        msg: "missing from the file's metadata".into(),
+    }
 }
 
 /// The special tokens a file names by id (as the vocabulary spells them: a control token outside
@@ -251,14 +255,9 @@ fn added_tokens(
 /// ([`generate_merges`]); Metaspace pre-tokenization (a `▁` before the first word), and the
 /// decoder that undoes it.
 fn sentencepiece(file: &GgufFile) -> Result<(Value, Value)> {
-    let missing = |key: &str| ModelError::Config {
-        path: file.path.clone(),
-        key: key.to_string(),
-        msg: "missing from the file's metadata".into(),
-    };
     let tokens = file
         .strings("tokenizer.ggml.tokens")?
-        .ok_or_else(|| missing("tokenizer.ggml.tokens"))?;
+        .ok_or_else(|| missing(file, "tokenizer.ggml.tokens"))?;
     let types = file.ints("tokenizer.ggml.token_type")?.unwrap_or_default();
     let mut vocab = Map::new();
     for (id, t) in tokens.iter().enumerate() {
@@ -272,7 +271,7 @@ fn sentencepiece(file: &GgufFile) -> Result<(Value, Value)> {
         None => {
             let scores = file
                 .floats("tokenizer.ggml.scores")?
-                .ok_or_else(|| missing("tokenizer.ggml.scores"))?;
+                .ok_or_else(|| missing(file, "tokenizer.ggml.scores"))?;
             generate_merges(&tokens, &scores)
                 .into_iter()
                 .map(|(l, r)| json!([l, r]))

@@ -66,6 +66,22 @@ fn refuse(path: &Path, key: &str, value: Option<String>, msg: &str) -> ModelErro
     }
 }
 
+/// llama.cpp's architecture name for an HF `config.json`'s `model_type` (Mistral is llama.cpp's
+/// `llama`, as its converter writes it).
+fn gguf_arch(path: &Path, config: &Value) -> Result<&'static str> {
+    match config["model_type"].as_str().unwrap_or("") {
+        "llama" | "mistral" => Ok("llama"),
+        "qwen2" => Ok("qwen2"),
+        "qwen3" => Ok("qwen3"),
+        other => Err(refuse(
+            path,
+            "model_type",
+            Some(format!("{other:?}")),
+            "GGUF export writes llama, mistral, qwen2 and qwen3 models and adapters so far",
+        )),
+    }
+}
+
 /// Writes `tensors` (HF names, any dtype) and `src` to the GGUF file `path`, atomically.
 pub fn write_gguf(
     path: &Path,
@@ -74,20 +90,7 @@ pub fn write_gguf(
     out: OutType,
 ) -> Result<()> {
     let c = src.config;
-    let model_type = c["model_type"].as_str().unwrap_or("");
-    let arch = match model_type {
-        "llama" | "mistral" => "llama",
-        "qwen2" => "qwen2",
-        "qwen3" => "qwen3",
-        other => {
-            return Err(refuse(
-                path,
-                "model_type",
-                Some(format!("{other:?}")),
-                "GGUF export writes llama, mistral, qwen2 and qwen3 models so far",
-            ))
-        }
-    };
+    let arch = gguf_arch(path, c)?;
     let int = |k: &str| c[k].as_u64().unwrap_or(0) as u32;
     let (hidden, heads) = (int("hidden_size"), int("num_attention_heads"));
     let kv = c["num_key_value_heads"]
@@ -529,20 +532,7 @@ pub fn write_gguf_lora(
     name: &str,
     out: OutType,
 ) -> Result<()> {
-    let model_type = config["model_type"].as_str().unwrap_or("");
-    let arch = match model_type {
-        "llama" | "mistral" => "llama",
-        "qwen2" => "qwen2",
-        "qwen3" => "qwen3",
-        other => {
-            return Err(refuse(
-                path,
-                "model_type",
-                Some(format!("{other:?}")),
-                "GGUF export writes llama, mistral, qwen2 and qwen3 adapters so far",
-            ))
-        }
-    };
+    let arch = gguf_arch(path, config)?;
     let c = config;
     let int = |k: &str| c[k].as_u64().unwrap_or(0) as usize;
     let heads = int("num_attention_heads");
