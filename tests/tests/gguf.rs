@@ -733,3 +733,46 @@ fn a_truncated_file_is_named_with_the_fix() {
         }
     }
 }
+
+/// Ranks of a data-parallel run (here: four processes at once) prepare the same file's model dir
+/// in an empty cache: all four do stage one (without the clean-up the test finds 4 dirs), the
+/// first rename wins, the others keep its dir and remove theirs; each reads the model and all
+/// compute the same loss. (Replacing the dir each time, as before, did not fail here in three
+/// runs: the window in which a rank reads a dir being replaced is short.)
+#[test]
+fn processes_preparing_the_same_file_at_once_all_read_it() {
+    let tmp = scratch("gguf-race");
+    let file = gguf_fixture("tiny-qwen2-f16.gguf");
+    let children: Vec<_> = (0..4)
+        .map(|_| {
+            std::process::Command::new(tallow_bin())
+                .args([
+                    "eval",
+                    "--model",
+                    file.to_str().unwrap(),
+                    "--data",
+                    data_file("text").to_str().unwrap(),
+                    "--dtype",
+                    "f32",
+                    "--json",
+                ])
+                .env("TALLOW_CACHE_DIR", tmp.join("cache"))
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut losses = Vec::new();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let v: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        losses.push(v["loss"].as_f64().unwrap());
+    }
+    assert!(losses.windows(2).all(|w| w[0] == w[1]), "{losses:?}");
+    let dirs = std::fs::read_dir(tmp.join("cache/gguf")).unwrap().count();
+    assert_eq!(dirs, 1, "one model dir, no staging dirs left");
+}

@@ -347,7 +347,12 @@ pub fn model_dir_in(path: &Path, root: &Path) -> Result<PathBuf> {
     super::write_atomic(&staged.join("tokenizer.json"), &json(&tok))?;
     super::write_atomic(&staged.join("tokenizer_config.json"), &json(&tok_config))?;
     link(&abs, &staged.join(LINK))?;
-    super::replace_dir(&staged, &dir)?;
+    // Ranks of a data-parallel run prepare the same dir at once: the first rename wins and the
+    // others keep its (identical) dir rather than replacing it under a rank reading it.
+    if std::fs::rename(&staged, &dir).is_err() && !dir.join("config.json").is_file() {
+        super::replace_dir(&staged, &dir)?;
+    }
+    let _ = std::fs::remove_dir_all(&staged);
     Ok(dir)
 }
 
