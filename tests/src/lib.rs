@@ -556,3 +556,56 @@ pub fn write_config(dir: &std::path::Path, model: &std::path::Path, extra: &str)
     .unwrap();
     path
 }
+
+/// Summed next-token NLL of each row on its own (its target flags as the data pipeline makes
+/// them: `targets[t]`, token t is predicted), with the model's final-logit soft-cap, and the
+/// number of targets.
+pub fn nll_and_count(
+    model: &tallow_model::CausalLM,
+    rows: &[(Vec<u32>, Vec<bool>)],
+) -> (f64, usize) {
+    let mut total = 0.0;
+    let mut count = 0;
+    for (ids, tg) in rows {
+        let input = Tensor::new(ids.as_slice(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let h = model.forward_hidden(&input, None).unwrap();
+        let t = tallow_model::Targets::new(
+            std::slice::from_ref(ids),
+            std::slice::from_ref(tg),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let nll = tallow_model::lm_head_nll(
+            &h,
+            model.lm_head_weight(),
+            &t,
+            model.config.variant.final_logit_softcapping,
+        )
+        .unwrap();
+        total += nll
+            .to_dtype(candle_core::DType::F64)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
+        count += t.count;
+    }
+    (total, count)
+}
+
+/// A JSON array of token-id rows (`[[1, 2], [3]]`) as ids.
+pub fn id_rows(v: &serde_json::Value) -> Vec<Vec<u32>> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect()
+}

@@ -10,33 +10,12 @@
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
-use tallow_model::{
-    lm_head_nll, load_peft, merge_lora, save_hf_model, save_peft, CausalLM, LoadOptions, Targets,
-};
+use tallow_model::{load_peft, merge_lora, save_hf_model, save_peft, CausalLM, LoadOptions};
 use tallow_tests::*;
 
+/// Mean next-token NLL (the model has no final-logit soft-cap).
 fn loss(model: &CausalLM, rows: &[(Vec<u32>, Vec<bool>)]) -> f64 {
-    let (mut total, mut count) = (0.0, 0);
-    for (ids, tg) in rows {
-        let input = Tensor::new(ids.as_slice(), &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        let h = model.forward_hidden(&input, None).unwrap();
-        let t = Targets::new(
-            std::slice::from_ref(ids),
-            std::slice::from_ref(tg),
-            &Device::Cpu,
-        )
-        .unwrap();
-        let nll = lm_head_nll(&h, model.lm_head_weight(), &t, None).unwrap();
-        total += nll
-            .to_dtype(DType::F64)
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
-        count += t.count;
-    }
+    let (total, count) = nll_and_count(model, rows);
     total / count as f64
 }
 

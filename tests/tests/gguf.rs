@@ -11,10 +11,10 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use serde_json::Value;
 use tallow_model::io::gguf;
-use tallow_model::{lm_head_nll, CausalLM, LoadOptions, Targets};
+use tallow_model::{CausalLM, LoadOptions};
 use tallow_tests::*;
 use tallow_text::TextTokenizer;
 
@@ -46,42 +46,8 @@ fn dir_of(name: &str, cache: &Path) -> PathBuf {
     gguf::model_dir_in(&gguf_fixture(name), cache).unwrap()
 }
 
-/// Summed next-token NLL of each row on its own.
-fn nll_sum(model: &CausalLM, rows: &[Vec<u32>]) -> f64 {
-    let mut total = 0.0;
-    for ids in rows {
-        let input = Tensor::new(ids.as_slice(), &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        let h = model.forward_hidden(&input, None).unwrap();
-        // every token but the first is predicted
-        let mut targets = vec![true; ids.len()];
-        targets[0] = false;
-        let t = Targets::new(std::slice::from_ref(ids), &[targets], &Device::Cpu).unwrap();
-        let nll = lm_head_nll(&h, model.lm_head_weight(), &t, None).unwrap();
-        total += nll
-            .to_dtype(DType::F64)
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
-    }
-    total
-}
-
 fn ids_of(entry: &Value) -> Vec<Vec<u32>> {
-    entry["ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| {
-            r.as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap() as u32)
-                .collect()
-        })
-        .collect()
+    id_rows(&entry["ids"])
 }
 
 /// tallow's ids are transformers 5's on every file, and 4.57's where 4.57 agrees with 5: it
@@ -153,7 +119,15 @@ fn eval_matches_transformers_on_the_same_file_and_the_original_model() {
             )
             .unwrap();
             let count = entry["count"].as_f64().unwrap();
-            let got = nll_sum(&model, &ids_of(entry)) / count;
+            // every token but the first is a target
+            let rows: Vec<(Vec<u32>, Vec<bool>)> = ids_of(entry)
+                .into_iter()
+                .map(|ids| {
+                    let targets = (0..ids.len()).map(|t| t > 0).collect();
+                    (ids, targets)
+                })
+                .collect();
+            let got = nll_and_count(&model, &rows).0 / count;
             let original = entry["original_nll_sum"].as_f64().unwrap() / count;
             match (name.as_str(), entry["nll_sum"].as_f64()) {
                 // A SentencePiece vocabulary, f32 weights: transformers' number, which is the
@@ -332,39 +306,31 @@ fn eval_and_lora_training_take_a_gguf_file() {
     let env = [("TALLOW_CACHE_DIR", tmp.join("cache").display().to_string())];
     let file = gguf_fixture("tiny-qwen2-q8_0.gguf");
     let data = data_file("text");
-    let run = tallow_env(
-        [
-            "eval",
-            "--model",
-            file.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "--dtype",
-            "f32",
-            "--json",
-        ],
-        &env,
-    );
-    assert_eq!(run.code, 0, "{}", run.stderr);
-    let out: Value = serde_json::from_str(run.stdout.lines().last().unwrap()).unwrap();
-    assert!(out["loss"].as_f64().unwrap() > 0.0);
+    // `tallow eval --json` of a model (+ adapter): its loss
+    let eval = |model: &Path, adapter: Option<&Path>| -> f64 {
+        let mut args = vec![
+            "eval".to_string(),
+            "--model".into(),
+            model.display().to_string(),
+            "--data".into(),
+            data.display().to_string(),
+            "--dtype".into(),
+            "f32".into(),
+            "--json".into(),
+        ];
+        if let Some(a) = adapter {
+            args.extend(["--adapter".into(), a.display().to_string()]);
+        }
+        let run = tallow_env(&args, &env);
+        assert_eq!(run.code, 0, "{}", run.stderr);
+        let v: Value = serde_json::from_str(run.stdout.lines().last().unwrap()).unwrap();
+        v["loss"].as_f64().unwrap()
+    };
+    let loss = eval(&file, None);
+    assert!(loss > 0.0);
     // the same as the model dir it reads as
     let dir = gguf::model_dir_in(&file, &tmp.join("cache").join("gguf")).unwrap();
-    let run2 = tallow_env(
-        [
-            "eval",
-            "--model",
-            dir.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "--dtype",
-            "f32",
-            "--json",
-        ],
-        &env,
-    );
-    let out2: Value = serde_json::from_str(run2.stdout.lines().last().unwrap()).unwrap();
-    assert_eq!(out["loss"], out2["loss"]);
+    assert_eq!(loss, eval(&dir, None));
 
     let config = tmp.join("train.toml");
     std::fs::write(
@@ -399,25 +365,6 @@ fn eval_and_lora_training_take_a_gguf_file() {
 
     // The adapter on the GGUF base, and merged into it: the merged HF-layout model computes the
     // same loss.
-    let eval = |model: &Path, adapter: Option<&Path>| -> f64 {
-        let mut args = vec![
-            "eval".to_string(),
-            "--model".into(),
-            model.display().to_string(),
-            "--data".into(),
-            data.display().to_string(),
-            "--dtype".into(),
-            "f32".into(),
-            "--json".into(),
-        ];
-        if let Some(a) = adapter {
-            args.extend(["--adapter".into(), a.display().to_string()]);
-        }
-        let run = tallow_env(&args, &env);
-        assert_eq!(run.code, 0, "{}", run.stderr);
-        let v: Value = serde_json::from_str(run.stdout.lines().last().unwrap()).unwrap();
-        v["loss"].as_f64().unwrap()
-    };
     let merged = tmp.join("merged");
     let run = tallow_env(
         [
@@ -522,6 +469,27 @@ fn dump(path: &Path) -> Dump {
     (meta, tensors)
 }
 
+/// `ours` is fixture `fixture`: every metadata key with the same type and value (`general.name`
+/// aside: llama.cpp's converters derive it from the dir name by heuristics of their own), every
+/// tensor with the same type, shape and bytes.
+fn assert_same_gguf(ours: &Path, fixture: &str) {
+    let (mut ours_meta, ours) = dump(ours);
+    let (mut theirs_meta, theirs) = dump(&gguf_fixture(fixture));
+    ours_meta.remove("general.name");
+    theirs_meta.remove("general.name");
+    assert_eq!(ours_meta, theirs_meta, "{fixture}: metadata");
+    assert_eq!(
+        ours.keys().collect::<Vec<_>>(),
+        theirs.keys().collect::<Vec<_>>(),
+        "{fixture}: tensor names"
+    );
+    for (name, (ty, shape, bytes)) in &theirs {
+        let (oty, oshape, obytes) = &ours[name];
+        assert_eq!((oty, oshape), (ty, shape), "{fixture}: {name}");
+        assert!(obytes == bytes, "{fixture}: {name}: the bytes differ");
+    }
+}
+
 /// `tallow export --format gguf` of each fixture model writes the file llama.cpp's converter
 /// wrote for it (tests/fixtures/gguf/): every metadata key with the same type and value
 /// (`general.name` aside: the converter derives it from the dir name by heuristics of its own),
@@ -553,21 +521,7 @@ fn export_writes_what_llama_cpp_converter_writes() {
             &env,
         );
         assert_eq!(run.code, 0, "{}", run.stderr);
-        let (mut ours_meta, ours) = dump(&out);
-        let (mut theirs_meta, theirs) = dump(&gguf_fixture(fixture));
-        ours_meta.remove("general.name");
-        theirs_meta.remove("general.name");
-        assert_eq!(ours_meta, theirs_meta, "{fixture}: metadata");
-        assert_eq!(
-            ours.keys().collect::<Vec<_>>(),
-            theirs.keys().collect::<Vec<_>>(),
-            "{fixture}: tensor names"
-        );
-        for (name, (ty, shape, bytes)) in &theirs {
-            let (oty, oshape, obytes) = &ours[name];
-            assert_eq!((oty, oshape), (ty, shape), "{fixture}: {name}");
-            assert!(obytes == bytes, "{fixture}: {name}: the bytes differ");
-        }
+        assert_same_gguf(&out, fixture);
     };
     for (model, outtype, fixture) in cases {
         compare(&model_dir(model), outtype, fixture);
@@ -660,21 +614,7 @@ fn adapter_only_export_writes_what_convert_lora_to_gguf_writes() {
         let out = tmp.join(fixture);
         let run = export(model, adapter, outtype, &out);
         assert_eq!(run.code, 0, "{}", run.stderr);
-        let (mut ours_meta, ours) = dump(&out);
-        let (mut theirs_meta, theirs) = dump(&gguf_fixture(fixture));
-        ours_meta.remove("general.name");
-        theirs_meta.remove("general.name");
-        assert_eq!(ours_meta, theirs_meta, "{fixture}: metadata");
-        assert_eq!(
-            ours.keys().collect::<Vec<_>>(),
-            theirs.keys().collect::<Vec<_>>(),
-            "{fixture}: tensor names"
-        );
-        for (name, (ty, shape, bytes)) in &theirs {
-            let (oty, oshape, obytes) = &ours[name];
-            assert_eq!((oty, oshape), (ty, shape), "{fixture}: {name}");
-            assert!(obytes == bytes, "{fixture}: {name}: the bytes differ");
-        }
+        assert_same_gguf(&out, fixture);
     }
     let out = tmp.join("rslora.gguf");
     let run = export("tiny-qwen2", "tiny-qwen2-peft-rslora", "f32", &out);

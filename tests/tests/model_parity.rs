@@ -11,38 +11,6 @@ use candle_core::{DType, Device, Tensor};
 use tallow_model::{lm_head_nll, CausalLM, LoadOptions, Targets};
 use tallow_tests::*;
 
-fn nll_and_count(model: &CausalLM, rows: &[(Vec<u32>, Vec<bool>)]) -> (f64, usize) {
-    let mut total = 0.0;
-    let mut count = 0;
-    for (ids, tg) in rows {
-        let input = Tensor::new(ids.as_slice(), &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        let h = model.forward_hidden(&input, None).unwrap();
-        let t = Targets::new(
-            std::slice::from_ref(ids),
-            std::slice::from_ref(tg),
-            &Device::Cpu,
-        )
-        .unwrap();
-        let nll = lm_head_nll(
-            &h,
-            model.lm_head_weight(),
-            &t,
-            model.config.variant.final_logit_softcapping,
-        )
-        .unwrap();
-        total += nll
-            .to_dtype(DType::F64)
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
-        count += t.count;
-    }
-    (total, count)
-}
-
 /// Both config layouts: the models as transformers 4.57 saved them (logits and loss) and as
 /// transformers 5 saved them (`rope_parameters`; loss, computed by transformers 5).
 #[test]

@@ -333,18 +333,7 @@ fn tiny_models_with_real_key_sets_compute_what_transformers_computes() {
         let reference: Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
                 .unwrap();
-        let ids: Vec<Vec<u32>> = reference["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| {
-                r.as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_u64().unwrap() as u32)
-                    .collect()
-            })
-            .collect();
+        let ids = id_rows(&reference["ids"]);
         let tensors =
             candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu)
                 .unwrap();

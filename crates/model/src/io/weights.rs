@@ -26,7 +26,7 @@ pub struct Weights {
 struct Gguf {
     file: GgufFile,
     names: HashMap<String, String>,
-    unpermute: Option<(usize, usize)>,
+    rotary_heads: Option<(usize, usize)>,
 }
 
 impl Gguf {
@@ -46,7 +46,7 @@ impl Gguf {
             .filter(|(_, g)| file.has_tensor(g))
             .collect();
         Ok(Self {
-            unpermute: (arch == "llama").then_some((heads, kv)),
+            rotary_heads: (arch == "llama").then_some((heads, kv)),
             file,
             names,
         })
@@ -67,12 +67,9 @@ impl Gguf {
     fn read(&self, dir: &Path, name: &str) -> Result<Tensor> {
         let stored = self.stored(dir, name)?;
         let t = self.file.read_f32(stored)?;
-        match self.unpermute {
-            Some((heads, _)) if stored.ends_with(".attn_q.weight") => {
-                gguf::unpermute_rows(&t, heads)
-            }
-            Some((_, kv)) if stored.ends_with(".attn_k.weight") => gguf::unpermute_rows(&t, kv),
-            _ => Ok(t),
+        match self.rotary_heads {
+            Some((heads, kv)) => gguf::rotary_rows(&t, stored, heads, kv, false),
+            None => Ok(t),
         }
     }
 }

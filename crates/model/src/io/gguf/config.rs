@@ -204,29 +204,32 @@ fn describe(file: &GgufFile, key: &str) -> String {
     }
 }
 
-/// llama.cpp's rope factors for Llama 3's scaling (convert_hf_to_gguf.py's `generate_extra_tensors`,
-/// the same formula as transformers' `_compute_llama3_parameters`): per rotary frequency, 1 above
-/// the high band, `factor` below the low band, and in between 1 / ((1 - s) / factor + s) with s
-/// = (original / wavelength - low) / (high - low).
-fn llama3_factors(
+/// llama.cpp's rope factors for Llama 3's scaling, computed as its converter computes them, in
+/// f32 (`generate_extra_tensors` in conversion/llama.py; the formula of transformers'
+/// `_compute_llama3_parameters`): per rotary frequency, 1 above the high band, `factor` below the
+/// low band, and in between 1 / ((1 - s) / factor + s) with s = (original / wavelength - low) /
+/// (high - low). The exporter writes them; the importer checks a file's against them.
+pub(crate) fn llama3_factors(
     theta: f64,
     head_dim: usize,
     factor: f64,
     low: f64,
     high: f64,
     original: f64,
-) -> Vec<f64> {
+) -> Vec<f32> {
+    let (factor, low, high, original) = (factor as f32, low as f32, high as f32, original as f32);
+    let (low_wavelen, high_wavelen) = (original / low, original / high);
     (0..head_dim / 2)
         .map(|i| {
-            let freq = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
-            let wavelen = 2.0 * std::f64::consts::PI / freq;
-            if wavelen < original / high {
+            let freq = 1.0f32 / (theta as f32).powf((2 * i) as f32 / head_dim as f32);
+            let wavelen = (2.0 * std::f64::consts::PI) as f32 / freq;
+            if wavelen < high_wavelen {
                 1.0
-            } else if wavelen > original / low {
+            } else if wavelen > low_wavelen {
                 factor
             } else {
-                let s = (original / wavelen - low) / (high - low);
-                1.0 / ((1.0 - s) / factor + s)
+                let smooth = (original / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
             }
         })
         .collect()
@@ -263,7 +266,7 @@ pub(crate) fn llama3_scaling(
         let same = want
             .iter()
             .zip(factors)
-            .all(|(w, &f)| (w - f as f64).abs() <= 1e-5 * w.abs());
+            .all(|(&w, &f)| (w as f64 - f as f64).abs() <= 1e-5 * (w as f64).abs());
         same.then(|| {
             json!({
                 "rope_type": "llama3",
@@ -283,18 +286,12 @@ mod tests {
     #[test]
     fn llama3_scaling_is_read_back_from_its_factors() {
         // Llama 3.1 8B's: theta 500000, head dim 128, factor 8, original 8192
-        let f: Vec<f32> = llama3_factors(500000.0, 128, 8.0, 1.0, 4.0, 8192.0)
-            .into_iter()
-            .map(|x| x as f32)
-            .collect();
+        let f = llama3_factors(500000.0, 128, 8.0, 1.0, 4.0, 8192.0);
         let s = llama3_scaling(&f, 500000.0, 128, 131072.0).unwrap();
         assert_eq!(s["factor"], json!(8.0));
         assert_eq!(s["original_max_position_embeddings"], json!(8192));
         // Llama 3.2's factor 32
-        let f: Vec<f32> = llama3_factors(500000.0, 64, 32.0, 1.0, 4.0, 8192.0)
-            .into_iter()
-            .map(|x| x as f32)
-            .collect();
+        let f = llama3_factors(500000.0, 64, 32.0, 1.0, 4.0, 8192.0);
         assert_eq!(
             llama3_scaling(&f, 500000.0, 64, 131072.0).unwrap()["factor"],
             json!(32.0)

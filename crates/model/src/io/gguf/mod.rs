@@ -256,21 +256,39 @@ pub fn tensor_names(layers: usize) -> HashMap<String, String> {
 }
 
 /// llama.cpp's converter reorders the rows of Llama's q and k weights for its rotary kernel
-/// (`LlamaModel.permute` in convert_hf_to_gguf.py: per head, the two rotary halves
-/// interleaved); this puts them back: (heads, rows/heads/2, 2, cols) -> (heads, 2,
-/// rows/heads/2, cols). transformers' GGUF loader does the same (`_reverse_permute_weights`).
-pub fn unpermute_rows(w: &Tensor, heads: usize) -> Result<Tensor> {
+/// (`LlamaModel.permute` in convert_hf_to_gguf.py): per head, the rows seen as (2, n), HF's two
+/// rotary halves, become (n, 2), the halves interleaved. `to_llama_cpp` goes that way (export);
+/// otherwise back (import, as transformers' GGUF loader does in `_reverse_permute_weights`).
+/// Tensor `name` (its GGUF name) is reordered when it is a q weight (`heads` heads) or a k weight
+/// (`kv_heads`), and returned as it is otherwise.
+pub fn rotary_rows(
+    w: &Tensor,
+    name: &str,
+    heads: usize,
+    kv_heads: usize,
+    to_llama_cpp: bool,
+) -> Result<Tensor> {
+    let heads = if name.ends_with("attn_q.weight") {
+        heads
+    } else if name.ends_with("attn_k.weight") {
+        kv_heads
+    } else {
+        return Ok(w.clone());
+    };
     let (rows, cols) = w.dims2()?;
     if heads == 0 || rows % (2 * heads) != 0 {
         return Err(ModelError::Invalid(format!(
-            "cannot undo the rotary row order of a ({rows}, {cols}) weight over {heads} heads"
+            "`{name}`: cannot reorder the rotary rows of a ({rows}, {cols}) weight over {heads} heads"
         )));
     }
-    // (rows, cols) -> (heads, rows/heads/2, 2, cols) -> swap the middle two -> (rows, cols)
-    Ok(w.reshape((heads, rows / heads / 2, 2, cols))?
-        .transpose(1, 2)?
-        .contiguous()?
-        .reshape((rows, cols))?)
+    let half = rows / heads / 2;
+    // (rows, cols) -> (heads, 2, half, cols) or (heads, half, 2, cols) -> swap the middle two ->
+    // (rows, cols)
+    let w = match to_llama_cpp {
+        true => w.reshape((heads, 2, half, cols))?,
+        false => w.reshape((heads, half, 2, cols))?,
+    };
+    Ok(w.transpose(1, 2)?.contiguous()?.reshape((rows, cols))?)
 }
 
 /// The cache dir where a GGUF file's model dir goes: `$TALLOW_CACHE_DIR`, else

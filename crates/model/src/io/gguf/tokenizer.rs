@@ -79,7 +79,6 @@ pub fn hf_tokenizer(file: &GgufFile) -> Result<(Value, Value)> {
     let tokens = file
         .strings("tokenizer.ggml.tokens")?
         .ok_or_else(|| missing(file, "tokenizer.ggml.tokens"))?;
-    let merges = file.strings("tokenizer.ggml.merges")?.unwrap_or_default();
     let types = file.ints("tokenizer.ggml.token_type")?.unwrap_or_default();
     let spelling = bytes_to_unicode();
     let alphabet: std::collections::HashSet<char> = spelling.iter().copied().collect();
@@ -98,10 +97,7 @@ pub fn hf_tokenizer(file: &GgufFile) -> Result<(Value, Value)> {
     for (id, t) in tokens.iter().enumerate() {
         vocab.insert(spelled(t), json!(id));
     }
-    let merges: Vec<Value> = merges
-        .iter()
-        .map(|m| json!(m.split(' ').collect::<Vec<_>>()))
-        .collect();
+    let merges = file_merges(file)?.unwrap_or_default();
 
     // Control tokens outside the byte alphabet are llama.cpp mislabels, skipped.
     let added = added_tokens(&tokens, &types, &in_alphabet, &vocab);
@@ -134,6 +130,15 @@ pub fn hf_tokenizer(file: &GgufFile) -> Result<(Value, Value)> {
     });
     let config = specials.tokenizer_config(file)?;
     Ok((tokenizer, config))
+}
+
+/// The file's merges (`tokenizer.ggml.merges`, "left right" each) as tokenizer.json pairs.
+fn file_merges(file: &GgufFile) -> Result<Option<Vec<Value>>> {
+    Ok(file.strings("tokenizer.ggml.merges")?.map(|m| {
+        m.iter()
+            .map(|m| json!(m.split(' ').collect::<Vec<_>>()))
+            .collect()
+    }))
 }
 
 /// A metadata key the tokenizer cannot do without, absent.
@@ -263,11 +268,8 @@ fn sentencepiece(file: &GgufFile) -> Result<(Value, Value)> {
     for (id, t) in tokens.iter().enumerate() {
         vocab.insert(t.to_string(), json!(id));
     }
-    let merges: Vec<Value> = match file.strings("tokenizer.ggml.merges")? {
-        Some(m) => m
-            .iter()
-            .map(|m| json!(m.split(' ').collect::<Vec<_>>()))
-            .collect(),
+    let merges = match file_merges(file)? {
+        Some(m) => m,
         None => {
             let scores = file
                 .floats("tokenizer.ggml.scores")?

@@ -126,10 +126,8 @@ pub fn write_gguf(
             ));
         };
         let mut t = t.to_dtype(DType::F32)?;
-        if arch == "llama" && gg.ends_with("attn_q.weight") {
-            t = permute_rows(&t, heads as usize)?;
-        } else if arch == "llama" && gg.ends_with("attn_k.weight") {
-            t = permute_rows(&t, kv as usize)?;
+        if arch == "llama" {
+            t = super::rotary_rows(&t, gg, heads as usize, kv as usize, true)?;
         }
         params += t.elem_count() as u64;
         rows.push((gg.clone(), QTensor::quantize(&t, tensor_type(&t, out))?));
@@ -203,8 +201,7 @@ fn rope_theta(c: &Value) -> f64 {
         .unwrap_or(10000.0)
 }
 
-/// llama.cpp's rope factors for a `llama3` rope scaling, computed as its converter does (f32
-/// frequencies, `generate_extra_tensors` in conversion/llama.py).
+/// `rope_freqs.weight` for a `llama3` rope scaling (`super::config::llama3_factors`).
 fn llama3_rope_freqs(c: &Value, theta: f64, head_dim: u32) -> Option<Tensor> {
     let r = if c["rope_scaling"].is_object() {
         &c["rope_scaling"]
@@ -215,40 +212,16 @@ fn llama3_rope_freqs(c: &Value, theta: f64, head_dim: u32) -> Option<Tensor> {
     if kind != "llama3" {
         return None;
     }
-    let f = |k: &str, d: f64| r[k].as_f64().unwrap_or(d) as f32;
-    let (factor, low, high) = (
+    let f = |k: &str, d: f64| r[k].as_f64().unwrap_or(d);
+    let factors = super::config::llama3_factors(
+        theta,
+        head_dim as usize,
         f("factor", 8.0),
         f("low_freq_factor", 1.0),
         f("high_freq_factor", 4.0),
+        f("original_max_position_embeddings", 8192.0),
     );
-    let original = f("original_max_position_embeddings", 8192.0);
-    let (low_wavelen, high_wavelen) = (original / low, original / high);
-    let factors: Vec<f32> = (0..head_dim / 2)
-        .map(|i| {
-            let freq = 1.0f32 / (theta as f32).powf((2 * i) as f32 / head_dim as f32);
-            let wavelen = (2.0 * std::f64::consts::PI) as f32 / freq;
-            if wavelen < high_wavelen {
-                1.0
-            } else if wavelen > low_wavelen {
-                factor
-            } else {
-                let smooth = (original / wavelen - low) / (high - low);
-                1.0 / ((1.0 - smooth) / factor + smooth)
-            }
-        })
-        .collect();
     Tensor::new(factors, &candle_core::Device::Cpu).ok()
-}
-
-/// llama.cpp's rotary row order for Llama's q / k (`LlamaModel.permute`): per head, (2,
-/// rows/heads/2) -> (rows/heads/2, 2). [`super::unpermute_rows`] undoes it.
-fn permute_rows(w: &Tensor, heads: usize) -> Result<Tensor> {
-    let (rows, cols) = w.dims2()?;
-    // (rows, cols) -> (heads, 2, rows/heads/2, cols) -> swap the middle two -> (rows, cols)
-    Ok(w.reshape((heads, 2, rows / heads / 2, cols))?
-        .transpose(1, 2)?
-        .contiguous()?
-        .reshape((rows, cols))?)
 }
 
 /// gguf-py's `model_weight_count_rounded_notation`: "107K", "494M", "7.6B".
@@ -556,10 +529,9 @@ pub fn write_gguf_lora(
         };
         let a = p.a.to_dtype(DType::F32)?;
         let mut b = p.b.to_dtype(DType::F32)?;
-        if arch == "llama" && gg.ends_with("attn_q.weight") {
-            b = permute_rows(&b, heads)?;
-        } else if arch == "llama" && gg.ends_with("attn_k.weight") {
-            b = permute_rows(&b, kv)?;
+        if arch == "llama" {
+            // B's rows are the adapted weight's rows
+            b = super::rotary_rows(&b, gg, heads, kv, true)?;
         }
         rows.push((
             format!("{gg}.lora_a"),
