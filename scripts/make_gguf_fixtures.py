@@ -4,7 +4,7 @@ GGUF loader computes on them (dev-only; issue 39, docs/gguf.md).
 
 Run from the repository root, after scripts/make_fixtures.py has made the tiny models:
 
-    /work/pyref/bin/python scripts/make_gguf_fixtures.py convert      # the .gguf files
+    /work/pyref/bin/python scripts/make_gguf_fixtures.py convert [FILE...]  # the .gguf files
     /work/pyref/bin/python scripts/make_gguf_fixtures.py reference    # transformers 4.57's numbers
     /work/pyref5/bin/python scripts/make_gguf_fixtures.py reference   # transformers 5's numbers
     python3 scripts/make_gguf_fixtures.py vocabs    # llama.cpp's vocabulary test files, for
@@ -26,6 +26,17 @@ scripts/requirements-fixtures.txt plus `sentencepiece`):
                   without rope scaling, random weights (seed 0), and a 400-piece SentencePiece BPE
                   model with byte fallback trained here on tests/fixtures/data's texts; the model
                   dir is made in the scratch dir and not committed, only its GGUF)
+
+and llama.cpp's `llama-quantize` (built here from the same archive's sources, with cmake and the
+system C++ compiler) for the one fixture in llama.cpp's k-quant blocks, which gguf-py cannot
+write:
+
+    tiny-llama-256 -> tests/fixtures/gguf/tiny-llama-q4_k_m.gguf  (Q4_K_M: Q4_K and Q6_K blocks,
+                  as llama-quantize mixes them; tiny-llama's config and tokenizer at k-quant sizes,
+                  hidden 256, intermediate 512, head dim 64, no rope scaling (so that transformers
+                  reads what the file says), random weights (seed 0); converted to
+                  f32 first, then quantized; the model dir is made in the scratch dir and not
+                  committed. For `model.quantize = "keep"`: LoRA over the blocks as stored)
 
 and `convert_lora_to_gguf.py` on two PEFT adapter fixtures (llama.cpp's LoRA adapter layout):
 
@@ -86,7 +97,11 @@ FILES = [
     ("tiny-qwen2", "q8_0", "qwen2", "tiny-qwen2-q8_0.gguf"),
     ("tiny-qwen2", "f16", "qwen2", "tiny-qwen2-f16.gguf"),
     ("tiny-qwen3", "f32", "qwen2", "tiny-qwen3-f32.gguf"),
+    ("tiny-llama-256", "Q4_K_M", "llama-bpe", "tiny-llama-q4_k_m.gguf"),
 ]
+
+# The fixture models made in the scratch dir (not committed), by their maker.
+SCRATCH_MODELS = {"tiny-llama-spm": lambda: make_spm_model(), "tiny-llama-256": lambda: make_k_quant_model()}
 
 # (PEFT adapter fixture, its base model, output type, file name): convert_lora_to_gguf.py's
 # adapter files, which `tallow export --adapter-only` must reproduce.
@@ -153,6 +168,48 @@ def make_spm_model() -> Path:
     return out
 
 
+def make_k_quant_model() -> Path:
+    """tiny-llama-256 (see the module doc), in the scratch dir."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = SCRATCH / "tiny-llama-256"
+    src = FIX / "models" / "tiny-llama"
+    base = json.loads((src / "config.json").read_text())
+    base.update(hidden_size=256, intermediate_size=512, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
+                rope_scaling=None)
+    for k in ("architectures", "transformers_version", "dtype", "model_type"):
+        base.pop(k, None)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**base)).save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src / f).exists():
+            shutil.copy(src / f, out / f)
+    return out
+
+
+def llama_quantize() -> Path:
+    """llama.cpp's `llama-quantize`, built once in the scratch dir from the pinned archive."""
+    import subprocess
+
+    llama_cpp()
+    root = SCRATCH / "build" / LLAMA_CPP
+    exe = root / "build" / "bin" / "llama-quantize"
+    if exe.exists():
+        return exe
+    with tarfile.open(SCRATCH / "llama_cpp_python-0.3.36.tar.gz") as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(LLAMA_CPP + "/")]
+        tar.extractall(SCRATCH / "build", members=members, filter="data")
+    cmake = str(Path(sys.executable).parent / "cmake")
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_OPENMP=OFF"]
+    subprocess.run([cmake, "-B", "build", *flags], cwd=root, check=True)
+    subprocess.run([cmake, "--build", "build", "--target", "llama-quantize", "-j"], cwd=root, check=True)
+    return exe
+
+
 def convert():
     root = llama_cpp()
     sys.path[:0] = [str(root / "gguf-py"), str(root)]
@@ -160,13 +217,26 @@ def convert():
 
     OUT.mkdir(parents=True, exist_ok=True)
     original = base.TextModel.get_vocab_base_pre
+    only = sys.argv[2:]  # file names to make (all when none)
     for model, outtype, pre, name in FILES:
+        if only and name not in only:
+            continue
         base.TextModel.get_vocab_base_pre = (lambda self, tokenizer, pre=pre: pre) if pre else original
-        src = make_spm_model() if model == "tiny-llama-spm" else FIX / "models" / model
-        sys.argv = ["convert_hf_to_gguf.py", str(src), "--outfile", str(OUT / name), "--outtype", outtype]
+        src = SCRATCH_MODELS[model]() if model in SCRATCH_MODELS else FIX / "models" / model
+        # A k-quant type: converted to f32, then quantized by llama-quantize.
+        k_quant = outtype.upper() == outtype
+        converted = SCRATCH / f"{model}-f32.gguf" if k_quant else OUT / name
+        sys.argv = ["convert_hf_to_gguf.py", str(src), "--outfile", str(converted),
+                    "--outtype", "f32" if k_quant else outtype]
         runpy.run_path(str(root / "convert_hf_to_gguf.py"), run_name="__main__")
+        if k_quant:
+            import subprocess
+
+            subprocess.run([str(llama_quantize()), str(converted), str(OUT / name), outtype], check=True)
         print(f"wrote {OUT / name} ({(OUT / name).stat().st_size} bytes)")
     for adapter, model, outtype, name in LORA_FILES:
+        if only and name not in only:
+            continue
         sys.argv = ["convert_lora_to_gguf.py", str(FIX / "adapters" / adapter), "--base", str(FIX / "models" / model),
                     "--outfile", str(OUT / name), "--outtype", outtype]
         runpy.run_path(str(root / "convert_lora_to_gguf.py"), run_name="__main__")
@@ -193,7 +263,7 @@ def reference():
     for model_name, _, _, name in FILES:
         tok = AutoTokenizer.from_pretrained(OUT, gguf_file=name)
         ids = [tok(t).input_ids for t in TEXTS]
-        src = SCRATCH / model_name if model_name == "tiny-llama-spm" else FIX / "models" / model_name
+        src = SCRATCH / model_name if model_name in SCRATCH_MODELS else FIX / "models" / model_name
         original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
         entry = {"ids": ids, "count": sum(len(r) - 1 for r in ids),
                  "tokenizer_json": json.loads(tok.backend_tokenizer.to_str()),

@@ -3,8 +3,9 @@
 //! same files and on the safetensors models they came from (`scripts/make_gguf_fixtures.py`,
 //! `tests/fixtures/gguf/reference-v{4,5}.json`).
 //!
-//! Tolerance: mean next-token NLL within 1e-5 (f32). The effects it must see are 10-100x that:
-//! Q8_0 vs the f32 original 1.2e-3, f16 vs original 6e-5, the Llama 3 rope scaling 9.8e-3
+//! Tolerance: mean next-token NLL within 1e-5 (f32). The effects it must see are 10-1000x that:
+//! Q8_0 vs the f32 original 1.2e-3, Q4_K_M 1.0e-2, f16 vs original 6e-5, the Llama 3 rope
+//! scaling 9.8e-3
 //! (checked by breaking each on purpose: no q / k row un-permute, no `rope_scaling` from
 //! `rope_freqs.weight`).
 
@@ -140,11 +141,16 @@ fn eval_matches_transformers_on_the_same_file_and_the_original_model() {
                         "{who}, {name}: {got} vs {original}"
                     );
                 }
-                // Where transformers' GGUF loader reads what the file says: its number.
-                ("tiny-qwen2-q8_0.gguf" | "tiny-qwen2-f16.gguf", Some(t)) => {
+                // Where transformers' GGUF loader reads what the file says: its number (gguf-py
+                // dequantizes the blocks: Q8_0, and llama-quantize's Q4_K / Q6_K).
+                (
+                    "tiny-qwen2-q8_0.gguf" | "tiny-qwen2-f16.gguf" | "tiny-llama-q4_k_m.gguf",
+                    Some(t),
+                ) => {
                     let want = t / count;
                     assert!((got - want).abs() < TOL, "{who}, {name}: {got} vs {want}");
-                    // and the format's rounding is seen (Q8_0: 1.2e-3, f16: 6e-5 of the mean)
+                    // and the format's rounding is seen (Q8_0: 1.2e-3, f16: 6e-5, Q4_K_M: 1.0e-2
+                    // of the mean)
                     assert!(
                         (got - original).abs() > 5.0 * TOL,
                         "{who}, {name}: {got} vs {original}"
@@ -245,6 +251,172 @@ fn edited_copy(name: &str, to: &Path, edit: impl FnOnce(&mut Vec<(String, gguf_f
             .collect::<Vec<_>>(),
     )
     .unwrap();
+}
+
+/// `model.quantize = "keep"` / `LoadOptions::keep_blocks`: the decoder linears stay in the
+/// file's blocks (llama-quantize's Q4_K_M mix of Q4_K and Q6_K; Q8_0), hold the bytes the
+/// estimate reads from the header, and compute what the dequantized model computes, to the bit
+/// in f32 (the same values through the same matmul): so transformers' number too.
+#[test]
+fn kept_blocks_compute_what_the_dequantized_model_computes() {
+    let cache = scratch("gguf-keep");
+    let (_, reference) = references().pop().unwrap();
+    for (name, formats) in [
+        ("tiny-llama-q4_k_m.gguf", vec!["Q4K", "Q6K"]),
+        ("tiny-qwen2-q8_0.gguf", vec!["Q8_0"]),
+    ] {
+        let entry = &reference["files"][name];
+        let dir = dir_of(name, &cache);
+        let load = |keep_blocks| {
+            let opts = LoadOptions {
+                keep_blocks,
+                ..LoadOptions::frozen(DType::F32, &Device::Cpu)
+            };
+            CausalLM::load(&dir, &opts).unwrap()
+        };
+        let (kept, dense) = (load(true), load(false));
+        let blocks = kept.ggml_weights();
+        assert_eq!(blocks.len(), 14, "{name}: 2 layers x 7 linears");
+        assert!(dense.ggml_weights().is_empty());
+        let found: std::collections::BTreeSet<String> = blocks
+            .iter()
+            .map(|(_, w)| format!("{:?}", w.format()))
+            .collect();
+        assert_eq!(found.into_iter().collect::<Vec<_>>(), formats, "{name}");
+        let stored = gguf::block_bytes(&gguf_fixture(name)).unwrap();
+        for (n, w) in &blocks {
+            assert_eq!(stored[n], w.storage_bytes() as u64, "{name}: {n}");
+        }
+        let rows: Vec<(Vec<u32>, Vec<bool>)> = ids_of(entry)
+            .into_iter()
+            .map(|ids| {
+                let targets = (0..ids.len()).map(|t| t > 0).collect();
+                (ids, targets)
+            })
+            .collect();
+        let (got, want) = (
+            nll_and_count(&kept, &rows).0,
+            nll_and_count(&dense, &rows).0,
+        );
+        assert_eq!(got, want, "{name}");
+        let count = entry["count"].as_f64().unwrap();
+        let t = entry["nll_sum"].as_f64().unwrap();
+        assert!(
+            (got / count - t / count).abs() < TOL,
+            "{name}: {got} vs {t}"
+        );
+    }
+    // Only for a GGUF file, whose blocks it keeps; frozen.
+    let e = CausalLM::load(
+        &model_dir("tiny-qwen2"),
+        &LoadOptions {
+            keep_blocks: true,
+            ..LoadOptions::frozen(DType::F32, &Device::Cpu)
+        },
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("not a GGUF file") && e.contains("nf4"), "{e}");
+    let e = CausalLM::load(
+        &dir_of("tiny-llama-q4_k_m.gguf", &cache),
+        &LoadOptions {
+            keep_blocks: true,
+            train_base: true,
+            ..LoadOptions::frozen(DType::F32, &Device::Cpu)
+        },
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("frozen") && e.contains("LoRA only"), "{e}");
+}
+
+/// LoRA over kept Q4_K / Q6_K blocks (`model.quantize = "keep"`) trains the adapter that LoRA
+/// over the dequantized file trains, tensor for tensor (the forward and backward compute the
+/// same values), and the adapter lowers the loss; `eval --quantize keep` gives the same loss.
+#[test]
+fn lora_trains_over_kept_blocks_as_over_the_dequantized_file() {
+    let tmp = scratch("gguf-keep-cli");
+    let env = [("TALLOW_CACHE_DIR", tmp.join("cache").display().to_string())];
+    let file = gguf_fixture("tiny-llama-q4_k_m.gguf");
+    let data = data_file("text");
+    let eval = |quantize: &str, adapter: Option<&Path>| -> Value {
+        let mut args = vec![
+            "eval".to_string(),
+            "--model".into(),
+            file.display().to_string(),
+            "--data".into(),
+            data.display().to_string(),
+            "--dtype".into(),
+            "f32".into(),
+            "--quantize".into(),
+            quantize.into(),
+            "--json".into(),
+        ];
+        if let Some(a) = adapter {
+            args.extend(["--adapter".into(), a.display().to_string()]);
+        }
+        let run = tallow_env(&args, &env);
+        assert_eq!(run.code, 0, "{}", run.stderr);
+        serde_json::from_str(run.stdout.lines().last().unwrap()).unwrap()
+    };
+    let train = |quantize: &str| -> PathBuf {
+        let out = tmp.join(format!("out-{quantize}"));
+        let config = tmp.join(format!("{quantize}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "[model]\npath = {:?}\ndtype = \"f32\"\nquantize = {quantize:?}\n[lora]\nrank = 4\n\
+                 [data]\ntrain = {:?}\nmax_seq_len = 64\n[train]\nmax_steps = 6\nlr = 1e-2\n\
+                 device = \"cpu\"\noutput_dir = {:?}\n",
+                file.display().to_string(),
+                data.display().to_string(),
+                out.display().to_string()
+            ),
+        )
+        .unwrap();
+        let run = tallow_env(["train", "--config", config.to_str().unwrap()], &env);
+        assert_eq!(run.code, 0, "{}", run.stderr);
+        out.join("adapter")
+    };
+    let (kept, dense) = (train("keep"), train("none"));
+    let tensors = |dir: &Path| {
+        candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu).unwrap()
+    };
+    let (a, b) = (tensors(&kept), tensors(&dense));
+    assert_eq!(a.len(), 28, "LoRA A and B on 14 linears");
+    for (n, t) in &a {
+        let d = (t - &b[n]).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0, "{n}");
+    }
+    let base = eval("keep", None);
+    assert_eq!(base["gguf_block_weights"].as_u64(), Some(14), "{base}");
+    let loss = |v: &Value| v["loss"].as_f64().unwrap();
+    let (with_kept, with_dense) = (eval("keep", Some(&kept)), eval("none", Some(&kept)));
+    assert_eq!(with_dense["gguf_block_weights"].as_u64(), Some(0));
+    assert!((loss(&with_kept) - loss(&with_dense)).abs() < TOL);
+    assert!(
+        loss(&with_kept) < loss(&base) - 100.0 * TOL,
+        "{} vs {}",
+        loss(&with_kept),
+        loss(&base)
+    );
+    // A full fine-tune cannot keep them (frozen); a safetensors model has none to keep.
+    let run = tallow_env(
+        [
+            "eval",
+            "--model",
+            model_dir("tiny-qwen2").to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--quantize",
+            "keep",
+        ],
+        &env,
+    );
+    assert_ne!(run.code, 0);
+    assert!(run.stderr.contains("not a GGUF file"), "{}", run.stderr);
 }
 
 #[test]

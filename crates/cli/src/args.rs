@@ -225,8 +225,9 @@ pub struct MergeArgs {
     #[arg(long)]
     pub dtype: Option<String>,
     /// Quantize the base before merging: none | nf4 (merge into the same NF4 round trip a QLoRA
-    /// run trained on). A bitsandbytes 4-bit checkpoint (`*-bnb-4bit`) is read as NF4 in any
-    /// case; NF4 weights are merged dequantized and saved in --dtype.
+    /// run trained on) | keep (a GGUF's block formats as stored). A bitsandbytes 4-bit
+    /// checkpoint (`*-bnb-4bit`) is read as NF4 in any case; quantized weights are merged
+    /// dequantized and saved in --dtype.
     #[arg(long, default_value = Quantize::None.name(), value_parser = quantize_parser())]
     pub quantize: Quantize,
     /// With --quantize nf4: quantize the per-block scales too (bitsandbytes double quantization).
@@ -306,8 +307,9 @@ pub struct EvalArgs {
     /// PEFT LoRA adapter directory to apply to the model.
     #[arg(long)]
     pub adapter: Option<PathBuf>,
-    /// Store the decoder's linear weights in 4-bit: none | nf4 (QLoRA base, bitsandbytes
-    /// layout). A bitsandbytes 4-bit checkpoint (`*-bnb-4bit`) is read as NF4 in any case.
+    /// Store the decoder's linear weights quantized: none | nf4 (QLoRA base, bitsandbytes
+    /// layout) | keep (a GGUF file's block formats as it stores them). A bitsandbytes 4-bit
+    /// checkpoint (`*-bnb-4bit`) is read as NF4 in any case.
     #[arg(long, default_value = Quantize::None.name(), value_parser = quantize_parser())]
     pub quantize: Quantize,
     /// With --quantize nf4: quantize the per-block scales too (bitsandbytes double quantization).
@@ -362,8 +364,8 @@ pub struct DecodeArgs {
     /// auto | cpu | cuda | cuda:N
     #[arg(long, default_value = "auto")]
     pub device: String,
-    /// Store the decoder's linear weights in 4-bit: none | nf4. A bitsandbytes 4-bit checkpoint
-    /// is read as NF4 in any case.
+    /// Store the decoder's linear weights quantized: none | nf4 | keep (a GGUF file's block
+    /// formats). A bitsandbytes 4-bit checkpoint is read as NF4 in any case.
     #[arg(long, default_value = Quantize::None.name(), value_parser = quantize_parser())]
     pub quantize: Quantize,
     /// With --quantize nf4: quantize the per-block scales too (bitsandbytes double quantization).

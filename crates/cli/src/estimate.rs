@@ -27,19 +27,24 @@ pub fn model_config(cfg: &TrainConfig) -> Result<DecoderConfig> {
     let path = tallow_hub::resolve_model_config(&cfg.model.path)
         .with_context(|| format!("model.path {}", cfg.model.path.display()))?;
     // A GGUF file: the config.json of the model dir tallow keeps for it (docs/gguf.md).
-    let path = match tallow_model::io::gguf::is_gguf(&path) {
-        true => tallow_model::io::gguf::model_dir(&path)
-            .with_context(|| format!("model.path {}", cfg.model.path.display()))?
-            .join("config.json"),
-        false => path,
+    // Its linears' block formats are read from the file's header, for `model.quantize = "keep"`.
+    let (path, blocks) = match tallow_model::io::gguf::is_gguf(&path) {
+        true => (
+            tallow_model::io::gguf::model_dir(&path)
+                .with_context(|| format!("model.path {}", cfg.model.path.display()))?
+                .join("config.json"),
+            Some(tallow_model::io::gguf::block_bytes(&path)?),
+        ),
+        false => (path, None),
     };
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("{}: cannot read the model's config.json", path.display()))?;
-    Ok(DecoderConfig::from_json_str_ignoring(
-        &text,
-        &path,
-        &cfg.model.ignore_config_keys,
-    )?)
+    let config =
+        DecoderConfig::from_json_str_ignoring(&text, &path, &cfg.model.ignore_config_keys)?;
+    Ok(DecoderConfig {
+        stored_blocks: blocks,
+        ..config
+    })
 }
 
 pub fn run(a: EstimateArgs) -> Result<()> {
@@ -145,10 +150,10 @@ pub fn describe(origin: &str, m: &DecoderConfig, cfg: &TrainConfig, est: &Estima
         m.hidden_size,
         m.vocab_size,
         cfg.model.dtype.name(),
-        if cfg.model.quantize == tallow_trainer::config::Quantize::Nf4 {
-            " + NF4"
-        } else {
-            ""
+        match cfg.model.quantize {
+            tallow_trainer::config::Quantize::Nf4 => " + NF4",
+            tallow_trainer::config::Quantize::Keep => " + GGUF blocks",
+            tallow_trainer::config::Quantize::None => "",
         },
         cfg.train.optimizer,
         cfg.train.micro_batch_size,

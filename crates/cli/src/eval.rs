@@ -82,6 +82,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
             "dtype": dtype_name(dtype),
             "quantize": a.quantize,
             "nf4_weights": model.nf4_weights().len(),
+            "gguf_block_weights": model.ggml_weights().len(),
             "device": if device.is_cuda() { "cuda" } else { "cpu" },
             "elapsed_s": start.elapsed().as_secs_f64(),
         });

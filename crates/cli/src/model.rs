@@ -29,7 +29,7 @@ pub fn dir(model: &Path) -> Result<PathBuf> {
 }
 
 /// Frozen base weights in `dtype` on `device`: quantized to NF4 with `--quantize nf4` (and
-/// `--double-quant`), dense otherwise; config.json read without the `--ignore-config-key`s.
+/// `--double-quant`), a GGUF's blocks kept with `--quantize keep`, dense otherwise; config.json read without the `--ignore-config-key`s.
 pub fn options(
     quantize: Quantize,
     double_quant: bool,
@@ -40,6 +40,10 @@ pub fn options(
     let opts = match quantize {
         Quantize::Nf4 => LoadOptions::nf4(dtype, device, double_quant),
         Quantize::None => LoadOptions::frozen(dtype, device),
+        Quantize::Keep => LoadOptions {
+            keep_blocks: true,
+            ..LoadOptions::frozen(dtype, device)
+        },
     };
     LoadOptions {
         ignore_config_keys: ignore_config_keys.to_vec(),

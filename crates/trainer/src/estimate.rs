@@ -857,17 +857,32 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let pre = m.prequantized.as_ref();
     let nf4 = cfg.model.quantize == Quantize::Nf4 || pre.is_some();
     let double_quant = pre.map_or(cfg.model.double_quant, |p| p.double_quant);
+    // `model.quantize = "keep"` on a GGUF file: its block-format linears as the file stores
+    // them (`tallow_model::kernels::ggml`), the rest dequantized into the model dtype.
+    let keep = match cfg.model.quantize {
+        Quantize::Keep => m.stored_blocks.as_ref(),
+        _ => None,
+    };
+    let quantized = nf4 || keep.is_some();
 
-    // Weights: decoder linears (dense or NF4), and the rest (embeddings, lm_head when untied,
-    // norms, biases) in the model dtype.
-    let mut linear_nf4 = 0u64;
+    // Weights: decoder linears (dense, NF4 or GGML blocks), and the rest (embeddings, lm_head
+    // when untied, norms, biases) in the model dtype.
+    let mut linear_stored = 0u64;
     let mut largest_linear = 0usize;
+    let mut formats = std::collections::BTreeSet::new();
     for layer in 0..layers {
         for l in m.layer_linears() {
             let n = l.inp * l.out;
             let name = format!("model.layers.{layer}.{}", l.path);
-            linear_nf4 += match pre {
-                Some(p) if !p.quantizes(&name) => s * n as u64,
+            linear_stored += match (keep, pre) {
+                (Some(k), _) => match k.get(&format!("{name}.weight")) {
+                    Some(&bytes) => {
+                        formats.insert(format!("{:.2} bits", 8.0 * bytes as f64 / n as f64));
+                        bytes
+                    }
+                    None => s * n as u64,
+                },
+                (None, Some(p)) if !p.quantizes(&name) => s * n as u64,
                 _ => nf4_bytes(n, double_quant),
             };
             largest_linear = largest_linear.max(n);
@@ -893,8 +908,8 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
         None => 0,
     };
     let base_bytes = adapter_kept
-        + if nf4 {
-            linear_nf4 + s * other as u64
+        + if quantized {
+            linear_stored + s * other as u64
         } else {
             s * (linear_elems + other) as u64
         };
@@ -908,7 +923,13 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
             ),
         )
     } else {
-        let what = if nf4 {
+        let what = if keep.is_some() {
+            format!(
+                "decoder linears as the GGUF file stores them ({} per value; {}), the rest {dt}",
+                formats.into_iter().collect::<Vec<_>>().join(", "),
+                mib(linear_stored)
+            )
+        } else if nf4 {
             format!(
                 "decoder linears NF4{}{} ({}), the rest {dt}",
                 if pre.is_some() {
@@ -917,7 +938,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
                     ""
                 },
                 if double_quant { " + double quant" } else { "" },
-                mib(linear_nf4)
+                mib(linear_stored)
             )
         } else {
             format!("{} parameters in {dt}", linear_elems + other)
@@ -1150,11 +1171,20 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     } else {
         f32_copy(largest_linear)
     };
-    let dequantized = if nf4 { s * largest_linear as u64 } else { 0 } + base_copy;
+    // GGML blocks (`kernels::ggml`): Candle dequantizes into f32, cast to a bf16 / f16 compute
+    // dtype (the f32 alive during the cast, freed before the matmul reads the result).
+    let dequantized = match (nf4, keep.is_some()) {
+        (true, _) => s * largest_linear as u64 + base_copy,
+        (false, true) => {
+            let f32_out = if s == 4 { 0 } else { 4 * largest_linear as u64 };
+            s * largest_linear as u64 + f32_out.max(base_copy)
+        }
+        (false, false) => base_copy,
+    };
     // An adapter that reads the weight (DoRA's norm of a bf16 / f16 or NF4-dequantized weight in
     // f32, one linear at a time): a transient the size of the largest weight.
     let adapter_read = kind.map_or(0, |k| {
-        k.weight_transient_bytes(largest_linear, s as usize, nf4)
+        k.weight_transient_bytes(largest_linear, s as usize, quantized)
     }) as u64;
     let dequantized = dequantized.max(adapter_read);
     // Three high points: the LM head's backward, which comes first, before any layer has a
@@ -1203,7 +1233,9 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
         (rebuilt_forward + dequantized + scores_fwd.max(lin_fwd)).max(loss_forward);
     // Load: bf16/f32 tensors are converted one at a time; NF4 quantizes from an f32 copy; a
     // bitsandbytes checkpoint's packed codes are read and reordered (two copies of n / 2).
-    let load_transient = if pre.is_some() {
+    // GGML blocks are read and their rows reordered as bytes (a few copies of under a byte per
+    // value).
+    let load_transient = if pre.is_some() || keep.is_some() {
         largest_linear as u64
     } else if nf4 {
         4 * largest_linear as u64

@@ -238,12 +238,12 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
     };
 
     let full = cfg.trains_full();
-    if full && cfg.model.quantize == Quantize::Nf4 {
-        return Err(TrainError::Invalid(
-            "model.quantize = \"nf4\" needs train.method = \"lora\" (QLoRA): NF4 base weights \
-             are frozen; set model.quantize = \"none\" for a full fine-tune"
-                .into(),
-        ));
+    if full && cfg.model.quantize.freezes_base() {
+        return Err(TrainError::Invalid(format!(
+            "model.quantize = \"{}\" needs train.method = \"lora\": quantized base weights \
+             are frozen; set model.quantize = \"none\" for a full fine-tune",
+            cfg.model.quantize
+        )));
     }
     let opts = LoadOptions {
         dtype: cfg.model.dtype.to_dtype(),
@@ -252,6 +252,7 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
         quantize: (cfg.model.quantize == Quantize::Nf4).then_some(Nf4Options {
             double_quant: cfg.model.double_quant,
         }),
+        keep_blocks: cfg.model.quantize == Quantize::Keep,
         ignore_config_keys: cfg.model.ignore_config_keys.clone(),
     };
     // lora.init: the adapter a LoRA run continues from (a full fine-tune has none).

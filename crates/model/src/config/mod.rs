@@ -135,6 +135,11 @@ pub struct DecoderConfig {
     /// A bitsandbytes 4-bit checkpoint (`quantization_config` with `load_in_4bit`): its decoder
     /// linears load as NF4 whatever `model.quantize` says, and the estimate counts them so.
     pub prequantized: Option<PreQuantized>,
+    /// A GGUF checkpoint's decoder linear weights stored in a block format: HF name
+    /// (`model.layers.0.mlp.down_proj.weight`) -> bytes in the file
+    /// (`crate::io::gguf::block_bytes`), what `model.quantize = "keep"` holds. Not in
+    /// config.json: set by whoever read the file (the estimate).
+    pub stored_blocks: Option<std::collections::BTreeMap<String, u64>>,
     /// The keys tallow ignored: for the note at load ([`KeyNote::line`]).
     pub keys: KeyNote,
     /// The raw config.json, kept so that saved models carry every key the user had (less the

@@ -24,6 +24,7 @@ use crate::config::DecoderConfig;
 use crate::decoder::checkpointing::Checkpointing;
 use crate::error::{ModelError, Result};
 use crate::io::weights::Weights;
+use crate::kernels::ggml::GgmlWeight;
 use crate::kernels::nf4::{Nf4Options, Nf4Weight};
 use crate::nn::linear::{Base, Linear, Param};
 use crate::nn::no_grad::enter;
@@ -41,6 +42,10 @@ pub struct LoadOptions {
     /// tensor at a time; embeddings, norms and lm_head stay in `dtype`. A bitsandbytes 4-bit
     /// checkpoint loads as NF4 whatever this says.
     pub quantize: Option<Nf4Options>,
+    /// A GGUF checkpoint's decoder linears stored in a block format (Q4_K, Q8_0, ...) stay in it,
+    /// dequantized for each matmul (`crate::kernels::ggml`; `model.quantize = "keep"`); false:
+    /// dequantized into `dtype` at load. Plain-float tensors load into `dtype` either way.
+    pub keep_blocks: bool,
     /// `config.json` keys to read as if absent (`model.ignore_config_keys`): for a key tallow
     /// refuses that the user knows has no effect (`crate::config::hf_keys`).
     pub ignore_config_keys: Vec<String>,
@@ -53,6 +58,7 @@ impl LoadOptions {
             device: device.clone(),
             train_base: false,
             quantize: None,
+            keep_blocks: false,
             ignore_config_keys: Vec::new(),
         }
     }
@@ -88,6 +94,13 @@ pub struct CausalLM {
 impl CausalLM {
     /// Loads an HF-layout model directory (config.json + safetensors).
     pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Self> {
+        if opts.keep_blocks && !dir.join(crate::io::gguf::LINK).exists() {
+            return Err(ModelError::Invalid(format!(
+                "{}: quantize \"keep\" keeps a GGUF file's quantized blocks, and this model is \
+                 not a GGUF file: use \"nf4\" to quantize it at load, or \"none\"",
+                dir.display()
+            )));
+        }
         let config = DecoderConfig::from_dir_ignoring(dir, &opts.ignore_config_keys)?;
         let mut weights = Weights::from_dir(dir)?;
         if config.text_tower {
@@ -106,6 +119,14 @@ impl CausalLM {
             return Err(ModelError::Invalid(
                 "NF4 base weights are frozen: quantization works with LoRA (QLoRA) only; \
                  for full fine-tuning load the model unquantized"
+                    .into(),
+            ));
+        }
+        if opts.keep_blocks && tr {
+            return Err(ModelError::Invalid(
+                "weights kept in their GGUF block format are frozen: keeping them works with \
+                 LoRA only; for full fine-tuning load the GGUF dequantized (model.quantize = \
+                 \"none\")"
                     .into(),
             ));
         }
@@ -128,6 +149,11 @@ impl CausalLM {
                     dt,
                     dev,
                 )?)));
+            }
+            if opts.keep_blocks {
+                if let Some(g) = GgmlWeight::from_gguf(w, name, (out, inp), dt, dev)? {
+                    return Ok(Base::Ggml(Arc::new(g)));
+                }
             }
             match opts.quantize {
                 None => Ok(Base::Dense(param(name, &[out, inp])?)),
@@ -436,6 +462,20 @@ impl CausalLM {
         out.push(("model.norm.weight".into(), &self.norm));
         if let Some(h) = &self.lm_head {
             out.push(("lm_head.weight".into(), h));
+        }
+        out
+    }
+
+    /// Every linear weight kept in a GGUF block format (`LoadOptions::keep_blocks`), with its HF
+    /// name.
+    pub fn ggml_weights(&self) -> Vec<(String, &Arc<GgmlWeight>)> {
+        let mut out = Vec::new();
+        for (i, l) in self.layers.iter().enumerate() {
+            for (n, lin) in l.linears() {
+                if let Base::Ggml(w) = &lin.weight {
+                    out.push((format!("model.layers.{i}.{n}.weight"), w));
+                }
+            }
         }
         out
     }

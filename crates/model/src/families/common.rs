@@ -213,6 +213,7 @@ impl CommonKeys {
             eos_token_ids: self.eos_token_id.into_vec(),
             text_tower: false,
             prequantized: None,
+            stored_blocks: None,
             keys: Default::default(),
             raw: serde_json::Value::Null,
         })

@@ -5,11 +5,15 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use candle_core::quantized::GgmlDType;
 use candle_core::safetensors::{Load, MmapedSafetensors};
 use candle_core::{DType, Device, Tensor};
 
 use super::gguf::{self, GgufFile};
 use crate::error::{ModelError, Result};
+
+/// A tensor in a GGUF block format: its bytes (rows in HF's order), format and shape.
+pub type BlockRows = (Vec<u8>, GgmlDType, Vec<usize>);
 
 /// The safetensors files of one checkpoint, with a name -> (file, stored name) routing table
 /// (the stored name differs for an image-text model's text tower, [`Weights::text_tower`]);
@@ -67,9 +71,14 @@ impl Gguf {
     fn read(&self, dir: &Path, name: &str) -> Result<Tensor> {
         let stored = self.stored(dir, name)?;
         let t = self.file.read_f32(stored)?;
+        self.hf_rows(&t, stored)
+    }
+
+    /// Rows of GGUF tensor `stored` (values, or a row's blocks as bytes) in HF's order.
+    fn hf_rows(&self, t: &Tensor, stored: &str) -> Result<Tensor> {
         match self.rotary_heads {
-            Some((heads, kv)) => gguf::rotary_rows(&t, stored, heads, kv, false),
-            None => Ok(t),
+            Some((heads, kv)) => gguf::rotary_rows(t, stored, heads, kv, false),
+            None => Ok(t.clone()),
         }
     }
 }
@@ -252,6 +261,29 @@ impl Weights {
         }
         let (_, st, name) = self.file_of(name)?;
         Ok(st.get(name)?.load(device)?)
+    }
+
+    /// `name` as a GGUF file stores it when that is a block format (Q4_K, Q8_0, ...): its
+    /// row-major bytes with rows in HF's order, the format and the shape. None when it is plain
+    /// floats, or the checkpoint is not a GGUF file. For `crate::kernels::ggml`.
+    pub fn block_rows(&self, name: &str) -> Result<Option<BlockRows>> {
+        let Some(g) = &self.gguf else {
+            return Ok(None);
+        };
+        let stored = g.stored(&self.dir, name)?;
+        match g.file.format(stored) {
+            Some(f) if gguf::is_block_format(f) => {}
+            _ => return Ok(None),
+        }
+        let (rows, format) = g.file.read_block_rows(stored)?; // (out, bytes per row)
+        let bytes = g.hf_rows(&rows, stored)?.flatten_all()?.to_vec1::<u8>()?;
+        let shape = g.file.shape(stored).unwrap_or_default();
+        Ok(Some((bytes, format, shape)))
+    }
+
+    /// The path of the file holding `name` (for messages).
+    pub fn path_of(&self, name: &str) -> PathBuf {
+        PathBuf::from(self.file_name(name))
     }
 
     /// The stored dtype of `name`, without reading it.

@@ -15,17 +15,18 @@ use rayon::prelude::*;
 use crate::kernels::amx;
 use crate::kernels::dropout::DropoutOp;
 use crate::kernels::fused::{round_bf16, rows_per_task, to_bf16, uninit, widen_bf16};
-use crate::kernels::nf4::Nf4Weight;
+use crate::kernels::matmul::Dequantize;
 
-/// The frozen base weight (N, K) of a one-op LoRA linear: dense in the compute dtype, or NF4.
+/// The frozen base weight (N, K) of a one-op LoRA linear: dense in the compute dtype, or kept
+/// quantized (NF4, GGML blocks) and dequantized for each matmul.
 #[derive(Clone)]
 pub enum LoraBase {
     Dense(Tensor),
-    Nf4(Arc<Nf4Weight>),
+    Quantized(Arc<dyn Dequantize>),
 }
 
 /// A LoRA linear on the CPU as one graph op (x, A, B) -> W x + b + s · B A dropout(x), for f32 /
-/// f64 with a frozen dense or NF4 base and a frozen (or no) bias: the adapter's output is added
+/// f64 with a frozen dense or quantized base and a frozen (or no) bias: the adapter's output is added
 /// into the base matmul's output buffer in place (no (M, out) add node), and the backward
 /// returns dx = dY W + s · mask ⊙ (dY B) A in one buffer, dA and dB: Candle accumulates one
 /// gradient per input instead of one per primitive (reshapes, the add, two matmuls, the scale),
@@ -39,12 +40,13 @@ pub struct LoraLinearOp {
     pub mkn: (usize, usize, usize),
 }
 
-/// The dense base weight (N, K) in the compute dtype, on the base's device (NF4 dequantized:
-/// one kernel, which Candle counts as a launch on either side; dropped by the caller after use).
+/// The dense base weight (N, K) in the compute dtype, on the base's device (a quantized base
+/// dequantized, which Candle counts as a launch on either side; dropped by the caller after
+/// use).
 fn dense_weight(base: &LoraBase) -> candle_core::Result<Tensor> {
     match base {
         LoraBase::Dense(w) => Ok(w.clone()),
-        LoraBase::Nf4(w) => w.dequantize_candle(),
+        LoraBase::Quantized(w) => w.dequantize_candle(),
     }
 }
 
@@ -357,7 +359,7 @@ impl candle_core::CustomOp3 for LoraLinearOp {
             // launches (and the NF4 dequantization, which is a counted op on either side).
             let grads = candle_core::launches::uncounted(|| self.cpu_bwd(x, a, b, &dy, want_dx))?;
             let bf16 = x.dtype() == candle_core::DType::BF16;
-            let dequant = want_dx && matches!(self.base, LoraBase::Nf4(_));
+            let dequant = want_dx && matches!(self.base, LoraBase::Quantized(_));
             count_launches(self.device_launches(bf16).backward(want_dx) + dequant as usize);
             return Ok(grads);
         }

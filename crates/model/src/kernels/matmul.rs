@@ -2,10 +2,15 @@
 //! (dX only: no model-sized dW for a frozen weight) and [`TrainableMatmul`] (dW from detached
 //! tensors); and the storage helpers that let one generic forward serve an op's CPU and CUDA
 //! bodies ([`InStorage`], [`matmul_t`], [`matmul_wt`]), which the other kernels use too. CPU and
-//! CUDA both run Candle's matmul (gemm / cuBLAS) inside.
+//! CUDA both run Candle's matmul (gemm / cuBLAS) inside. [`DequantMatmul`] is the frozen
+//! matmul of a weight kept quantized (NF4, GGML blocks): it dequantizes for each call.
+
+use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, Layout, Shape, Storage, Tensor};
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Storage, Tensor,
+};
 
 /// x W^T for a frozen W, whose backward gives dX = dY W and no dW.
 /// The op keeps a reference to W (which lives in the model anyway) and nothing else.
@@ -140,5 +145,61 @@ impl CustomOp2 for TrainableMatmul {
         let dx = x.track_op().then(|| dy.matmul(&w.detach())).transpose()?;
         let dw = dy.t()?.matmul(&x.detach())?;
         Ok((dx, Some(dw)))
+    }
+}
+
+/// A frozen base weight kept quantized (`crate::kernels::nf4`'s NF4, `crate::kernels::ggml`'s
+/// GGML blocks): what [`DequantMatmul`] and the one-op LoRA linear need of it.
+pub trait Dequantize: Send + Sync {
+    /// The matmul op's name (launch counts, `TALLOW_OP_TIMES`, errors).
+    fn op_name(&self) -> &'static str;
+    /// What [`Dequantize::dequantize_candle`] returns, and the dtype the input must have.
+    fn compute_dtype(&self) -> DType;
+    /// The weight (N, K) in the compute dtype on the weight's device: a new full-precision copy,
+    /// which the caller drops after its matmul.
+    fn dequantize_candle(&self) -> candle_core::Result<Tensor>;
+}
+
+/// x W^T for a quantized W: the custom op holds only the quantized weight; forward and backward
+/// each dequantize it (one layer at a time) and drop the full-precision copy before returning,
+/// so the graph never keeps a dequantized weight alive. Backward gives dX only.
+pub struct DequantMatmul<W: ?Sized> {
+    pub w: Arc<W>,
+}
+
+impl<W: Dequantize + ?Sized> DequantMatmul<W> {
+    /// x (M, K) -> x Wᵀ (M, N) on x's backend, W dequantized for the call and dropped on return.
+    fn fwd<S: InStorage>(&self, s: &S, l: &Layout) -> candle_core::Result<(S, Shape)> {
+        if s.dtype() != self.w.compute_dtype() {
+            candle_core::bail!(
+                "{}: input is {:?}, the weight computes in {:?}",
+                self.w.op_name(),
+                s.dtype(),
+                self.w.compute_dtype()
+            );
+        }
+        let w = self.w.dequantize_candle()?; // (N, K)
+        matmul_wt(s, l, &w, self.w.op_name())
+    }
+}
+
+impl<W: Dequantize + ?Sized> CustomOp1 for DequantMatmul<W> {
+    fn name(&self) -> &'static str {
+        self.w.op_name()
+    }
+
+    // x: (M, K) -> (M, N)
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.fwd(s, l)
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        self.fwd(s, l)
+    }
+
+    // dX = dY W: (M, N) x (N, K) -> (M, K), W dequantized again.
+    fn bwd(&self, _x: &Tensor, _y: &Tensor, dy: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let w = self.w.dequantize_candle()?;
+        Ok(Some(dy.matmul(&w)?))
     }
 }

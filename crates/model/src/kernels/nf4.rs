@@ -42,9 +42,11 @@
 //! - +1 (a concatenation with cached zeros) on the packed bytes when n is not a multiple of the
 //!   block, +1 on the absmax codes when the block count is not a multiple of 256.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::blockwise8::{
@@ -54,7 +56,7 @@ use crate::error::{ModelError, Result};
 use crate::io::weights::Weights;
 use crate::kernels::consts::{cached, ConstKey};
 use crate::kernels::dispatch::Backend;
-use crate::kernels::matmul::InStorage;
+use crate::kernels::matmul::{DequantMatmul, Dequantize};
 
 /// The NF4 codebook (`bitsandbytes.functional.get_4bit_type("nf4")`), sorted, index 0..15.
 /// Written with bitsandbytes' printed digits (they round to the same f32 values).
@@ -795,47 +797,20 @@ impl CustomOp1 for Dequant {
     }
 }
 
-/// x W^T for an NF4 W: the custom op holds only the packed weight; forward and backward each
-/// dequantize it (one layer at a time) and drop the full-precision copy before returning, so the
-/// graph never keeps a dequantized weight alive. Backward gives dX only.
-pub struct Nf4Matmul {
-    pub w: Arc<Nf4Weight>,
-}
+/// x W^T for an NF4 W ([`DequantMatmul`]: forward and backward each dequantize the weight).
+pub type Nf4Matmul = DequantMatmul<Nf4Weight>;
 
-impl Nf4Matmul {
-    /// x (M, K) -> x Wᵀ (M, N) on x's backend, W dequantized for the call (tensor ops on the
-    /// device) and dropped on return.
-    fn fwd<S: InStorage>(&self, s: &S, l: &Layout) -> candle_core::Result<(S, Shape)> {
-        if s.dtype() != self.w.dtype {
-            candle_core::bail!(
-                "nf4 matmul: input is {:?}, the weight computes in {:?}",
-                s.dtype(),
-                self.w.dtype
-            );
-        }
-        let w = self.w.dequantize_candle()?; // (N, K)
-        crate::kernels::matmul::matmul_wt(s, l, &w, "nf4 matmul")
-    }
-}
-
-impl CustomOp1 for Nf4Matmul {
-    fn name(&self) -> &'static str {
+impl Dequantize for Nf4Weight {
+    fn op_name(&self) -> &'static str {
         "nf4-matmul"
     }
 
-    // x: (M, K) -> (M, N)
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.fwd(s, l)
+    fn compute_dtype(&self) -> DType {
+        self.dtype
     }
 
-    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        self.fwd(s, l)
-    }
-
-    // dX = dY W: (M, N) x (N, K) -> (M, K), W dequantized again.
-    fn bwd(&self, _x: &Tensor, _y: &Tensor, dy: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let w = self.w.dequantize_candle()?;
-        Ok(Some(dy.matmul(&w)?))
+    fn dequantize_candle(&self) -> candle_core::Result<Tensor> {
+        Nf4Weight::dequantize_candle(self)
     }
 }
 
@@ -844,6 +819,7 @@ mod tests {
     use super::*;
     use candle_core::Var;
     use std::collections::HashMap;
+    use std::sync::Arc;
 
     fn fixtures() -> HashMap<String, Tensor> {
         let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -14,9 +14,10 @@
 
 use std::sync::Arc;
 
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 
 use crate::error::Result;
+pub use crate::kernels::ggml::{GgmlMatmul, GgmlWeight};
 use crate::kernels::lora_linear::{LoraBase, LoraLinearOp};
 use crate::kernels::matmul::{FrozenMatmul, TrainableMatmul};
 pub use crate::kernels::nf4::{Nf4Matmul, Nf4Weight};
@@ -121,11 +122,13 @@ impl Param {
     }
 }
 
-/// The base weight of a linear layer: dense (in the model dtype) or NF4 (frozen, 4-bit packed).
+/// The base weight of a linear layer: dense (in the model dtype), NF4 (frozen, 4-bit packed), or
+/// a GGUF file's blocks kept as they are (frozen; `model.quantize = "keep"`).
 #[derive(Clone)]
 pub enum Base {
     Dense(Param),
     Nf4(Arc<Nf4Weight>),
+    Ggml(Arc<GgmlWeight>),
 }
 
 impl Base {
@@ -134,23 +137,34 @@ impl Base {
         match self {
             Base::Dense(p) => p.tensor().dims2().unwrap_or((0, 0)),
             Base::Nf4(w) => w.shape,
+            Base::Ggml(w) => w.shape,
         }
     }
 
-    /// The dense parameter; None for an NF4 weight.
+    /// The dense parameter; None for a quantized weight.
     pub fn param(&self) -> Option<&Param> {
         match self {
             Base::Dense(p) => Some(p),
-            Base::Nf4(_) => None,
+            Base::Nf4(_) | Base::Ggml(_) => None,
         }
     }
 
-    /// The weight (out, in) in the compute dtype: the tensor itself, or NF4 dequantized (a new
+    /// The compute dtype: the dense tensor's, or what a quantized weight dequantizes to.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Base::Dense(p) => p.tensor().dtype(),
+            Base::Nf4(w) => w.dtype,
+            Base::Ggml(w) => w.dtype,
+        }
+    }
+
+    /// The weight (out, in) in the compute dtype: the tensor itself, or dequantized (a new
     /// full-precision copy: for merging and saving, never for the forward pass).
     pub fn dense(&self) -> Result<Tensor> {
         match self {
             Base::Dense(p) => Ok(p.tensor().clone()),
             Base::Nf4(w) => w.dequantize(),
+            Base::Ggml(w) => w.dequantize(),
         }
     }
 }
@@ -217,9 +231,8 @@ impl Linear {
         };
         let dt = x.dtype();
         let base_ok = match &self.weight {
-            Base::Dense(Param::Frozen(w)) => w.dtype() == dt,
-            Base::Nf4(w) => w.dtype == dt,
             Base::Dense(Param::Trainable(_)) => false,
+            frozen => frozen.dtype() == dt,
         };
         let bias_ok = match &self.bias {
             None => true,
@@ -258,7 +271,8 @@ impl Linear {
         }
         let base = match &self.weight {
             Base::Dense(p) => LoraBase::Dense(p.tensor().clone()),
-            Base::Nf4(w) => LoraBase::Nf4(w.clone()),
+            Base::Nf4(w) => LoraBase::Quantized(w.clone()),
+            Base::Ggml(w) => LoraBase::Quantized(w.clone()),
         };
         Ok(Some(LoraLinearOp {
             base,
@@ -298,6 +312,7 @@ impl Linear {
             Base::Dense(Param::Frozen(w)) => x.apply_op1(FrozenMatmul { w: w.clone() })?,
             Base::Dense(Param::Trainable(w)) => x.apply_op2(&no_grad::enter(w), TrainableMatmul)?,
             Base::Nf4(w) => x.apply_op1(Nf4Matmul { w: w.clone() })?,
+            Base::Ggml(w) => x.apply_op1(GgmlMatmul { w: w.clone() })?,
         })
     }
 }

@@ -31,7 +31,7 @@ use candle_core::{DType, Tensor, Var};
 use super::kind::KindSpec;
 use crate::config::layout::LinearSpec;
 use crate::error::Result;
-use crate::nn::linear::{Adapter, Base, Linear};
+use crate::nn::linear::{Adapter, Linear};
 use crate::nn::lora::Lora;
 
 /// A DoRA adapter: LoRA's A and B plus the magnitude vector.
@@ -230,13 +230,9 @@ impl KindSpec for DoraKind {
 }
 
 /// A (r, in) times the base weight transposed: (r, out) = A Wᵀ, in f32, through the base's
-/// matmul op (frozen / NF4: no weight gradient, nothing kept).
+/// matmul op (frozen / quantized: no weight gradient, nothing kept).
 fn base_times(lin: &Linear, a: &Tensor) -> Result<Tensor> {
-    let dt = match &lin.weight {
-        Base::Dense(p) => p.tensor().dtype(),
-        Base::Nf4(w) => w.dtype,
-    };
-    if dt == DType::F32 {
+    if lin.weight.dtype() == DType::F32 {
         return lin.base_matmul(a);
     }
     // bf16 / f16: the weight in f32 (one transient copy), so the cross term keeps A's precision.
@@ -253,7 +249,7 @@ mod tests {
     use super::*;
     use crate::kernels::dropout::Dropout;
     use crate::kernels::nf4::Nf4Weight;
-    use crate::nn::linear::Param;
+    use crate::nn::linear::{Base, Param};
     use crate::peft::lora::lora_a_init;
 
     fn max_rel(a: &Tensor, b: &Tensor) -> f64 {

@@ -65,6 +65,18 @@ choices! {
         /// 4-bit NormalFloat, bitsandbytes layout (QLoRA); embeddings, norms and lm_head stay in
         /// `model.dtype`.
         Nf4 = "nf4",
+        /// A GGUF checkpoint's weights in llama.cpp's block formats (Q4_K, Q8_0, ...) kept as
+        /// the file stores them and dequantized for each matmul (LoRA over a quantized GGUF in
+        /// its footprint, docs/gguf.md); its plain-float tensors load in `model.dtype`. Only for
+        /// a GGUF `model.path`.
+        Keep = "keep",
+    }
+}
+
+impl Quantize {
+    /// Whether the decoder linears are stored quantized, hence frozen (LoRA only).
+    pub fn freezes_base(self) -> bool {
+        self != Quantize::None
     }
 }
 
@@ -198,7 +210,7 @@ mod tests {
             assert_eq!(dtype.to_dtype(), dt);
         }
         assert_eq!(ModelDtype::default(), ModelDtype::Bf16);
-        assert_eq!(Quantize::NAMES, ["none", "nf4"]);
+        assert_eq!(Quantize::NAMES, ["none", "nf4", "keep"]);
         assert_eq!(Method::NAMES, ["lora", "full", "dpo", "orpo"]);
         assert_eq!(
             (Quantize::default(), Method::default()),

@@ -36,8 +36,9 @@ section! {
             );
         /// Storage and compute dtype of the frozen base.
         dtype: ModelDtype = ModelDtype::Bf16;
-        /// `nf4`: 4-bit storage of the decoder layers' linear weights (QLoRA); `none` keeps
-        /// them in `model.dtype`.
+        /// `nf4`: 4-bit storage of the decoder layers' linear weights (QLoRA); `keep`: a GGUF
+        /// file's block formats (Q4_K, Q8_0, ...) as it stores them (docs/gguf.md); `none`
+        /// keeps them in `model.dtype`.
         quantize: Quantize = Quantize::None;
         /// With nf4: quantize the per-block scales too (bitsandbytes double quantization).
         double_quant: bool = true;

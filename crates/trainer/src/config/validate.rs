@@ -163,10 +163,13 @@ fn validate_preference(c: &TrainConfig) -> Checked {
              preference.precompute_ref = true too (no second copy of the model is kept)",
         );
     }
-    if p.full && c.model.quantize == Quantize::Nf4 {
+    if p.full && c.model.quantize.freezes_base() {
         return bad(
             "preference.full",
-            "trains every weight, but model.quantize = \"nf4\" freezes the base: drop one",
+            format!(
+                "trains every weight, but model.quantize = \"{}\" freezes the base: drop one",
+                c.model.quantize
+            ),
         );
     }
     if method.preference() && c.data.pack {
@@ -293,7 +296,7 @@ fn validate_train_length(t: &TrainSection) -> Checked {
     Ok(())
 }
 
-/// `model.quantize = "nf4"` freezes the base, so it needs `train.method = "lora"` (QLoRA).
+/// `model.quantize = "nf4"` (or `"keep"`) freezes the base, so it needs `train.method = "lora"`.
 fn validate_quantize_with_method(m: &ModelSection, t: &TrainSection) -> Checked {
     if m.quantize == Quantize::Nf4 && t.method == Method::Full {
         return bad(
@@ -306,6 +309,19 @@ fn validate_quantize_with_method(m: &ModelSection, t: &TrainSection) -> Checked 
                 lora = Method::Lora,
                 none = Quantize::None,
                 adamw8bit = OptimizerKind::AdamW8bit,
+            ),
+        );
+    }
+    if m.quantize == Quantize::Keep && t.method == Method::Full {
+        return bad(
+            "model.quantize",
+            format!(
+                "is \"{keep}\", which needs train.method = \"{lora}\" (weights kept in their \
+                 GGUF block format are frozen); set model.quantize = \"{none}\" for a full \
+                 fine-tune of the GGUF dequantized",
+                keep = Quantize::Keep,
+                lora = Method::Lora,
+                none = Quantize::None,
             ),
         );
     }
@@ -328,6 +344,12 @@ mod tests {
              memory)"
         );
         assert!(parse(MINIMAL, &["model.quantize=nf4", "train.method=lora"]).is_ok());
+        let e = err(MINIMAL, &["model.quantize=keep", "train.method=full"]);
+        assert!(
+            e.contains("is \"keep\", which needs train.method = \"lora\""),
+            "{e}"
+        );
+        assert!(parse(MINIMAL, &["model.quantize=keep", "train.method=lora"]).is_ok());
     }
 
     /// Every message `validate` can give, rendered: none has a run of spaces inside a line (a
@@ -337,6 +359,10 @@ mod tests {
         let mut in_code = Vec::new();
         let mut c = TrainConfig::new("m", "t");
         c.model.quantize = Quantize::Nf4;
+        c.train.method = Method::Full;
+        in_code.push(c);
+        let mut c = TrainConfig::new("m", "t");
+        c.model.quantize = Quantize::Keep;
         c.train.method = Method::Full;
         in_code.push(c);
         let mut c = TrainConfig::new("m", "t");

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{Content, Value};
-use candle_core::quantized::GgmlDType;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{ModelError, Result};
@@ -205,18 +205,70 @@ impl GgufFile {
             })
     }
 
-    /// Tensor `name` dequantized to f32 on the CPU.
-    pub fn read_f32(&self, name: &str) -> Result<Tensor> {
+    /// The stored type of tensor `name` (F32, Q4K, ...).
+    pub fn format(&self, name: &str) -> Option<GgmlDType> {
+        self.content.tensor_infos.get(name).map(|t| t.ggml_dtype)
+    }
+
+    /// Tensor `name` as stored, on the CPU.
+    fn read_q(&self, name: &str) -> Result<QTensor> {
         let mut f = std::fs::File::open(&self.path).map_err(|source| ModelError::Io {
             path: self.path.clone(),
             source,
         })?;
-        let q = self
-            .content
+        self.content
             .tensor(&mut f, name, &Device::Cpu)
-            .map_err(|e| bad(&self.path, format!("tensor `{name}`: {e}")))?;
-        Ok(q.dequantize(&Device::Cpu)?.to_dtype(DType::F32)?)
+            .map_err(|e| bad(&self.path, format!("tensor `{name}`: {e}")))
     }
+
+    /// Tensor `name` dequantized to f32 on the CPU.
+    pub fn read_f32(&self, name: &str) -> Result<Tensor> {
+        Ok(self
+            .read_q(name)?
+            .dequantize(&Device::Cpu)?
+            .to_dtype(DType::F32)?)
+    }
+
+    /// The stored bytes of 2-D tensor `name` (row-major blocks) as a (rows, bytes per row) u8
+    /// tensor on the CPU, with its type: rows can be reordered without dequantizing.
+    pub fn read_block_rows(&self, name: &str) -> Result<(Tensor, GgmlDType)> {
+        let q = self.read_q(name)?;
+        let (rows, _) = q.shape().dims2()?;
+        let bytes = q.data()?.to_vec();
+        let per_row = bytes.len() / rows.max(1);
+        Ok((
+            Tensor::from_vec(bytes, (rows, per_row), &Device::Cpu)?,
+            q.dtype(),
+        ))
+    }
+}
+
+/// Whether a GGUF tensor type is one of llama.cpp's block formats (Q4_K, Q8_0, ...), rather than
+/// plain floats: what `model.quantize = "keep"` keeps.
+pub fn is_block_format(t: GgmlDType) -> bool {
+    !matches!(t, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+}
+
+/// Bytes of `n` values in format `t` (n a multiple of its block).
+pub fn format_bytes(t: GgmlDType, n: usize) -> u64 {
+    (n / t.block_size() * t.type_size()) as u64
+}
+
+/// The decoder linear weights of GGUF file `path` that it stores in a block format: HF name ->
+/// bytes stored (for the estimate of `model.quantize = "keep"`; reads the header only).
+pub fn block_bytes(path: &Path) -> Result<std::collections::BTreeMap<String, u64>> {
+    let file = GgufFile::open(path)?;
+    let arch = file.arch()?.to_string();
+    let layers = file.int(&format!("{arch}.block_count"))?.unwrap_or(0) as usize;
+    Ok(tensor_names(layers)
+        .into_iter()
+        .filter(|(hf, _)| hf.starts_with("model.layers.") && hf.ends_with("_proj.weight"))
+        .filter_map(|(hf, g)| {
+            let info = file.content.tensor_infos.get(&g)?;
+            is_block_format(info.ggml_dtype)
+                .then(|| (hf, format_bytes(info.ggml_dtype, info.shape.elem_count())))
+        })
+        .collect())
 }
 
 /// How an architecture's tensors are named in GGUF: HF name -> GGUF name, for `layers` decoder
