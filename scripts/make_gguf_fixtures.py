@@ -31,12 +31,21 @@ and llama.cpp's `llama-quantize` (built here from the same archive's sources, wi
 system C++ compiler) for the one fixture in llama.cpp's k-quant blocks, which gguf-py cannot
 write:
 
-    tiny-llama-256 -> tests/fixtures/gguf/tiny-llama-q4_k_m.gguf  (Q4_K_M: Q4_K and Q6_K blocks,
-                  as llama-quantize mixes them; tiny-llama's config and tokenizer at k-quant sizes,
-                  hidden 256, intermediate 512, head dim 64, no rope scaling (so that transformers
-                  reads what the file says), random weights (seed 0); converted to
+    tiny-llama-256 -> tests/fixtures/gguf/tiny-llama-256-q4_k_m.gguf  (Q4_K_M: Q4_K and Q6_K
+                  blocks, as llama-quantize mixes them; tiny-llama's config and tokenizer at k-quant
+                  sizes, hidden 256, intermediate 256, head dim 64, no rope scaling (so that
+                  transformers reads what the file says), random weights (seed 0); converted to
                   f32 first, then quantized; the model dir is made in the scratch dir and not
                   committed. For `model.quantize = "keep"`: LoRA over the blocks as stored)
+    tiny-llama-256 -> tests/fixtures/gguf/tiny-llama-256-q8_0.gguf  (the converter's Q8_0: the
+                  source of the Q4_K_M export test below)
+
+and llama-quantize on the Q8_0 file (`--allow-requantize`: its values, dequantized, quantized
+to Q4_K_M; values on an 8-bit grid, which the 4- and 6-bit blocks must search):
+
+    tiny-llama-256-q8_0.gguf -> tests/fixtures/gguf/tiny-llama-256-q4_k_m-from-q8_0.gguf  (what
+                  `tallow export --outtype q4_k_m` of tiny-llama-256-q8_0.gguf must write, byte
+                  for byte)
 
 and `convert_lora_to_gguf.py` on two PEFT adapter fixtures (llama.cpp's LoRA adapter layout):
 
@@ -97,8 +106,14 @@ FILES = [
     ("tiny-qwen2", "q8_0", "qwen2", "tiny-qwen2-q8_0.gguf"),
     ("tiny-qwen2", "f16", "qwen2", "tiny-qwen2-f16.gguf"),
     ("tiny-qwen3", "f32", "qwen2", "tiny-qwen3-f32.gguf"),
-    ("tiny-llama-256", "Q4_K_M", "llama-bpe", "tiny-llama-q4_k_m.gguf"),
+    ("tiny-llama-256", "Q4_K_M", "llama-bpe", "tiny-llama-256-q4_k_m.gguf"),
+    ("tiny-llama-256", "q8_0", "llama-bpe", "tiny-llama-256-q8_0.gguf"),
 ]
+
+# (fixture, file): llama-quantize's Q4_K_M of the fixture's values (`--allow-requantize`: its Q8_0
+# blocks dequantized, then quantized), what `tallow export --outtype q4_k_m` of the fixture must
+# write byte for byte (tests/tests/gguf.rs).
+REQUANTIZED = [("tiny-llama-256-q8_0.gguf", "tiny-llama-256-q4_k_m-from-q8_0.gguf")]
 
 # The fixture models made in the scratch dir (not committed), by their maker.
 SCRATCH_MODELS = {"tiny-llama-spm": lambda: make_spm_model(), "tiny-llama-256": lambda: make_k_quant_model()}
@@ -178,7 +193,7 @@ def make_k_quant_model() -> Path:
     out = SCRATCH / "tiny-llama-256"
     src = FIX / "models" / "tiny-llama"
     base = json.loads((src / "config.json").read_text())
-    base.update(hidden_size=256, intermediate_size=512, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
+    base.update(hidden_size=256, intermediate_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
                 rope_scaling=None)
     for k in ("architectures", "transformers_version", "dtype", "model_type"):
         base.pop(k, None)
@@ -233,6 +248,14 @@ def convert():
             import subprocess
 
             subprocess.run([str(llama_quantize()), str(converted), str(OUT / name), outtype], check=True)
+        print(f"wrote {OUT / name} ({(OUT / name).stat().st_size} bytes)")
+    for source, name in REQUANTIZED:
+        if only and name not in only:
+            continue
+        import subprocess
+
+        subprocess.run([str(llama_quantize()), "--allow-requantize", str(OUT / source), str(OUT / name), "Q4_K_M"],
+                       check=True)
         print(f"wrote {OUT / name} ({(OUT / name).stat().st_size} bytes)")
     for adapter, model, outtype, name in LORA_FILES:
         if only and name not in only:

@@ -609,3 +609,50 @@ pub fn id_rows(v: &serde_json::Value) -> Vec<Vec<u32>> {
         })
         .collect()
 }
+
+/// GGUF file `path` written to `to` with its decoder linears in Q4_K where a row is whole
+/// 256-value blocks and Q8_0 elsewhere (llama.cpp's fallback for such rows), by Candle's
+/// quantizer: the footprint of a Q4_K GGUF for memory and speed measurements (the blocks' sizes
+/// are the format's; their values are Candle's quantizer's, not llama-quantize's, which
+/// differ: docs/gguf.md). The `requantize-gguf` dev tool.
+pub fn requantize_linears(path: &std::path::Path, to: &std::path::Path) {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    let mut f = std::fs::File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    let linears = [
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "ffn_gate",
+        "ffn_up",
+        "ffn_down",
+    ];
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    let tensors: Vec<(String, QTensor)> = names
+        .into_iter()
+        .map(|n| {
+            let t = content.tensor(&mut f, n, &Device::Cpu).unwrap();
+            let linear = n.starts_with("blk.")
+                && linears.iter().any(|l| n.ends_with(&format!("{l}.weight")));
+            if !linear {
+                return (n.clone(), t);
+            }
+            let format = match t.shape().dims()[1] % 256 {
+                0 => GgmlDType::Q4K,
+                _ => GgmlDType::Q8_0,
+            };
+            let w = t.dequantize(&Device::Cpu).unwrap();
+            (n.clone(), QTensor::quantize(&w, format).unwrap())
+        })
+        .collect();
+    let meta: Vec<(&str, &gguf_file::Value)> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v))
+        .collect();
+    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut out = std::fs::File::create(to).unwrap_or_else(|e| panic!("{}: {e}", to.display()));
+    gguf_file::write(&mut out, &meta, &tensors).unwrap();
+}

@@ -803,51 +803,6 @@ fn a_long_context_budget_gives_the_plan_the_length_and_the_host_memory() {
     );
 }
 
-/// `path` (a GGUF file) written to `to` with its decoder linears in Q4_K where a row is whole
-/// 256-value blocks and Q8_0 elsewhere (llama.cpp's fallback for such rows), by Candle's
-/// quantizer: the footprint of a Q4_K GGUF (the blocks' sizes are the format's; their values
-/// need not be llama.cpp's for a memory test).
-fn requantize_linears(path: &Path, to: &Path) {
-    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
-    use candle_core::Device;
-    let mut f = std::fs::File::open(path).unwrap();
-    let content = gguf_file::Content::read(&mut f).unwrap();
-    let linears = [
-        "attn_q",
-        "attn_k",
-        "attn_v",
-        "attn_output",
-        "ffn_gate",
-        "ffn_up",
-        "ffn_down",
-    ];
-    let tensors: Vec<(String, QTensor)> = content
-        .tensor_infos
-        .keys()
-        .map(|n| {
-            let t = content.tensor(&mut f, n, &Device::Cpu).unwrap();
-            let linear = n.starts_with("blk.")
-                && linears.iter().any(|l| n.ends_with(&format!("{l}.weight")));
-            if !linear {
-                return (n.clone(), t);
-            }
-            let format = match t.shape().dims()[1] % 256 {
-                0 => GgmlDType::Q4K,
-                _ => GgmlDType::Q8_0,
-            };
-            let w = t.dequantize(&Device::Cpu).unwrap();
-            (n.clone(), QTensor::quantize(&w, format).unwrap())
-        })
-        .collect();
-    let meta: Vec<(&str, &gguf_file::Value)> = content
-        .metadata
-        .iter()
-        .map(|(k, v)| (k.as_str(), v))
-        .collect();
-    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    gguf_file::write(&mut std::fs::File::create(to).unwrap(), &meta, &tensors).unwrap();
-}
-
 /// LoRA over a Q4_K GGUF kept in its blocks (`model.quantize = "keep"`, issue 39): the
 /// estimate counts the decoder linears as the file stores them (Q4_K, and Q8_0 for the down
 /// projections, whose 1408-value rows are not whole 256-value blocks) and is within 10% of the

@@ -144,7 +144,10 @@ fn eval_matches_transformers_on_the_same_file_and_the_original_model() {
                 // Where transformers' GGUF loader reads what the file says: its number (gguf-py
                 // dequantizes the blocks: Q8_0, and llama-quantize's Q4_K / Q6_K).
                 (
-                    "tiny-qwen2-q8_0.gguf" | "tiny-qwen2-f16.gguf" | "tiny-llama-q4_k_m.gguf",
+                    "tiny-qwen2-q8_0.gguf"
+                    | "tiny-qwen2-f16.gguf"
+                    | "tiny-llama-256-q4_k_m.gguf"
+                    | "tiny-llama-256-q8_0.gguf",
                     Some(t),
                 ) => {
                     let want = t / count;
@@ -262,7 +265,7 @@ fn kept_blocks_compute_what_the_dequantized_model_computes() {
     let cache = scratch("gguf-keep");
     let (_, reference) = references().pop().unwrap();
     for (name, formats) in [
-        ("tiny-llama-q4_k_m.gguf", vec!["Q4K", "Q6K"]),
+        ("tiny-llama-256-q4_k_m.gguf", vec!["Q4K", "Q6K"]),
         ("tiny-qwen2-q8_0.gguf", vec!["Q8_0"]),
     ] {
         let entry = &reference["files"][name];
@@ -319,7 +322,7 @@ fn kept_blocks_compute_what_the_dequantized_model_computes() {
     .to_string();
     assert!(e.contains("not a GGUF file") && e.contains("nf4"), "{e}");
     let e = CausalLM::load(
-        &dir_of("tiny-llama-q4_k_m.gguf", &cache),
+        &dir_of("tiny-llama-256-q4_k_m.gguf", &cache),
         &LoadOptions {
             keep_blocks: true,
             train_base: true,
@@ -339,7 +342,7 @@ fn kept_blocks_compute_what_the_dequantized_model_computes() {
 fn lora_trains_over_kept_blocks_as_over_the_dequantized_file() {
     let tmp = scratch("gguf-keep-cli");
     let env = [("TALLOW_CACHE_DIR", tmp.join("cache").display().to_string())];
-    let file = gguf_fixture("tiny-llama-q4_k_m.gguf");
+    let file = gguf_fixture("tiny-llama-256-q4_k_m.gguf");
     let data = data_file("text");
     let eval = |quantize: &str, adapter: Option<&Path>| -> Value {
         let mut args = vec![
@@ -641,14 +644,24 @@ fn dump(path: &Path) -> Dump {
     (meta, tensors)
 }
 
-/// `ours` is fixture `fixture`: every metadata key with the same type and value (`general.name`
-/// aside: llama.cpp's converters derive it from the dir name by heuristics of their own), every
+/// `ours` is fixture `fixture`: every metadata key with the same type and value (`general.name`,
+/// `.basename`, `.version`, `.finetune` aside: llama.cpp's converters derive them from the dir
+/// name by heuristics of their own), every
 /// tensor with the same type, shape and bytes.
 fn assert_same_gguf(ours: &Path, fixture: &str) {
     let (mut ours_meta, ours) = dump(ours);
     let (mut theirs_meta, theirs) = dump(&gguf_fixture(fixture));
-    ours_meta.remove("general.name");
-    theirs_meta.remove("general.name");
+    // What llama.cpp's converter derives from the model dir's name by its heuristics
+    // (`tiny-llama-256`: basename `tiny-llama`, version `256`).
+    for key in [
+        "general.name",
+        "general.basename",
+        "general.version",
+        "general.finetune",
+    ] {
+        ours_meta.remove(key);
+        theirs_meta.remove(key);
+    }
     assert_eq!(ours_meta, theirs_meta, "{fixture}: metadata");
     assert_eq!(
         ours.keys().collect::<Vec<_>>(),
@@ -703,6 +716,51 @@ fn export_writes_what_llama_cpp_converter_writes() {
         "q8_0",
         "tiny-qwen2-q8_0.gguf",
     );
+}
+
+/// `--outtype q4_k_m` writes what llama.cpp's `llama-quantize` writes for `Q4_K_M` (no
+/// importance matrix): the same types per tensor (Q4_K; Q6_K for the head and the first, last and
+/// every third `attn_v` / `ffn_down`), the same blocks byte for byte, the tensors in its order.
+/// The fixture is llama-quantize's Q4_K_M of tiny-llama-256-q8_0.gguf's values (8-bit codes, which
+/// the 4- and 6-bit blocks must search: 92037 of its bytes differ from the Q4_K_M of the f32
+/// original), which is what exporting that file is.
+#[test]
+fn q4_k_m_export_writes_llama_quantize_bytes() {
+    let tmp = scratch("gguf-q4km");
+    let env = [("TALLOW_CACHE_DIR", tmp.join("cache").display().to_string())];
+    let out = tmp.join("again.gguf");
+    let run = tallow_env(
+        [
+            "export",
+            "--model",
+            gguf_fixture("tiny-llama-256-q8_0.gguf").to_str().unwrap(),
+            "--outtype",
+            "q4_k_m",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        &env,
+    );
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let fixture = "tiny-llama-256-q4_k_m-from-q8_0.gguf";
+    assert_same_gguf(&out, fixture);
+    // the tensors in llama-quantize's order: by data offset
+    let order = |p: &Path| {
+        let c = gguf_file::Content::read(&mut std::fs::File::open(p).unwrap()).unwrap();
+        let mut t: Vec<(u64, String)> = c
+            .tensor_infos
+            .iter()
+            .map(|(n, i)| (i.offset, n.clone()))
+            .collect();
+        t.sort();
+        t.into_iter().map(|(_, n)| n).collect::<Vec<_>>()
+    };
+    assert_eq!(order(&out), order(&gguf_fixture(fixture)));
+    // every format the mix uses was written
+    let (_, tensors) = dump(&out);
+    let types: std::collections::BTreeSet<&str> =
+        tensors.values().map(|(t, _, _)| t.as_str()).collect();
+    assert!(types.contains("Q4K") && types.contains("Q6K"), "{types:?}");
 }
 
 #[test]

@@ -15,7 +15,10 @@ pub fn run(a: ExportArgs) -> Result<()> {
         bail!("--format {}: tallow exports gguf", a.format);
     }
     let Some(out) = OutType::parse(&a.outtype) else {
-        bail!("--outtype {}: expected f32, f16, bf16 or q8_0", a.outtype);
+        bail!(
+            "--outtype {}: expected f32, f16, bf16, q8_0 or q4_k_m",
+            a.outtype
+        );
     };
     let dir = model::dir(&a.model)?;
     if a.adapter_only {
@@ -116,6 +119,12 @@ fn adapter_only(a: &ExportArgs, dir: &std::path::Path, out: OutType) -> Result<(
     let Some(adapter) = &a.adapter else {
         bail!("--adapter-only needs --adapter DIR");
     };
+    if out == OutType::Q4KM {
+        bail!(
+            "--outtype q4_k_m: an adapter is written in f32, f16, bf16 or q8_0 (llama.cpp's \
+             convert_lora_to_gguf.py types); q4_k_m is for the model"
+        );
+    }
     let cfg_path = adapter.join("adapter_config.json");
     let cfg: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(&cfg_path).with_context(|| format!("{}", cfg_path.display()))?,

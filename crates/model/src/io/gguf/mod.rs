@@ -12,6 +12,7 @@
 //! [`Weights`]: crate::io::weights::Weights
 
 pub mod config;
+pub mod quants;
 pub mod tokenizer;
 pub mod write;
 

@@ -20,6 +20,10 @@ pub enum OutType {
     F16,
     BF16,
     Q8_0,
+    /// llama-quantize's `Q4_K_M` mix: Q4_K, Q6_K for the output, the first, last and every third
+    /// `attn_v` / `ffn_down`, Q5_0 / Q8_0 where rows are not whole 256-value blocks
+    /// ([`q4_k_m_type`]).
+    Q4KM,
 }
 
 impl OutType {
@@ -29,6 +33,7 @@ impl OutType {
             "f16" => Self::F16,
             "bf16" => Self::BF16,
             "q8_0" => Self::Q8_0,
+            "q4_k_m" => Self::Q4KM,
             _ => return None,
         })
     }
@@ -39,6 +44,7 @@ impl OutType {
             Self::F32 => 0,
             Self::F16 => 1,
             Self::Q8_0 => 7,
+            Self::Q4KM => 15,
             Self::BF16 => 32,
         }
     }
@@ -165,8 +171,136 @@ pub fn write_gguf(
     for (k, v) in tokenizer_metadata(path, src, int("vocab_size") as usize)? {
         put(&k, v);
     }
+    if out == OutType::Q4KM {
+        if layers == 80 {
+            return Err(refuse(
+                path,
+                "num_hidden_layers",
+                Some("80".into()),
+                "makes llama-quantize's Q4_K_M put attn_v in Q5_K (its 70B rule), which tallow \
+                 does not write yet: export q8_0 or f16 and run llama-quantize",
+            ));
+        }
+        rows = llama_quantize_q4_k_m(rows, layers as usize)?;
+        // llama-quantize sets these two again after copying the converter's keys, which moves
+        // them last.
+        for key in ["general.quantization_version", "general.file_type"] {
+            let i = m.iter().position(|(k, _)| k == key).expect("written above");
+            let kv = m.remove(i);
+            m.push(kv);
+        }
+    }
 
     write_file(path, &m, &rows)
+}
+
+/// `rows` (f32 matrices, as the converter writes them for an f32 export) as llama-quantize
+/// writes them for `Q4_K_M` without an importance matrix: in its tensor order (the tensors
+/// outside the layers first, then each layer's, by name within each) with [`q4_k_m_type`]'s
+/// types and llama.cpp's quantizers ([`super::quants`]).
+fn llama_quantize_q4_k_m(
+    rows: Vec<(String, QTensor)>,
+    layers: usize,
+) -> Result<Vec<(String, QTensor)>> {
+    let layer_of = |n: &str| -> i64 {
+        n.strip_prefix("blk.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|i| i.parse().ok())
+            .unwrap_or(-1)
+    };
+    let mut rows = rows;
+    rows.sort_by(|(a, _), (b, _)| (layer_of(a), a).cmp(&(layer_of(b), b)));
+    let mut st = Q4kmState {
+        n_attention_wv: rows
+            .iter()
+            .filter(|(n, _)| n.contains("attn_v.weight"))
+            .count(),
+        i_attention_wv: 0,
+        n_layer: layers,
+        i_ffn_down: 0,
+        tied: !rows.iter().any(|(n, _)| n == "output.weight"),
+    };
+    let mut out = Vec::with_capacity(rows.len());
+    for (name, q) in rows {
+        let dims = q.shape().dims().to_vec();
+        let format = q4_k_m_type(&name, &dims, &mut st);
+        if format == q.dtype() {
+            out.push((name, q));
+            continue;
+        }
+        let t = q.dequantize(&candle_core::Device::Cpu)?;
+        let x = t.flatten_all()?.to_vec1::<f32>()?;
+        let bytes = match format {
+            GgmlDType::Q4K => super::quants::q4_k(&x),
+            GgmlDType::Q6K => super::quants::q6_k(&x),
+            GgmlDType::Q5_0 => super::quants::q5_0(&x),
+            GgmlDType::Q8_0 => super::quants::q8_0(&x),
+            _ => {
+                out.push((name, QTensor::quantize(&t, format)?));
+                continue;
+            }
+        };
+        let storage = candle_core::quantized::QStorage::from_data(
+            std::borrow::Cow::Owned(bytes),
+            &candle_core::Device::Cpu,
+            format,
+        )?;
+        out.push((name, QTensor::new(storage, dims)?));
+    }
+    Ok(out)
+}
+
+/// What [`q4_k_m_type`] counts as it goes through the tensors in llama-quantize's order.
+struct Q4kmState {
+    n_attention_wv: usize,
+    i_attention_wv: usize,
+    n_layer: usize,
+    i_ffn_down: usize,
+    /// No `output.weight`: the embedding is the head and takes the head's type.
+    tied: bool,
+}
+
+/// The type llama-quantize gives tensor `name` (dims row-major, so the last is its row length)
+/// in a `Q4_K_M` file of a dense llama / qwen2 / qwen3 model, without an importance matrix
+/// (`llama_tensor_get_type` in llama.cpp's src/llama-quant.cpp, the branches these architectures
+/// reach; the counters advance in the order the tensors are met).
+fn q4_k_m_type(name: &str, dims: &[usize], st: &mut Q4kmState) -> GgmlDType {
+    // Not quantized: vectors, norms, and anything that is not a weight.
+    if dims.len() < 2 || !name.ends_with("weight") || name.contains("_norm.weight") {
+        return GgmlDType::F32;
+    }
+    let ncols = dims[dims.len() - 1];
+    let use_more_bits = |i: usize, n: usize| i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2;
+    let mut t = GgmlDType::Q4K;
+    if name == "output.weight" || (st.tied && name == "token_embd.weight") {
+        t = if !ncols.is_multiple_of(256) {
+            GgmlDType::Q8_0
+        } else {
+            GgmlDType::Q6K
+        };
+    } else if name.contains("attn_v.weight") {
+        if use_more_bits(st.i_attention_wv, st.n_attention_wv) {
+            t = GgmlDType::Q6K;
+        }
+        st.i_attention_wv += 1;
+    } else if name.contains("ffn_down") {
+        if use_more_bits(st.i_ffn_down, st.n_layer) {
+            t = GgmlDType::Q6K;
+        }
+        st.i_ffn_down += 1;
+    }
+    // Rows that are not whole blocks of the type: the smaller-block fallback, else f16.
+    if !ncols.is_multiple_of(t.block_size()) {
+        t = match t {
+            GgmlDType::Q4K => GgmlDType::Q5_0,
+            GgmlDType::Q6K => GgmlDType::Q8_0,
+            other => other,
+        };
+        if !ncols.is_multiple_of(t.block_size()) {
+            t = GgmlDType::F16;
+        }
+    }
+    t
 }
 
 /// The type a tensor is written in: vectors (norms, biases) stay f32, matrices take `out`, and a
@@ -178,6 +312,8 @@ fn tensor_type(t: &Tensor, out: OutType) -> GgmlDType {
         (_, OutType::BF16) => GgmlDType::BF16,
         (_, OutType::Q8_0) if !t.dims()[t.rank() - 1].is_multiple_of(32) => GgmlDType::F16,
         (_, OutType::Q8_0) => GgmlDType::Q8_0,
+        // f32 first, then llama-quantize's types ([`llama_quantize_q4_k_m`])
+        (_, OutType::Q4KM) => GgmlDType::F32,
     }
 }
 
