@@ -1171,12 +1171,18 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     } else {
         f32_copy(largest_linear)
     };
-    // GGML blocks (`kernels::ggml`): Candle dequantizes into f32, cast to a bf16 / f16 compute
-    // dtype (the f32 alive during the cast, freed before the matmul reads the result).
+    // GGML blocks (`kernels::ggml`): on the CPU decoded straight into the compute dtype; on
+    // CUDA Candle's kernel writes f32, cast to bf16 (the f32 alive during the cast, freed before
+    // the matmul reads the result; f16 has its own kernel).
     let dequantized = match (nf4, keep.is_some()) {
         (true, _) => s * largest_linear as u64 + base_copy,
         (false, true) => {
-            let f32_out = if s == 4 { 0 } else { 4 * largest_linear as u64 };
+            let via_f32 = device == "cuda" && cfg.model.dtype == ModelDtype::Bf16;
+            let f32_out = if via_f32 {
+                4 * largest_linear as u64
+            } else {
+                0
+            };
             s * largest_linear as u64 + f32_out.max(base_copy)
         }
         (false, false) => base_copy,

@@ -95,15 +95,115 @@ impl GgmlWeight {
         Ok(self.dequantize_candle()?)
     }
 
-    /// [`GgmlWeight::dequantize`] with Candle's error type, for use inside custom ops.
+    /// [`GgmlWeight::dequantize`] with Candle's error type, for use inside custom ops: on the
+    /// CPU [`GgmlWeight::dequantize_cpu`]; on CUDA Candle's kernel (f32, then a cast; f16
+    /// direct).
     pub(crate) fn dequantize_candle(&self) -> candle_core::Result<Tensor> {
         let device = self.q.device();
+        if device.is_cpu() {
+            if let Some(t) = self.dequantize_cpu() {
+                return t;
+            }
+        }
         if self.dtype == DType::F16 && device.is_cuda() {
             return self.q.dequantize_f16(&device);
         }
         self.q.dequantize(&device)?.to_dtype(self.dtype)
     }
+
+    /// The CPU kernel: the blocks decoded by Candle's block decoder (`GgmlType::to_float`,
+    /// what `QTensor::dequantize` runs on one thread) in chunks of [`CHUNK_BLOCKS`] blocks over
+    /// rayon's threads, each written straight into the compute dtype from a chunk-sized f32
+    /// buffer: one pass and no weight-sized f32 copy for bf16 / f16. The same values as Candle's
+    /// path (the same decoder, the same rounding to bf16 / f16; a unit test compares the bits).
+    /// None for a format or dtype it does not take (Candle's path then runs).
+    fn dequantize_cpu(&self) -> Option<candle_core::Result<Tensor>> {
+        use candle_core::quantized::k_quants::*;
+        let data = match self.q.data() {
+            Ok(std::borrow::Cow::Borrowed(d)) => d,
+            _ => return None,
+        };
+        Some(match self.format() {
+            GgmlDType::Q4_0 => self.decode::<BlockQ4_0>(data)?,
+            GgmlDType::Q4_1 => self.decode::<BlockQ4_1>(data)?,
+            GgmlDType::Q5_0 => self.decode::<BlockQ5_0>(data)?,
+            GgmlDType::Q5_1 => self.decode::<BlockQ5_1>(data)?,
+            GgmlDType::Q8_0 => self.decode::<BlockQ8_0>(data)?,
+            GgmlDType::Q2K => self.decode::<BlockQ2K>(data)?,
+            GgmlDType::Q3K => self.decode::<BlockQ3K>(data)?,
+            GgmlDType::Q4K => self.decode::<BlockQ4K>(data)?,
+            GgmlDType::Q5K => self.decode::<BlockQ5K>(data)?,
+            GgmlDType::Q6K => self.decode::<BlockQ6K>(data)?,
+            _ => return None,
+        })
+    }
+
+    /// [`GgmlWeight::dequantize_cpu`] for block type `T`; None when the bytes are not whole,
+    /// aligned `T` blocks or the dtype is not f32 / bf16 / f16.
+    fn decode<T: candle_core::quantized::k_quants::GgmlType>(
+        &self,
+        bytes: &[u8],
+    ) -> Option<candle_core::Result<Tensor>> {
+        use rayon::prelude::*;
+        let size = std::mem::size_of::<T>();
+        let n = self.shape.0 * self.shape.1;
+        if !(bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
+            || !bytes.len().is_multiple_of(size)
+            || bytes.len() / size * T::BLCK_SIZE != n
+        {
+            return None;
+        }
+        // SAFETY: `bytes` is the QTensor's own `Vec<T>` (what `QStorage::data` borrows on the
+        // CPU), checked above to be aligned for T and whole blocks; T is plain old data.
+        let blocks: &[T] =
+            unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / size) };
+        let per_task = CHUNK_BLOCKS * T::BLCK_SIZE;
+        fn narrow<O: Send + Copy, B: Sync + Send + candle_core::quantized::k_quants::GgmlType>(
+            out: &mut [O],
+            blocks: &[B],
+            per_task: usize,
+            cast: impl Fn(f32) -> O + Sync,
+        ) {
+            use rayon::prelude::*;
+            out.par_chunks_mut(per_task)
+                .zip(blocks.par_chunks(CHUNK_BLOCKS))
+                .for_each_init(
+                    || vec![0f32; per_task],
+                    |tmp, (ys, xs)| {
+                        let tmp = &mut tmp[..ys.len()];
+                        B::to_float(xs, tmp);
+                        for (y, &x) in ys.iter_mut().zip(tmp.iter()) {
+                            *y = cast(x);
+                        }
+                    },
+                );
+        }
+        let dev = &Device::Cpu;
+        Some(match self.dtype {
+            DType::F32 => {
+                let mut out = vec![0f32; n];
+                out.par_chunks_mut(per_task)
+                    .zip(blocks.par_chunks(CHUNK_BLOCKS))
+                    .for_each(|(ys, xs)| T::to_float(xs, ys));
+                Tensor::from_vec(out, self.shape, dev)
+            }
+            DType::BF16 => {
+                let mut out = vec![half::bf16::ZERO; n];
+                narrow(&mut out, blocks, per_task, half::bf16::from_f32);
+                Tensor::from_vec(out, self.shape, dev)
+            }
+            DType::F16 => {
+                let mut out = vec![half::f16::ZERO; n];
+                narrow(&mut out, blocks, per_task, half::f16::from_f32);
+                Tensor::from_vec(out, self.shape, dev)
+            }
+            _ => return None,
+        })
+    }
 }
+
+/// Blocks per task of the CPU kernel (16k values of a 256-value format: a 64 KiB f32 buffer).
+const CHUNK_BLOCKS: usize = 64;
 
 impl Dequantize for GgmlWeight {
     fn op_name(&self) -> &'static str {
@@ -172,6 +272,40 @@ mod tests {
             .max_all()?
             .to_scalar::<f32>()?;
         assert_eq!(d, 0.0, "bf16");
+        Ok(())
+    }
+
+    /// The CPU kernel gives Candle's values bit for bit (its decoder, then its cast), in each
+    /// compute dtype, for 256- and 32-value formats, with a row count that leaves a partial
+    /// last task.
+    #[test]
+    fn the_cpu_kernel_gives_candles_bits() -> Result<()> {
+        let (rows, cols) = (37, 512);
+        let w = Tensor::randn(0f32, 0.05, (rows, cols), &Device::Cpu)?;
+        for format in [
+            GgmlDType::Q4K,
+            GgmlDType::Q6K,
+            GgmlDType::Q5_0,
+            GgmlDType::Q8_0,
+        ] {
+            let q = QTensor::quantize(&w, format)?;
+            let bytes = q.data()?.to_vec();
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let g = GgmlWeight::from_bytes(&bytes, format, (rows, cols), dtype, &Device::Cpu)?;
+                let ours = g.dequantize_cpu().expect("a CPU kernel format")?;
+                let candle = g.q.dequantize(&Device::Cpu)?.to_dtype(dtype)?;
+                assert_eq!(ours.dtype(), dtype);
+                let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                    Ok(t.to_dtype(DType::F32)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect())
+                };
+                assert_eq!(bits(&ours)?, bits(&candle)?, "{format:?} {dtype:?}");
+            }
+        }
         Ok(())
     }
 
