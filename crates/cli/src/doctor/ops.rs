@@ -293,6 +293,17 @@ const CASES: &[Case] = &[
         run: nf4_matmul,
     },
     Case {
+        name: "gguf block dequantize (q4_k, q6_k, q5_0, q8_0)",
+        on_cpu: "Candle's one-thread decoder + cast against the CPU kernel",
+        // CUDA's decoders may fuse a multiply-add (a last-bit difference); the CPU is bit-equal.
+        f32_tol: 1e-6,
+        generic_on_cpu: true,
+        reference_f64: false,
+        cpu_tol: Some(0.0),
+        always_f32: false,
+        run: ggml_dequant,
+    },
+    Case {
         name: "lora dropout mask",
         on_cpu: "scalar hash loop against the CPU kernel",
         f32_tol: 0.0,
@@ -698,6 +709,33 @@ fn nf4_matmul(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
         x.as_tensor().apply_op1(Nf4Matmul { w: q })?
     };
     value_and_grads(y, &[&x], 13)
+}
+
+/// A (40, 512) weight in four of llama.cpp's block formats (quantized on the CPU by its reference
+/// quantizers, `tallow_model::io::gguf::quants`) on `dev`, dequantized to `dt` by the weight's own
+/// path (the CPU kernel of `tallow_model::kernels::ggml`; Candle's kernels on CUDA), or with
+/// `generic` by Candle's one-thread decoder and a cast.
+fn ggml_dequant(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    use candle_core::quantized::GgmlDType;
+    use tallow_model::io::gguf::quants;
+    use tallow_model::kernels::ggml::GgmlWeight;
+    let x = (randn(&mut rng(14), &[40, 512])? * 0.05)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let mut out = Vec::new();
+    for (format, bytes) in [
+        (GgmlDType::Q4K, quants::q4_k(&x)),
+        (GgmlDType::Q6K, quants::q6_k(&x)),
+        (GgmlDType::Q5_0, quants::q5_0(&x)),
+        (GgmlDType::Q8_0, quants::q8_0(&x)),
+    ] {
+        let g = GgmlWeight::from_bytes(&bytes, format, (40, 512), dt, dev).map_err(to_candle)?;
+        out.push(match generic {
+            true => g.q.dequantize(dev)?.to_dtype(dt)?,
+            false => g.dequantize().map_err(to_candle)?,
+        });
+    }
+    Ok(out)
 }
 
 /// The mask applied to ones (f32, the adapter dtype whatever the model's), and the backward of

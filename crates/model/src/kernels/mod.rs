@@ -17,7 +17,7 @@
 //! | the LoRA linear as one op | [`lora_linear`] | kernel, f32 / f64, bf16 x with f32 adapter | tensor ops (`crate::nn::linear`) | lora linear fwd+bwd |
 //! | bf16 base matmuls of the LoRA linear and the LM head on AMX tiles | [`amx`] | kernel (AMX-BF16, else the widened f32 `gemm` twin) | - | amx bf16 matmul |
 //! | NF4 quantize / dequantize, NF4 matmul | [`nf4`] | kernel | CUDA kernel (`kernels/tallow.cu`) + cuBLAS | nf4 dequantize (double quant), nf4 matmul fwd+bwd |
-//! | GGML block weights (GGUF Q4_K, Q8_0, ...) dequantized for their matmul | [`ggml`] | Candle's block decoders | Candle's CUDA kernels + cuBLAS | - (Candle's own kernels) |
+//! | GGML block weights (GGUF Q4_K, Q8_0, ...) dequantized for their matmul | [`ggml`] | kernel (Candle's block decoders over threads, straight into the compute dtype) | Candle's CUDA kernels + cuBLAS | gguf block dequantize |
 //! | LoRA dropout mask (a hash of the seed and index) | [`dropout`] | kernel | CUDA kernel (`kernels/tallow.cu`) | lora dropout mask (bit for bit) |
 //! | AdamW's update of a parameter group (moments in place, then the parameters) | [`adamw`] | kernel, f32 | kernel, f32 (`kernels/tallow.cu`) | adamw 3 steps |
 //! | blockwise 8-bit (de)quantization (AdamW8bit's moments, NF4's double quant) | [`blockwise8`] | kernel | tensor ops | adamw8bit 3 steps |
