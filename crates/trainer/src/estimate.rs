@@ -1721,6 +1721,23 @@ pub fn plan_per_rank(
             if i == NF4_LEVER && model.prequantized.is_some() {
                 continue;
             }
+            // a GGUF whose linears are in block formats keeps them (`model.quantize = "keep"`)
+            // rather than being dequantized and quantized again to NF4
+            if i == NF4_LEVER && model.stored_blocks.as_ref().is_some_and(|b| !b.is_empty()) {
+                if c.trains_full() || c.model.quantize != Quantize::None {
+                    ok = false; // not applicable: another subset covers it
+                    break;
+                }
+                let mut next = c.clone();
+                next.model.quantize = Quantize::Keep;
+                steps.push(PlanStep {
+                    sets: vec![format!("model.quantize={}", Quantize::Keep)],
+                    what: "the GGUF file's own quantized blocks (keep)".into(),
+                    peak_bytes: peak(&next),
+                });
+                c = next;
+                continue;
+            }
             match apply_lever(i, &c, world) {
                 Some((next, sets)) => {
                     let what = if i == SHARD_LEVER {
