@@ -1,7 +1,9 @@
 //! An HF model (its tensors by HF name, `config.json`, `tokenizer.json`, `tokenizer_config.json`)
 //! written as the GGUF file llama.cpp's `convert_hf_to_gguf.py` writes for it: the same metadata
 //! keys and values, the same tensor names, shapes and types, and for f32 / f16 / Q8_0 the same
-//! bytes (tests/tests/gguf.rs compares with the converter's own output). `tallow export` calls it.
+//! bytes (tests/tests/gguf.rs compares with the converter's own output); for Q4_K_M what
+//! llama.cpp's `llama-quantize` then makes of the converter's f32 file ([`super::quants`] for its
+//! blocks). `tallow export` calls it.
 
 use std::collections::HashMap;
 use std::path::Path;
