@@ -24,7 +24,7 @@ pub enum OutType {
     Q8_0,
     /// llama-quantize's `Q4_K_M` mix: Q4_K, Q6_K for the output, the first, last and every third
     /// `attn_v` / `ffn_down`, Q5_0 / Q8_0 where rows are not whole 256-value blocks
-    /// ([`q4_k_m_type`]).
+    /// (`q4_k_m_type` below).
     Q4KM,
 }
 
