@@ -696,22 +696,30 @@ fn a_bnb_4bit_checkpoint_is_estimated_as_it_loads_within_10_percent() {
     assert_eq!(frozen(&as_stored), frozen(&quantized));
     assert_eq!(total(&as_stored), total(&quantized));
     assert!(frozen(&as_stored) * 2 < frozen(&dense_bf16));
-    let r = tallow([
-        "bench",
-        "--config",
-        bnb_cfg.to_str().unwrap(),
-        "--steps",
-        "2",
-        "--json",
-    ]);
+    let (measured, estimated) = bench_peaks(tallow(bench_args(&bnb_cfg)));
+    assert_eq!(estimated as u64, total(&as_stored));
+    assert_within_10_percent("bnb-4bit", measured, estimated);
+}
+
+/// `tallow bench` of `config`: two steps, JSON rows.
+fn bench_args(config: &Path) -> [&str; 6] {
+    let config = config.to_str().unwrap();
+    ["bench", "--config", config, "--steps", "2", "--json"]
+}
+
+/// The first cell of a `tallow bench --json` run: (measured, estimated) peak bytes.
+fn bench_peaks(r: Run) -> (f64, f64) {
     assert_eq!(r.code, 0, "{}", r.stderr);
     let rows: Vec<serde_json::Value> = serde_json::from_str(&r.stdout).unwrap();
-    let measured = rows[0]["measured_peak_bytes"].as_u64().unwrap() as f64;
-    let estimated = rows[0]["estimated_peak_bytes"].as_u64().unwrap() as f64;
-    assert_eq!(estimated as u64, total(&as_stored));
+    let bytes = |k: &str| rows[0][k].as_u64().unwrap() as f64;
+    (bytes("measured_peak_bytes"), bytes("estimated_peak_bytes"))
+}
+
+/// The estimate within 10% of the measured peak (both printed).
+fn assert_within_10_percent(what: &str, measured: f64, estimated: f64) {
     let err = (estimated - measured) / measured;
     eprintln!(
-        "bnb-4bit: measured {:.1} MiB, estimated {:.1} MiB ({:+.1}%)",
+        "{what}: measured {:.1} MiB, estimated {:.1} MiB ({:+.1}%)",
         measured / 1048576.0,
         estimated / 1048576.0,
         100.0 * err
@@ -879,33 +887,11 @@ fn a_gguf_kept_in_its_blocks_is_estimated_within_10_percent() {
         .map(|s| s.as_str().unwrap())
         .collect();
     assert_eq!(sets, ["model.quantize=keep"], "{planned}");
-    let r = tallow_env(
-        [
-            "bench",
-            "--config",
-            config.to_str().unwrap(),
-            "--steps",
-            "2",
-            "--json",
-        ],
-        &env,
-    );
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    let rows: Vec<serde_json::Value> = serde_json::from_str(&r.stdout).unwrap();
-    let measured = rows[0]["measured_peak_bytes"].as_u64().unwrap() as f64;
-    let estimated = rows[0]["estimated_peak_bytes"].as_u64().unwrap() as f64;
+    let (measured, estimated) = bench_peaks(tallow_env(bench_args(&config), &env));
     assert_eq!(estimated as u64, total(&kept));
-    let err = (estimated - measured) / measured;
     eprintln!(
-        "gguf keep: measured {:.1} MiB, estimated {:.1} MiB ({:+.1}%); dequantized {:.1} MiB",
-        measured / 1048576.0,
-        estimated / 1048576.0,
-        100.0 * err,
+        "gguf dequantized: estimated {:.1} MiB",
         total(&dequantized) as f64 / 1048576.0
     );
-    assert!(
-        err.abs() <= 0.10,
-        "estimate {:+.1}% off the measured peak",
-        100.0 * err
-    );
+    assert_within_10_percent("gguf keep", measured, estimated);
 }

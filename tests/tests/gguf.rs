@@ -51,6 +51,49 @@ fn ids_of(entry: &Value) -> Vec<Vec<u32>> {
     id_rows(&entry["ids"])
 }
 
+/// `tallow eval --json` of `model` on the text fixture in f32, with `extra` arguments: its
+/// JSON line.
+fn eval_json(env: &[(&str, String)], model: &Path, extra: &[String]) -> Value {
+    let mut args = vec![
+        "eval".to_string(),
+        "--model".into(),
+        model.display().to_string(),
+        "--data".into(),
+        data_file("text").display().to_string(),
+        "--dtype".into(),
+        "f32".into(),
+        "--json".into(),
+    ];
+    args.extend_from_slice(extra);
+    let run = tallow_env(&args, env);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    serde_json::from_str(run.stdout.lines().last().unwrap()).unwrap()
+}
+
+/// `--adapter DIR` when there is one.
+fn adapter_args(adapter: Option<&Path>) -> Vec<String> {
+    adapter.map_or(Vec::new(), |a| {
+        vec!["--adapter".into(), a.display().to_string()]
+    })
+}
+
+/// Writes `config`: LoRA rank 4 over `model` in f32 on the CPU, on the text fixture (rows of at
+/// most 64 tokens), into `out`; `model_keys` and `train_keys` are more lines of those sections.
+fn write_lora_config(config: &Path, model: &Path, out: &Path, model_keys: &str, train_keys: &str) {
+    std::fs::write(
+        config,
+        format!(
+            "[model]\npath = {:?}\ndtype = \"f32\"\n{model_keys}[lora]\nrank = 4\n[data]\n\
+             train = {:?}\nmax_seq_len = 64\n[train]\n{train_keys}device = \"cpu\"\n\
+             output_dir = {:?}\n",
+            model.display().to_string(),
+            data_file("text").display().to_string(),
+            out.display().to_string()
+        ),
+    )
+    .unwrap();
+}
+
 /// tallow's ids are transformers 5's on every file, and 4.57's where 4.57 agrees with 5: it
 /// builds a SentencePiece vocabulary otherwise (a `Prepend("▁")` normalizer instead of
 /// Metaspace's first-word-only prefix, so a text that starts with spaces differs).
@@ -343,42 +386,21 @@ fn lora_trains_over_kept_blocks_as_over_the_dequantized_file() {
     let tmp = scratch("gguf-keep-cli");
     let env = [("TALLOW_CACHE_DIR", tmp.join("cache").display().to_string())];
     let file = gguf_fixture("tiny-llama-256-q4_k_m.gguf");
-    let data = data_file("text");
     let eval = |quantize: &str, adapter: Option<&Path>| -> Value {
-        let mut args = vec![
-            "eval".to_string(),
-            "--model".into(),
-            file.display().to_string(),
-            "--data".into(),
-            data.display().to_string(),
-            "--dtype".into(),
-            "f32".into(),
-            "--quantize".into(),
-            quantize.into(),
-            "--json".into(),
-        ];
-        if let Some(a) = adapter {
-            args.extend(["--adapter".into(), a.display().to_string()]);
-        }
-        let run = tallow_env(&args, &env);
-        assert_eq!(run.code, 0, "{}", run.stderr);
-        serde_json::from_str(run.stdout.lines().last().unwrap()).unwrap()
+        let mut extra = vec!["--quantize".to_string(), quantize.into()];
+        extra.extend(adapter_args(adapter));
+        eval_json(&env, &file, &extra)
     };
     let train = |quantize: &str| -> PathBuf {
         let out = tmp.join(format!("out-{quantize}"));
         let config = tmp.join(format!("{quantize}.toml"));
-        std::fs::write(
+        write_lora_config(
             &config,
-            format!(
-                "[model]\npath = {:?}\ndtype = \"f32\"\nquantize = {quantize:?}\n[lora]\nrank = 4\n\
-                 [data]\ntrain = {:?}\nmax_seq_len = 64\n[train]\nmax_steps = 6\nlr = 1e-2\n\
-                 device = \"cpu\"\noutput_dir = {:?}\n",
-                file.display().to_string(),
-                data.display().to_string(),
-                out.display().to_string()
-            ),
-        )
-        .unwrap();
+            &file,
+            &out,
+            &format!("quantize = {quantize:?}\n"),
+            "max_steps = 6\nlr = 1e-2\n",
+        );
         let run = tallow_env(["train", "--config", config.to_str().unwrap()], &env);
         assert_eq!(run.code, 0, "{}", run.stderr);
         out.join("adapter")
@@ -405,14 +427,14 @@ fn lora_trains_over_kept_blocks_as_over_the_dequantized_file() {
         loss(&with_kept),
         loss(&base)
     );
-    // A full fine-tune cannot keep them (frozen); a safetensors model has none to keep.
+    // A safetensors model has no blocks to keep (a full fine-tune is refused by the config).
     let run = tallow_env(
         [
             "eval",
             "--model",
             model_dir("tiny-qwen2").to_str().unwrap(),
             "--data",
-            data.to_str().unwrap(),
+            data_file("text").to_str().unwrap(),
             "--quantize",
             "keep",
         ],
@@ -480,26 +502,11 @@ fn eval_and_lora_training_take_a_gguf_file() {
     let tmp = scratch("gguf-cli");
     let env = [("TALLOW_CACHE_DIR", tmp.join("cache").display().to_string())];
     let file = gguf_fixture("tiny-qwen2-q8_0.gguf");
-    let data = data_file("text");
     // `tallow eval --json` of a model (+ adapter): its loss
     let eval = |model: &Path, adapter: Option<&Path>| -> f64 {
-        let mut args = vec![
-            "eval".to_string(),
-            "--model".into(),
-            model.display().to_string(),
-            "--data".into(),
-            data.display().to_string(),
-            "--dtype".into(),
-            "f32".into(),
-            "--json".into(),
-        ];
-        if let Some(a) = adapter {
-            args.extend(["--adapter".into(), a.display().to_string()]);
-        }
-        let run = tallow_env(&args, &env);
-        assert_eq!(run.code, 0, "{}", run.stderr);
-        let v: Value = serde_json::from_str(run.stdout.lines().last().unwrap()).unwrap();
-        v["loss"].as_f64().unwrap()
+        eval_json(&env, model, &adapter_args(adapter))["loss"]
+            .as_f64()
+            .unwrap()
     };
     let loss = eval(&file, None);
     assert!(loss > 0.0);
@@ -508,18 +515,13 @@ fn eval_and_lora_training_take_a_gguf_file() {
     assert_eq!(loss, eval(&dir, None));
 
     let config = tmp.join("train.toml");
-    std::fs::write(
+    write_lora_config(
         &config,
-        format!(
-            "[model]\npath = {:?}\ndtype = \"f32\"\n[lora]\nrank = 4\n[data]\ntrain = {:?}\n\
-             max_seq_len = 64\n[train]\nmax_steps = 2\nlr = 1e-3\ndevice = \"cpu\"\n\
-             output_dir = {:?}\n",
-            file.display().to_string(),
-            data.display().to_string(),
-            tmp.join("out").display().to_string()
-        ),
-    )
-    .unwrap();
+        &file,
+        &tmp.join("out"),
+        "",
+        "max_steps = 2\nlr = 1e-3\n",
+    );
     // the estimate reads the file's hyper-parameters
     let run = tallow_env(["estimate", "--config", config.to_str().unwrap()], &env);
     assert_eq!(run.code, 0, "{}", run.stderr);

@@ -95,22 +95,6 @@ impl GgmlWeight {
         Ok(self.dequantize_candle()?)
     }
 
-    /// [`GgmlWeight::dequantize`] with Candle's error type, for use inside custom ops: on the
-    /// CPU [`GgmlWeight::dequantize_cpu`]; on CUDA Candle's kernel (f32, then a cast; f16
-    /// direct).
-    pub(crate) fn dequantize_candle(&self) -> candle_core::Result<Tensor> {
-        let device = self.q.device();
-        if device.is_cpu() {
-            if let Some(t) = self.dequantize_cpu() {
-                return t;
-            }
-        }
-        if self.dtype == DType::F16 && device.is_cuda() {
-            return self.q.dequantize_f16(&device);
-        }
-        self.q.dequantize(&device)?.to_dtype(self.dtype)
-    }
-
     /// The CPU kernel: the blocks decoded by Candle's block decoder (`GgmlType::to_float`,
     /// what `QTensor::dequantize` runs on one thread) in chunks of [`CHUNK_BLOCKS`] blocks over
     /// rayon's threads, each written straight into the compute dtype from a chunk-sized f32
@@ -214,8 +198,20 @@ impl Dequantize for GgmlWeight {
         self.dtype
     }
 
+    /// [`GgmlWeight::dequantize`] with Candle's error type, for use inside custom ops: on the
+    /// CPU [`GgmlWeight::dequantize_cpu`]; on CUDA Candle's kernel (f32, then a cast; f16
+    /// direct).
     fn dequantize_candle(&self) -> candle_core::Result<Tensor> {
-        GgmlWeight::dequantize_candle(self)
+        let device = self.q.device();
+        if device.is_cpu() {
+            if let Some(t) = self.dequantize_cpu() {
+                return t;
+            }
+        }
+        if self.dtype == DType::F16 && device.is_cuda() {
+            return self.q.dequantize_f16(&device);
+        }
+        self.q.dequantize(&device)?.to_dtype(self.dtype)
     }
 }
 
