@@ -1518,9 +1518,14 @@ const NF4_LEVER: usize = 6;
 /// The index of "shorter sequences" in [`LEVERS`]: the last resort.
 const SEQ_LEVER: usize = LEVERS.len() - 1;
 
-/// Applies lever `i` to `cfg` (a job of `world` ranks) when it changes something; the seq lever
-/// is applied by the caller.
-fn apply_lever(i: usize, cfg: &TrainConfig, world: usize) -> Option<(TrainConfig, Vec<String>)> {
+/// Applies lever `i` to `cfg` (a job of `world` ranks, on `model`) when it changes something;
+/// the seq lever is applied by the caller.
+fn apply_lever(
+    i: usize,
+    cfg: &TrainConfig,
+    model: &DecoderConfig,
+    world: usize,
+) -> Option<(TrainConfig, Vec<String>)> {
     let mut c = cfg.clone();
     let t = &mut c.train;
     let sets = match i {
@@ -1559,9 +1564,14 @@ fn apply_lever(i: usize, cfg: &TrainConfig, world: usize) -> Option<(TrainConfig
             t.optimizer = OptimizerKind::AdamW8bit;
             vec!["train.optimizer=adamw8bit".into()]
         }
+        // A GGUF whose linears are in block formats keeps them (`keep`) rather than being
+        // dequantized and quantized again to NF4.
         6 if !c.trains_full() && c.model.quantize == Quantize::None => {
-            c.model.quantize = Quantize::Nf4;
-            vec!["model.quantize=nf4".into()]
+            c.model.quantize = match model.stored_blocks.as_ref().is_some_and(|b| !b.is_empty()) {
+                true => Quantize::Keep,
+                false => Quantize::Nf4,
+            };
+            vec![format!("model.quantize={}", c.model.quantize)]
         }
         _ => return None,
     };
@@ -1585,7 +1595,7 @@ fn longer_with(
         &[CHECKPOINT_LEVER, OFFLOAD_LEVER]
     };
     for &i in levers {
-        if let Some((next, s)) = apply_lever(i, &c, world) {
+        if let Some((next, s)) = apply_lever(i, &c, model, world) {
             c = next;
             sets.extend(s);
         }
@@ -1721,24 +1731,7 @@ pub fn plan_per_rank(
             if i == NF4_LEVER && model.prequantized.is_some() {
                 continue;
             }
-            // a GGUF whose linears are in block formats keeps them (`model.quantize = "keep"`)
-            // rather than being dequantized and quantized again to NF4
-            if i == NF4_LEVER && model.stored_blocks.as_ref().is_some_and(|b| !b.is_empty()) {
-                if c.trains_full() || c.model.quantize != Quantize::None {
-                    ok = false; // not applicable: another subset covers it
-                    break;
-                }
-                let mut next = c.clone();
-                next.model.quantize = Quantize::Keep;
-                steps.push(PlanStep {
-                    sets: vec![format!("model.quantize={}", Quantize::Keep)],
-                    what: "the GGUF file's own quantized blocks (keep)".into(),
-                    peak_bytes: peak(&next),
-                });
-                c = next;
-                continue;
-            }
-            match apply_lever(i, &c, world) {
+            match apply_lever(i, &c, model, world) {
                 Some((next, sets)) => {
                     let what = if i == SHARD_LEVER {
                         let r = estimate_per_rank(model, &next, device, world).ranks;
@@ -1752,6 +1745,8 @@ pub fn plan_per_rank(
                             "{lever} ({} pinned)",
                             crate::memory::human_bytes(host_bytes(model, &next, device))
                         )
+                    } else if i == NF4_LEVER && next.model.quantize == Quantize::Keep {
+                        "the GGUF file's own quantized blocks (keep)".to_string()
                     } else {
                         lever.to_string()
                     };
