@@ -25,12 +25,14 @@ pub struct Weights {
     gguf: Option<Gguf>,
 }
 
-/// A GGUF file read under HF names: HF name -> GGUF name, and the head counts whose rotary row
-/// order llama.cpp changed in q / k (Llama only).
+/// A GGUF file read under HF names: HF name -> GGUF name, the head counts whose rotary row
+/// order llama.cpp changed in q / k (Llama only), and the architecture (Gemma's norms are stored
+/// as 1 + w).
 struct Gguf {
     file: GgufFile,
     names: HashMap<String, String>,
     rotary_heads: Option<(usize, usize)>,
+    arch: String,
 }
 
 impl Gguf {
@@ -45,7 +47,7 @@ impl Gguf {
         let kv = file
             .int(&format!("{arch}.attention.head_count_kv"))?
             .map_or(heads, |n| n as usize);
-        let names = gguf::tensor_names(layers)
+        let names = gguf::tensor_names(&arch, layers)
             .into_iter()
             .filter(|(_, g)| file.has_tensor(g))
             .collect();
@@ -53,6 +55,7 @@ impl Gguf {
             rotary_heads: (arch == "llama").then_some((heads, kv)),
             file,
             names,
+            arch,
         })
     }
 
@@ -70,7 +73,10 @@ impl Gguf {
     /// `name` dequantized to f32 on the CPU, in the HF row order.
     fn read(&self, dir: &Path, name: &str) -> Result<Tensor> {
         let stored = self.stored(dir, name)?;
-        let t = self.file.read_f32(stored)?;
+        let mut t = self.file.read_f32(stored)?;
+        if gguf::norm_stored_plus_one(&self.arch, stored) {
+            t = (t - 1.0)?;
+        }
         self.hf_rows(&t, stored)
     }
 

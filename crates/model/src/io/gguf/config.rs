@@ -9,20 +9,65 @@
 //!   tensor `rope_freqs.weight`, is read back as the `llama3` `rope_scaling` that produced them
 //!   (transformers ignores the tensor and computes an unscaled rope).
 //!
+//! - Gemma 2 / 3's query scale is llama.cpp's rule (1 / sqrt(head_dim), and 1 / sqrt(hidden /
+//!   heads) for the 27B models, as Google's configs have it), written as `query_pre_attn_scalar`
+//!   (transformers' loader keeps Gemma's default 256, right for every size but the 27B); Gemma 2's
+//!   soft-caps are the file's (the loader keeps the defaults 50 / 30, which Google's files carry);
+//!   Gemma 3's sliding layers, local rope base and linear rope scaling are llama.cpp's reading of
+//!   the file (the loader drops the scaling);
+//! - Phi-3's partial rotary (`rope.dimension_count`, Phi-4-mini) and LongRoPE (the tensors
+//!   `rope_factors_long` / `rope_factors_short`, Phi-3-*-128k and 3.5) are read back (the loader
+//!   drops both).
+//!
 //! A key under `{arch}.` that changes the maths and that this reader does not map (a rope
 //! scaling type, a sliding window, experts) is refused by name, all of them at once.
 
 use serde_json::{json, Map, Value};
 
-use super::GgufFile;
+use super::{is_gemma, GgufFile};
 use crate::error::{ModelError, Refusal, Result};
 
 /// The architectures read, with their transformers class and `model_type`.
-const ARCHS: [(&str, &str, &str); 3] = [
+const ARCHS: [(&str, &str, &str); 6] = [
     ("llama", "LlamaForCausalLM", "llama"),
     ("qwen2", "Qwen2ForCausalLM", "qwen2"),
     ("qwen3", "Qwen3ForCausalLM", "qwen3"),
+    ("gemma2", "Gemma2ForCausalLM", "gemma2"),
+    ("gemma3", "Gemma3ForCausalLM", "gemma3_text"),
+    ("phi3", "Phi3ForCausalLM", "phi3"),
 ];
+
+/// `{arch}.` keys of one architecture only, and the config.json key each becomes (None: used
+/// below, or ignored as both llama.cpp and transformers ignore it).
+fn arch_keys(arch: &str) -> &'static [(&'static str, Option<&'static str>)] {
+    match arch {
+        "gemma2" => &[
+            ("attn_logit_softcapping", Some("attn_logit_softcapping")),
+            ("final_logit_softcapping", Some("final_logit_softcapping")),
+            ("attention.sliding_window", None),
+            ("attention.sliding_window_pattern", None),
+        ],
+        "gemma3" => &[
+            ("final_logit_softcapping", Some("final_logit_softcapping")),
+            ("rope.freq_base_swa", Some("rope_local_base_freq")),
+            ("attention.sliding_window", None),
+            ("attention.sliding_window_pattern", None),
+            ("rope.scaling.type", None),
+            ("rope.scaling.factor", None),
+        ],
+        "phi3" => &[
+            (
+                "rope.scaling.original_context_length",
+                Some("original_max_position_embeddings"),
+            ),
+            ("rope.scaling.attn_factor", None),
+            // Phi-3-mini-4k's 2047: llama.cpp disables Phi-3's window ("Phi SWA is currently
+            // disabled") and transformers' loader does not map it; neither applies it
+            ("attention.sliding_window", None),
+        ],
+        _ => &[],
+    }
+}
 
 /// `{arch}.` keys and the config.json key each becomes (None: checked or used below).
 const KEYS: [(&str, Option<&str>); 11] = [
@@ -53,7 +98,11 @@ pub fn hf_config(file: &GgufFile) -> Result<Value> {
     let mut c = Map::new();
     c.insert("architectures".into(), json!([class]));
     c.insert("model_type".into(), json!(model_type));
-    c.insert("hidden_act".into(), json!("silu"));
+    if is_gemma(&arch) {
+        c.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+    } else {
+        c.insert("hidden_act".into(), json!("silu"));
+    }
     let mut refusals = Vec::new();
     let mut keys: Vec<&String> = file.content.metadata.keys().collect();
     keys.sort();
@@ -61,12 +110,16 @@ pub fn hf_config(file: &GgufFile) -> Result<Value> {
         let Some(k) = key.strip_prefix(&prefix) else {
             continue;
         };
-        match KEYS.iter().find(|(name, _)| *name == k) {
+        let known = KEYS
+            .iter()
+            .chain(arch_keys(&arch))
+            .find(|(name, _)| *name == k);
+        match known {
             Some((_, Some(hf))) => {
-                let v = if k.ends_with("epsilon") || k.ends_with("freq_base") {
-                    json!(file.float(key)?)
-                } else {
-                    json!(file.int(key)?)
+                use candle_core::quantized::gguf_file::Value as G;
+                let v = match file.get(key) {
+                    Some(G::F32(_) | G::F64(_)) => json!(file.float(key)?),
+                    _ => json!(file.int(key)?),
                 };
                 c.insert((*hf).into(), v);
             }
@@ -108,16 +161,24 @@ pub fn hf_config(file: &GgufFile) -> Result<Value> {
         None => hidden / heads,
     };
     if let Some(rot) = file.int(&format!("{prefix}rope.dimension_count"))? {
-        if rot as usize != head_dim {
+        if rot as usize != head_dim && arch == "phi3" {
+            c.insert(
+                "partial_rotary_factor".into(),
+                json!(rot as f64 / head_dim as f64),
+            );
+        } else if rot as usize != head_dim {
             refusals.push(Refusal {
                 key: format!("{prefix}rope.dimension_count"),
                 value: Some(rot.to_string()),
-                msg: format!("partial rotary (head dim {head_dim}) is not read from GGUF yet"),
+                msg: format!("partial rotary (head dim {head_dim}) is read from Phi-3 files only"),
             });
         }
     }
-    if head_dim != hidden / heads || arch != "qwen2" {
+    if head_dim != hidden / heads || !matches!(arch.as_str(), "qwen2" | "phi3") {
         c.insert("head_dim".into(), json!(head_dim));
+    }
+    if is_gemma(&arch) {
+        gemma(file, &arch, &mut c, hidden / heads, head_dim, &mut refusals)?;
     }
     if !c.contains_key("vocab_size") {
         let n = match file.strings("tokenizer.ggml.tokens")? {
@@ -132,12 +193,13 @@ pub fn hf_config(file: &GgufFile) -> Result<Value> {
             c.insert("attention_bias".into(), json!(bias));
             c.insert("mlp_bias".into(), json!(false));
         }
-        "qwen3" => {
+        "qwen3" | "gemma2" | "gemma3" => {
             c.insert("attention_bias".into(), json!(bias));
         }
-        _ => {
+        "qwen2" => {
             c.insert("use_sliding_window".into(), json!(false));
         }
+        _ => {}
     }
     c.insert(
         "tie_word_embeddings".into(),
@@ -173,6 +235,20 @@ pub fn hf_config(file: &GgufFile) -> Result<Value> {
             }),
         }
     }
+    if file.has_tensor("rope_factors_long.weight") || file.has_tensor("rope_factors_short.weight") {
+        match longrope(file, &c)? {
+            Some(s) if arch == "phi3" => {
+                c.insert("rope_scaling".into(), s);
+            }
+            _ => refusals.push(Refusal {
+                key: "rope_factors_long.weight".into(),
+                value: None,
+                msg: "LongRoPE factors read from Phi-3 files only, with both tensors and \
+                      `rope.scaling.attn_factor` as Phi-3's LongRoPE computes it"
+                    .into(),
+            }),
+        }
+    }
     if !refusals.is_empty() {
         return Err(ModelError::GgufRefused {
             path: file.path.clone(),
@@ -180,6 +256,134 @@ pub fn hf_config(file: &GgufFile) -> Result<Value> {
         });
     }
     Ok(Value::Object(c))
+}
+
+/// Gemma 2 / 3's keys as llama.cpp reads them (`llama_model_gemma{2,3}::load_arch_hparams`):
+/// - the query scale: 1 / sqrt(head_dim), but 1 / sqrt(hidden / heads) for the 27B models (Gemma
+///   2: 46 layers, Gemma 3: 62), as `query_pre_attn_scalar`;
+/// - which layers slide: with a window (`attention.sliding_window`; Gemma 2 without one: 4096),
+///   `attention.sliding_window_pattern` as a count (layer i slides when i % n < n - 1) or one
+///   bool per layer, by default every 2nd (Gemma 2) or 6th (Gemma 3) layer global; a Gemma 3
+///   file without a window has no sliding layers;
+/// - Gemma 3's local rope base (default 10000) and its linear rope scaling, which llama.cpp
+///   applies to the global layers only (as transformers' Gemma 3 applies `rope_scaling`).
+fn gemma(
+    file: &GgufFile,
+    arch: &str,
+    c: &mut Map<String, Value>,
+    per_head: usize,
+    head_dim: usize,
+    refusals: &mut Vec<Refusal>,
+) -> Result<()> {
+    use candle_core::quantized::gguf_file::Value as G;
+    let key = |k: &str| format!("{arch}.{k}");
+    let layers = c["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
+    let big = if arch == "gemma2" { 46 } else { 62 };
+    let scalar = if layers == big { per_head } else { head_dim };
+    c.insert("query_pre_attn_scalar".into(), json!(scalar));
+    let window = file.int(&key("attention.sliding_window"))?;
+    let window = match (arch, window) {
+        ("gemma2", None) => Some(4096),
+        (_, w) => w.filter(|&w| w > 0),
+    };
+    let sliding: Vec<bool> = match (window, file.get(&key("attention.sliding_window_pattern"))) {
+        (None, _) => vec![false; layers],
+        (Some(_), Some(G::Array(a))) => a.iter().map(|v| matches!(v, G::Bool(true))).collect(),
+        (Some(_), _) => {
+            let n = file
+                .int(&key("attention.sliding_window_pattern"))?
+                .unwrap_or(if arch == "gemma2" { 2 } else { 6 })
+                .max(1) as usize;
+            (0..layers).map(|i| i % n < n - 1).collect()
+        }
+    };
+    if sliding.len() != layers {
+        refusals.push(Refusal {
+            key: key("attention.sliding_window_pattern"),
+            value: Some(format!("[{} values]", sliding.len())),
+            msg: format!("one per layer expected ({layers})"),
+        });
+    }
+    let types: Vec<&str> = sliding
+        .iter()
+        .map(|&s| {
+            if s {
+                "sliding_attention"
+            } else {
+                "full_attention"
+            }
+        })
+        .collect();
+    c.insert("layer_types".into(), json!(types));
+    c.insert("sliding_window".into(), json!(window.unwrap_or(4096)));
+    if arch == "gemma3" {
+        if !c.contains_key("rope_local_base_freq") {
+            c.insert("rope_local_base_freq".into(), json!(10000.0));
+        }
+        match file.string(&key("rope.scaling.type"))? {
+            None | Some("none") => {}
+            Some("linear") => match file.float(&key("rope.scaling.factor"))? {
+                Some(f) if f > 0.0 => {
+                    c.insert(
+                        "rope_scaling".into(),
+                        json!({"rope_type": "linear", "factor": f}),
+                    );
+                }
+                _ => refusals.push(Refusal {
+                    key: key("rope.scaling.factor"),
+                    value: None,
+                    msg: "linear rope scaling needs a positive factor".into(),
+                }),
+            },
+            Some(other) => refusals.push(Refusal {
+                key: key("rope.scaling.type"),
+                value: Some(format!("{other:?}")),
+                msg: "Gemma 3 files are read with linear rope scaling or none".into(),
+            }),
+        }
+    }
+    Ok(())
+}
+
+/// Phi-3's LongRoPE as the `rope_scaling` of its config.json, from the factors llama.cpp's
+/// converter stores as tensors (`Phi3MiniModel.generate_extra_tensors`), or None when they are
+/// not a pair of head_dim * partial / 2 factors each, or the stored attention factor is not
+/// the one transformers computes from the contexts (sqrt(1 + ln(s) / ln(original)), s =
+/// context / original, 1 when s <= 1).
+fn longrope(file: &GgufFile, c: &Map<String, Value>) -> Result<Option<Value>> {
+    let (Some(_), Some(_)) = (
+        file.shape("rope_factors_long.weight"),
+        file.shape("rope_factors_short.weight"),
+    ) else {
+        return Ok(None);
+    };
+    let long: Vec<f32> = file.read_f32("rope_factors_long.weight")?.to_vec1()?;
+    let short: Vec<f32> = file.read_f32("rope_factors_short.weight")?.to_vec1()?;
+    let num = |k: &str| c.get(k).and_then(Value::as_f64);
+    let (Some(context), Some(original)) = (
+        num("max_position_embeddings"),
+        num("original_max_position_embeddings"),
+    ) else {
+        return Ok(None);
+    };
+    let hidden = num("hidden_size").unwrap_or(0.0);
+    let heads = num("num_attention_heads").unwrap_or(1.0);
+    let rotary = (hidden / heads * num("partial_rotary_factor").unwrap_or(1.0)) as usize;
+    let scale = context / original;
+    let want = if scale > 1.0 {
+        (1.0 + scale.ln() / original.ln()).sqrt()
+    } else {
+        1.0
+    };
+    let stored = file.float("phi3.rope.scaling.attn_factor")?.unwrap_or(want);
+    if long.len() != rotary / 2 || short.len() != long.len() || (stored - want).abs() > 1e-6 {
+        return Ok(None);
+    }
+    Ok(Some(json!({
+        "type": "longrope",
+        "long_factor": long,
+        "short_factor": short,
+    })))
 }
 
 /// A metadata value as a refusal shows it: a string quoted, an array by its length, a number

@@ -261,7 +261,7 @@ pub fn block_bytes(path: &Path) -> Result<std::collections::BTreeMap<String, u64
     let file = GgufFile::open(path)?;
     let arch = file.arch()?.to_string();
     let layers = file.int(&format!("{arch}.block_count"))?.unwrap_or(0) as usize;
-    Ok(tensor_names(layers)
+    Ok(tensor_names(&arch, layers)
         .into_iter()
         .filter(|(hf, _)| hf.starts_with("model.layers.") && hf.ends_with("_proj.weight"))
         .filter_map(|(hf, g)| {
@@ -272,9 +272,9 @@ pub fn block_bytes(path: &Path) -> Result<std::collections::BTreeMap<String, u64
         .collect())
 }
 
-/// How an architecture's tensors are named in GGUF: HF name -> GGUF name, for `layers` decoder
-/// layers (every name llama.cpp's converter writes for the dense families tallow reads).
-pub fn tensor_names(layers: usize) -> HashMap<String, String> {
+/// How architecture `arch`'s tensors are named in GGUF: HF name -> GGUF name, for `layers`
+/// decoder layers (every name llama.cpp's converter writes for the dense families tallow reads).
+pub fn tensor_names(arch: &str, layers: usize) -> HashMap<String, String> {
     let mut m: HashMap<String, String> = [
         ("model.embed_tokens.weight", "token_embd.weight"),
         ("model.norm.weight", "output_norm.weight"),
@@ -283,29 +283,63 @@ pub fn tensor_names(layers: usize) -> HashMap<String, String> {
     .into_iter()
     .map(|(a, b)| (a.to_string(), b.to_string()))
     .collect();
-    let per_layer = [
+    let mut per_layer = vec![
         ("input_layernorm.weight", "attn_norm.weight"),
-        ("post_attention_layernorm.weight", "ffn_norm.weight"),
-        ("self_attn.q_proj.weight", "attn_q.weight"),
-        ("self_attn.k_proj.weight", "attn_k.weight"),
-        ("self_attn.v_proj.weight", "attn_v.weight"),
         ("self_attn.o_proj.weight", "attn_output.weight"),
-        ("self_attn.q_proj.bias", "attn_q.bias"),
-        ("self_attn.k_proj.bias", "attn_k.bias"),
-        ("self_attn.v_proj.bias", "attn_v.bias"),
         ("self_attn.o_proj.bias", "attn_output.bias"),
-        ("self_attn.q_norm.weight", "attn_q_norm.weight"),
-        ("self_attn.k_norm.weight", "attn_k_norm.weight"),
-        ("mlp.gate_proj.weight", "ffn_gate.weight"),
-        ("mlp.up_proj.weight", "ffn_up.weight"),
         ("mlp.down_proj.weight", "ffn_down.weight"),
     ];
+    if is_gemma(arch) {
+        // Gemma's sandwich norms: one after attention, one before and one after the MLP
+        per_layer.extend([
+            (
+                "post_attention_layernorm.weight",
+                "post_attention_norm.weight",
+            ),
+            ("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
+            ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+        ]);
+    } else {
+        per_layer.push(("post_attention_layernorm.weight", "ffn_norm.weight"));
+    }
+    if arch == "phi3" {
+        // Phi-3's fused projections, stored fused
+        per_layer.extend([
+            ("self_attn.qkv_proj.weight", "attn_qkv.weight"),
+            ("mlp.gate_up_proj.weight", "ffn_up.weight"),
+        ]);
+    } else {
+        per_layer.extend([
+            ("self_attn.q_proj.weight", "attn_q.weight"),
+            ("self_attn.k_proj.weight", "attn_k.weight"),
+            ("self_attn.v_proj.weight", "attn_v.weight"),
+            ("self_attn.q_proj.bias", "attn_q.bias"),
+            ("self_attn.k_proj.bias", "attn_k.bias"),
+            ("self_attn.v_proj.bias", "attn_v.bias"),
+            ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+            ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+            ("mlp.gate_proj.weight", "ffn_gate.weight"),
+            ("mlp.up_proj.weight", "ffn_up.weight"),
+        ]);
+    }
     for i in 0..layers {
-        for (hf, gg) in per_layer {
+        for (hf, gg) in &per_layer {
             m.insert(format!("model.layers.{i}.{hf}"), format!("blk.{i}.{gg}"));
         }
     }
     m
+}
+
+/// Gemma's architectures, whose RMSNorm weights w scale by (1 + w): llama.cpp's converter
+/// stores 1 + w (`GemmaModel.modify_tensors`: every tensor named `*norm.weight`), and a reader
+/// takes the 1 off again (transformers' `GemmaTensorProcessor`).
+pub fn is_gemma(arch: &str) -> bool {
+    matches!(arch, "gemma" | "gemma2" | "gemma3")
+}
+
+/// Whether GGUF tensor `name` of architecture `arch` is stored as 1 + w ([`is_gemma`]).
+pub fn norm_stored_plus_one(arch: &str, name: &str) -> bool {
+    is_gemma(arch) && name.ends_with("norm.weight")
 }
 
 /// llama.cpp's converter reorders the rows of Llama's q and k weights for its rotary kernel

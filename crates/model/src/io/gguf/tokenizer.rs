@@ -4,8 +4,9 @@
 //! `set_split_regex`), so that tallow's tokenizer gives the ids transformers' does.
 //!
 //! Read: byte-level BPE vocabularies (`tokenizer.ggml.model` = `gpt2`: GPT-2, Llama 3, Qwen 2 /
-//! 2.5 / 3, most recent models). SentencePiece vocabularies (`llama`: Llama 2, Mistral, Gemma,
-//! Phi-3) are refused by name for now.
+//! 2.5 / 3, most recent models) and SentencePiece ones (`llama`: Llama 2, Mistral, and the two
+//! variants transformers builds by architecture, `GGUF_SENTENCEPIECE_BUILDERS`: Gemma 1 / 2 / 3's
+//! and Phi-3's). Others (BERT, T5) are refused by name.
 
 use serde_json::{json, Map, Value};
 
@@ -57,24 +58,25 @@ fn bytes_to_unicode() -> [char; 256] {
 pub fn hf_tokenizer(file: &GgufFile) -> Result<(Value, Value)> {
     let model = file.string("tokenizer.ggml.model")?.unwrap_or("");
     let arch = file.string("general.architecture")?.unwrap_or("");
-    // Gemma's and Phi-3's SentencePiece files need builders of their own (transformers'
-    // GGUF_SENTENCEPIECE_BUILDERS): not written yet.
-    let spm = model == "llama" && !matches!(arch, "gemma" | "gemma2" | "gemma3" | "phi3");
-    if model != "gpt2" && !spm {
+    if model == "llama" {
+        let variant = match arch {
+            "gemma" | "gemma2" | "gemma3" => Spm::Gemma,
+            "phi3" => Spm::Phi3,
+            _ => Spm::Llama,
+        };
+        return sentencepiece(file, variant);
+    }
+    if model != "gpt2" {
         return Err(ModelError::GgufRefused {
             path: file.path.clone(),
             refusals: vec![Refusal {
                 key: "tokenizer.ggml.model".into(),
                 value: Some(format!("{model:?}")),
-                msg: format!(
-                    "byte-level BPE (`gpt2`) and SentencePiece (`llama`, but not {arch}'s own) \
-                     vocabularies are read from GGUF so far"
-                ),
+                msg: "byte-level BPE (`gpt2`) and SentencePiece (`llama`) vocabularies are read \
+                      from GGUF so far"
+                    .into(),
             }],
         });
-    }
-    if spm {
-        return sentencepiece(file);
     }
     let tokens = file
         .strings("tokenizer.ggml.tokens")?
@@ -253,16 +255,46 @@ fn added_tokens(
     added
 }
 
-/// A SentencePiece vocabulary (`tokenizer.ggml.model` = "llama": Llama 2, Mistral, ...) as
-/// transformers 5 builds it (`sentencepiece_tokenizer` -> `LlamaTokenizer(vocab, merges)`): BPE
-/// with byte fallback over the tokens as the file spells them, the file's merges or, when it has
-/// none (llama.cpp writes none for these), merges recovered from the scores
-/// ([`generate_merges`]); Metaspace pre-tokenization (a `▁` before the first word), and the
-/// decoder that undoes it.
-fn sentencepiece(file: &GgufFile) -> Result<(Value, Value)> {
-    let tokens = file
+/// The SentencePiece builds transformers 5 picks by architecture.
+#[derive(Clone, Copy, PartialEq)]
+enum Spm {
+    /// `LlamaTokenizer`: Llama 2, Mistral and every architecture without a build of its own.
+    Llama,
+    /// `gemma_tokenizer` -> `GemmaTokenizer`: Gemma 1 / 2 / 3.
+    Gemma,
+    /// `phi3_tokenizer`: `LlamaTokenizer` with the prefix space from a normalizer.
+    Phi3,
+}
+
+/// A SentencePiece vocabulary (`tokenizer.ggml.model` = "llama") as transformers 5 builds it
+/// (`sentencepiece_tokenizer` -> `LlamaTokenizer(vocab, merges)`, or the Gemma / Phi-3 builds):
+/// BPE with byte fallback over the tokens as the file spells them, the file's merges or, when it
+/// has none (llama.cpp writes none for these), merges recovered from the scores
+/// ([`generate_merges`]); the `▁` before the first word and between words, and the decoder that
+/// undoes them.
+///
+/// - Llama: Metaspace pre-tokenization (a `▁` before the first word only).
+/// - Phi-3: a `Prepend("▁")` + `Replace(" ", "▁")` normalizer and no pre-tokenizer, so a text
+///   that starts with spaces gets one `▁` more than Metaspace gives it.
+/// - Gemma: no prefix `▁` (Gemma's SentencePiece adds no dummy prefix), spaces replaced by `▁`;
+///   a token of spaces alone (stored with real spaces) respelled as `▁`s, and the merges ordered
+///   by the tokens' positions in the file, not their scores (Gemma's scores do not follow its
+///   merge order); `<unk>` as the model's unknown token; no strip of a leading space in the
+///   decoder.
+fn sentencepiece(file: &GgufFile, variant: Spm) -> Result<(Value, Value)> {
+    let stored = file
         .strings("tokenizer.ggml.tokens")?
         .ok_or_else(|| missing(file, "tokenizer.ggml.tokens"))?;
+    let respelled: Vec<String> = stored
+        .iter()
+        .map(|t| match variant {
+            Spm::Gemma if t.contains(' ') && t.trim().is_empty() => {
+                "\u{2581}".repeat(t.chars().count())
+            }
+            _ => t.to_string(),
+        })
+        .collect();
+    let tokens: Vec<&str> = respelled.iter().map(String::as_str).collect();
     let types = file.ints("tokenizer.ggml.token_type")?.unwrap_or_default();
     let mut vocab = Map::new();
     for (id, t) in tokens.iter().enumerate() {
@@ -271,9 +303,13 @@ fn sentencepiece(file: &GgufFile) -> Result<(Value, Value)> {
     let merges = match file_merges(file)? {
         Some(m) => m,
         None => {
-            let scores = file
-                .floats("tokenizer.ggml.scores")?
-                .ok_or_else(|| missing(file, "tokenizer.ggml.scores"))?;
+            let scores = match variant {
+                // -position: the earlier a token, the earlier its merge
+                Spm::Gemma => (0..tokens.len()).map(|i| -(i as f64)).collect(),
+                _ => file
+                    .floats("tokenizer.ggml.scores")?
+                    .ok_or_else(|| missing(file, "tokenizer.ggml.scores"))?,
+            };
             generate_merges(&tokens, &scores)
                 .into_iter()
                 .map(|(l, r)| json!([l, r]))
@@ -282,21 +318,46 @@ fn sentencepiece(file: &GgufFile) -> Result<(Value, Value)> {
     };
     let added = added_tokens(&tokens, &types, &|_| true, &vocab);
     let specials = Specials::read(file, &tokens, &|t| t.to_string(), true)?;
+    let space = json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
+    let (normalizer, pre_tokenizer) = match variant {
+        Spm::Llama => (
+            Value::Null,
+            json!({"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "first",
+                "split": false}),
+        ),
+        Spm::Phi3 => (
+            json!({"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": "\u{2581}"}, space]}),
+            Value::Null,
+        ),
+        Spm::Gemma => (
+            space,
+            json!({"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious",
+                "invert": false}),
+        ),
+    };
+    let mut decoders = vec![
+        json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    if variant != Spm::Gemma {
+        decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
+    let unk = match variant {
+        Spm::Gemma => json!("<unk>"),
+        _ => Value::Null,
+    };
     let tokenizer = json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
         "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": {"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "first",
-            "split": false},
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
         "post_processor": specials.post_processor(),
-        "decoder": {"type": "Sequence", "decoders": [
-            {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
-            {"type": "ByteFallback"},
-            {"type": "Fuse"},
-            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
-        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {"type": "BPE", "dropout": null, "unk_token": unk,
             "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": true,
             "byte_fallback": true, "ignore_merges": false, "vocab": vocab, "merges": merges},
     });

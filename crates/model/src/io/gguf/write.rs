@@ -111,7 +111,9 @@ pub fn write_gguf(
     let theta = rope_theta(c);
 
     // Tensors, by llama.cpp's names.
-    let names: HashMap<String, String> = super::tensor_names(layers as usize).into_iter().collect();
+    let names: HashMap<String, String> = super::tensor_names(arch, layers as usize)
+        .into_iter()
+        .collect();
     let mut rows: Vec<(String, QTensor)> = Vec::new();
     let mut params = 0u64;
     if arch == "llama" {
@@ -650,7 +652,7 @@ pub fn write_gguf_lora(
     let kv = c["num_key_value_heads"]
         .as_u64()
         .map_or(heads, |n| n as usize);
-    let names: HashMap<String, String> = super::tensor_names(int("num_hidden_layers"))
+    let names: HashMap<String, String> = super::tensor_names(arch, int("num_hidden_layers"))
         .into_iter()
         .collect();
     let mut rows: Vec<(String, QTensor)> = Vec::new();
