@@ -332,6 +332,19 @@ def llama_quantize() -> Path:
     return exe
 
 
+def keep_hf_files(src: Path):
+    """The files of a scratch model with a SentencePiece vocabulary that the export test needs
+    (tests/fixtures/gguf/hf/NAME: config.json, tokenizer.model, tokenizer_config.json): what
+    llama.cpp's converter read besides the weights, which the test takes from the converter's own
+    f32 file instead (`tallow export` of them must write the converter's file)."""
+    import shutil
+
+    out = OUT / "hf" / src.name
+    out.mkdir(parents=True, exist_ok=True)
+    for f in ("config.json", "tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(src / f, out / f)
+
+
 def convert():
     root = llama_cpp()
     sys.path[:0] = [str(root / "gguf-py"), str(root)]
@@ -345,6 +358,8 @@ def convert():
             continue
         base.TextModel.get_vocab_base_pre = (lambda self, tokenizer, pre=pre: pre) if pre else original
         src = SCRATCH_MODELS[model]() if model in SCRATCH_MODELS else FIX / "models" / model
+        if (src / "tokenizer.model").exists():
+            keep_hf_files(src)
         # A k-quant type: converted to f32, then quantized by llama-quantize.
         k_quant = outtype.upper() == outtype
         converted = SCRATCH / f"{model}-f32.gguf" if k_quant else OUT / name

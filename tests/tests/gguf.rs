@@ -814,8 +814,9 @@ fn assert_same_gguf(ours: &Path, fixture: &str) {
 /// wrote for it (tests/fixtures/gguf/): every metadata key with the same type and value
 /// (`general.name` aside: the converter derives it from the dir name by heuristics of its own),
 /// every tensor with the same type, shape and bytes (Q8_0 blocks, f16 rounding, Llama's q / k
-/// row order and its `rope_freqs.weight` included). Exporting the imported Q8_0 file again gives
-/// it back byte for byte.
+/// row order and its `rope_freqs.weight`, Gemma's norms stored as 1 + w, Phi-3's LongRoPE
+/// factors and attention factor included; SentencePiece vocabularies read from
+/// `tokenizer.model`). Exporting an imported file again in its type gives it back byte for byte.
 #[test]
 fn export_writes_what_llama_cpp_converter_writes() {
     let tmp = scratch("gguf-export");
@@ -846,11 +847,45 @@ fn export_writes_what_llama_cpp_converter_writes() {
     for (model, outtype, fixture) in cases {
         compare(&model_dir(model), outtype, fixture);
     }
-    compare(
-        &gguf_fixture("tiny-qwen2-q8_0.gguf"),
-        "q8_0",
+    // SentencePiece models (tokenizer.model: Llama 2's and Mistral's build, Gemma's, Phi-3's):
+    // the files the converter read (tests/fixtures/gguf/hf/NAME), with the weights of its own
+    // f32 file of them (a `model.gguf` in the dir), so that Gemma's norms make the round trip
+    // 1 + w -> w -> 1 + w
+    let spm = [
+        ("tiny-llama-spm", "f32"),
+        ("tiny-gemma2-spm", "f32"),
+        ("tiny-gemma3-spm", "f32"),
+        ("tiny-gemma3-spm", "q8_0"),
+        ("tiny-phi3-spm", "f32"),
+        ("tiny-phi3-spm", "q8_0"),
+    ];
+    for (model, outtype) in spm {
+        let dir = tmp.join(format!("{model}-{outtype}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["config.json", "tokenizer.model", "tokenizer_config.json"] {
+            std::fs::copy(gguf_fixture(&format!("hf/{model}/{f}")), dir.join(f)).unwrap();
+        }
+        let weights = gguf_fixture(&format!("{model}-f32.gguf"));
+        std::fs::copy(weights, dir.join(gguf::LINK)).unwrap();
+        compare(&dir, outtype, &format!("{model}-{outtype}.gguf"));
+    }
+    // A GGUF file exported again in its own type is itself (its SentencePiece vocabulary copied,
+    // a byte-level one rebuilt from the tokenizer.json it was read as).
+    for fixture in [
         "tiny-qwen2-q8_0.gguf",
-    );
+        "tiny-llama-spm-f32.gguf",
+        "tiny-gemma2-spm-f32.gguf",
+        "tiny-gemma3-spm-q8_0.gguf",
+        "tiny-phi3-spm-f32.gguf",
+        "tiny-phi3-longrope-f32.gguf",
+    ] {
+        let outtype = fixture
+            .rsplit('-')
+            .next()
+            .unwrap()
+            .trim_end_matches(".gguf");
+        compare(&gguf_fixture(fixture), outtype, fixture);
+    }
 }
 
 /// `--outtype q4_k_m` writes what llama.cpp's `llama-quantize` writes for `Q4_K_M` (no
@@ -903,22 +938,45 @@ fn export_refuses_what_it_cannot_write() {
     let tmp = scratch("gguf-export-bad");
     let env = [("TALLOW_CACHE_DIR", tmp.join("cache").display().to_string())];
     let out = tmp.join("x.gguf");
-    let run = tallow_env(
-        [
-            "export",
-            "--model",
-            model_dir("tiny-gemma2").to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ],
-        &env,
-    );
+    // Gemma settings llama.cpp would compute otherwise: tiny-gemma3's query scale (48, where
+    // llama.cpp takes head_dim 32) and its every-3rd-layer global pattern (llama.cpp: every
+    // 6th), named together; tiny-gemma2's query scale
+    let export = |model: &Path, outtype: &str| {
+        tallow_env(
+            [
+                "export",
+                "--model",
+                model.to_str().unwrap(),
+                "--outtype",
+                outtype,
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            &env,
+        )
+    };
+    let run = export(&model_dir("tiny-gemma3"), "f16");
+    assert_ne!(run.code, 0);
+    for needle in [
+        "`query_pre_attn_scalar` = 48",
+        "1/sqrt(32)",
+        "`layer_types`",
+        "every 6th layer global",
+    ] {
+        assert!(run.stderr.contains(needle), "`{needle}`: {}", run.stderr);
+    }
+    assert!(!out.exists());
+    let run = export(&model_dir("tiny-gemma2"), "f16");
     assert_ne!(run.code, 0);
     assert!(
-        run.stderr.contains("model_type") && run.stderr.contains("gemma2"),
+        run.stderr.contains("`query_pre_attn_scalar` = 64"),
         "{}",
         run.stderr
     );
+    // q4_k_m only where it was checked against llama-quantize
+    let run = export(&gguf_fixture("tiny-phi3-spm-f32.gguf"), "q4_k_m");
+    assert_ne!(run.code, 0);
+    assert!(run.stderr.contains("llama-quantize"), "{}", run.stderr);
     assert!(!out.exists());
     let run = tallow_env(
         [

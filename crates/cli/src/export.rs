@@ -61,9 +61,20 @@ pub fn run(a: ExportArgs) -> Result<()> {
         })
     };
     let tokenizer = json("tokenizer.json")?;
-    if tokenizer.is_null() {
+    let spm_path = dir.join("tokenizer.model");
+    let tokenizer_model = match spm_path.exists() {
+        true => Some(std::fs::read(&spm_path).with_context(|| format!("{}", spm_path.display()))?),
+        false => None,
+    };
+    // a GGUF model dir: the file's own tokenizer keys
+    let linked = dir.join(tallow_model::io::gguf::LINK);
+    let gguf_tokenizer = match linked.exists() {
+        true => Some(tallow_model::io::gguf::GgufFile::open(&linked)?.tokenizer_keys()),
+        false => None,
+    };
+    if tokenizer.is_null() && tokenizer_model.is_none() && gguf_tokenizer.is_none() {
         bail!(
-            "{}: no tokenizer.json to write into the GGUF",
+            "{}: no tokenizer.json or tokenizer.model to write into the GGUF",
             dir.display()
         );
     }
@@ -79,6 +90,10 @@ pub fn run(a: ExportArgs) -> Result<()> {
             tokenizer: &tokenizer,
             tokenizer_config: &json("tokenizer_config.json")?,
             chat_template: chat_template.as_deref(),
+            tokenizer_model: tokenizer_model.as_deref(),
+            added_tokens: &json("added_tokens.json")?,
+            gguf_tokenizer: gguf_tokenizer.as_deref(),
+            decoder: &m.config,
         },
         out,
     )

@@ -61,8 +61,9 @@ fn arch_keys(arch: &str) -> &'static [(&'static str, Option<&'static str>)] {
                 Some("original_max_position_embeddings"),
             ),
             ("rope.scaling.attn_factor", None),
-            // Phi-3-mini-4k's 2047: llama.cpp disables Phi-3's window ("Phi SWA is currently
-            // disabled") and transformers' loader does not map it; neither applies it
+            // Phi-3-mini-4k's 2047, which the original model applies; llama.cpp disables Phi-3's
+            // window ("Phi SWA is currently disabled") and transformers' loader drops it. 0
+            // (Phi-4-mini: none) is not written.
             ("attention.sliding_window", None),
         ],
         _ => &[],
@@ -179,6 +180,14 @@ pub fn hf_config(file: &GgufFile) -> Result<Value> {
     }
     if is_gemma(&arch) {
         gemma(file, &arch, &mut c, hidden / heads, head_dim, &mut refusals)?;
+    }
+    if arch == "phi3" {
+        if let Some(w) = file
+            .int("phi3.attention.sliding_window")?
+            .filter(|&w| w > 0)
+        {
+            c.insert("sliding_window".into(), json!(w));
+        }
     }
     if !c.contains_key("vocab_size") {
         let n = match file.strings("tokenizer.ggml.tokens")? {

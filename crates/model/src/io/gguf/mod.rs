@@ -13,6 +13,7 @@
 
 pub mod config;
 pub mod quants;
+pub mod spm;
 pub mod tokenizer;
 pub mod write;
 
@@ -209,6 +210,55 @@ impl GgufFile {
     /// The stored type of tensor `name` (F32, Q4K, ...).
     pub fn format(&self, name: &str) -> Option<GgmlDType> {
         self.content.tensor_infos.get(name).map(|t| t.ggml_dtype)
+    }
+
+    /// The `tokenizer.*` keys, in the order llama.cpp's converter writes them (for an export
+    /// of a model read from this file).
+    pub fn tokenizer_keys(&self) -> Vec<(String, Value)> {
+        const ORDER: [&str; 20] = [
+            "model",
+            "pre",
+            "tokens",
+            "scores",
+            "token_type",
+            "merges",
+            "bos_token_id",
+            "eos_token_id",
+            "unknown_token_id",
+            "seperator_token_id",
+            "padding_token_id",
+            "cls_token_id",
+            "mask_token_id",
+            "add_bos_token",
+            "add_eos_token",
+            "add_unk_token",
+            "add_sep_token",
+            "add_pad_token",
+            "add_cls_token",
+            "add_mask_token",
+        ];
+        let llama = self.string("tokenizer.ggml.model").ok().flatten() == Some("llama")
+            && self.string("general.architecture").ok().flatten() == Some("llama");
+        let rank = |k: &str| -> (usize, String) {
+            let rest = k.strip_prefix("tokenizer.ggml.").unwrap_or(k);
+            let r = match ORDER.iter().position(|o| *o == rest) {
+                Some(i) => i + 1,
+                // Llama's converter writes it before the vocabulary, Gemma's after it
+                None if rest == "add_space_prefix" && llama => 0,
+                None if k == "tokenizer.chat_template" => ORDER.len() + 1,
+                None => ORDER.len() + 2,
+            };
+            (r, k.to_string())
+        };
+        let mut keys: Vec<(String, Value)> = self
+            .content
+            .metadata
+            .iter()
+            .filter(|(k, _)| k.starts_with("tokenizer."))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        keys.sort_by_key(|(k, _)| rank(k));
+        keys
     }
 
     /// Tensor `name` as stored, on the CPU.

@@ -13,6 +13,8 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Tensor};
 use serde_json::Value;
 
+use super::spm;
+use crate::config::{DecoderConfig, RopeScaling};
 use crate::error::{ModelError, Refusal, Result};
 
 /// The tensor type of a GGUF export (`--outtype`).
@@ -61,6 +63,16 @@ pub struct Source<'a> {
     pub tokenizer_config: &'a Value,
     /// `chat_template.jinja`, used when tokenizer_config.json has no template.
     pub chat_template: Option<&'a str>,
+    /// `tokenizer.model` (SentencePiece), which the converter reads first when the model has one
+    /// (Llama 2, Mistral, Gemma, Phi-3).
+    pub tokenizer_model: Option<&'a [u8]>,
+    /// `added_tokens.json` (Null when absent).
+    pub added_tokens: &'a Value,
+    /// The `tokenizer.*` keys of the GGUF file the model was read from (a GGUF model dir), when
+    /// it has no `tokenizer.model`: written again as they are.
+    pub gguf_tokenizer: Option<&'a [(String, G)]>,
+    /// The model's checked config (what Gemma's and Phi-3's keys are written from).
+    pub decoder: &'a DecoderConfig,
 }
 
 fn refuse(path: &Path, key: &str, value: Option<String>, msg: &str) -> ModelError {
@@ -81,11 +93,15 @@ fn gguf_arch(path: &Path, config: &Value) -> Result<&'static str> {
         "llama" | "mistral" => Ok("llama"),
         "qwen2" => Ok("qwen2"),
         "qwen3" => Ok("qwen3"),
+        "gemma2" => Ok("gemma2"),
+        "gemma3_text" | "gemma3" => Ok("gemma3"),
+        "phi3" => Ok("phi3"),
         other => Err(refuse(
             path,
             "model_type",
             Some(format!("{other:?}")),
-            "GGUF export writes llama, mistral, qwen2 and qwen3 models and adapters so far",
+            "GGUF export writes llama, mistral, qwen2, qwen3, gemma2, gemma3 and phi3 models and \
+             adapters so far",
         )),
     }
 }
@@ -126,7 +142,29 @@ pub fn write_gguf(
     }
     let mut sorted: Vec<&(String, Tensor)> = tensors.iter().collect();
     sorted.sort_by_key(|(n, _)| hf_order(n));
+    let d = src.decoder;
+    if arch == "phi3" {
+        if let Some(RopeScaling::LongRope {
+            long_factor,
+            short_factor,
+            ..
+        }) = &d.rope_scaling
+        {
+            for (name, f) in [
+                ("rope_factors_long.weight", long_factor),
+                ("rope_factors_short.weight", short_factor),
+            ] {
+                let f: Vec<f32> = f.iter().map(|&x| x as f32).collect();
+                let t = Tensor::new(f, &candle_core::Device::Cpu)?;
+                rows.push((name.into(), QTensor::quantize(&t, GgmlDType::F32)?));
+            }
+        }
+    }
     for (hf, t) in sorted {
+        // Gemma's head is its embedding (the converter skips a stored lm_head)
+        if super::is_gemma(arch) && hf == "lm_head.weight" {
+            continue;
+        }
         let Some(gg) = names.get(hf) else {
             return Err(refuse(
                 path,
@@ -138,6 +176,9 @@ pub fn write_gguf(
         let mut t = t.to_dtype(DType::F32)?;
         if arch == "llama" {
             t = super::rotary_rows(&t, gg, heads as usize, kv as usize, true)?;
+        }
+        if super::norm_stored_plus_one(arch, gg) {
+            t = (t + 1.0)?;
         }
         params += t.elem_count() as u64;
         rows.push((gg.clone(), QTensor::quantize(&t, tensor_type(&t, out))?));
@@ -151,29 +192,66 @@ pub fn write_gguf(
     put("general.type", G::String("model".into()));
     put("general.name", G::String(src.name.into()));
     put("general.size_label", G::String(size_label(params)));
-    put(&a("block_count"), G::U32(layers));
-    put(&a("context_length"), G::U32(int("max_position_embeddings")));
-    put(&a("embedding_length"), G::U32(hidden));
-    put(&a("feed_forward_length"), G::U32(int("intermediate_size")));
-    put(&a("attention.head_count"), G::U32(heads));
-    put(&a("attention.head_count_kv"), G::U32(kv));
-    put(&a("rope.freq_base"), G::F32(theta as f32));
-    put(
-        &a("attention.layer_norm_rms_epsilon"),
-        G::F32(c["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32),
-    );
-    if arch != "qwen2" {
-        put(&a("attention.key_length"), G::U32(head_dim));
-        put(&a("attention.value_length"), G::U32(head_dim));
-    }
-    put("general.file_type", G::U32(out.file_type()));
-    if arch == "llama" {
-        put(&a("vocab_size"), G::U32(int("vocab_size")));
-        put(&a("rope.dimension_count"), G::U32(head_dim));
+    let eps = G::F32(c["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32);
+    let gemma_or_phi3 = match arch {
+        "gemma2" | "gemma3" | "phi3" => {
+            for (k, v) in family_metadata(path, arch, d, c, out)? {
+                put(&k, v);
+            }
+            true
+        }
+        _ => false,
+    };
+    if !gemma_or_phi3 {
+        put(&a("block_count"), G::U32(layers));
+        put(&a("context_length"), G::U32(int("max_position_embeddings")));
+        put(&a("embedding_length"), G::U32(hidden));
+        put(&a("feed_forward_length"), G::U32(int("intermediate_size")));
+        put(&a("attention.head_count"), G::U32(heads));
+        put(&a("attention.head_count_kv"), G::U32(kv));
+        put(&a("rope.freq_base"), G::F32(theta as f32));
+        put(&a("attention.layer_norm_rms_epsilon"), eps);
+        if arch != "qwen2" {
+            put(&a("attention.key_length"), G::U32(head_dim));
+            put(&a("attention.value_length"), G::U32(head_dim));
+        }
+        put("general.file_type", G::U32(out.file_type()));
+        if arch == "llama" {
+            put(&a("vocab_size"), G::U32(int("vocab_size")));
+            put(&a("rope.dimension_count"), G::U32(head_dim));
+        }
     }
     put("general.quantization_version", G::U32(2));
-    for (k, v) in tokenizer_metadata(path, src, int("vocab_size") as usize)? {
+    for (k, v) in tokenizer_metadata(path, arch, src, int("vocab_size") as usize)? {
         put(&k, v);
+    }
+    // Phi-3's converter adds the LongRoPE attention factor while it makes the factor tensors,
+    // right after the architecture
+    if let Some(i) = m
+        .iter()
+        .position(|(k, _)| k == "phi3.rope.scaling.attn_factor")
+    {
+        let kv = m.remove(i);
+        m.insert(1, kv);
+    }
+    if arch == "gemma3" && src.tokenizer_model.is_none() && src.gguf_tokenizer.is_none() {
+        // the converter keeps as many embedding rows as tokenizer.json has tokens
+        let vocab = src.tokenizer["model"]["vocab"]
+            .as_object()
+            .map_or(0, |v| v.len());
+        let added = src.tokenizer["added_tokens"]
+            .as_array()
+            .map_or(0, |a| a.len());
+        truncate_rows(&mut rows, "token_embd.weight", vocab + added)?;
+    }
+    if out == OutType::Q4KM && gemma_or_phi3 {
+        return Err(refuse(
+            path,
+            "model_type",
+            Some(format!("{arch:?}")),
+            "q4_k_m is written for llama, mistral, qwen2 and qwen3 (checked against \
+             llama-quantize); export q8_0 or f16 and run llama-quantize",
+        ));
     }
     if out == OutType::Q4KM {
         if layers == 80 {
@@ -196,6 +274,203 @@ pub fn write_gguf(
     }
 
     write_file(path, &m, &rows)
+}
+
+/// Keeps the first `n` rows of tensor `name` of `rows` (dequantized, then in its type again).
+fn truncate_rows(rows: &mut [(String, QTensor)], name: &str, n: usize) -> Result<()> {
+    if let Some((_, q)) = rows.iter_mut().find(|(k, _)| k == name) {
+        let t = q.dequantize(&candle_core::Device::Cpu)?;
+        if n > 0 && n < t.dims()[0] {
+            *q = QTensor::quantize(&t.narrow(0, 0, n)?, q.dtype())?;
+        }
+    }
+    Ok(())
+}
+
+/// Gemma 2 / 3's and Phi-3's `{arch}.*` keys and `general.file_type`, in their converters'
+/// order (`Gemma2Model` / `Gemma3Model` / `Phi3MiniModel.set_gguf_parameters`), after refusing
+/// what llama.cpp would read otherwise than transformers computes it: a query scale that is not
+/// llama.cpp's rule, sliding layers off its pattern, Gemma 2's rope theta (its converter writes
+/// none, llama.cpp takes 10000), a rope scaling the converter does not write.
+fn family_metadata(
+    path: &Path,
+    arch: &str,
+    d: &DecoderConfig,
+    c: &Value,
+    out: OutType,
+) -> Result<Vec<(String, G)>> {
+    let a = |k: &str| format!("{arch}.{k}");
+    let u = |n: usize| G::U32(n as u32);
+    let f = |x: f64| G::F32(x as f32);
+    let mut m: Vec<(String, G)> = Vec::new();
+    let mut refusals: Vec<Refusal> = Vec::new();
+    let mut no = |key: &str, value: String, msg: &str| {
+        refusals.push(Refusal {
+            key: key.into(),
+            value: Some(value),
+            msg: msg.into(),
+        })
+    };
+    let layers = d.num_hidden_layers;
+    let eps = f(d.rms_norm_eps);
+    let (hidden, heads, kv) = (d.hidden_size, d.num_attention_heads, d.num_key_value_heads);
+    if super::is_gemma(arch) {
+        let big = if arch == "gemma2" { 46 } else { 62 };
+        let want = if layers == big {
+            hidden / heads
+        } else {
+            d.head_dim
+        };
+        let q = d.variant.query_pre_attn_scalar.unwrap_or(d.head_dim as f64);
+        if q != want as f64 {
+            no(
+                "query_pre_attn_scalar",
+                q.to_string(),
+                &format!("llama.cpp scales a {layers}-layer {arch}'s queries by 1/sqrt({want})"),
+            );
+        }
+        let every = if arch == "gemma2" { 2 } else { 6 };
+        let full: Vec<usize> = (0..layers).filter(|i| i % every == every - 1).collect();
+        if d.variant.full_attention_layers != full {
+            no(
+                "layer_types",
+                format!("full attention at {:?}", d.variant.full_attention_layers),
+                &format!("llama.cpp makes every {every}th layer global ({full:?})"),
+            );
+        }
+    }
+    let scaling = |no: &mut dyn FnMut(&str, String, &str)| {
+        if let Some(r) = &d.rope_scaling {
+            no(
+                "rope_scaling",
+                format!("{r:?}"),
+                "a rope scaling llama.cpp's converter does not write for this architecture",
+            );
+        }
+    };
+    match arch {
+        "gemma2" => {
+            if d.rope_theta != 10000.0 {
+                no(
+                    "rope_theta",
+                    d.rope_theta.to_string(),
+                    "llama.cpp's Gemma 2 converter writes no rope base; llama.cpp takes 10000",
+                );
+            }
+            scaling(&mut no);
+            m.extend([
+                (a("context_length"), u(d.max_position_embeddings)),
+                (a("embedding_length"), u(hidden)),
+                (a("block_count"), u(layers)),
+                (a("feed_forward_length"), u(d.intermediate_size)),
+                (a("attention.head_count"), u(heads)),
+                (a("attention.head_count_kv"), u(kv)),
+                (a("attention.layer_norm_rms_epsilon"), eps),
+                (a("attention.key_length"), u(d.head_dim)),
+                (a("attention.value_length"), u(d.head_dim)),
+                ("general.file_type".into(), G::U32(out.file_type())),
+            ]);
+            for (k, v) in [
+                ("attn_logit_softcapping", d.variant.attn_logit_softcapping),
+                ("final_logit_softcapping", d.variant.final_logit_softcapping),
+            ] {
+                match v {
+                    Some(x) => m.push((a(k), f(x))),
+                    None => no(k, "null".into(), "llama.cpp's Gemma 2 converter needs it"),
+                }
+            }
+            m.push((
+                a("attention.sliding_window"),
+                u(d.sliding_window.unwrap_or(4096)),
+            ));
+        }
+        "gemma3" => {
+            if let Some(x) = d.variant.attn_logit_softcapping {
+                no(
+                    "attn_logit_softcapping",
+                    x.to_string(),
+                    "llama.cpp's Gemma 3 has no attention soft-capping",
+                );
+            }
+            m.extend([
+                (a("block_count"), u(layers)),
+                (a("context_length"), u(d.max_position_embeddings)),
+                (a("embedding_length"), u(hidden)),
+                (a("feed_forward_length"), u(d.intermediate_size)),
+                (a("attention.head_count"), u(heads)),
+                (a("attention.head_count_kv"), u(kv)),
+            ]);
+            match &d.rope_scaling {
+                None => {}
+                Some(RopeScaling::Linear { factor }) => m.extend([
+                    (a("rope.scaling.type"), G::String("linear".into())),
+                    (a("rope.scaling.factor"), f(*factor)),
+                ]),
+                Some(_) => scaling(&mut no),
+            }
+            m.push((a("rope.freq_base"), f(d.rope_theta)));
+            m.push((
+                a("rope.freq_base_swa"),
+                f(d.variant.rope_local_base_freq.unwrap_or(10000.0)),
+            ));
+            m.extend([
+                (a("attention.layer_norm_rms_epsilon"), eps),
+                (a("attention.key_length"), u(d.head_dim)),
+                (a("attention.value_length"), u(d.head_dim)),
+                ("general.file_type".into(), G::U32(out.file_type())),
+            ]);
+            if let Some(x) = d.variant.final_logit_softcapping {
+                m.push((a("final_logit_softcapping"), f(x)));
+            }
+            m.push((
+                a("attention.sliding_window"),
+                u(d.sliding_window.unwrap_or(4096)),
+            ));
+        }
+        _ => {
+            // phi3
+            let original = c["original_max_position_embeddings"]
+                .as_u64()
+                .or_else(|| c["rope_parameters"]["original_max_position_embeddings"].as_u64())
+                .unwrap_or(4096) as usize;
+            if let Some(RopeScaling::LongRope { .. }) = &d.rope_scaling {
+                let scale = d.max_position_embeddings as f64 / original as f64;
+                let attn = if scale > 1.0 {
+                    (1.0 + scale.ln() / (original as f64).ln()).sqrt()
+                } else {
+                    1.0
+                };
+                // the converter adds it while it makes the factor tensors, before the rest
+                m.push((a("rope.scaling.attn_factor"), f(attn)));
+            } else {
+                scaling(&mut no);
+            }
+            m.extend([
+                (a("context_length"), u(d.max_position_embeddings)),
+                (a("rope.scaling.original_context_length"), u(original)),
+                (a("embedding_length"), u(hidden)),
+                (a("feed_forward_length"), u(d.intermediate_size)),
+                (a("block_count"), u(layers)),
+                (a("attention.head_count"), u(heads)),
+                (a("attention.head_count_kv"), u(kv)),
+                (a("attention.layer_norm_rms_epsilon"), eps),
+                (a("rope.dimension_count"), u(d.rotary_dim)),
+                (a("rope.freq_base"), f(d.rope_theta)),
+                ("general.file_type".into(), G::U32(out.file_type())),
+                (
+                    a("attention.sliding_window"),
+                    u(d.sliding_window.unwrap_or(0)),
+                ),
+            ]);
+        }
+    }
+    if !refusals.is_empty() {
+        return Err(ModelError::GgufRefused {
+            path: path.to_path_buf(),
+            refusals,
+        });
+    }
+    Ok(m)
 }
 
 /// `rows` (f32 matrices, as the converter writes them for an f32 export) as llama-quantize
@@ -321,11 +596,14 @@ fn tensor_type(t: &Tensor, out: OutType) -> GgmlDType {
     }
 }
 
-/// Where an HF tensor goes in the file: the embedding, then each layer in the order of its HF
-/// names (as the converter meets them in a safetensors file), then the final norm and the head.
+/// Where an HF tensor goes in the file: the head, the embedding, then each layer in the order of
+/// its HF names, then the final norm (as the converter meets them in a safetensors file, which
+/// lists its tensors by name).
 fn hf_order(name: &str) -> (usize, usize, String) {
-    if name == "model.embed_tokens.weight" {
-        return (0, 0, String::new());
+    match name {
+        "lm_head.weight" => return (0, 0, String::new()),
+        "model.embed_tokens.weight" => return (0, 1, String::new()),
+        _ => {}
     }
     if let Some(rest) = name.strip_prefix("model.layers.") {
         let (i, tail) = rest.split_once('.').unwrap_or((rest, ""));
@@ -383,9 +661,132 @@ fn size_label(n: u64) -> String {
     format!("{scaled:.fix$}{suffix}")
 }
 
+/// The `tokenizer.*` keys of the export: from `tokenizer.model` when the model has one (as the
+/// converter reads it first), else those of the GGUF file the model was read from when that
+/// holds a SentencePiece vocabulary (whose scores tokenizer.json does not keep), else from
+/// tokenizer.json (byte-level BPE, which gives a GGUF file's keys back as they were).
+fn tokenizer_metadata(
+    path: &Path,
+    arch: &str,
+    src: &Source,
+    vocab_size: usize,
+) -> Result<Vec<(String, G)>> {
+    if let Some(model) = src.tokenizer_model {
+        return sentencepiece_metadata(path, arch, src, model, vocab_size);
+    }
+    if let Some(keys) = src.gguf_tokenizer {
+        let spm = keys
+            .iter()
+            .any(|(k, v)| k == "tokenizer.ggml.model" && matches!(v, G::String(m) if m == "llama"));
+        if spm {
+            return Ok(keys.to_vec());
+        }
+    }
+    if src.tokenizer.is_null() {
+        return Err(refuse(
+            path,
+            "tokenizer.json",
+            None,
+            "the model has no tokenizer.json or tokenizer.model to write into the GGUF",
+        ));
+    }
+    bpe_metadata(path, src, vocab_size)
+}
+
+/// llama.cpp's `tokenizer.ggml.*` for a SentencePiece model, as the converter writes them
+/// ([`spm`]; Phi-3's build for `phi3`), then gguf-py's `SpecialVocab` keys, and for Llama a
+/// leading `add_space_prefix` when tokenizer_config.json sets `add_prefix_space`, for Gemma a
+/// trailing `add_space_prefix` false.
+fn sentencepiece_metadata(
+    path: &Path,
+    arch: &str,
+    src: &Source,
+    model: &[u8],
+    vocab_size: usize,
+) -> Result<Vec<(String, G)>> {
+    let pieces = spm::pieces(model).ok_or_else(|| {
+        refuse(
+            path,
+            "tokenizer.model",
+            None,
+            "not a SentencePiece model (its protobuf does not parse)",
+        )
+    })?;
+    let build = match arch {
+        "phi3" => spm::Build::Phi3,
+        _ => spm::Build::Base,
+    };
+    let (tokens, scores, types) = spm::vocabulary(
+        &pieces,
+        vocab_size,
+        src.added_tokens,
+        src.tokenizer_config,
+        src.tokenizer,
+        build,
+        &looks_special,
+    );
+    let mut out: Vec<(String, G)> = Vec::new();
+    if arch == "llama" {
+        if let Some(on) = src.tokenizer_config["add_prefix_space"].as_bool() {
+            out.push(("tokenizer.ggml.add_space_prefix".into(), G::Bool(on)));
+        }
+    }
+    out.extend([
+        ("tokenizer.ggml.model".into(), G::String("llama".into())),
+        ("tokenizer.ggml.pre".into(), G::String("default".into())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            G::Array(tokens.into_iter().map(G::String).collect()),
+        ),
+        (
+            "tokenizer.ggml.scores".into(),
+            G::Array(scores.into_iter().map(G::F32).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            G::Array(types.into_iter().map(G::I32).collect()),
+        ),
+    ]);
+    let added: Vec<&Value> = src.tokenizer["added_tokens"]
+        .as_array()
+        .map(|a| a.iter().collect())
+        .unwrap_or_default();
+    out.extend(special_vocab(src, &added, vocab_size));
+    if super::is_gemma(arch) {
+        out.push(("tokenizer.ggml.add_space_prefix".into(), G::Bool(false)));
+    }
+    Ok(out)
+}
+
+/// gguf-py's `SpecialVocab.add_to_gguf` after the merges: special token ids, add-flags, the
+/// chat template.
+fn special_vocab(src: &Source, added: &[&Value], vocab_size: usize) -> Vec<(String, G)> {
+    let mut out = Vec::new();
+    let (ids, adds) = special_tokens(src, added, vocab_size);
+    for (typ, id) in ids {
+        let key = match typ {
+            "unk" => "unknown",
+            "sep" => "seperator",
+            "pad" => "padding",
+            t => t,
+        };
+        out.push((format!("tokenizer.ggml.{key}_token_id"), G::U32(id)));
+    }
+    for (typ, on) in adds {
+        out.push((format!("tokenizer.ggml.add_{typ}_token"), G::Bool(on)));
+    }
+    let template = src.tokenizer_config["chat_template"]
+        .as_str()
+        .or(src.chat_template);
+    if let Some(t) = template {
+        out.push(("tokenizer.chat_template".into(), G::String(t.into())));
+    }
+    out
+}
+
 /// llama.cpp's `tokenizer.ggml.*` and `tokenizer.chat_template` for a byte-level BPE
 /// tokenizer, as the converter's `get_vocab_base` and gguf-py's `SpecialVocab` write them.
-fn tokenizer_metadata(path: &Path, src: &Source, vocab_size: usize) -> Result<Vec<(String, G)>> {
+fn bpe_metadata(path: &Path, src: &Source, vocab_size: usize) -> Result<Vec<(String, G)>> {
     let tj = src.tokenizer;
     let model = &tj["model"];
     if model["type"].as_str() != Some("BPE") {
@@ -462,25 +863,7 @@ fn tokenizer_metadata(path: &Path, src: &Source, vocab_size: usize) -> Result<Ve
         ("tokenizer.ggml.token_type".into(), G::Array(types)),
         ("tokenizer.ggml.merges".into(), G::Array(merges)),
     ];
-    let (ids, adds) = special_tokens(src, &added, vocab_size);
-    for (typ, id) in ids {
-        let key = match typ {
-            "unk" => "unknown",
-            "sep" => "seperator",
-            "pad" => "padding",
-            t => t,
-        };
-        out.push((format!("tokenizer.ggml.{key}_token_id"), G::U32(id)));
-    }
-    for (typ, on) in adds {
-        out.push((format!("tokenizer.ggml.add_{typ}_token"), G::Bool(on)));
-    }
-    let template = src.tokenizer_config["chat_template"]
-        .as_str()
-        .or(src.chat_template);
-    if let Some(t) = template {
-        out.push(("tokenizer.chat_template".into(), G::String(t.into())));
-    }
+    out.extend(special_vocab(src, &added, vocab_size));
     Ok(out)
 }
 
