@@ -93,7 +93,7 @@ pub fn run(a: ExportArgs) -> Result<()> {
             tokenizer_model: tokenizer_model.as_deref(),
             added_tokens: &json("added_tokens.json")?,
             gguf_tokenizer: gguf_tokenizer.as_deref(),
-            decoder: &m.config,
+            hyper: &m.config.gguf_hyper(),
         },
         out,
     )

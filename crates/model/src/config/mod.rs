@@ -242,6 +242,42 @@ impl DecoderConfig {
             .sqrt()
     }
 
+    /// The hyper-parameters a GGUF export writes (`crate::io::gguf::write::Hyper`).
+    pub fn gguf_hyper(&self) -> crate::io::gguf::write::Hyper {
+        use crate::io::gguf::write::{Hyper, HyperRope};
+        Hyper {
+            layers: self.num_hidden_layers,
+            hidden: self.hidden_size,
+            heads: self.num_attention_heads,
+            kv_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+            intermediate: self.intermediate_size,
+            max_positions: self.max_position_embeddings,
+            rms_norm_eps: self.rms_norm_eps,
+            rope_theta: self.rope_theta,
+            rope: match &self.rope_scaling {
+                None => HyperRope::None,
+                Some(RopeScaling::Linear { factor }) => HyperRope::Linear(*factor),
+                Some(RopeScaling::LongRope {
+                    short_factor,
+                    long_factor,
+                    ..
+                }) => HyperRope::LongRope {
+                    long: long_factor.clone(),
+                    short: short_factor.clone(),
+                },
+                Some(RopeScaling::Llama3 { .. }) => HyperRope::Other("llama3".into()),
+            },
+            rotary_dim: self.rotary_dim,
+            sliding_window: self.sliding_window,
+            query_pre_attn_scalar: self.variant.query_pre_attn_scalar,
+            attn_logit_softcapping: self.variant.attn_logit_softcapping,
+            final_logit_softcapping: self.variant.final_logit_softcapping,
+            full_attention_layers: self.variant.full_attention_layers.clone(),
+            rope_local_base_freq: self.variant.rope_local_base_freq,
+        }
+    }
+
     /// `config.json` for a model tallow writes (merge, full fine-tuning): the source's keys, with
     /// the rotary settings in both layouts (transformers 4 reads `rope_theta` / `rope_scaling`,
     /// transformers 5 prefers `rope_parameters`) and the weights' dtype under both names

@@ -14,7 +14,6 @@ use candle_core::{DType, Tensor};
 use serde_json::Value;
 
 use super::spm;
-use crate::config::{DecoderConfig, RopeScaling};
 use crate::error::{ModelError, Refusal, Result};
 
 /// The tensor type of a GGUF export (`--outtype`).
@@ -71,8 +70,47 @@ pub struct Source<'a> {
     /// The `tokenizer.*` keys of the GGUF file the model was read from (a GGUF model dir), when
     /// it has no `tokenizer.model`: written again as they are.
     pub gguf_tokenizer: Option<&'a [(String, G)]>,
-    /// The model's checked config (what Gemma's and Phi-3's keys are written from).
-    pub decoder: &'a DecoderConfig,
+    /// The model's checked hyper-parameters (what Gemma's and Phi-3's keys are written from).
+    pub hyper: &'a Hyper,
+}
+
+/// A model's checked hyper-parameters as the export writes them (filled by
+/// `crate::config::DecoderConfig::gguf_hyper`: the config room sits above this one).
+#[derive(Debug, Clone)]
+pub struct Hyper {
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate: usize,
+    pub max_positions: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope: HyperRope,
+    /// The leading dims of each head that rotate (head_dim unless partial rotary).
+    pub rotary_dim: usize,
+    pub sliding_window: Option<usize>,
+    pub query_pre_attn_scalar: Option<f64>,
+    pub attn_logit_softcapping: Option<f64>,
+    pub final_logit_softcapping: Option<f64>,
+    /// Layers that attend to everything although `sliding_window` is set (Gemma).
+    pub full_attention_layers: Vec<usize>,
+    /// Gemma 3's sliding layers' rope base.
+    pub rope_local_base_freq: Option<f64>,
+}
+
+/// The rope scaling of [`Hyper`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum HyperRope {
+    None,
+    Linear(f64),
+    LongRope {
+        long: Vec<f64>,
+        short: Vec<f64>,
+    },
+    /// Another type, by name (what a refusal shows).
+    Other(String),
 }
 
 fn refuse(path: &Path, key: &str, value: Option<String>, msg: &str) -> ModelError {
@@ -142,13 +180,12 @@ pub fn write_gguf(
     }
     let mut sorted: Vec<&(String, Tensor)> = tensors.iter().collect();
     sorted.sort_by_key(|(n, _)| hf_order(n));
-    let d = src.decoder;
+    let d = src.hyper;
     if arch == "phi3" {
-        if let Some(RopeScaling::LongRope {
-            long_factor,
-            short_factor,
-            ..
-        }) = &d.rope_scaling
+        if let HyperRope::LongRope {
+            long: long_factor,
+            short: short_factor,
+        } = &d.rope
         {
             for (name, f) in [
                 ("rope_factors_long.weight", long_factor),
@@ -295,7 +332,7 @@ fn truncate_rows(rows: &mut [(String, QTensor)], name: &str, n: usize) -> Result
 fn family_metadata(
     path: &Path,
     arch: &str,
-    d: &DecoderConfig,
+    d: &Hyper,
     c: &Value,
     out: OutType,
 ) -> Result<Vec<(String, G)>> {
@@ -311,9 +348,9 @@ fn family_metadata(
             msg: msg.into(),
         })
     };
-    let layers = d.num_hidden_layers;
+    let layers = d.layers;
     let eps = f(d.rms_norm_eps);
-    let (hidden, heads, kv) = (d.hidden_size, d.num_attention_heads, d.num_key_value_heads);
+    let (hidden, heads, kv) = (d.hidden, d.heads, d.kv_heads);
     if super::is_gemma(arch) {
         let big = if arch == "gemma2" { 46 } else { 62 };
         let want = if layers == big {
@@ -321,7 +358,7 @@ fn family_metadata(
         } else {
             d.head_dim
         };
-        let q = d.variant.query_pre_attn_scalar.unwrap_or(d.head_dim as f64);
+        let q = d.query_pre_attn_scalar.unwrap_or(d.head_dim as f64);
         if q != want as f64 {
             no(
                 "query_pre_attn_scalar",
@@ -331,16 +368,17 @@ fn family_metadata(
         }
         let every = if arch == "gemma2" { 2 } else { 6 };
         let full: Vec<usize> = (0..layers).filter(|i| i % every == every - 1).collect();
-        if d.variant.full_attention_layers != full {
+        if d.full_attention_layers != full {
             no(
                 "layer_types",
-                format!("full attention at {:?}", d.variant.full_attention_layers),
+                format!("full attention at {:?}", d.full_attention_layers),
                 &format!("llama.cpp makes every {every}th layer global ({full:?})"),
             );
         }
     }
     let scaling = |no: &mut dyn FnMut(&str, String, &str)| {
-        if let Some(r) = &d.rope_scaling {
+        if d.rope != HyperRope::None {
+            let r = &d.rope;
             no(
                 "rope_scaling",
                 format!("{r:?}"),
@@ -359,10 +397,10 @@ fn family_metadata(
             }
             scaling(&mut no);
             m.extend([
-                (a("context_length"), u(d.max_position_embeddings)),
+                (a("context_length"), u(d.max_positions)),
                 (a("embedding_length"), u(hidden)),
                 (a("block_count"), u(layers)),
-                (a("feed_forward_length"), u(d.intermediate_size)),
+                (a("feed_forward_length"), u(d.intermediate)),
                 (a("attention.head_count"), u(heads)),
                 (a("attention.head_count_kv"), u(kv)),
                 (a("attention.layer_norm_rms_epsilon"), eps),
@@ -371,8 +409,8 @@ fn family_metadata(
                 ("general.file_type".into(), G::U32(out.file_type())),
             ]);
             for (k, v) in [
-                ("attn_logit_softcapping", d.variant.attn_logit_softcapping),
-                ("final_logit_softcapping", d.variant.final_logit_softcapping),
+                ("attn_logit_softcapping", d.attn_logit_softcapping),
+                ("final_logit_softcapping", d.final_logit_softcapping),
             ] {
                 match v {
                     Some(x) => m.push((a(k), f(x))),
@@ -385,7 +423,7 @@ fn family_metadata(
             ));
         }
         "gemma3" => {
-            if let Some(x) = d.variant.attn_logit_softcapping {
+            if let Some(x) = d.attn_logit_softcapping {
                 no(
                     "attn_logit_softcapping",
                     x.to_string(),
@@ -394,24 +432,24 @@ fn family_metadata(
             }
             m.extend([
                 (a("block_count"), u(layers)),
-                (a("context_length"), u(d.max_position_embeddings)),
+                (a("context_length"), u(d.max_positions)),
                 (a("embedding_length"), u(hidden)),
-                (a("feed_forward_length"), u(d.intermediate_size)),
+                (a("feed_forward_length"), u(d.intermediate)),
                 (a("attention.head_count"), u(heads)),
                 (a("attention.head_count_kv"), u(kv)),
             ]);
-            match &d.rope_scaling {
-                None => {}
-                Some(RopeScaling::Linear { factor }) => m.extend([
+            match &d.rope {
+                HyperRope::None => {}
+                HyperRope::Linear(factor) => m.extend([
                     (a("rope.scaling.type"), G::String("linear".into())),
                     (a("rope.scaling.factor"), f(*factor)),
                 ]),
-                Some(_) => scaling(&mut no),
+                _ => scaling(&mut no),
             }
             m.push((a("rope.freq_base"), f(d.rope_theta)));
             m.push((
                 a("rope.freq_base_swa"),
-                f(d.variant.rope_local_base_freq.unwrap_or(10000.0)),
+                f(d.rope_local_base_freq.unwrap_or(10000.0)),
             ));
             m.extend([
                 (a("attention.layer_norm_rms_epsilon"), eps),
@@ -419,7 +457,7 @@ fn family_metadata(
                 (a("attention.value_length"), u(d.head_dim)),
                 ("general.file_type".into(), G::U32(out.file_type())),
             ]);
-            if let Some(x) = d.variant.final_logit_softcapping {
+            if let Some(x) = d.final_logit_softcapping {
                 m.push((a("final_logit_softcapping"), f(x)));
             }
             m.push((
@@ -433,8 +471,8 @@ fn family_metadata(
                 .as_u64()
                 .or_else(|| c["rope_parameters"]["original_max_position_embeddings"].as_u64())
                 .unwrap_or(4096) as usize;
-            if let Some(RopeScaling::LongRope { .. }) = &d.rope_scaling {
-                let scale = d.max_position_embeddings as f64 / original as f64;
+            if let HyperRope::LongRope { .. } = &d.rope {
+                let scale = d.max_positions as f64 / original as f64;
                 let attn = if scale > 1.0 {
                     (1.0 + scale.ln() / (original as f64).ln()).sqrt()
                 } else {
@@ -446,10 +484,10 @@ fn family_metadata(
                 scaling(&mut no);
             }
             m.extend([
-                (a("context_length"), u(d.max_position_embeddings)),
+                (a("context_length"), u(d.max_positions)),
                 (a("rope.scaling.original_context_length"), u(original)),
                 (a("embedding_length"), u(hidden)),
-                (a("feed_forward_length"), u(d.intermediate_size)),
+                (a("feed_forward_length"), u(d.intermediate)),
                 (a("block_count"), u(layers)),
                 (a("attention.head_count"), u(heads)),
                 (a("attention.head_count_kv"), u(kv)),
