@@ -111,6 +111,7 @@ FILES = [
     ("tiny-qwen3", "f32", "qwen2", "tiny-qwen3-f32.gguf"),
     ("tiny-llama-256", "Q4_K_M", "llama-bpe", "tiny-llama-256-q4_k_m.gguf"),
     ("tiny-llama-256", "q8_0", "llama-bpe", "tiny-llama-256-q8_0.gguf"),
+    ("tiny-mistral", "f32", "llama-bpe", "tiny-mistral-f32.gguf"),
     ("tiny-gemma2-spm", "f32", None, "tiny-gemma2-spm-f32.gguf"),
     ("tiny-gemma3-spm", "f32", None, "tiny-gemma3-spm-f32.gguf"),
     ("tiny-phi3-spm", "f32", None, "tiny-phi3-spm-f32.gguf"),

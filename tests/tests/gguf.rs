@@ -255,6 +255,17 @@ fn eval_matches_transformers_on_the_same_file_and_the_original_model() {
                         "{who}: {t} {original}"
                     );
                 }
+                // Mistral as llama.cpp writes it (architecture `llama`, its sliding window
+                // dropped by the converter): what transformers and llama.cpp compute from the
+                // file, full attention, not the original's window of 8 tokens (5.5e-2 away)
+                ("tiny-mistral-f32.gguf", Some(t)) => {
+                    let want = t / count;
+                    assert!((got - want).abs() < TOL, "{who}, {name}: {got} vs {want}");
+                    assert!(
+                        (want - original).abs() > 100.0 * TOL,
+                        "{who}: {want} {original}"
+                    );
+                }
                 // Qwen3's head dim: transformers cannot load the file (it keeps head_dim 128);
                 // tallow computes the original model.
                 ("tiny-qwen3-f32.gguf", None) => {
@@ -826,6 +837,7 @@ fn export_writes_what_llama_cpp_converter_writes() {
         ("tiny-qwen2", "q8_0", "tiny-qwen2-q8_0.gguf"),
         ("tiny-qwen2", "f16", "tiny-qwen2-f16.gguf"),
         ("tiny-qwen3", "f32", "tiny-qwen3-f32.gguf"),
+        ("tiny-mistral", "f32", "tiny-mistral-f32.gguf"),
     ];
     let compare = |model: &Path, outtype: &str, fixture: &str| {
         let out = tmp.join(format!("{fixture}-{}", outtype));
@@ -843,9 +855,16 @@ fn export_writes_what_llama_cpp_converter_writes() {
         );
         assert_eq!(run.code, 0, "{}", run.stderr);
         assert_same_gguf(&out, fixture);
+        run.stderr
     };
     for (model, outtype, fixture) in cases {
-        compare(&model_dir(model), outtype, fixture);
+        let stderr = compare(&model_dir(model), outtype, fixture);
+        // Mistral's window, which the file cannot carry, is named
+        assert_eq!(
+            stderr.contains("note: sliding_window 8"),
+            model == "tiny-mistral",
+            "{model}: {stderr}"
+        );
     }
     // SentencePiece models (tokenizer.model: Llama 2's and Mistral's build, Gemma's, Phi-3's):
     // the files the converter read (tests/fixtures/gguf/hf/NAME), with the weights of its own

@@ -81,7 +81,7 @@ pub fn run(a: ExportArgs) -> Result<()> {
     let chat_template = read("chat_template.jinja")?;
     let name = display_name(&a.model);
     let config = m.config.to_hf_json(DType::F32);
-    write_gguf(
+    let notes = write_gguf(
         &a.out,
         &tensors,
         &Source {
@@ -98,6 +98,9 @@ pub fn run(a: ExportArgs) -> Result<()> {
         out,
     )
     .with_context(|| format!("writing {}", a.out.display()))?;
+    for n in notes {
+        eprintln!("note: {n}");
+    }
     println!(
         "exported {}{} -> {} (GGUF, {})",
         a.model.display(),

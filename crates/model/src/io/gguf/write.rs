@@ -145,12 +145,14 @@ fn gguf_arch(path: &Path, config: &Value) -> Result<&'static str> {
 }
 
 /// Writes `tensors` (HF names, any dtype) and `src` to the GGUF file `path`, atomically.
+/// Returns notes for the user: what llama.cpp will compute otherwise than the model, as the
+/// converter's own file would (Mistral's sliding window, which its converter drops).
 pub fn write_gguf(
     path: &Path,
     tensors: &[(String, Tensor)],
     src: &Source,
     out: OutType,
-) -> Result<()> {
+) -> Result<Vec<String>> {
     let c = src.config;
     let arch = gguf_arch(path, c)?;
     let int = |k: &str| c[k].as_u64().unwrap_or(0) as u32;
@@ -248,7 +250,8 @@ pub fn write_gguf(
         put(&a("attention.head_count_kv"), G::U32(kv));
         put(&a("rope.freq_base"), G::F32(theta as f32));
         put(&a("attention.layer_norm_rms_epsilon"), eps);
-        if arch != "qwen2" {
+        // the converter writes them when config.json names a head dim
+        if c["head_dim"].as_u64().is_some() {
             put(&a("attention.key_length"), G::U32(head_dim));
             put(&a("attention.value_length"), G::U32(head_dim));
         }
@@ -310,7 +313,18 @@ pub fn write_gguf(
         }
     }
 
-    write_file(path, &m, &rows)
+    let mut notes = Vec::new();
+    if let (Some(w), "llama") = (src.hyper.sliding_window, arch) {
+        if w < src.hyper.max_positions {
+            notes.push(format!(
+                "sliding_window {w}: llama.cpp's `llama` architecture has no sliding window (its \
+                 converter drops the key, as here), so the GGUF attends to every earlier token \
+                 and differs from the model past {w} tokens"
+            ));
+        }
+    }
+    write_file(path, &m, &rows)?;
+    Ok(notes)
 }
 
 /// Keeps the first `n` rows of tensor `name` of `rows` (dequantized, then in its type again).
