@@ -118,6 +118,8 @@ FILES = [
     ("tiny-phi3-longrope", "f32", "qwen2", "tiny-phi3-longrope-f32.gguf"),
     ("tiny-gemma3-spm", "q8_0", None, "tiny-gemma3-spm-q8_0.gguf"),
     ("tiny-phi3-spm", "q8_0", None, "tiny-phi3-spm-q8_0.gguf"),
+    ("tiny-gemma3-spm", "Q4_K_M", None, "tiny-gemma3-spm-q4_k_m.gguf"),
+    ("tiny-phi3-spm", "Q4_K_M", None, "tiny-phi3-spm-q4_k_m.gguf"),
 ]
 
 # (fixture, file): llama-quantize's Q4_K_M of the fixture's values (`--allow-requantize`: its Q8_0

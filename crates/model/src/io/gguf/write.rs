@@ -284,15 +284,6 @@ pub fn write_gguf(
             .map_or(0, |a| a.len());
         truncate_rows(&mut rows, "token_embd.weight", vocab + added)?;
     }
-    if out == OutType::Q4KM && gemma_or_phi3 {
-        return Err(refuse(
-            path,
-            "model_type",
-            Some(format!("{arch:?}")),
-            "q4_k_m is written for llama, mistral, qwen2 and qwen3 (checked against \
-             llama-quantize); export q8_0 or f16 and run llama-quantize",
-        ));
-    }
     if out == OutType::Q4KM {
         if layers == 80 {
             return Err(refuse(
@@ -542,10 +533,7 @@ fn llama_quantize_q4_k_m(
     let mut rows = rows;
     rows.sort_by(|(a, _), (b, _)| (layer_of(a), a).cmp(&(layer_of(b), b)));
     let mut st = Q4kmState {
-        n_attention_wv: rows
-            .iter()
-            .filter(|(n, _)| n.contains("attn_v.weight"))
-            .count(),
+        n_attention_wv: rows.iter().filter(|(n, _)| is_attn_v(n)).count(),
         i_attention_wv: 0,
         n_layer: layers,
         i_ffn_down: 0,
@@ -581,6 +569,12 @@ fn llama_quantize_q4_k_m(
     Ok(out)
 }
 
+/// llama-quantize's "attention-v-like" tensors (`category_is_attn_v`): `attn_v`, and Phi-3's
+/// fused `attn_qkv`, which its later `ATTENTION_QKV` branch (Q5_K) never reaches.
+fn is_attn_v(name: &str) -> bool {
+    name.contains("attn_v.weight") || name.contains("attn_qkv.weight")
+}
+
 /// What [`q4_k_m_type`] counts as it goes through the tensors in llama-quantize's order.
 struct Q4kmState {
     n_attention_wv: usize,
@@ -592,7 +586,7 @@ struct Q4kmState {
 }
 
 /// The type llama-quantize gives tensor `name` (dims row-major, so the last is its row length)
-/// in a `Q4_K_M` file of a dense llama / qwen2 / qwen3 model, without an importance matrix
+/// in a `Q4_K_M` file of a dense llama / qwen2 / qwen3 / gemma2 / gemma3 / phi3 model, without an importance matrix
 /// (`llama_tensor_get_type` in llama.cpp's src/llama-quant.cpp, the branches these architectures
 /// reach; the counters advance in the order the tensors are met).
 fn q4_k_m_type(name: &str, dims: &[usize], st: &mut Q4kmState) -> GgmlDType {
@@ -609,7 +603,7 @@ fn q4_k_m_type(name: &str, dims: &[usize], st: &mut Q4kmState) -> GgmlDType {
         } else {
             GgmlDType::Q6K
         };
-    } else if name.contains("attn_v.weight") {
+    } else if is_attn_v(name) {
         if use_more_bits(st.i_attention_wv, st.n_attention_wv) {
             t = GgmlDType::Q6K;
         }
