@@ -447,48 +447,61 @@ fn kept_blocks_compute_what_the_dequantized_model_computes() {
 fn lora_trains_over_kept_blocks_as_over_the_dequantized_file() {
     let tmp = scratch("gguf-keep-cli");
     let env = [("TALLOW_CACHE_DIR", tmp.join("cache").display().to_string())];
-    let file = gguf_fixture("tiny-llama-256-q4_k_m.gguf");
-    let eval = |quantize: &str, adapter: Option<&Path>| -> Value {
-        let mut extra = vec!["--quantize".to_string(), quantize.into()];
-        extra.extend(adapter_args(adapter));
-        eval_json(&env, &file, &extra)
-    };
-    let train = |quantize: &str| -> PathBuf {
-        let out = tmp.join(format!("out-{quantize}"));
-        let config = tmp.join(format!("{quantize}.toml"));
-        write_lora_config(
-            &config,
-            &file,
-            &out,
-            &format!("quantize = {quantize:?}\n"),
-            "max_steps = 6\nlr = 1e-2\n",
+    // (file, decoder linears): Llama's 7 per layer; Phi-3's fused qkv_proj / gate_up_proj and
+    // o_proj / down_proj, 4 per layer; Gemma 3's 7 per layer over its sandwich norms
+    for (name, linears) in [
+        ("tiny-llama-256-q4_k_m.gguf", 14),
+        ("tiny-phi3-spm-q4_k_m.gguf", 8),
+        ("tiny-gemma3-spm-q4_k_m.gguf", 42),
+    ] {
+        let file = gguf_fixture(name);
+        let eval = |quantize: &str, adapter: Option<&Path>| -> Value {
+            let mut extra = vec!["--quantize".to_string(), quantize.into()];
+            extra.extend(adapter_args(adapter));
+            eval_json(&env, &file, &extra)
+        };
+        let train = |quantize: &str| -> PathBuf {
+            let out = tmp.join(format!("{name}-out-{quantize}"));
+            let config = tmp.join(format!("{name}-{quantize}.toml"));
+            write_lora_config(
+                &config,
+                &file,
+                &out,
+                &format!("quantize = {quantize:?}\n"),
+                "max_steps = 6\nlr = 1e-2\n",
+            );
+            let run = tallow_env(["train", "--config", config.to_str().unwrap()], &env);
+            assert_eq!(run.code, 0, "{name}: {}", run.stderr);
+            out.join("adapter")
+        };
+        let (kept, dense) = (train("keep"), train("none"));
+        let tensors = |dir: &Path| {
+            candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)
+                .unwrap()
+        };
+        let (a, b) = (tensors(&kept), tensors(&dense));
+        assert_eq!(a.len(), 2 * linears, "{name}: LoRA A and B on every linear");
+        for (n, t) in &a {
+            let d = (t - &b[n]).unwrap().abs().unwrap().max_all().unwrap();
+            assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0, "{name}: {n}");
+        }
+        let base = eval("keep", None);
+        assert_eq!(
+            base["gguf_block_weights"].as_u64(),
+            Some(linears as u64),
+            "{base}"
         );
-        let run = tallow_env(["train", "--config", config.to_str().unwrap()], &env);
-        assert_eq!(run.code, 0, "{}", run.stderr);
-        out.join("adapter")
-    };
-    let (kept, dense) = (train("keep"), train("none"));
-    let tensors = |dir: &Path| {
-        candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu).unwrap()
-    };
-    let (a, b) = (tensors(&kept), tensors(&dense));
-    assert_eq!(a.len(), 28, "LoRA A and B on 14 linears");
-    for (n, t) in &a {
-        let d = (t - &b[n]).unwrap().abs().unwrap().max_all().unwrap();
-        assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0, "{n}");
+        let loss = |v: &Value| v["loss"].as_f64().unwrap();
+        let (with_kept, with_dense) = (eval("keep", Some(&kept)), eval("none", Some(&kept)));
+        assert_eq!(with_dense["gguf_block_weights"].as_u64(), Some(0));
+        assert!((loss(&with_kept) - loss(&with_dense)).abs() < TOL, "{name}");
+        assert!(
+            loss(&with_kept) < loss(&base) - 100.0 * TOL,
+            "{name}: {} vs {}",
+            loss(&with_kept),
+            loss(&base)
+        );
     }
-    let base = eval("keep", None);
-    assert_eq!(base["gguf_block_weights"].as_u64(), Some(14), "{base}");
-    let loss = |v: &Value| v["loss"].as_f64().unwrap();
-    let (with_kept, with_dense) = (eval("keep", Some(&kept)), eval("none", Some(&kept)));
-    assert_eq!(with_dense["gguf_block_weights"].as_u64(), Some(0));
-    assert!((loss(&with_kept) - loss(&with_dense)).abs() < TOL);
-    assert!(
-        loss(&with_kept) < loss(&base) - 100.0 * TOL,
-        "{} vs {}",
-        loss(&with_kept),
-        loss(&base)
-    );
     // A safetensors model has no blocks to keep (a full fine-tune is refused by the config).
     let run = tallow_env(
         [
