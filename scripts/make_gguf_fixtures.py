@@ -122,10 +122,13 @@ FILES = [
     ("tiny-phi3-spm", "Q4_K_M", None, "tiny-phi3-spm-q4_k_m.gguf"),
 ]
 
-# (fixture, file): llama-quantize's Q4_K_M of the fixture's values (`--allow-requantize`: its Q8_0
-# blocks dequantized, then quantized), what `tallow export --outtype q4_k_m` of the fixture must
-# write byte for byte (tests/tests/gguf.rs).
-REQUANTIZED = [("tiny-llama-256-q8_0.gguf", "tiny-llama-256-q4_k_m-from-q8_0.gguf")]
+# (fixture, file, mix): llama-quantize's Q4_K_M / Q5_K_M / Q6_K of the fixture's values
+# (`--allow-requantize`: its Q8_0 blocks dequantized, then quantized), what `tallow export
+# --outtype q4_k_m` (`q5_k_m`, `q6_k`) of the fixture must write byte for byte (tests/tests/gguf.rs).
+REQUANTIZED = [("tiny-llama-256-q8_0.gguf", "tiny-llama-256-q4_k_m-from-q8_0.gguf", "Q4_K_M"),
+               ("tiny-llama-256-q8_0.gguf", "tiny-llama-256-q5_k_m-from-q8_0.gguf", "Q5_K_M"),
+               ("tiny-llama-256-q8_0.gguf", "tiny-llama-256-q6_k-from-q8_0.gguf", "Q6_K"),
+               ("tiny-gemma3-spm-f32.gguf", "tiny-gemma3-spm-q5_k_m.gguf", "Q5_K_M")]
 
 # The fixture models made in the scratch dir (not committed), by their maker.
 SCRATCH_MODELS = {"tiny-llama-spm": lambda: make_spm_model(), "tiny-llama-256": lambda: make_k_quant_model(),
@@ -374,12 +377,12 @@ def convert():
 
             subprocess.run([str(llama_quantize()), str(converted), str(OUT / name), outtype], check=True)
         print(f"wrote {OUT / name} ({(OUT / name).stat().st_size} bytes)")
-    for source, name in REQUANTIZED:
+    for source, name, mix in REQUANTIZED:
         if only and name not in only:
             continue
         import subprocess
 
-        subprocess.run([str(llama_quantize()), "--allow-requantize", str(OUT / source), str(OUT / name), "Q4_K_M"],
+        subprocess.run([str(llama_quantize()), "--allow-requantize", str(OUT / source), str(OUT / name), mix],
                        check=True)
         print(f"wrote {OUT / name} ({(OUT / name).stat().st_size} bytes)")
     for adapter, model, outtype, name in LORA_FILES:

@@ -927,32 +927,32 @@ fn export_writes_what_llama_cpp_converter_writes() {
     }
 }
 
-/// `--outtype q4_k_m` writes what llama.cpp's `llama-quantize` writes for `Q4_K_M` (no
-/// importance matrix): the same types per tensor (Q4_K; Q6_K for the head and the first, last and
-/// every third `attn_v` / `ffn_down`), the same blocks byte for byte, the tensors in its order.
-/// The fixture is llama-quantize's Q4_K_M of tiny-llama-256-q8_0.gguf's values (8-bit codes, which
-/// the 4- and 6-bit blocks must search: 92037 of its bytes differ from the Q4_K_M of the f32
-/// original), which is what exporting that file is.
+/// `--outtype q4_k_m` / `q5_k_m` / `q6_k` write what llama.cpp's `llama-quantize` writes for
+/// `Q4_K_M` / `Q5_K_M` / `Q6_K` (no importance matrix): the same types per tensor (Q4_K or Q5_K;
+/// Q6_K for the head and the first, last and every third `attn_v` / `ffn_down`; Q6_K everywhere;
+/// the 32-value fallbacks), the same blocks byte for byte, the tensors in its order. The Llama
+/// fixtures are llama-quantize's mixes of tiny-llama-256-q8_0.gguf's values (8-bit codes, which
+/// the 4-, 5- and 6-bit blocks must search: 92037 of the Q4_K_M's bytes differ from the Q4_K_M of
+/// the f32 original), which is what exporting that file is.
 #[test]
-fn q4_k_m_export_writes_llama_quantize_bytes() {
-    let tmp = scratch("gguf-q4km");
+fn k_quant_export_writes_llama_quantize_bytes() {
+    let tmp = scratch("gguf-kquant");
     let env = [("TALLOW_CACHE_DIR", tmp.join("cache").display().to_string())];
-    let out = tmp.join("again.gguf");
-    let run = tallow_env(
-        [
-            "export",
-            "--model",
-            gguf_fixture("tiny-llama-256-q8_0.gguf").to_str().unwrap(),
-            "--outtype",
-            "q4_k_m",
-            "--out",
-            out.to_str().unwrap(),
-        ],
-        &env,
-    );
-    assert_eq!(run.code, 0, "{}", run.stderr);
-    let fixture = "tiny-llama-256-q4_k_m-from-q8_0.gguf";
-    assert_same_gguf(&out, fixture);
+    let export = |source: &Path, outtype: &str, out: &Path| {
+        let run = tallow_env(
+            [
+                "export",
+                "--model",
+                source.to_str().unwrap(),
+                "--outtype",
+                outtype,
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            &env,
+        );
+        assert_eq!(run.code, 0, "{}", run.stderr);
+    };
     // the tensors in llama-quantize's order: by data offset
     let order = |p: &Path| {
         let c = gguf_file::Content::read(&mut std::fs::File::open(p).unwrap()).unwrap();
@@ -964,34 +964,58 @@ fn q4_k_m_export_writes_llama_quantize_bytes() {
         t.sort();
         t.into_iter().map(|(_, n)| n).collect::<Vec<_>>()
     };
-    assert_eq!(order(&out), order(&gguf_fixture(fixture)));
-    // every format the mix uses was written
-    let (_, tensors) = dump(&out);
-    let types: std::collections::BTreeSet<&str> =
-        tensors.values().map(|(t, _, _)| t.as_str()).collect();
-    assert!(types.contains("Q4K") && types.contains("Q6K"), "{types:?}");
-    // Gemma 3 and Phi-3: llama-quantize's Q4_K_M of the converter's f32 files (Gemma's norms f32
-    // as 1 + w, its tied embedding as the head; Phi-3's fused `attn_qkv` counted as an `attn_v`,
-    // so its second layer's takes the 6-bit type, here Q8_0 for 64-wide rows)
-    for model in ["tiny-gemma3-spm", "tiny-phi3-spm"] {
-        let out = tmp.join(format!("{model}.gguf"));
-        let source = gguf_fixture(&format!("{model}-f32.gguf"));
-        let run = tallow_env(
-            [
-                "export",
-                "--model",
-                source.to_str().unwrap(),
-                "--outtype",
-                "q4_k_m",
-                "--out",
-                out.to_str().unwrap(),
-            ],
-            &env,
-        );
-        assert_eq!(run.code, 0, "{}", run.stderr);
-        let fixture = format!("{model}-q4_k_m.gguf");
-        assert_same_gguf(&out, &fixture);
-        assert_eq!(order(&out), order(&gguf_fixture(&fixture)));
+    // (source, --outtype, llama-quantize's file of the source, the block formats it holds)
+    let cases = [
+        (
+            "tiny-llama-256-q8_0.gguf",
+            "q4_k_m",
+            "tiny-llama-256-q4_k_m-from-q8_0.gguf",
+            &["F32", "Q4K", "Q6K"][..],
+        ),
+        (
+            "tiny-llama-256-q8_0.gguf",
+            "q5_k_m",
+            "tiny-llama-256-q5_k_m-from-q8_0.gguf",
+            &["F32", "Q5K", "Q6K"][..],
+        ),
+        (
+            "tiny-llama-256-q8_0.gguf",
+            "q6_k",
+            "tiny-llama-256-q6_k-from-q8_0.gguf",
+            &["F32", "Q6K"][..],
+        ),
+        // Gemma 3 and Phi-3: llama-quantize's mixes of the converter's f32 files (Gemma's norms
+        // f32 as 1 + w, its tied embedding as the head; Phi-3's fused `attn_qkv` counted as an
+        // `attn_v`, so its second layer's takes the 6-bit type, here Q8_0 for 64-wide rows;
+        // rows of 32-value blocks in Q5_0 / Q5_1 / Q8_0)
+        (
+            "tiny-gemma3-spm-f32.gguf",
+            "q4_k_m",
+            "tiny-gemma3-spm-q4_k_m.gguf",
+            &["F32", "Q4K", "Q5_0", "Q8_0"][..],
+        ),
+        (
+            "tiny-gemma3-spm-f32.gguf",
+            "q5_k_m",
+            "tiny-gemma3-spm-q5_k_m.gguf",
+            &["F32", "Q5K", "Q5_1", "Q8_0"][..],
+        ),
+        (
+            "tiny-phi3-spm-f32.gguf",
+            "q4_k_m",
+            "tiny-phi3-spm-q4_k_m.gguf",
+            &["F32", "Q5_0", "Q8_0"][..],
+        ),
+    ];
+    for (source, outtype, fixture, formats) in cases {
+        let out = tmp.join(format!("{source}-{outtype}"));
+        export(&gguf_fixture(source), outtype, &out);
+        assert_same_gguf(&out, fixture);
+        assert_eq!(order(&out), order(&gguf_fixture(fixture)), "{fixture}");
+        let (_, tensors) = dump(&out);
+        let types: std::collections::BTreeSet<&str> =
+            tensors.values().map(|(t, _, _)| t.as_str()).collect();
+        assert_eq!(types.into_iter().collect::<Vec<_>>(), formats, "{fixture}");
     }
 }
 

@@ -16,7 +16,7 @@ pub fn run(a: ExportArgs) -> Result<()> {
     }
     let Some(out) = OutType::parse(&a.outtype) else {
         bail!(
-            "--outtype {}: expected f32, f16, bf16, q8_0 or q4_k_m",
+            "--outtype {}: expected f32, f16, bf16, q8_0, q4_k_m, q5_k_m or q6_k",
             a.outtype
         );
     };
@@ -137,10 +137,11 @@ fn adapter_only(a: &ExportArgs, dir: &std::path::Path, out: OutType) -> Result<(
     let Some(adapter) = &a.adapter else {
         bail!("--adapter-only needs --adapter DIR");
     };
-    if out == OutType::Q4KM {
+    if out.is_k_quant() {
         bail!(
-            "--outtype q4_k_m: an adapter is written in f32, f16, bf16 or q8_0 (llama.cpp's \
-             convert_lora_to_gguf.py types); q4_k_m is for the model"
+            "--outtype {}: an adapter is written in f32, f16, bf16 or q8_0 (llama.cpp's \
+             convert_lora_to_gguf.py types); the k-quant mixes are for the model",
+            a.outtype
         );
     }
     let cfg_path = adapter.join("adapter_config.json");

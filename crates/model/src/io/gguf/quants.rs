@@ -1,11 +1,12 @@
-//! llama.cpp's reference quantizers for the block formats of a Q4_K_M file (Q4_K, Q6_K, and the
-//! Q5_0 / Q8_0 that llama-quantize falls back to for rows that are not whole 256-value blocks),
-//! so that `tallow export --outtype q4_k_m` writes `llama-quantize`'s bytes. Candle's own k-quant
+//! llama.cpp's reference quantizers for the block formats of Q4_K_M, Q5_K_M and Q6_K files (Q4_K,
+//! Q5_K, Q6_K, and the Q5_0 / Q5_1 / Q8_0 that llama-quantize falls back to for rows that are not
+//! whole 256-value blocks), so that `tallow export --outtype q4_k_m` (`q5_k_m`, `q6_k`) writes
+//! `llama-quantize`'s bytes. Candle's own k-quant
 //! quantizer is an older algorithm with other blocks (docs/gguf.md).
 //!
 //! Ported from ggml's `ggml/src/ggml-quants.c` (`nearest_int`, `make_qx_quants`,
-//! `make_qkx2_quants`, `quantize_row_q4_K_ref`, `quantize_row_q6_K_ref`, `quantize_row_q5_0_ref`,
-//! `quantize_row_q8_0_ref`) as vendored by llama-cpp-python 0.3.36 (MIT licence, copyright the
+//! `make_qkx2_quants`, `quantize_row_q4_K_ref`, `quantize_row_q5_K_ref`, `quantize_row_q6_K_ref`,
+//! `quantize_row_q5_0_ref`, `quantize_row_q5_1_ref`, `quantize_row_q8_0_ref`) as vendored by llama-cpp-python 0.3.36 (MIT licence, copyright the
 //! ggml authors), the code `llama-quantize` runs without an importance matrix. Every float
 //! operation is kept in C's order and in f32, so the blocks are the same bit for bit as those of
 //! a build without fused multiply-adds (the x86-64 baseline, `GGML_NATIVE=OFF`; a `-march=native`
@@ -363,6 +364,142 @@ pub fn q5_0(x: &[f32]) -> Vec<u8> {
     out
 }
 
+/// `quantize_row_q5_K_ref`: 176 bytes per 256 values (d, dmin: f16; 12 bytes of 6-bit scales
+/// and mins; 32 bytes of the codes' fifth bits; 128 bytes of their low nibbles), each 32-value
+/// sub-block's scale and min searched by `make_qkx2_quants` over 0..31.
+pub fn q5_k(x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(x.len() / QK_K * 176);
+    let mut l = [0u8; QK_K];
+    let mut laux = [0u8; 32];
+    let mut weights = [0f32; 32];
+    for x in x.chunks_exact(QK_K) {
+        let (mut mins, mut scales) = ([0f32; 8], [0f32; 8]);
+        let (mut max_scale, mut max_min) = (0f32, 0f32);
+        for j in 0..8 {
+            let xs = &x[32 * j..32 * j + 32];
+            let mut sum_x2 = 0f32;
+            for &v in xs {
+                sum_x2 += v * v;
+            }
+            let av_x = (sum_x2 / 32.0).sqrt();
+            for (w, &v) in weights.iter_mut().zip(xs) {
+                *w = av_x + v.abs();
+            }
+            let (scale, min) = make_qkx2_quants(
+                xs,
+                &weights,
+                31,
+                &mut l[32 * j..32 * j + 32],
+                &mut laux,
+                -0.5,
+                0.1,
+                15,
+            );
+            scales[j] = scale;
+            mins[j] = min;
+            if scale > max_scale {
+                max_scale = scale;
+            }
+            if min > max_min {
+                max_min = min;
+            }
+        }
+        let inv_scale = if max_scale > 0.0 {
+            63.0 / max_scale
+        } else {
+            0.0
+        };
+        let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
+        let mut sc = [0u8; 12];
+        for j in 0..8 {
+            let ls = (nearest_int(inv_scale * scales[j]) as u8).min(63);
+            let lm = (nearest_int(inv_min * mins[j]) as u8).min(63);
+            if j < 4 {
+                sc[j] = ls;
+                sc[j + 4] = lm;
+            } else {
+                sc[j + 4] = (ls & 0xF) | ((lm & 0xF) << 4);
+                sc[j - 4] |= (ls >> 4) << 6;
+                sc[j] |= (lm >> 4) << 6;
+            }
+        }
+        let d = fp16(max_scale / 63.0);
+        let dmin = fp16(max_min / 63.0);
+        for j in 0..8 {
+            let (s, m) = scale_min_k4(j, &sc);
+            let dj = d.to_f32() * s as f32;
+            if dj == 0.0 {
+                continue;
+            }
+            let dm = dmin.to_f32() * m as f32;
+            for ii in 0..32 {
+                let q = nearest_int((x[32 * j + ii] + dm) / dj).clamp(0, 31);
+                l[32 * j + ii] = q as u8;
+            }
+        }
+        let mut qh = [0u8; QK_K / 8];
+        let mut ql = [0u8; QK_K / 2];
+        let (mut m1, mut m2) = (1u8, 2u8);
+        for (k, n) in (0..QK_K).step_by(64).enumerate() {
+            for j in 0..32 {
+                let mut l1 = l[n + j];
+                if l1 > 15 {
+                    l1 -= 16;
+                    qh[j] |= m1;
+                }
+                let mut l2 = l[n + j + 32];
+                if l2 > 15 {
+                    l2 -= 16;
+                    qh[j] |= m2;
+                }
+                ql[32 * k + j] = l1 | (l2 << 4);
+            }
+            m1 <<= 2;
+            m2 <<= 2;
+        }
+        out.extend_from_slice(&d.to_le_bytes());
+        out.extend_from_slice(&dmin.to_le_bytes());
+        out.extend_from_slice(&sc);
+        out.extend_from_slice(&qh);
+        out.extend_from_slice(&ql);
+    }
+    out
+}
+
+/// `quantize_row_q5_1_ref`: 24 bytes per 32 values (d, min: f16; the codes' fifth bits; their
+/// low nibbles), codes (x - min) / d truncated after + 0.5.
+pub fn q5_1(x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(x.len() / 32 * 24);
+    for x in x.chunks_exact(32) {
+        let (mut min, mut max) = (f32::MAX, -f32::MAX);
+        for &v in x {
+            if v < min {
+                min = v;
+            }
+            if v > max {
+                max = v;
+            }
+        }
+        let d = (max - min) / 31.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut qh = 0u32;
+        let mut qs = [0u8; 16];
+        for j in 0..16 {
+            // C: (uint8_t)(x + 0.5f), the cast truncating toward zero
+            let xi0 = ((x[j] - min) * id + 0.5) as u8;
+            let xi1 = ((x[j + 16] - min) * id + 0.5) as u8;
+            qs[j] = (xi0 & 0x0F) | ((xi1 & 0x0F) << 4);
+            qh |= (((xi0 & 0x10) >> 4) as u32) << j;
+            qh |= (((xi1 & 0x10) >> 4) as u32) << (j + 16);
+        }
+        out.extend_from_slice(&fp16(d).to_le_bytes());
+        out.extend_from_slice(&fp16(min).to_le_bytes());
+        out.extend_from_slice(&qh.to_le_bytes());
+        out.extend_from_slice(&qs);
+    }
+    out
+}
+
 /// `quantize_row_q8_0_ref`: 34 bytes per 32 values (d: f16, 32 int8 codes rounded half away
 /// from zero).
 pub fn q8_0(x: &[f32]) -> Vec<u8> {
@@ -395,6 +532,8 @@ mod tests {
             (GgmlDType::Q4K, q4_k(&x), 0.12),
             (GgmlDType::Q6K, q6_k(&x), 0.03),
             (GgmlDType::Q5_0, q5_0(&x), 0.06),
+            (GgmlDType::Q5K, q5_k(&x), 0.06),
+            (GgmlDType::Q5_1, q5_1(&x), 0.06),
             (GgmlDType::Q8_0, q8_0(&x), 0.01),
         ] {
             let q = QTensor::new(

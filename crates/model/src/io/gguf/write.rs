@@ -25,8 +25,12 @@ pub enum OutType {
     Q8_0,
     /// llama-quantize's `Q4_K_M` mix: Q4_K, Q6_K for the output, the first, last and every third
     /// `attn_v` / `ffn_down`, Q5_0 / Q8_0 where rows are not whole 256-value blocks
-    /// (`q4_k_m_type` below).
+    /// (`k_quant_type` below).
     Q4KM,
+    /// llama-quantize's `Q5_K_M`: the same mix with Q5_K (Q5_1 for rows of 32-value blocks).
+    Q5KM,
+    /// llama-quantize's `Q6_K`: Q6_K everywhere (Q8_0 for rows of 32-value blocks).
+    Q6K,
 }
 
 impl OutType {
@@ -37,8 +41,16 @@ impl OutType {
             "bf16" => Self::BF16,
             "q8_0" => Self::Q8_0,
             "q4_k_m" => Self::Q4KM,
+            "q5_k_m" => Self::Q5KM,
+            "q6_k" => Self::Q6K,
             _ => return None,
         })
+    }
+
+    /// Whether llama-quantize makes this type's file from the converter's f32 one (a k-quant
+    /// mix), rather than the converter writing it.
+    pub fn is_k_quant(self) -> bool {
+        matches!(self, Self::Q4KM | Self::Q5KM | Self::Q6K)
     }
 
     /// `general.file_type` (llama.cpp's `LlamaFileType`).
@@ -48,6 +60,8 @@ impl OutType {
             Self::F16 => 1,
             Self::Q8_0 => 7,
             Self::Q4KM => 15,
+            Self::Q5KM => 17,
+            Self::Q6K => 18,
             Self::BF16 => 32,
         }
     }
@@ -284,8 +298,8 @@ pub fn write_gguf(
             .map_or(0, |a| a.len());
         truncate_rows(&mut rows, "token_embd.weight", vocab + added)?;
     }
-    if out == OutType::Q4KM {
-        if layers == 80 {
+    if out.is_k_quant() {
+        if layers == 80 && out == OutType::Q4KM {
             return Err(refuse(
                 path,
                 "num_hidden_layers",
@@ -294,7 +308,7 @@ pub fn write_gguf(
                  does not write yet: export q8_0 or f16 and run llama-quantize",
             ));
         }
-        rows = llama_quantize_q4_k_m(rows, layers as usize)?;
+        rows = llama_quantize(rows, layers as usize, out)?;
         // llama-quantize sets these two again after copying the converter's keys, which moves
         // them last.
         for key in ["general.quantization_version", "general.file_type"] {
@@ -517,12 +531,13 @@ fn family_metadata(
 }
 
 /// `rows` (f32 matrices, as the converter writes them for an f32 export) as llama-quantize
-/// writes them for `Q4_K_M` without an importance matrix: in its tensor order (the tensors
-/// outside the layers first, then each layer's, by name within each) with [`q4_k_m_type`]'s
-/// types and llama.cpp's quantizers ([`super::quants`]).
-fn llama_quantize_q4_k_m(
+/// writes them for the k-quant mix `out` without an importance matrix: in its tensor order (the
+/// tensors outside the layers first, then each layer's, by name within each) with
+/// [`k_quant_type`]'s types and llama.cpp's quantizers ([`super::quants`]).
+fn llama_quantize(
     rows: Vec<(String, QTensor)>,
     layers: usize,
+    out: OutType,
 ) -> Result<Vec<(String, QTensor)>> {
     let layer_of = |n: &str| -> i64 {
         n.strip_prefix("blk.")
@@ -532,7 +547,8 @@ fn llama_quantize_q4_k_m(
     };
     let mut rows = rows;
     rows.sort_by(|(a, _), (b, _)| (layer_of(a), a).cmp(&(layer_of(b), b)));
-    let mut st = Q4kmState {
+    let mut st = KQuantState {
+        out,
         n_attention_wv: rows.iter().filter(|(n, _)| is_attn_v(n)).count(),
         i_attention_wv: 0,
         n_layer: layers,
@@ -542,7 +558,7 @@ fn llama_quantize_q4_k_m(
     let mut out = Vec::with_capacity(rows.len());
     for (name, q) in rows {
         let dims = q.shape().dims().to_vec();
-        let format = q4_k_m_type(&name, &dims, &mut st);
+        let format = k_quant_type(&name, &dims, &mut st);
         if format == q.dtype() {
             out.push((name, q));
             continue;
@@ -551,8 +567,10 @@ fn llama_quantize_q4_k_m(
         let x = t.flatten_all()?.to_vec1::<f32>()?;
         let bytes = match format {
             GgmlDType::Q4K => super::quants::q4_k(&x),
+            GgmlDType::Q5K => super::quants::q5_k(&x),
             GgmlDType::Q6K => super::quants::q6_k(&x),
             GgmlDType::Q5_0 => super::quants::q5_0(&x),
+            GgmlDType::Q5_1 => super::quants::q5_1(&x),
             GgmlDType::Q8_0 => super::quants::q8_0(&x),
             _ => {
                 out.push((name, QTensor::quantize(&t, format)?));
@@ -575,8 +593,9 @@ fn is_attn_v(name: &str) -> bool {
     name.contains("attn_v.weight") || name.contains("attn_qkv.weight")
 }
 
-/// What [`q4_k_m_type`] counts as it goes through the tensors in llama-quantize's order.
-struct Q4kmState {
+/// What [`k_quant_type`] counts as it goes through the tensors in llama-quantize's order.
+struct KQuantState {
+    out: OutType,
     n_attention_wv: usize,
     i_attention_wv: usize,
     n_layer: usize,
@@ -586,17 +605,23 @@ struct Q4kmState {
 }
 
 /// The type llama-quantize gives tensor `name` (dims row-major, so the last is its row length)
-/// in a `Q4_K_M` file of a dense llama / qwen2 / qwen3 / gemma2 / gemma3 / phi3 model, without an importance matrix
-/// (`llama_tensor_get_type` in llama.cpp's src/llama-quant.cpp, the branches these architectures
-/// reach; the counters advance in the order the tensors are met).
-fn q4_k_m_type(name: &str, dims: &[usize], st: &mut Q4kmState) -> GgmlDType {
+/// in a `Q4_K_M`, `Q5_K_M` or `Q6_K` file (`st.out`) of a dense llama / qwen2 / qwen3 / gemma2 /
+/// gemma3 / phi3 model, without an importance matrix (`llama_tensor_get_type` in llama.cpp's
+/// src/llama-quant.cpp, the branches these architectures reach; the counters advance in the
+/// order the tensors are met).
+fn k_quant_type(name: &str, dims: &[usize], st: &mut KQuantState) -> GgmlDType {
     // Not quantized: vectors, norms, and anything that is not a weight.
     if dims.len() < 2 || !name.ends_with("weight") || name.contains("_norm.weight") {
         return GgmlDType::F32;
     }
     let ncols = dims[dims.len() - 1];
     let use_more_bits = |i: usize, n: usize| i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2;
-    let mut t = GgmlDType::Q4K;
+    // the mix's default type, and whether its attn_v / ffn_down take Q6_K by use_more_bits
+    let (mut t, more_bits) = match st.out {
+        OutType::Q5KM => (GgmlDType::Q5K, true),
+        OutType::Q6K => (GgmlDType::Q6K, false),
+        _ => (GgmlDType::Q4K, true),
+    };
     if name == "output.weight" || (st.tied && name == "token_embd.weight") {
         t = if !ncols.is_multiple_of(256) {
             GgmlDType::Q8_0
@@ -604,12 +629,12 @@ fn q4_k_m_type(name: &str, dims: &[usize], st: &mut Q4kmState) -> GgmlDType {
             GgmlDType::Q6K
         };
     } else if is_attn_v(name) {
-        if use_more_bits(st.i_attention_wv, st.n_attention_wv) {
+        if more_bits && use_more_bits(st.i_attention_wv, st.n_attention_wv) {
             t = GgmlDType::Q6K;
         }
         st.i_attention_wv += 1;
     } else if name.contains("ffn_down") {
-        if use_more_bits(st.i_ffn_down, st.n_layer) {
+        if more_bits && use_more_bits(st.i_ffn_down, st.n_layer) {
             t = GgmlDType::Q6K;
         }
         st.i_ffn_down += 1;
@@ -618,6 +643,7 @@ fn q4_k_m_type(name: &str, dims: &[usize], st: &mut Q4kmState) -> GgmlDType {
     if !ncols.is_multiple_of(t.block_size()) {
         t = match t {
             GgmlDType::Q4K => GgmlDType::Q5_0,
+            GgmlDType::Q5K => GgmlDType::Q5_1,
             GgmlDType::Q6K => GgmlDType::Q8_0,
             other => other,
         };
@@ -638,7 +664,7 @@ fn tensor_type(t: &Tensor, out: OutType) -> GgmlDType {
         (_, OutType::Q8_0) if !t.dims()[t.rank() - 1].is_multiple_of(32) => GgmlDType::F16,
         (_, OutType::Q8_0) => GgmlDType::Q8_0,
         // f32 first, then llama-quantize's types ([`llama_quantize_q4_k_m`])
-        (_, OutType::Q4KM) => GgmlDType::F32,
+        (_, OutType::Q4KM | OutType::Q5KM | OutType::Q6K) => GgmlDType::F32,
     }
 }
 
