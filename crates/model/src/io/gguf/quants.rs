@@ -181,79 +181,89 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
+/// The scales and codes of one 256-value block of Q4_K or Q5_K (`quantize_row_q{4,5}_K_ref`
+/// before packing): each 32-value sub-block's scale and min searched by `make_qkx2_quants` over
+/// codes 0..nmax (from `rmin`, `nstep` steps), both quantized to 6 bits against the block's
+/// largest (d, dmin: f16), then the codes recomputed with the quantized ones. Returns (d, dmin,
+/// the 12 bytes of scales and mins, the codes).
+fn k_block(x: &[f32], nmax: i32, rmin: f32, nstep: i32) -> (f16, f16, [u8; 12], [u8; QK_K]) {
+    let mut l = [0u8; QK_K];
+    let mut laux = [0u8; 32];
+    let mut weights = [0f32; 32];
+    let (mut mins, mut scales) = ([0f32; 8], [0f32; 8]);
+    let (mut max_scale, mut max_min) = (0f32, 0f32);
+    for j in 0..8 {
+        let xs = &x[32 * j..32 * j + 32];
+        let mut sum_x2 = 0f32;
+        for &v in xs {
+            sum_x2 += v * v;
+        }
+        let av_x = (sum_x2 / 32.0).sqrt();
+        for (w, &v) in weights.iter_mut().zip(xs) {
+            *w = av_x + v.abs();
+        }
+        let (scale, min) = make_qkx2_quants(
+            xs,
+            &weights,
+            nmax,
+            &mut l[32 * j..32 * j + 32],
+            &mut laux,
+            rmin,
+            0.1,
+            nstep,
+        );
+        scales[j] = scale;
+        mins[j] = min;
+        if scale > max_scale {
+            max_scale = scale;
+        }
+        if min > max_min {
+            max_min = min;
+        }
+    }
+    let inv_scale = if max_scale > 0.0 {
+        63.0 / max_scale
+    } else {
+        0.0
+    };
+    let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
+    let mut sc = [0u8; 12];
+    for j in 0..8 {
+        // C stores nearest_int's int in a uint8_t (mod 256), then takes MIN(63, ...).
+        let ls = (nearest_int(inv_scale * scales[j]) as u8).min(63);
+        let lm = (nearest_int(inv_min * mins[j]) as u8).min(63);
+        if j < 4 {
+            sc[j] = ls;
+            sc[j + 4] = lm;
+        } else {
+            sc[j + 4] = (ls & 0xF) | ((lm & 0xF) << 4);
+            sc[j - 4] |= (ls >> 4) << 6;
+            sc[j] |= (lm >> 4) << 6;
+        }
+    }
+    let d = fp16(max_scale / 63.0);
+    let dmin = fp16(max_min / 63.0);
+    for j in 0..8 {
+        let (s, m) = scale_min_k4(j, &sc);
+        let dj = d.to_f32() * s as f32;
+        if dj == 0.0 {
+            continue;
+        }
+        let dm = dmin.to_f32() * m as f32;
+        for ii in 0..32 {
+            let q = nearest_int((x[32 * j + ii] + dm) / dj).clamp(0, nmax);
+            l[32 * j + ii] = q as u8;
+        }
+    }
+    (d, dmin, sc, l)
+}
+
 /// `quantize_row_q4_K_ref`: 144 bytes per 256 values (d, dmin: f16; 12 bytes of 6-bit scales
 /// and mins for 8 sub-blocks of 32; 128 bytes of 4-bit codes).
 pub fn q4_k(x: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(x.len() / QK_K * 144);
-    let mut l = [0u8; QK_K];
-    let mut laux = [0u8; 32];
-    let mut weights = [0f32; 32];
     for x in x.chunks_exact(QK_K) {
-        let (mut mins, mut scales) = ([0f32; 8], [0f32; 8]);
-        let (mut max_scale, mut max_min) = (0f32, 0f32);
-        for j in 0..8 {
-            let xs = &x[32 * j..32 * j + 32];
-            let mut sum_x2 = 0f32;
-            for &v in xs {
-                sum_x2 += v * v;
-            }
-            let av_x = (sum_x2 / 32.0).sqrt();
-            for (w, &v) in weights.iter_mut().zip(xs) {
-                *w = av_x + v.abs();
-            }
-            let (scale, min) = make_qkx2_quants(
-                xs,
-                &weights,
-                15,
-                &mut l[32 * j..32 * j + 32],
-                &mut laux,
-                -1.0,
-                0.1,
-                20,
-            );
-            scales[j] = scale;
-            mins[j] = min;
-            if scale > max_scale {
-                max_scale = scale;
-            }
-            if min > max_min {
-                max_min = min;
-            }
-        }
-        let inv_scale = if max_scale > 0.0 {
-            63.0 / max_scale
-        } else {
-            0.0
-        };
-        let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
-        let mut sc = [0u8; 12];
-        for j in 0..8 {
-            // C stores nearest_int's int in a uint8_t (mod 256), then takes MIN(63, ...).
-            let ls = (nearest_int(inv_scale * scales[j]) as u8).min(63);
-            let lm = (nearest_int(inv_min * mins[j]) as u8).min(63);
-            if j < 4 {
-                sc[j] = ls;
-                sc[j + 4] = lm;
-            } else {
-                sc[j + 4] = (ls & 0xF) | ((lm & 0xF) << 4);
-                sc[j - 4] |= (ls >> 4) << 6;
-                sc[j] |= (lm >> 4) << 6;
-            }
-        }
-        let d = fp16(max_scale / 63.0);
-        let dmin = fp16(max_min / 63.0);
-        for j in 0..8 {
-            let (s, m) = scale_min_k4(j, &sc);
-            let dj = d.to_f32() * s as f32;
-            if dj == 0.0 {
-                continue;
-            }
-            let dm = dmin.to_f32() * m as f32;
-            for ii in 0..32 {
-                let q = nearest_int((x[32 * j + ii] + dm) / dj).clamp(0, 15);
-                l[32 * j + ii] = q as u8;
-            }
-        }
+        let (d, dmin, sc, l) = k_block(x, 15, -1.0, 20);
         out.extend_from_slice(&d.to_le_bytes());
         out.extend_from_slice(&dmin.to_le_bytes());
         out.extend_from_slice(&sc);
@@ -365,78 +375,11 @@ pub fn q5_0(x: &[f32]) -> Vec<u8> {
 }
 
 /// `quantize_row_q5_K_ref`: 176 bytes per 256 values (d, dmin: f16; 12 bytes of 6-bit scales
-/// and mins; 32 bytes of the codes' fifth bits; 128 bytes of their low nibbles), each 32-value
-/// sub-block's scale and min searched by `make_qkx2_quants` over 0..31.
+/// and mins; 32 bytes of the codes' fifth bits; 128 bytes of their low nibbles), codes 0..31.
 pub fn q5_k(x: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(x.len() / QK_K * 176);
-    let mut l = [0u8; QK_K];
-    let mut laux = [0u8; 32];
-    let mut weights = [0f32; 32];
     for x in x.chunks_exact(QK_K) {
-        let (mut mins, mut scales) = ([0f32; 8], [0f32; 8]);
-        let (mut max_scale, mut max_min) = (0f32, 0f32);
-        for j in 0..8 {
-            let xs = &x[32 * j..32 * j + 32];
-            let mut sum_x2 = 0f32;
-            for &v in xs {
-                sum_x2 += v * v;
-            }
-            let av_x = (sum_x2 / 32.0).sqrt();
-            for (w, &v) in weights.iter_mut().zip(xs) {
-                *w = av_x + v.abs();
-            }
-            let (scale, min) = make_qkx2_quants(
-                xs,
-                &weights,
-                31,
-                &mut l[32 * j..32 * j + 32],
-                &mut laux,
-                -0.5,
-                0.1,
-                15,
-            );
-            scales[j] = scale;
-            mins[j] = min;
-            if scale > max_scale {
-                max_scale = scale;
-            }
-            if min > max_min {
-                max_min = min;
-            }
-        }
-        let inv_scale = if max_scale > 0.0 {
-            63.0 / max_scale
-        } else {
-            0.0
-        };
-        let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
-        let mut sc = [0u8; 12];
-        for j in 0..8 {
-            let ls = (nearest_int(inv_scale * scales[j]) as u8).min(63);
-            let lm = (nearest_int(inv_min * mins[j]) as u8).min(63);
-            if j < 4 {
-                sc[j] = ls;
-                sc[j + 4] = lm;
-            } else {
-                sc[j + 4] = (ls & 0xF) | ((lm & 0xF) << 4);
-                sc[j - 4] |= (ls >> 4) << 6;
-                sc[j] |= (lm >> 4) << 6;
-            }
-        }
-        let d = fp16(max_scale / 63.0);
-        let dmin = fp16(max_min / 63.0);
-        for j in 0..8 {
-            let (s, m) = scale_min_k4(j, &sc);
-            let dj = d.to_f32() * s as f32;
-            if dj == 0.0 {
-                continue;
-            }
-            let dm = dmin.to_f32() * m as f32;
-            for ii in 0..32 {
-                let q = nearest_int((x[32 * j + ii] + dm) / dj).clamp(0, 31);
-                l[32 * j + ii] = q as u8;
-            }
-        }
+        let (d, dmin, sc, l) = k_block(x, 31, -0.5, 15);
         let mut qh = [0u8; QK_K / 8];
         let mut ql = [0u8; QK_K / 2];
         let (mut m1, mut m2) = (1u8, 2u8);
