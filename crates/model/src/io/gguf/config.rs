@@ -15,9 +15,9 @@
 //!   soft-caps are the file's (the loader keeps the defaults 50 / 30, which Google's files carry);
 //!   Gemma 3's sliding layers, local rope base and linear rope scaling are llama.cpp's reading of
 //!   the file (the loader drops the scaling);
-//! - Phi-3's partial rotary (`rope.dimension_count`, Phi-4-mini) and LongRoPE (the tensors
-//!   `rope_factors_long` / `rope_factors_short`, Phi-3-*-128k and 3.5) are read back (the loader
-//!   drops both).
+//! - Phi-3's partial rotary (`rope.dimension_count`, Phi-4-mini), LongRoPE (the tensors
+//!   `rope_factors_long` / `rope_factors_short`, Phi-3-*-128k and 3.5) and sliding window
+//!   (Phi-3-mini-4k's 2047, which llama.cpp disables) are read back (the loader drops all three).
 //!
 //! A key under `{arch}.` that changes the maths and that this reader does not map (a rope
 //! scaling type, a sliding window, experts) is refused by name, all of them at once.
