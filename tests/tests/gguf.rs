@@ -218,15 +218,14 @@ fn eval_matches_transformers_on_the_same_file_and_the_original_model() {
                     | "tiny-phi3-spm-q8_0.gguf"
                     | "tiny-qwen2-f16.gguf"
                     | "tiny-llama-256-q4_k_m.gguf"
-                    | "tiny-gemma3-spm-q4_k_m.gguf"
                     | "tiny-phi3-spm-q4_k_m.gguf"
                     | "tiny-llama-256-q8_0.gguf",
                     Some(t),
                 ) => {
                     let want = t / count;
                     assert!((got - want).abs() < TOL, "{who}, {name}: {got} vs {want}");
-                    // and the format's rounding is seen (Q8_0: 1.2e-3, and 1.0e-4 on the Gemma 3
-                    // and Phi-3 files; f16: 6e-5, Q4_K_M: 1.0e-2 of the mean)
+                    // and the format's rounding is seen (Q8_0: 1.2e-3, and 9e-5 to 2.7e-4 on the
+                    // Gemma 3 and Phi-3 files; f16: 6e-5, Q4_K_M: 7e-5 to 1.0e-2 of the mean)
                     assert!(
                         (got - original).abs() > 5.0 * TOL,
                         "{who}, {name}: {got} vs {original}"
@@ -256,6 +255,13 @@ fn eval_matches_transformers_on_the_same_file_and_the_original_model() {
                         (t / count - original).abs() > 100.0 * TOL,
                         "{who}: {t} {original}"
                     );
+                }
+                // Gemma 3 in llama-quantize's Q4_K_M (Q4_K, Q5_0, Q8_0 blocks): transformers'
+                // number (its blocks move the mean NLL by only 2.4e-5 from the original here, too
+                // little to require seeing)
+                ("tiny-gemma3-spm-q4_k_m.gguf", Some(t)) => {
+                    let want = t / count;
+                    assert!((got - want).abs() < TOL, "{who}, {name}: {got} vs {want}");
                 }
                 // Mistral as llama.cpp writes it (architecture `llama`, its sliding window
                 // dropped by the converter): what transformers and llama.cpp compute from the
@@ -554,15 +560,15 @@ fn gemma_keys_are_read_as_llama_cpp_reads_them() {
         (4.into(), 10000.0.into())
     );
     let c = config_of(&gguf_fixture("tiny-gemma2-spm-f32.gguf"));
-    assert_eq!(types(&c).concat(), "sfsf");
+    assert_eq!(types(&c).concat(), "sf");
     assert_eq!(c["attn_logit_softcapping"], 50.0);
     assert_eq!(c["final_logit_softcapping"], 30.0);
-    // the 27B's layer count: hidden / heads = 64 / 2
+    // the 27B's layer count: hidden / heads = 32 / 2
     let file = tmp.join("gemma3-27b.gguf");
     edited_copy("tiny-gemma3-spm-f32.gguf", &file, |m| {
         set(m, "gemma3.block_count", gguf_file::Value::U32(62))
     });
-    assert_eq!(config_of(&file)["query_pre_attn_scalar"], 32);
+    assert_eq!(config_of(&file)["query_pre_attn_scalar"], 16);
     // a pattern of 3; no window at all
     let file = tmp.join("gemma3-pattern.gguf");
     edited_copy("tiny-gemma3-spm-f32.gguf", &file, |m| {
@@ -931,9 +937,10 @@ fn export_writes_what_llama_cpp_converter_writes() {
 /// `Q4_K_M` / `Q5_K_M` / `Q6_K` (no importance matrix): the same types per tensor (Q4_K or Q5_K;
 /// Q6_K for the head and the first, last and every third `attn_v` / `ffn_down`; Q6_K everywhere;
 /// the 32-value fallbacks), the same blocks byte for byte, the tensors in its order. The Llama
-/// fixtures are llama-quantize's mixes of tiny-llama-256-q8_0.gguf's values (8-bit codes, which
-/// the 4-, 5- and 6-bit blocks must search: 92037 of the Q4_K_M's bytes differ from the Q4_K_M of
-/// the f32 original), which is what exporting that file is.
+/// fixture is llama-quantize's Q4_K_M of tiny-llama-256-q8_0.gguf's values (8-bit codes, which
+/// the 4- and 6-bit blocks must search: 92037 of its bytes differ from the Q4_K_M of the f32
+/// original), which is what exporting that file is; the Gemma 3 and Phi-3 ones are its mixes of
+/// the converter's f32 files.
 #[test]
 fn k_quant_export_writes_llama_quantize_bytes() {
     let tmp = scratch("gguf-kquant");
@@ -972,18 +979,6 @@ fn k_quant_export_writes_llama_quantize_bytes() {
             "tiny-llama-256-q4_k_m-from-q8_0.gguf",
             &["F32", "Q4K", "Q6K"][..],
         ),
-        (
-            "tiny-llama-256-q8_0.gguf",
-            "q5_k_m",
-            "tiny-llama-256-q5_k_m-from-q8_0.gguf",
-            &["F32", "Q5K", "Q6K"][..],
-        ),
-        (
-            "tiny-llama-256-q8_0.gguf",
-            "q6_k",
-            "tiny-llama-256-q6_k-from-q8_0.gguf",
-            &["F32", "Q6K"][..],
-        ),
         // Gemma 3 and Phi-3: llama-quantize's mixes of the converter's f32 files (Gemma's norms
         // f32 as 1 + w, its tied embedding as the head; Phi-3's fused `attn_qkv` counted as an
         // `attn_v`, so its second layer's takes the 6-bit type, here Q8_0 for 64-wide rows;
@@ -999,6 +994,12 @@ fn k_quant_export_writes_llama_quantize_bytes() {
             "q5_k_m",
             "tiny-gemma3-spm-q5_k_m.gguf",
             &["F32", "Q5K", "Q5_1", "Q8_0"][..],
+        ),
+        (
+            "tiny-gemma3-spm-f32.gguf",
+            "q6_k",
+            "tiny-gemma3-spm-q6_k.gguf",
+            &["F32", "Q6K", "Q8_0"][..],
         ),
         (
             "tiny-phi3-spm-f32.gguf",
