@@ -933,10 +933,10 @@ fn export_writes_what_llama_cpp_converter_writes() {
     }
 }
 
-/// `--outtype q4_k_m` / `q5_k_m` / `q6_k` write what llama.cpp's `llama-quantize` writes for
-/// `Q4_K_M` / `Q5_K_M` / `Q6_K` (no importance matrix): the same types per tensor (Q4_K or Q5_K;
-/// Q6_K for the head and the first, last and every third `attn_v` / `ffn_down`; Q6_K everywhere;
-/// the 32-value fallbacks), the same blocks byte for byte, the tensors in its order. The Llama
+/// `--outtype q4_k_m` / `q4_k_s` / `q5_k_m` / `q5_k_s` / `q6_k` write what llama.cpp's
+/// `llama-quantize` writes for those mixes (no importance matrix): the same types per tensor (Q4_K
+/// or Q5_K; Q6_K for the head and, in the `_M` mixes, the first, last and every third `attn_v` /
+/// `ffn_down`; Q5_K for `Q4_K_S`'s first 4 `attn_v`; Q6_K everywhere; the 32-value fallbacks), the same blocks byte for byte, the tensors in its order. The Llama
 /// fixture is llama-quantize's Q4_K_M of tiny-llama-256-q8_0.gguf's values (8-bit codes, which
 /// the 4- and 6-bit blocks must search: 92037 of its bytes differ from the Q4_K_M of the f32
 /// original), which is what exporting that file is; the Gemma 3 and Phi-3 ones are its mixes of
@@ -1000,6 +1000,18 @@ fn k_quant_export_writes_llama_quantize_bytes() {
             "q6_k",
             "tiny-gemma3-spm-q6_k.gguf",
             &["F32", "Q6K", "Q8_0"][..],
+        ),
+        (
+            "tiny-gemma3-spm-f32.gguf",
+            "q4_k_s",
+            "tiny-gemma3-spm-q4_k_s.gguf",
+            &["F32", "Q4K", "Q5_0", "Q5_1", "Q8_0"][..],
+        ),
+        (
+            "tiny-gemma3-spm-f32.gguf",
+            "q5_k_s",
+            "tiny-gemma3-spm-q5_k_s.gguf",
+            &["F32", "Q5K", "Q5_1", "Q8_0"][..],
         ),
         (
             "tiny-phi3-spm-f32.gguf",

@@ -27,8 +27,13 @@ pub enum OutType {
     /// `attn_v` / `ffn_down`, Q5_0 / Q8_0 where rows are not whole 256-value blocks
     /// (`k_quant_type` below).
     Q4KM,
-    /// llama-quantize's `Q5_K_M`: the same mix with Q5_K (Q5_1 for rows of 32-value blocks).
+    /// llama-quantize's `Q4_K_S`: Q4_K, Q6_K for the output, Q5_K for the first 4 `attn_v` and
+    /// the first eighth of the `ffn_down`.
+    Q4KS,
+    /// llama-quantize's `Q5_K_M`: the `Q4_K_M` mix with Q5_K (Q5_1 for rows of 32-value blocks).
     Q5KM,
+    /// llama-quantize's `Q5_K_S`: Q5_K, Q6_K for the output.
+    Q5KS,
     /// llama-quantize's `Q6_K`: Q6_K everywhere (Q8_0 for rows of 32-value blocks).
     Q6K,
 }
@@ -41,7 +46,9 @@ impl OutType {
             "bf16" => Self::BF16,
             "q8_0" => Self::Q8_0,
             "q4_k_m" => Self::Q4KM,
+            "q4_k_s" => Self::Q4KS,
             "q5_k_m" => Self::Q5KM,
+            "q5_k_s" => Self::Q5KS,
             "q6_k" => Self::Q6K,
             _ => return None,
         })
@@ -50,7 +57,10 @@ impl OutType {
     /// Whether llama-quantize makes this type's file from the converter's f32 one (a k-quant
     /// mix), rather than the converter writing it.
     pub fn is_k_quant(self) -> bool {
-        matches!(self, Self::Q4KM | Self::Q5KM | Self::Q6K)
+        matches!(
+            self,
+            Self::Q4KM | Self::Q4KS | Self::Q5KM | Self::Q5KS | Self::Q6K
+        )
     }
 
     /// `general.file_type` (llama.cpp's `LlamaFileType`).
@@ -60,6 +70,8 @@ impl OutType {
             Self::F16 => 1,
             Self::Q8_0 => 7,
             Self::Q4KM => 15,
+            Self::Q4KS => 14,
+            Self::Q5KS => 16,
             Self::Q5KM => 17,
             Self::Q6K => 18,
             Self::BF16 => 32,
@@ -299,16 +311,9 @@ pub fn write_gguf(
         truncate_rows(&mut rows, "token_embd.weight", vocab + added)?;
     }
     if out.is_k_quant() {
-        if layers == 80 && out == OutType::Q4KM {
-            return Err(refuse(
-                path,
-                "num_hidden_layers",
-                Some("80".into()),
-                "makes llama-quantize's Q4_K_M put attn_v in Q5_K (its 70B rule), which tallow \
-                 does not write yet: export q8_0 or f16 and run llama-quantize",
-            ));
-        }
-        rows = llama_quantize(rows, layers as usize, out)?;
+        // llama.cpp's LLM_TYPE_70B, whose attn_v takes Q5_K rather than Q4_K
+        let is_70b = layers == 80 && (arch == "qwen2" || (arch == "llama" && heads != kv));
+        rows = llama_quantize(rows, layers as usize, out, is_70b)?;
         // llama-quantize sets these two again after copying the converter's keys, which moves
         // them last.
         for key in ["general.quantization_version", "general.file_type"] {
@@ -538,6 +543,7 @@ fn llama_quantize(
     rows: Vec<(String, QTensor)>,
     layers: usize,
     out: OutType,
+    is_70b: bool,
 ) -> Result<Vec<(String, QTensor)>> {
     let layer_of = |n: &str| -> i64 {
         n.strip_prefix("blk.")
@@ -549,6 +555,7 @@ fn llama_quantize(
     rows.sort_by(|(a, _), (b, _)| (layer_of(a), a).cmp(&(layer_of(b), b)));
     let mut st = KQuantState {
         out,
+        is_70b,
         n_attention_wv: rows.iter().filter(|(n, _)| is_attn_v(n)).count(),
         i_attention_wv: 0,
         n_layer: layers,
@@ -596,6 +603,8 @@ fn is_attn_v(name: &str) -> bool {
 /// What [`k_quant_type`] counts as it goes through the tensors in llama-quantize's order.
 struct KQuantState {
     out: OutType,
+    /// llama.cpp's `LLM_TYPE_70B` (an 80-layer Llama with grouped-query heads, an 80-layer Qwen2).
+    is_70b: bool,
     n_attention_wv: usize,
     i_attention_wv: usize,
     n_layer: usize,
@@ -605,7 +614,7 @@ struct KQuantState {
 }
 
 /// The type llama-quantize gives tensor `name` (dims row-major, so the last is its row length)
-/// in a `Q4_K_M`, `Q5_K_M` or `Q6_K` file (`st.out`) of a dense llama / qwen2 / qwen3 / gemma2 /
+/// in a `Q4_K_M`, `Q4_K_S`, `Q5_K_M`, `Q5_K_S` or `Q6_K` file (`st.out`) of a dense llama / qwen2 / qwen3 / gemma2 /
 /// gemma3 / phi3 model, without an importance matrix (`llama_tensor_get_type` in llama.cpp's
 /// src/llama-quant.cpp, the branches these architectures reach; the counters advance in the
 /// order the tensors are met).
@@ -616,12 +625,12 @@ fn k_quant_type(name: &str, dims: &[usize], st: &mut KQuantState) -> GgmlDType {
     }
     let ncols = dims[dims.len() - 1];
     let use_more_bits = |i: usize, n: usize| i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2;
-    // the mix's default type, and whether its attn_v / ffn_down take Q6_K by use_more_bits
-    let (mut t, more_bits) = match st.out {
-        OutType::Q5KM => (GgmlDType::Q5K, true),
-        OutType::Q6K => (GgmlDType::Q6K, false),
-        _ => (GgmlDType::Q4K, true),
+    let mut t = match st.out {
+        OutType::Q5KM | OutType::Q5KS => GgmlDType::Q5K,
+        OutType::Q6K => GgmlDType::Q6K,
+        _ => GgmlDType::Q4K,
     };
+    let more_bits = matches!(st.out, OutType::Q4KM | OutType::Q5KM);
     if name == "output.weight" || (st.tied && name == "token_embd.weight") {
         t = if !ncols.is_multiple_of(256) {
             GgmlDType::Q8_0
@@ -629,13 +638,22 @@ fn k_quant_type(name: &str, dims: &[usize], st: &mut KQuantState) -> GgmlDType {
             GgmlDType::Q6K
         };
     } else if is_attn_v(name) {
-        if more_bits && use_more_bits(st.i_attention_wv, st.n_attention_wv) {
+        let i = st.i_attention_wv;
+        if more_bits && use_more_bits(i, st.n_attention_wv) {
             t = GgmlDType::Q6K;
+        } else if st.out == OutType::Q4KS && i < 4 {
+            t = GgmlDType::Q5K;
+        }
+        if st.is_70b && t == GgmlDType::Q4K {
+            t = GgmlDType::Q5K;
         }
         st.i_attention_wv += 1;
     } else if name.contains("ffn_down") {
-        if more_bits && use_more_bits(st.i_ffn_down, st.n_layer) {
+        let i = st.i_ffn_down;
+        if more_bits && use_more_bits(i, st.n_layer) {
             t = GgmlDType::Q6K;
+        } else if st.out == OutType::Q4KS && i < st.n_layer / 8 {
+            t = GgmlDType::Q5K;
         }
         st.i_ffn_down += 1;
     }
@@ -664,7 +682,9 @@ fn tensor_type(t: &Tensor, out: OutType) -> GgmlDType {
         (_, OutType::Q8_0) if !t.dims()[t.rank() - 1].is_multiple_of(32) => GgmlDType::F16,
         (_, OutType::Q8_0) => GgmlDType::Q8_0,
         // f32 first, then llama-quantize's types ([`llama_quantize_q4_k_m`])
-        (_, OutType::Q4KM | OutType::Q5KM | OutType::Q6K) => GgmlDType::F32,
+        (_, OutType::Q4KM | OutType::Q4KS | OutType::Q5KM | OutType::Q5KS | OutType::Q6K) => {
+            GgmlDType::F32
+        }
     }
 }
 
@@ -1180,4 +1200,63 @@ fn write_file(path: &Path, metadata: &[(String, G)], tensors: &[(String, QTensor
         let _ = std::fs::remove_file(&tmp);
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// llama-quantize's types for the `attn_v` and `ffn_down` of an 80-layer Llama with
+    /// grouped-query heads (llama.cpp's 70B type, whose `attn_v` takes Q5_K rather than Q4_K) of
+    /// hidden 64, so that each k-quant falls back to its 32-value block: 8 = Q6_K as Q8_0, 1 =
+    /// Q5_K as Q5_1, 0 = Q4_K as Q5_0. Read from llama-quantize's `Q4_K_M` and `Q4_K_S` files of
+    /// such a model (tiny-llama's config at 80 layers, converted by llama.cpp's converter and
+    /// quantized by the llama-quantize scripts/make_gguf_fixtures.py builds, 2026-11-28), whose
+    /// every tensor `tallow export` matched byte for byte; too large a file to commit.
+    #[test]
+    fn k_quant_types_follow_llama_quantize_on_an_80_layer_llama() {
+        let code = |t: GgmlDType| match t {
+            GgmlDType::Q8_0 => '8',
+            GgmlDType::Q5_1 => '1',
+            GgmlDType::Q5_0 => '0',
+            _ => '?',
+        };
+        let cases = [
+            (
+                OutType::Q4KM,
+                "88888888881181181181181181181181181181181181181181181181181181181181188888888888",
+                "88888888880080080080080080080080080080080080080080080080080080080080088888888888",
+            ),
+            (
+                OutType::Q4KS,
+                "11111111111111111111111111111111111111111111111111111111111111111111111111111111",
+                "11111111110000000000000000000000000000000000000000000000000000000000000000000000",
+            ),
+        ];
+        for (out, attn_v, ffn_down) in cases {
+            let mut st = KQuantState {
+                out,
+                is_70b: true,
+                n_attention_wv: 80,
+                i_attention_wv: 0,
+                n_layer: 80,
+                i_ffn_down: 0,
+                tied: false,
+            };
+            let (mut v, mut d) = (String::new(), String::new());
+            for i in 0..80 {
+                v.push(code(k_quant_type(
+                    &format!("blk.{i}.attn_v.weight"),
+                    &[32, 64],
+                    &mut st,
+                )));
+                d.push(code(k_quant_type(
+                    &format!("blk.{i}.ffn_down.weight"),
+                    &[64, 128],
+                    &mut st,
+                )));
+            }
+            assert_eq!((v.as_str(), d.as_str()), (attn_v, ffn_down), "{out:?}");
+        }
+    }
 }
