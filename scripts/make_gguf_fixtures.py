@@ -51,6 +51,9 @@ and `convert_lora_to_gguf.py` on two PEFT adapter fixtures (llama.cpp's LoRA ada
 
     adapters/tiny-llama-peft -> tests/fixtures/gguf/tiny-llama-peft-f32.gguf
     adapters/tiny-qwen2-peft -> tests/fixtures/gguf/tiny-qwen2-peft-f16.gguf
+    adapters/tiny-{mistral,gemma2,gemma3,phi3}-peft -> tests/fixtures/gguf/tiny-*-peft-f16.gguf
+                  (the adapter layout reads only the base's config.json, so the tiny models'
+                  own Gemma settings, which the model export refuses, do not matter here)
 
 The converter names a BPE vocabulary's pre-tokenizer (`tokenizer.ggml.pre`) by hashing the ids
 the tokenizer gives a test string, and knows only real models' hashes: for these tiny
@@ -141,6 +144,10 @@ SCRATCH_MODELS = {"tiny-llama-spm": lambda: make_spm_model(), "tiny-llama-256": 
 LORA_FILES = [
     ("tiny-llama-peft", "tiny-llama", "f32", "tiny-llama-peft-f32.gguf"),
     ("tiny-qwen2-peft", "tiny-qwen2", "f16", "tiny-qwen2-peft-f16.gguf"),
+    ("tiny-mistral-peft", "tiny-mistral", "f16", "tiny-mistral-peft-f16.gguf"),
+    ("tiny-gemma2-peft", "tiny-gemma2", "f16", "tiny-gemma2-peft-f16.gguf"),
+    ("tiny-gemma3-peft", "tiny-gemma3", "f16", "tiny-gemma3-peft-f16.gguf"),
+    ("tiny-phi3-peft", "tiny-phi3", "f16", "tiny-phi3-peft-f16.gguf"),
 ]
 
 TEXTS = [

@@ -1128,6 +1128,31 @@ fn adapter_only_export_writes_what_convert_lora_to_gguf_writes() {
             "f16",
             "tiny-qwen2-peft-f16.gguf",
         ),
+        (
+            "tiny-mistral",
+            "tiny-mistral-peft",
+            "f16",
+            "tiny-mistral-peft-f16.gguf",
+        ),
+        (
+            "tiny-gemma2",
+            "tiny-gemma2-peft",
+            "f16",
+            "tiny-gemma2-peft-f16.gguf",
+        ),
+        (
+            "tiny-gemma3",
+            "tiny-gemma3-peft",
+            "f16",
+            "tiny-gemma3-peft-f16.gguf",
+        ),
+        // Phi-3's fused qkv_proj / gate_up_proj pairs, as PEFT trains them
+        (
+            "tiny-phi3",
+            "tiny-phi3-peft",
+            "f16",
+            "tiny-phi3-peft-f16.gguf",
+        ),
     ] {
         let out = tmp.join(fixture);
         let run = export(model, adapter, outtype, &out);
