@@ -180,22 +180,12 @@ def llama_cpp() -> Path:
 
 def make_spm_model() -> Path:
     """tiny-llama-spm (see the module doc), in the scratch dir."""
-    import sentencepiece as spm
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
 
     out = SCRATCH / "tiny-llama-spm"
-    corpus = SCRATCH / "spm-corpus.txt"
-    lines = []
-    for f in sorted((FIX / "data").glob("*.jsonl")):
-        for line in f.read_text(encoding="utf-8").splitlines():
-            lines += [v for v in json.loads(line).values() if isinstance(v, str)]
-    corpus.write_text("\n".join(lines + TEXTS) + "\n", encoding="utf-8")
-    spm.SentencePieceTrainer.train(
-        input=str(corpus), model_prefix=str(SCRATCH / "spm"), vocab_size=400, model_type="bpe",
-        byte_fallback=True, hard_vocab_limit=False, character_coverage=1.0, seed_sentencepiece_size=1000,
-        num_threads=1, add_dummy_prefix=True, split_digits=True)
-    tok = LlamaTokenizer(vocab_file=str(SCRATCH / "spm.model"), legacy=False)
+    tok = LlamaTokenizer(vocab_file=str(train_spm("spm", dummy_prefix=True, normalization="nmt_nfkc")),
+                         legacy=False)
     base = json.loads((FIX / "models" / "tiny-llama" / "config.json").read_text())
     base.update(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                 rope_scaling=None)
@@ -208,10 +198,10 @@ def make_spm_model() -> Path:
     return out
 
 
-def train_spm(prefix: str, dummy_prefix: bool, user_defined=()) -> Path:
+def train_spm(prefix: str, dummy_prefix: bool, user_defined=(), normalization="identity") -> Path:
     """A 400-piece SentencePiece BPE model with byte fallback, trained on tests/fixtures/data's
-    texts (as tiny-llama-spm's, but without the NFKC table, 240 KB of the file): `prefix`.model in
-    the scratch dir."""
+    texts: `prefix`.model in the scratch dir. tiny-llama-spm's keeps SentencePiece's default NFKC
+    table (240 KB of the file); the later ones go without it."""
     import sentencepiece as spm
 
     corpus = SCRATCH / "spm-corpus.txt"
@@ -224,7 +214,7 @@ def train_spm(prefix: str, dummy_prefix: bool, user_defined=()) -> Path:
         input=str(corpus), model_prefix=str(SCRATCH / prefix), vocab_size=400, model_type="bpe",
         byte_fallback=True, hard_vocab_limit=False, character_coverage=1.0, seed_sentencepiece_size=1000,
         num_threads=1, add_dummy_prefix=dummy_prefix, split_digits=True, remove_extra_whitespaces=dummy_prefix,
-        user_defined_symbols=list(user_defined), normalization_rule_name="identity")
+        user_defined_symbols=list(user_defined), normalization_rule_name=normalization)
     return SCRATCH / f"{prefix}.model"
 
 

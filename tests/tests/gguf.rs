@@ -70,6 +70,22 @@ fn eval_json(env: &[(&str, String)], model: &Path, extra: &[String]) -> Value {
     serde_json::from_str(run.stdout.lines().last().unwrap()).unwrap()
 }
 
+/// `tallow export --model MODEL --outtype OUTTYPE --out OUT` with `env`.
+fn export(env: &[(&str, String)], model: &Path, outtype: &str, out: &Path) -> Run {
+    tallow_env(
+        [
+            "export",
+            "--model",
+            model.to_str().unwrap(),
+            "--outtype",
+            outtype,
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        env,
+    )
+}
+
 /// `--adapter DIR` when there is one.
 fn adapter_args(adapter: Option<&Path>) -> Vec<String> {
     adapter.map_or(Vec::new(), |a| {
@@ -231,22 +247,11 @@ fn eval_matches_transformers_on_the_same_file_and_the_original_model() {
                         "{who}, {name}: {got} vs {original}"
                     );
                 }
-                // Llama 3's rope scaling (rope_freqs.weight): transformers drops it and computes
-                // an unscaled rope; tallow reads it back and computes the original model.
-                ("tiny-llama-f32.gguf", Some(t)) => {
-                    assert!(
-                        (got - original).abs() < TOL,
-                        "{who}, {name}: {got} vs {original}"
-                    );
-                    assert!(
-                        (t / count - original).abs() > 100.0 * TOL,
-                        "{who}: {t} {original}"
-                    );
-                }
-                // Phi-3's partial rotary (`rope.dimension_count`) and LongRoPE (the tensors
-                // `rope_factors_long` / `_short`): transformers drops both; tallow reads them
-                // back and computes the original model.
-                ("tiny-phi3-longrope-f32.gguf", Some(t)) => {
+                // What transformers' loader drops and tallow reads back, computing the original
+                // model: Llama 3's rope scaling (rope_freqs.weight; transformers computes an
+                // unscaled rope), Phi-3's partial rotary (`rope.dimension_count`) and LongRoPE
+                // (the tensors `rope_factors_long` / `_short`).
+                ("tiny-llama-f32.gguf" | "tiny-phi3-longrope-f32.gguf", Some(t)) => {
                     assert!(
                         (got - original).abs() < TOL,
                         "{who}, {name}: {got} vs {original}"
@@ -867,18 +872,7 @@ fn export_writes_what_llama_cpp_converter_writes() {
     ];
     let compare = |model: &Path, outtype: &str, fixture: &str| {
         let out = tmp.join(format!("{fixture}-{}", outtype));
-        let run = tallow_env(
-            [
-                "export",
-                "--model",
-                model.to_str().unwrap(),
-                "--outtype",
-                outtype,
-                "--out",
-                out.to_str().unwrap(),
-            ],
-            &env,
-        );
+        let run = export(&env, model, outtype, &out);
         assert_eq!(run.code, 0, "{}", run.stderr);
         assert_same_gguf(&out, fixture);
         run.stderr
@@ -945,21 +939,6 @@ fn export_writes_what_llama_cpp_converter_writes() {
 fn k_quant_export_writes_llama_quantize_bytes() {
     let tmp = scratch("gguf-kquant");
     let env = [("TALLOW_CACHE_DIR", tmp.join("cache").display().to_string())];
-    let export = |source: &Path, outtype: &str, out: &Path| {
-        let run = tallow_env(
-            [
-                "export",
-                "--model",
-                source.to_str().unwrap(),
-                "--outtype",
-                outtype,
-                "--out",
-                out.to_str().unwrap(),
-            ],
-            &env,
-        );
-        assert_eq!(run.code, 0, "{}", run.stderr);
-    };
     // the tensors in llama-quantize's order: by data offset
     let order = |p: &Path| {
         let c = gguf_file::Content::read(&mut std::fs::File::open(p).unwrap()).unwrap();
@@ -1022,7 +1001,8 @@ fn k_quant_export_writes_llama_quantize_bytes() {
     ];
     for (source, outtype, fixture, formats) in cases {
         let out = tmp.join(format!("{source}-{outtype}"));
-        export(&gguf_fixture(source), outtype, &out);
+        let run = export(&env, &gguf_fixture(source), outtype, &out);
+        assert_eq!(run.code, 0, "{}", run.stderr);
         assert_same_gguf(&out, fixture);
         assert_eq!(order(&out), order(&gguf_fixture(fixture)), "{fixture}");
         let (_, tensors) = dump(&out);
@@ -1040,21 +1020,7 @@ fn export_refuses_what_it_cannot_write() {
     // Gemma settings llama.cpp would compute otherwise: tiny-gemma3's query scale (48, where
     // llama.cpp takes head_dim 32) and its every-3rd-layer global pattern (llama.cpp: every
     // 6th), named together; tiny-gemma2's query scale
-    let export = |model: &Path, outtype: &str| {
-        tallow_env(
-            [
-                "export",
-                "--model",
-                model.to_str().unwrap(),
-                "--outtype",
-                outtype,
-                "--out",
-                out.to_str().unwrap(),
-            ],
-            &env,
-        )
-    };
-    let run = export(&model_dir("tiny-gemma3"), "f16");
+    let run = export(&env, &model_dir("tiny-gemma3"), "f16", &out);
     assert_ne!(run.code, 0);
     for needle in [
         "`query_pre_attn_scalar` = 48",
@@ -1065,7 +1031,7 @@ fn export_refuses_what_it_cannot_write() {
         assert!(run.stderr.contains(needle), "`{needle}`: {}", run.stderr);
     }
     assert!(!out.exists());
-    let run = export(&model_dir("tiny-gemma2"), "f16");
+    let run = export(&env, &model_dir("tiny-gemma2"), "f16", &out);
     assert_ne!(run.code, 0);
     assert!(
         run.stderr.contains("`query_pre_attn_scalar` = 64"),
