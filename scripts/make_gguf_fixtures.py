@@ -125,14 +125,18 @@ FILES = [
     ("tiny-phi3-spm", "Q4_K_M", None, "tiny-phi3-spm-q4_k_m.gguf"),
 ]
 
-# (fixture, file, mix): llama-quantize's Q4_K_M / Q4_K_S / Q5_K_M / Q5_K_S / Q6_K of the fixture's values
+# (fixture, file, mix): llama-quantize's Q3_K_S / _M / _L, Q4_K_M / _S, Q5_K_M / _S and Q6_K of the
+# fixture's values
 # (`--allow-requantize`: its Q8_0 blocks dequantized, then quantized), what `tallow export
 # --outtype q4_k_m` (`q5_k_m`, `q6_k`) of the fixture must write byte for byte (tests/tests/gguf.rs).
 REQUANTIZED = [("tiny-llama-256-q8_0.gguf", "tiny-llama-256-q4_k_m-from-q8_0.gguf", "Q4_K_M"),
                ("tiny-gemma3-spm-f32.gguf", "tiny-gemma3-spm-q5_k_m.gguf", "Q5_K_M"),
                ("tiny-gemma3-spm-f32.gguf", "tiny-gemma3-spm-q6_k.gguf", "Q6_K"),
                ("tiny-gemma3-spm-f32.gguf", "tiny-gemma3-spm-q4_k_s.gguf", "Q4_K_S"),
-               ("tiny-gemma3-spm-f32.gguf", "tiny-gemma3-spm-q5_k_s.gguf", "Q5_K_S")]
+               ("tiny-gemma3-spm-f32.gguf", "tiny-gemma3-spm-q5_k_s.gguf", "Q5_K_S"),
+               ("tiny-gemma3-spm-f32.gguf", "tiny-gemma3-spm-q3_k_s.gguf", "Q3_K_S"),
+               ("tiny-gemma3-spm-f32.gguf", "tiny-gemma3-spm-q3_k_m.gguf", "Q3_K_M"),
+               ("tiny-gemma3-spm-f32.gguf", "tiny-gemma3-spm-q3_k_l.gguf", "Q3_K_L")]
 
 # The fixture models made in the scratch dir (not committed), by their maker.
 SCRATCH_MODELS = {"tiny-llama-spm": lambda: make_spm_model(), "tiny-llama-256": lambda: make_k_quant_model(),

@@ -927,7 +927,7 @@ fn export_writes_what_llama_cpp_converter_writes() {
     }
 }
 
-/// `--outtype q4_k_m` / `q4_k_s` / `q5_k_m` / `q5_k_s` / `q6_k` write what llama.cpp's
+/// `--outtype q3_k_s` ... `q6_k` (eight mixes) write what llama.cpp's
 /// `llama-quantize` writes for those mixes (no importance matrix): the same types per tensor (Q4_K
 /// or Q5_K; Q6_K for the head and, in the `_M` mixes, the first, last and every third `attn_v` /
 /// `ffn_down`; Q5_K for `Q4_K_S`'s first 4 `attn_v`; Q6_K everywhere; the 32-value fallbacks), the same blocks byte for byte, the tensors in its order. The Llama
@@ -991,6 +991,26 @@ fn k_quant_export_writes_llama_quantize_bytes() {
             "q5_k_s",
             "tiny-gemma3-spm-q5_k_s.gguf",
             &["F32", "Q5K", "Q5_1", "Q8_0"][..],
+        ),
+        // Q3_K in the 512-wide attn_output, Q4_0 for 32-value rows; the _M / _L mixes' Q4_K /
+        // Q5_K for attn_output, attn_v (the _M's first 2 in Q5_K) and ffn_down
+        (
+            "tiny-gemma3-spm-f32.gguf",
+            "q3_k_s",
+            "tiny-gemma3-spm-q3_k_s.gguf",
+            &["F32", "Q3K", "Q4_0", "Q8_0"][..],
+        ),
+        (
+            "tiny-gemma3-spm-f32.gguf",
+            "q3_k_m",
+            "tiny-gemma3-spm-q3_k_m.gguf",
+            &["F32", "Q4K", "Q4_0", "Q5_0", "Q5_1", "Q8_0"][..],
+        ),
+        (
+            "tiny-gemma3-spm-f32.gguf",
+            "q3_k_l",
+            "tiny-gemma3-spm-q3_k_l.gguf",
+            &["F32", "Q4_0", "Q5K", "Q5_1", "Q8_0"][..],
         ),
         (
             "tiny-phi3-spm-f32.gguf",

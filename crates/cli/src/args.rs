@@ -258,8 +258,8 @@ pub struct ExportArgs {
     #[arg(long, default_value = "gguf")]
     pub format: String,
     /// Tensor type of the matrices: f32 | f16 | bf16 | q8_0 (norms and biases stay f32, as
-    /// llama.cpp's converter keeps them) | q4_k_m, q4_k_s, q5_k_m, q5_k_s, q6_k (llama-quantize's
-    /// mixes, its bytes).
+    /// llama.cpp's converter keeps them) | q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m, q5_k_s, q5_k_m,
+    /// q6_k (llama-quantize's mixes, its bytes).
     #[arg(long, default_value = "f16")]
     pub outtype: String,
     /// Read the model's config.json as if this key were absent (repeatable).

@@ -16,7 +16,8 @@ pub fn run(a: ExportArgs) -> Result<()> {
     }
     let Some(out) = OutType::parse(&a.outtype) else {
         bail!(
-            "--outtype {}: expected f32, f16, bf16, q8_0, q4_k_m, q4_k_s, q5_k_m, q5_k_s or q6_k",
+            "--outtype {}: expected f32, f16, bf16, q8_0, q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m, \
+             q5_k_s, q5_k_m or q6_k",
             a.outtype
         );
     };

@@ -293,7 +293,7 @@ const CASES: &[Case] = &[
         run: nf4_matmul,
     },
     Case {
-        name: "gguf block dequantize (q4_k, q5_k, q6_k, q5_0, q5_1, q8_0)",
+        name: "gguf block dequantize (q3_k, q4_k, q5_k, q6_k, q4_0, q5_0, q5_1, q8_0)",
         on_cpu: "Candle's one-thread decoder + cast against the CPU kernel",
         // CUDA's decoders may fuse a multiply-add (a last-bit difference); the CPU is bit-equal.
         f32_tol: 1e-6,
@@ -711,7 +711,7 @@ fn nf4_matmul(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
     value_and_grads(y, &[&x], 13)
 }
 
-/// A (40, 512) weight in six of llama.cpp's block formats (those `tallow export` writes) (quantized on the CPU by its reference
+/// A (40, 512) weight in the eight llama.cpp block formats `tallow export` writes (quantized on the CPU by its reference
 /// quantizers, `tallow_model::io::gguf::quants`) on `dev`, dequantized to `dt` by the weight's own
 /// path (the CPU kernel of `tallow_model::kernels::ggml`; Candle's kernels on CUDA), or with
 /// `generic` by Candle's one-thread decoder and a cast.
@@ -724,9 +724,11 @@ fn ggml_dequant(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
         .to_vec1::<f32>()?;
     let mut out = Vec::new();
     for (format, bytes) in [
+        (GgmlDType::Q3K, quants::q3_k(&x)),
         (GgmlDType::Q4K, quants::q4_k(&x)),
         (GgmlDType::Q5K, quants::q5_k(&x)),
         (GgmlDType::Q6K, quants::q6_k(&x)),
+        (GgmlDType::Q4_0, quants::q4_0(&x)),
         (GgmlDType::Q5_0, quants::q5_0(&x)),
         (GgmlDType::Q5_1, quants::q5_1(&x)),
         (GgmlDType::Q8_0, quants::q8_0(&x)),

@@ -1,11 +1,12 @@
-//! llama.cpp's reference quantizers for the block formats of Q4_K_M, Q5_K_M and Q6_K files (Q4_K,
-//! Q5_K, Q6_K, and the Q5_0 / Q5_1 / Q8_0 that llama-quantize falls back to for rows that are not
-//! whole 256-value blocks), so that `tallow export --outtype q4_k_m` (`q5_k_m`, `q6_k`) writes
-//! `llama-quantize`'s bytes. Candle's own k-quant
+//! llama.cpp's reference quantizers for the block formats of its k-quant files (Q3_K, Q4_K, Q5_K,
+//! Q6_K, and the Q4_0 / Q5_0 / Q5_1 / Q8_0 that llama-quantize falls back to for rows that are
+//! not whole 256-value blocks), so that `tallow export --outtype q4_k_m` (and the other k-quant
+//! mixes) writes `llama-quantize`'s bytes. Candle's own k-quant
 //! quantizer is an older algorithm with other blocks (docs/gguf.md).
 //!
 //! Ported from ggml's `ggml/src/ggml-quants.c` (`nearest_int`, `make_qx_quants`,
-//! `make_qkx2_quants`, `quantize_row_q4_K_ref`, `quantize_row_q5_K_ref`, `quantize_row_q6_K_ref`,
+//! `make_qkx2_quants`, `make_q3_quants`, `quantize_row_q3_K_ref`, `quantize_row_q4_K_ref`,
+//! `quantize_row_q5_K_ref`, `quantize_row_q6_K_ref`, `quantize_row_q4_0_ref`,
 //! `quantize_row_q5_0_ref`, `quantize_row_q5_1_ref`, `quantize_row_q8_0_ref`) as vendored by llama-cpp-python 0.3.36 (MIT licence, copyright the
 //! ggml authors), the code `llama-quantize` runs without an importance matrix. Every float
 //! operation is kept in C's order and in f32, so the blocks are the same bit for bit as those of
@@ -443,6 +444,159 @@ pub fn q5_1(x: &[f32]) -> Vec<u8> {
     out
 }
 
+/// `make_q3_quants` with `do_rmse`: signed codes -nmax..nmax-1 for `x` (stored + nmax in `l`),
+/// refined by up to 5 passes of weighted (x^2) least squares; returns the scale.
+fn make_q3_quants(x: &[f32], nmax: i32, l: &mut [i8]) -> f32 {
+    let (mut max, mut amax) = (0f32, 0f32);
+    for &v in x {
+        let ax = v.abs();
+        if ax > amax {
+            amax = ax;
+            max = v;
+        }
+    }
+    if amax < GROUP_MAX_EPS {
+        l.fill(0);
+        return 0.0;
+    }
+    let iscale = -(nmax as f32) / max;
+    let (mut sumlx, mut suml2) = (0f32, 0f32);
+    for (q, &v) in l.iter_mut().zip(x) {
+        let c = nearest_int(iscale * v).clamp(-nmax, nmax - 1);
+        *q = c as i8;
+        let w = v * v;
+        sumlx += w * v * c as f32;
+        suml2 += w * c as f32 * c as f32;
+    }
+    for _ in 0..5 {
+        let mut changed = 0;
+        for (q, &v) in l.iter_mut().zip(x) {
+            let w = v * v;
+            let mut slx = sumlx - w * v * *q as f32;
+            if slx > 0.0 {
+                let mut sl2 = suml2 - w * *q as f32 * *q as f32;
+                let new_l = nearest_int(v * sl2 / slx).clamp(-nmax, nmax - 1);
+                if new_l != *q as i32 {
+                    slx += w * v * new_l as f32;
+                    sl2 += w * new_l as f32 * new_l as f32;
+                    if sl2 > 0.0 && slx * slx * suml2 > sumlx * sumlx * sl2 {
+                        *q = new_l as i8;
+                        sumlx = slx;
+                        suml2 = sl2;
+                        changed += 1;
+                    }
+                }
+            }
+        }
+        if changed == 0 {
+            break;
+        }
+    }
+    for q in l.iter_mut() {
+        *q += nmax as i8;
+    }
+    if suml2 > 0.0 {
+        sumlx / suml2
+    } else {
+        0.0
+    }
+}
+
+/// `quantize_row_q3_K_ref`: 110 bytes per 256 values (32 bytes of the codes' high bits, 64 of
+/// their low 2 bits, 12 of 6-bit signed scales for 16 sub-blocks of 16, d: f16), codes -4..3.
+pub fn q3_k(x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(x.len() / QK_K * 110);
+    let mut l = [0i8; QK_K];
+    for x in x.chunks_exact(QK_K) {
+        let mut scales = [0f32; 16];
+        let (mut max_scale, mut amax) = (0f32, 0f32);
+        for j in 0..16 {
+            scales[j] = make_q3_quants(&x[16 * j..16 * j + 16], 4, &mut l[16 * j..16 * j + 16]);
+            let scale = scales[j].abs();
+            if scale > amax {
+                amax = scale;
+                max_scale = scales[j];
+            }
+        }
+        let mut sc = [0u8; 12];
+        let d = if max_scale != 0.0 {
+            let iscale = -32.0 / max_scale;
+            for (j, &s) in scales.iter().enumerate() {
+                let q = (nearest_int(iscale * s).clamp(-32, 31) + 32) as u8;
+                if j < 8 {
+                    sc[j] = q & 0xF;
+                } else {
+                    sc[j - 8] |= (q & 0xF) << 4;
+                }
+                sc[j % 4 + 8] |= (q >> 4) << (2 * (j / 4));
+            }
+            fp16(1.0 / iscale)
+        } else {
+            fp16(0.0)
+        };
+        for j in 0..16 {
+            let low = if j < 8 { sc[j] & 0xF } else { sc[j - 8] >> 4 };
+            let s = (low | (((sc[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) as i32 - 32;
+            let dj = d.to_f32() * s as f32;
+            if dj == 0.0 {
+                continue;
+            }
+            for ii in 0..16 {
+                l[16 * j + ii] = (nearest_int(x[16 * j + ii] / dj).clamp(-4, 3) + 4) as i8;
+            }
+        }
+        let mut hmask = [0u8; QK_K / 8];
+        let (mut m, mut hm) = (0usize, 1u8);
+        for q in l.iter_mut() {
+            if *q > 3 {
+                hmask[m] |= hm;
+                *q -= 4;
+            }
+            m += 1;
+            if m == QK_K / 8 {
+                m = 0;
+                hm <<= 1;
+            }
+        }
+        let mut qs = [0u8; QK_K / 4];
+        for j in (0..QK_K).step_by(128) {
+            for i in 0..32 {
+                let b = |k: usize| l[j + i + k] as u8;
+                qs[j / 4 + i] = b(0) | (b(32) << 2) | (b(64) << 4) | (b(96) << 6);
+            }
+        }
+        out.extend_from_slice(&hmask);
+        out.extend_from_slice(&qs);
+        out.extend_from_slice(&sc);
+        out.extend_from_slice(&d.to_le_bytes());
+    }
+    out
+}
+
+/// `quantize_row_q4_0_ref`: 18 bytes per 32 values (d: f16, 4-bit codes of x / d + 8).
+pub fn q4_0(x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(x.len() / 32 * 18);
+    for x in x.chunks_exact(32) {
+        let (mut amax, mut max) = (0f32, 0f32);
+        for &v in x {
+            if amax < v.abs() {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        let d = max / -8.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        out.extend_from_slice(&fp16(d).to_le_bytes());
+        for j in 0..16 {
+            // C: MIN(15, (int8_t)(x * id + 8.5f)), the cast truncating toward zero
+            let xi0 = ((x[j] * id + 8.5) as i8 as u8).min(15);
+            let xi1 = ((x[j + 16] * id + 8.5) as i8 as u8).min(15);
+            out.push(xi0 | (xi1 << 4));
+        }
+    }
+    out
+}
+
 /// `quantize_row_q8_0_ref`: 34 bytes per 32 values (d: f16, 32 int8 codes rounded half away
 /// from zero).
 pub fn q8_0(x: &[f32]) -> Vec<u8> {
@@ -477,6 +631,8 @@ mod tests {
             (GgmlDType::Q5_0, q5_0(&x), 0.06),
             (GgmlDType::Q5K, q5_k(&x), 0.06),
             (GgmlDType::Q5_1, q5_1(&x), 0.06),
+            (GgmlDType::Q3K, q3_k(&x), 0.25),
+            (GgmlDType::Q4_0, q4_0(&x), 0.12),
             (GgmlDType::Q8_0, q8_0(&x), 0.01),
         ] {
             let q = QTensor::new(

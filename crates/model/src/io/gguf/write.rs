@@ -27,6 +27,13 @@ pub enum OutType {
     /// `attn_v` / `ffn_down`, Q5_0 / Q8_0 where rows are not whole 256-value blocks
     /// (`k_quant_type` below).
     Q4KM,
+    /// llama-quantize's `Q3_K_S`: Q3_K (Q4_0 for rows of 32-value blocks), Q6_K for the output.
+    Q3KS,
+    /// llama-quantize's `Q3_K_M`: Q3_K; Q4_K for `attn_output`, the `ffn_down` (Q5_K for their
+    /// first sixteenth) and the `attn_v` (Q5_K for the first 2).
+    Q3KM,
+    /// llama-quantize's `Q3_K_L`: Q3_K; Q5_K for `attn_v`, `attn_output` and `ffn_down`.
+    Q3KL,
     /// llama-quantize's `Q4_K_S`: Q4_K, Q6_K for the output, Q5_K for the first 4 `attn_v` and
     /// the first eighth of the `ffn_down`.
     Q4KS,
@@ -46,6 +53,9 @@ impl OutType {
             "bf16" => Self::BF16,
             "q8_0" => Self::Q8_0,
             "q4_k_m" => Self::Q4KM,
+            "q3_k_s" => Self::Q3KS,
+            "q3_k_m" => Self::Q3KM,
+            "q3_k_l" => Self::Q3KL,
             "q4_k_s" => Self::Q4KS,
             "q5_k_m" => Self::Q5KM,
             "q5_k_s" => Self::Q5KS,
@@ -57,10 +67,7 @@ impl OutType {
     /// Whether llama-quantize makes this type's file from the converter's f32 one (a k-quant
     /// mix), rather than the converter writing it.
     pub fn is_k_quant(self) -> bool {
-        matches!(
-            self,
-            Self::Q4KM | Self::Q4KS | Self::Q5KM | Self::Q5KS | Self::Q6K
-        )
+        !matches!(self, Self::F32 | Self::F16 | Self::BF16 | Self::Q8_0)
     }
 
     /// `general.file_type` (llama.cpp's `LlamaFileType`).
@@ -70,6 +77,9 @@ impl OutType {
             Self::F16 => 1,
             Self::Q8_0 => 7,
             Self::Q4KM => 15,
+            Self::Q3KS => 11,
+            Self::Q3KM => 12,
+            Self::Q3KL => 13,
             Self::Q4KS => 14,
             Self::Q5KS => 16,
             Self::Q5KM => 17,
@@ -573,6 +583,8 @@ fn llama_quantize(
         let t = q.dequantize(&candle_core::Device::Cpu)?;
         let x = t.flatten_all()?.to_vec1::<f32>()?;
         let bytes = match format {
+            GgmlDType::Q3K => super::quants::q3_k(&x),
+            GgmlDType::Q4_0 => super::quants::q4_0(&x),
             GgmlDType::Q4K => super::quants::q4_k(&x),
             GgmlDType::Q5K => super::quants::q5_k(&x),
             GgmlDType::Q6K => super::quants::q6_k(&x),
@@ -614,7 +626,7 @@ struct KQuantState {
 }
 
 /// The type llama-quantize gives tensor `name` (dims row-major, so the last is its row length)
-/// in a `Q4_K_M`, `Q4_K_S`, `Q5_K_M`, `Q5_K_S` or `Q6_K` file (`st.out`) of a dense llama / qwen2 / qwen3 / gemma2 /
+/// in a `Q3_K_S` / `_M` / `_L`, `Q4_K_M` / `_S`, `Q5_K_M` / `_S` or `Q6_K` file (`st.out`) of a dense llama / qwen2 / qwen3 / gemma2 /
 /// gemma3 / phi3 model, without an importance matrix (`llama_tensor_get_type` in llama.cpp's
 /// src/llama-quant.cpp, the branches these architectures reach; the counters advance in the
 /// order the tensors are met).
@@ -626,6 +638,7 @@ fn k_quant_type(name: &str, dims: &[usize], st: &mut KQuantState) -> GgmlDType {
     let ncols = dims[dims.len() - 1];
     let use_more_bits = |i: usize, n: usize| i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2;
     let mut t = match st.out {
+        OutType::Q3KS | OutType::Q3KM | OutType::Q3KL => GgmlDType::Q3K,
         OutType::Q5KM | OutType::Q5KS => GgmlDType::Q5K,
         OutType::Q6K => GgmlDType::Q6K,
         _ => GgmlDType::Q4K,
@@ -639,27 +652,45 @@ fn k_quant_type(name: &str, dims: &[usize], st: &mut KQuantState) -> GgmlDType {
         };
     } else if is_attn_v(name) {
         let i = st.i_attention_wv;
-        if more_bits && use_more_bits(i, st.n_attention_wv) {
-            t = GgmlDType::Q6K;
-        } else if st.out == OutType::Q4KS && i < 4 {
-            t = GgmlDType::Q5K;
+        match st.out {
+            OutType::Q3KM => {
+                t = if i < 2 {
+                    GgmlDType::Q5K
+                } else {
+                    GgmlDType::Q4K
+                }
+            }
+            OutType::Q3KL => t = GgmlDType::Q5K,
+            _ if more_bits && use_more_bits(i, st.n_attention_wv) => t = GgmlDType::Q6K,
+            OutType::Q4KS if i < 4 => t = GgmlDType::Q5K,
+            _ => {}
         }
-        if st.is_70b && t == GgmlDType::Q4K {
+        if st.is_70b && matches!(t, GgmlDType::Q3K | GgmlDType::Q4K) {
             t = GgmlDType::Q5K;
         }
         st.i_attention_wv += 1;
     } else if name.contains("ffn_down") {
         let i = st.i_ffn_down;
-        if more_bits && use_more_bits(i, st.n_layer) {
-            t = GgmlDType::Q6K;
-        } else if st.out == OutType::Q4KS && i < st.n_layer / 8 {
-            t = GgmlDType::Q5K;
+        match st.out {
+            OutType::Q3KM if i < st.n_layer / 16 => t = GgmlDType::Q5K,
+            OutType::Q3KM => t = GgmlDType::Q4K,
+            OutType::Q3KL => t = GgmlDType::Q5K,
+            _ if more_bits && use_more_bits(i, st.n_layer) => t = GgmlDType::Q6K,
+            OutType::Q4KS if i < st.n_layer / 8 => t = GgmlDType::Q5K,
+            _ => {}
         }
         st.i_ffn_down += 1;
+    } else if name.contains("attn_output.weight") {
+        match st.out {
+            OutType::Q3KM => t = GgmlDType::Q4K,
+            OutType::Q3KL => t = GgmlDType::Q5K,
+            _ => {}
+        }
     }
     // Rows that are not whole blocks of the type: the smaller-block fallback, else f16.
     if !ncols.is_multiple_of(t.block_size()) {
         t = match t {
+            GgmlDType::Q3K => GgmlDType::Q4_0,
             GgmlDType::Q4K => GgmlDType::Q5_0,
             GgmlDType::Q5K => GgmlDType::Q5_1,
             GgmlDType::Q6K => GgmlDType::Q8_0,
@@ -681,10 +712,8 @@ fn tensor_type(t: &Tensor, out: OutType) -> GgmlDType {
         (_, OutType::BF16) => GgmlDType::BF16,
         (_, OutType::Q8_0) if !t.dims()[t.rank() - 1].is_multiple_of(32) => GgmlDType::F16,
         (_, OutType::Q8_0) => GgmlDType::Q8_0,
-        // f32 first, then llama-quantize's types ([`llama_quantize_q4_k_m`])
-        (_, OutType::Q4KM | OutType::Q4KS | OutType::Q5KM | OutType::Q5KS | OutType::Q6K) => {
-            GgmlDType::F32
-        }
+        // f32 first, then llama-quantize's types ([`llama_quantize`])
+        _ => GgmlDType::F32,
     }
 }
 
