@@ -26,10 +26,19 @@ scripts/requirements-fixtures.txt plus `sentencepiece`):
                   without rope scaling, random weights (seed 0), and a 400-piece SentencePiece BPE
                   model with byte fallback trained here on tests/fixtures/data's texts; the model
                   dir is made in the scratch dir and not committed, only its GGUF)
+    tiny-mistral -> tests/fixtures/gguf/tiny-mistral-f32.gguf  (architecture `llama`, its sliding
+                  window dropped, as the converter writes Mistral)
+    tiny-gemma2-spm, tiny-gemma3-spm, tiny-phi3-spm -> tests/fixtures/gguf/tiny-*-spm-f32.gguf,
+                  tiny-gemma3-spm-q8_0.gguf, tiny-phi3-spm-q8_0.gguf  (made in the scratch dir by
+                  make_gemma_model / make_phi3_model: SentencePiece vocabularies of Gemma's and
+                  Phi-3's kinds, Gemma's norms as 1 + w; the files the converter read besides the
+                  weights are kept in tests/fixtures/gguf/hf/NAME for the export test)
+    tiny-phi3-longrope -> tests/fixtures/gguf/tiny-phi3-longrope-f32.gguf  (tiny-phi3: LongRoPE
+                  as the tensors rope_factors_long / _short, partial rotary 0.5)
 
 and llama.cpp's `llama-quantize` (built here from the same archive's sources, with cmake and the
-system C++ compiler) for the one fixture in llama.cpp's k-quant blocks, which gguf-py cannot
-write:
+system C++ compiler) for the fixtures in llama.cpp's k-quant blocks, which gguf-py cannot write
+(the Llama below, and tiny-gemma3-spm / tiny-phi3-spm in Q4_K_M):
 
     tiny-llama-256 -> tests/fixtures/gguf/tiny-llama-256-q4_k_m.gguf  (Q4_K_M: Q4_K and Q6_K
                   blocks, as llama-quantize mixes them; tiny-llama's config and tokenizer at k-quant
@@ -40,12 +49,14 @@ write:
     tiny-llama-256 -> tests/fixtures/gguf/tiny-llama-256-q8_0.gguf  (the converter's Q8_0: the
                   source of the Q4_K_M export test below)
 
-and llama-quantize on the Q8_0 file (`--allow-requantize`: its values, dequantized, quantized
-to Q4_K_M; values on an 8-bit grid, which the 4- and 6-bit blocks must search):
+and llama-quantize on committed files (REQUANTIZED; `--allow-requantize`: the values dequantized,
+then quantized; the Q8_0 file's on an 8-bit grid, which the 4- and 6-bit blocks must search):
 
     tiny-llama-256-q8_0.gguf -> tests/fixtures/gguf/tiny-llama-256-q4_k_m-from-q8_0.gguf  (what
                   `tallow export --outtype q4_k_m` of tiny-llama-256-q8_0.gguf must write, byte
                   for byte)
+    tiny-gemma3-spm-f32.gguf -> tests/fixtures/gguf/tiny-gemma3-spm-{q3_k_s,q3_k_m,q3_k_l,q4_k_s,
+                  q5_k_m,q5_k_s,q6_k}.gguf  (the other mixes `tallow export` writes)
 
 and `convert_lora_to_gguf.py` on two PEFT adapter fixtures (llama.cpp's LoRA adapter layout):
 
