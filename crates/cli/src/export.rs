@@ -67,9 +67,9 @@ pub fn run(a: ExportArgs) -> Result<()> {
         true => Some(std::fs::read(&spm_path).with_context(|| format!("{}", spm_path.display()))?),
         false => None,
     };
-    // a GGUF model dir: the file's own tokenizer keys
+    // a GGUF model dir without tokenizer.model: the file's own tokenizer keys
     let linked = dir.join(tallow_model::io::gguf::LINK);
-    let gguf_tokenizer = match linked.exists() {
+    let gguf_tokenizer = match tokenizer_model.is_none() && linked.exists() {
         true => Some(tallow_model::io::gguf::GgufFile::open(&linked)?.tokenizer_keys()),
         false => None,
     };

@@ -24,7 +24,7 @@
 
 use serde_json::{json, Map, Value};
 
-use super::{is_gemma, GgufFile};
+use super::{gemma_pattern, gemma_query_scalar, is_gemma, GgufFile};
 use crate::error::{ModelError, Refusal, Result};
 
 /// The architectures read, with their transformers class and `model_type`.
@@ -287,8 +287,7 @@ fn gemma(
     use candle_core::quantized::gguf_file::Value as G;
     let key = |k: &str| format!("{arch}.{k}");
     let layers = c["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
-    let big = if arch == "gemma2" { 46 } else { 62 };
-    let scalar = if layers == big { per_head } else { head_dim };
+    let scalar = gemma_query_scalar(arch, layers, per_head, head_dim);
     c.insert("query_pre_attn_scalar".into(), json!(scalar));
     let window = file.int(&key("attention.sliding_window"))?;
     let window = match (arch, window) {
@@ -301,7 +300,7 @@ fn gemma(
         (Some(_), _) => {
             let n = file
                 .int(&key("attention.sliding_window_pattern"))?
-                .unwrap_or(if arch == "gemma2" { 2 } else { 6 })
+                .unwrap_or(gemma_pattern(arch) as i64)
                 .max(1) as usize;
             (0..layers).map(|i| i % n < n - 1).collect()
         }

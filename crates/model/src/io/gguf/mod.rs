@@ -387,6 +387,33 @@ pub fn is_gemma(arch: &str) -> bool {
     matches!(arch, "gemma" | "gemma2" | "gemma3")
 }
 
+/// llama.cpp's Gemma 2 / 3 query scale (`llama_model_gemma{2,3}::load_arch_hparams`), as the
+/// `query_pre_attn_scalar` it amounts to: the head dim, or hidden / heads (`per_head`) for the
+/// 27B models (Gemma 2: 46 layers, Gemma 3: 62). Import writes it, export checks against it.
+pub(crate) fn gemma_query_scalar(
+    arch: &str,
+    layers: usize,
+    per_head: usize,
+    head_dim: usize,
+) -> usize {
+    let big = if arch == "gemma2" { 46 } else { 62 };
+    if layers == big {
+        per_head
+    } else {
+        head_dim
+    }
+}
+
+/// llama.cpp's default Gemma sliding pattern: every 2nd (Gemma 2) or 6th (Gemma 3) layer global,
+/// the others sliding.
+pub(crate) fn gemma_pattern(arch: &str) -> usize {
+    if arch == "gemma2" {
+        2
+    } else {
+        6
+    }
+}
+
 /// Whether GGUF tensor `name` of architecture `arch` is stored as 1 + w ([`is_gemma`]).
 pub fn norm_stored_plus_one(arch: &str, name: &str) -> bool {
     is_gemma(arch) && name.ends_with("norm.weight")

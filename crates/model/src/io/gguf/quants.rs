@@ -32,9 +32,9 @@ fn fp16(v: f32) -> f16 {
     f16::from_f32(v)
 }
 
-/// `make_qx_quants` with `qw` NULL: a scale for `x` and its codes `l` (0..2 nmax), the error
-/// weighted as `rmse_type` says (1: x², the only one Q6_K uses).
-fn make_qx_quants(x: &[f32], nmax: i32, l: &mut [i8], rmse_type: i32) -> f32 {
+/// The value of largest magnitude in `x` (the first of equal ones) and that magnitude: the
+/// `max` / `amax` search ggml's quantizers each open with.
+fn signed_absmax(x: &[f32]) -> (f32, f32) {
     let (mut max, mut amax) = (0f32, 0f32);
     for &v in x {
         let ax = v.abs();
@@ -43,6 +43,13 @@ fn make_qx_quants(x: &[f32], nmax: i32, l: &mut [i8], rmse_type: i32) -> f32 {
             max = v;
         }
     }
+    (max, amax)
+}
+
+/// `make_qx_quants` with `qw` NULL: a scale for `x` and its codes `l` (0..2 nmax), the error
+/// weighted as `rmse_type` says (1: x², the only one Q6_K uses).
+fn make_qx_quants(x: &[f32], nmax: i32, l: &mut [i8], rmse_type: i32) -> f32 {
+    let (max, amax) = signed_absmax(x);
     if amax < GROUP_MAX_EPS {
         l.iter_mut().for_each(|q| *q = 0);
         return 0.0;
@@ -284,20 +291,15 @@ pub fn q6_k(x: &[f32]) -> Vec<u8> {
     let mut l = [0i8; QK_K];
     for x in x.chunks_exact(QK_K) {
         let mut scales = [0f32; 16];
-        let (mut max_scale, mut max_abs_scale) = (0f32, 0f32);
         for ib in 0..16 {
-            let scale = make_qx_quants(
+            scales[ib] = make_qx_quants(
                 &x[16 * ib..16 * ib + 16],
                 32,
                 &mut l[16 * ib..16 * ib + 16],
                 1,
             );
-            scales[ib] = scale;
-            if scale.abs() > max_abs_scale {
-                max_abs_scale = scale.abs();
-                max_scale = scale;
-            }
         }
+        let (max_scale, max_abs_scale) = signed_absmax(&scales);
         if max_abs_scale < GROUP_MAX_EPS {
             out.extend_from_slice(&[0u8; 210]);
             continue;
@@ -349,13 +351,7 @@ pub fn q6_k(x: &[f32]) -> Vec<u8> {
 pub fn q5_0(x: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(x.len() / 32 * 22);
     for x in x.chunks_exact(32) {
-        let (mut amax, mut max) = (0f32, 0f32);
-        for &v in x {
-            if amax < v.abs() {
-                amax = v.abs();
-                max = v;
-            }
-        }
+        let (max, _) = signed_absmax(x);
         let d = max / -16.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         let mut qh = 0u32;
@@ -447,14 +443,7 @@ pub fn q5_1(x: &[f32]) -> Vec<u8> {
 /// `make_q3_quants` with `do_rmse`: signed codes -nmax..nmax-1 for `x` (stored + nmax in `l`),
 /// refined by up to 5 passes of weighted (x^2) least squares; returns the scale.
 fn make_q3_quants(x: &[f32], nmax: i32, l: &mut [i8]) -> f32 {
-    let (mut max, mut amax) = (0f32, 0f32);
-    for &v in x {
-        let ax = v.abs();
-        if ax > amax {
-            amax = ax;
-            max = v;
-        }
-    }
+    let (max, amax) = signed_absmax(x);
     if amax < GROUP_MAX_EPS {
         l.fill(0);
         return 0.0;
@@ -509,15 +498,10 @@ pub fn q3_k(x: &[f32]) -> Vec<u8> {
     let mut l = [0i8; QK_K];
     for x in x.chunks_exact(QK_K) {
         let mut scales = [0f32; 16];
-        let (mut max_scale, mut amax) = (0f32, 0f32);
         for j in 0..16 {
             scales[j] = make_q3_quants(&x[16 * j..16 * j + 16], 4, &mut l[16 * j..16 * j + 16]);
-            let scale = scales[j].abs();
-            if scale > amax {
-                amax = scale;
-                max_scale = scales[j];
-            }
         }
+        let (max_scale, _) = signed_absmax(&scales);
         let mut sc = [0u8; 12];
         let d = if max_scale != 0.0 {
             let iscale = -32.0 / max_scale;
@@ -577,13 +561,7 @@ pub fn q3_k(x: &[f32]) -> Vec<u8> {
 pub fn q4_0(x: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(x.len() / 32 * 18);
     for x in x.chunks_exact(32) {
-        let (mut amax, mut max) = (0f32, 0f32);
-        for &v in x {
-            if amax < v.abs() {
-                amax = v.abs();
-                max = v;
-            }
-        }
+        let (max, _) = signed_absmax(x);
         let d = max / -8.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         out.extend_from_slice(&fp16(d).to_le_bytes());

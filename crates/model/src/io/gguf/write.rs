@@ -260,24 +260,26 @@ pub fn write_gguf(
     }
 
     // Metadata, in the converter's order.
+    let family = match arch {
+        "gemma2" | "gemma3" | "phi3" => Some(family_metadata(path, arch, d, c, out)?),
+        _ => None,
+    };
     let mut m: Vec<(String, G)> = Vec::new();
     let mut put = |k: &str, v: G| m.push((k.to_string(), v));
     let a = |k: &str| format!("{arch}.{k}");
     put("general.architecture", G::String(arch.into()));
+    if let Some((Some((k, v)), _)) = &family {
+        put(k, v.clone());
+    }
     put("general.type", G::String("model".into()));
     put("general.name", G::String(src.name.into()));
     put("general.size_label", G::String(size_label(params)));
     let eps = G::F32(c["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32);
-    let gemma_or_phi3 = match arch {
-        "gemma2" | "gemma3" | "phi3" => {
-            for (k, v) in family_metadata(path, arch, d, c, out)? {
-                put(&k, v);
-            }
-            true
+    if let Some((_, keys)) = family {
+        for (k, v) in keys {
+            put(&k, v);
         }
-        _ => false,
-    };
-    if !gemma_or_phi3 {
+    } else {
         put(&a("block_count"), G::U32(layers));
         put(&a("context_length"), G::U32(int("max_position_embeddings")));
         put(&a("embedding_length"), G::U32(hidden));
@@ -300,15 +302,6 @@ pub fn write_gguf(
     put("general.quantization_version", G::U32(2));
     for (k, v) in tokenizer_metadata(path, arch, src, int("vocab_size") as usize)? {
         put(&k, v);
-    }
-    // Phi-3's converter adds the LongRoPE attention factor while it makes the factor tensors,
-    // right after the architecture
-    if let Some(i) = m
-        .iter()
-        .position(|(k, _)| k == "phi3.rope.scaling.attn_factor")
-    {
-        let kv = m.remove(i);
-        m.insert(1, kv);
     }
     if arch == "gemma3" && src.tokenizer_model.is_none() && src.gguf_tokenizer.is_none() {
         // the converter keeps as many embedding rows as tokenizer.json has tokens
@@ -359,7 +352,9 @@ fn truncate_rows(rows: &mut [(String, QTensor)], name: &str, n: usize) -> Result
 }
 
 /// Gemma 2 / 3's and Phi-3's `{arch}.*` keys and `general.file_type`, in their converters'
-/// order (`Gemma2Model` / `Gemma3Model` / `Phi3MiniModel.set_gguf_parameters`), after refusing
+/// order (`Gemma2Model` / `Gemma3Model` / `Phi3MiniModel.set_gguf_parameters`), with apart the
+/// key the converter writes right after `general.architecture` (Phi-3's LongRoPE attention
+/// factor, which it adds while it makes the factor tensors), after refusing
 /// what llama.cpp would read otherwise than transformers computes it: a query scale that is not
 /// llama.cpp's rule, sliding layers off its pattern, Gemma 2's rope theta (its converter writes
 /// none, llama.cpp takes 10000), a rope scaling the converter does not write.
@@ -369,11 +364,12 @@ fn family_metadata(
     d: &Hyper,
     c: &Value,
     out: OutType,
-) -> Result<Vec<(String, G)>> {
+) -> Result<FamilyKeys> {
     let a = |k: &str| format!("{arch}.{k}");
     let u = |n: usize| G::U32(n as u32);
     let f = |x: f64| G::F32(x as f32);
     let mut m: Vec<(String, G)> = Vec::new();
+    let mut first = None;
     let mut refusals: Vec<Refusal> = Vec::new();
     let mut no = |key: &str, value: String, msg: &str| {
         refusals.push(Refusal {
@@ -386,12 +382,7 @@ fn family_metadata(
     let eps = f(d.rms_norm_eps);
     let (hidden, heads, kv) = (d.hidden, d.heads, d.kv_heads);
     if super::is_gemma(arch) {
-        let big = if arch == "gemma2" { 46 } else { 62 };
-        let want = if layers == big {
-            hidden / heads
-        } else {
-            d.head_dim
-        };
+        let want = super::gemma_query_scalar(arch, layers, hidden / heads, d.head_dim);
         let q = d.query_pre_attn_scalar.unwrap_or(d.head_dim as f64);
         if q != want as f64 {
             no(
@@ -400,7 +391,7 @@ fn family_metadata(
                 &format!("llama.cpp scales a {layers}-layer {arch}'s queries by 1/sqrt({want})"),
             );
         }
-        let every = if arch == "gemma2" { 2 } else { 6 };
+        let every = super::gemma_pattern(arch);
         let full: Vec<usize> = (0..layers).filter(|i| i % every == every - 1).collect();
         if d.full_attention_layers != full {
             no(
@@ -512,8 +503,7 @@ fn family_metadata(
                 } else {
                     1.0
                 };
-                // the converter adds it while it makes the factor tensors, before the rest
-                m.push((a("rope.scaling.attn_factor"), f(attn)));
+                first = Some((a("rope.scaling.attn_factor"), f(attn)));
             } else {
                 scaling(&mut no);
             }
@@ -542,8 +532,12 @@ fn family_metadata(
             refusals,
         });
     }
-    Ok(m)
+    Ok((first, m))
 }
+
+/// [`family_metadata`]'s keys: the one written right after `general.architecture`, if any, and
+/// the rest.
+type FamilyKeys = (Option<(String, G)>, Vec<(String, G)>);
 
 /// `rows` (f32 matrices, as the converter writes them for an f32 export) as llama-quantize
 /// writes them for the k-quant mix `out` without an importance matrix: in its tensor order (the
