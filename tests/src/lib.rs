@@ -415,7 +415,7 @@ pub fn dropout_keep_masks(
             assert!(values.iter().all(|&v| v == 0.0 || v == scale));
             let keep: Vec<u8> = values.iter().map(|&v| u8::from(v > 0.0)).collect();
             out.insert(
-                peft_prefix(i, path),
+                peft_prefix(i, &path),
                 Tensor::from_vec(keep, (rows, t, k), &dev).unwrap(),
             );
         }

@@ -98,25 +98,69 @@ impl DecoderConfig {
     }
 
     /// The module names LoRA can target on this model (PEFT's names): `q_proj`, ... or Phi-3's
-    /// `qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`.
+    /// `qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`; a mixture of experts adds its router
+    /// (`gate`) and its experts' linears (Mixtral's `w1`, `w3`, `w2`), and lists the dense
+    /// MLP's only when some layer has one.
     pub fn lora_modules(&self) -> Vec<&'static str> {
-        self.linear_paths().iter().map(|p| module_name(p)).collect()
+        let mut mods: Vec<&'static str> = Vec::new();
+        let mut add = |m: &'static str| {
+            if !mods.contains(&m) {
+                mods.push(m)
+            }
+        };
+        let any_dense = (0..self.num_hidden_layers).any(|l| !self.is_sparse(l));
+        for p in self.linear_paths() {
+            if any_dense || !p.starts_with("mlp.") {
+                add(module_name(p));
+            }
+        }
+        if let Some(moe) = &self.moe {
+            for (n, _, _) in moe.expert_linears(self.hidden_size) {
+                add(n);
+            }
+            add("gate");
+        }
+        mods
+    }
+
+    /// Whether decoder layer `layer` has a sparse (mixture-of-experts) feed-forward.
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.is_sparse(layer))
+    }
+
+    /// The path of layer `layer`'s feed-forward inside it: `mlp`, or Mixtral's
+    /// `block_sparse_moe` (transformers 4.57's names, which tallow keeps).
+    pub fn mlp_path(&self, layer: usize) -> &'static str {
+        match &self.moe {
+            Some(m) if m.is_sparse(layer) => m.names.block,
+            _ => "mlp",
+        }
     }
 
     /// The modules of this model that LoRA targets `targets` name, in layer order.
     ///
     /// Every name must be a linear of this model, with one exception: the seven Llama-layout
     /// names together (tallow's default `lora.targets`, and what `"all-linear"` expands to)
-    /// mean every linear layer, which on Phi-3 is its four. A partial list naming q/k/v or
-    /// gate/up separately is refused on Phi-3, naming its modules: it has no separate q_proj,
-    /// and a LoRA on the fused `qkv_proj` is a different adapter from one on q alone. PEFT
-    /// itself errors when a target matches no module.
+    /// mean every linear layer, which on Phi-3 is its four and on Mixtral the attention's four
+    /// and the experts' `w1`, `w3`, `w2` (the router stays untargeted, as PEFT leaves it when
+    /// a list does not name `gate`). A partial list naming q/k/v or gate/up separately is
+    /// refused on Phi-3, naming its modules: it has no separate q_proj, and a LoRA on the
+    /// fused `qkv_proj` is a different adapter from one on q alone. PEFT itself errors when a
+    /// target matches no module.
     pub fn resolve_lora_targets<S: AsRef<str>>(&self, targets: &[S]) -> Result<Vec<&'static str>> {
         let mods = self.lora_modules();
         let names: Vec<&str> = targets.iter().map(AsRef::as_ref).collect();
         let every_llama = LINEAR_PATHS.iter().all(|p| names.contains(&module_name(p)));
-        if self.fused_projections && every_llama {
-            return Ok(mods);
+        if every_llama && (self.fused_projections || self.moe.is_some()) {
+            let extra: Vec<&str> = names
+                .iter()
+                .copied()
+                .filter(|n| !LINEAR_PATHS.iter().any(|p| module_name(p) == *n))
+                .collect();
+            return Ok(mods
+                .into_iter()
+                .filter(|m| *m != "gate" || extra.contains(m))
+                .collect());
         }
         if let Some(bad) = names.iter().find(|n| !mods.contains(n)) {
             let fused = if self.fused_projections {
@@ -161,10 +205,16 @@ impl DecoderConfig {
         for l in 0..self.num_hidden_layers {
             let p = format!("model.layers.{l}");
             for s in self.layer_linears() {
+                if self.is_sparse(l) && s.path.starts_with("mlp.") {
+                    continue;
+                }
                 out.push((format!("{p}.{}.weight", s.path), vec![s.out, s.inp]));
                 if s.bias {
                     out.push((format!("{p}.{}.bias", s.path), vec![s.out]));
                 }
+            }
+            for (name, out_f, in_f) in self.expert_tensors(l) {
+                out.push((format!("{p}.{name}.weight"), vec![out_f, in_f]));
             }
             for (n, len) in self.layer_norms() {
                 out.push((format!("{p}.{n}"), vec![len]));
@@ -188,8 +238,35 @@ impl DecoderConfig {
     /// Elements of the decoder linears' weights (biases excluded), all layers: what NF4
     /// quantizes.
     pub fn linear_weight_elems(&self) -> usize {
-        let per_layer: usize = self.layer_linears().iter().map(|s| s.out * s.inp).sum();
-        per_layer * self.num_hidden_layers
+        (0..self.num_hidden_layers)
+            .map(|l| {
+                let dense: usize = self
+                    .layer_linears()
+                    .iter()
+                    .filter(|s| !(self.is_sparse(l) && s.path.starts_with("mlp.")))
+                    .map(|s| s.out * s.inp)
+                    .sum();
+                let experts: usize = self.expert_tensors(l).iter().map(|(_, o, i)| o * i).sum();
+                dense + experts
+            })
+            .sum()
+    }
+
+    /// The router and expert linears of layer `layer` (none for a dense one), by their path
+    /// inside it in transformers 4.57's per-expert layout, with (out, in): the router
+    /// `{block}.gate` (E, C), then each expert's gate, up and down.
+    pub fn expert_tensors(&self, layer: usize) -> Vec<(String, usize, usize)> {
+        let Some(moe) = self.moe.as_ref().filter(|m| m.is_sparse(layer)) else {
+            return Vec::new();
+        };
+        let b = moe.names.block;
+        let mut v = vec![(format!("{b}.gate"), moe.num_experts, self.hidden_size)];
+        for e in 0..moe.num_experts {
+            for (n, o, i) in moe.expert_linears(self.hidden_size) {
+                v.push((format!("{b}.experts.{e}.{n}"), o, i));
+            }
+        }
+        v
     }
 }
 

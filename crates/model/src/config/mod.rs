@@ -90,6 +90,65 @@ pub struct Variant {
     pub rope_local_base_freq: Option<f64>,
 }
 
+/// A mixture-of-experts feed-forward (Qwen3-MoE, Mixtral): a router (`gate`, E x C) picks
+/// `top_k` of `num_experts` gated MLPs per token (`crate::decoder::moe`). transformers
+/// `modeling_qwen3_moe.py` / `modeling_mixtral.py` (4.57 and 5.x) are the reference.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Moe {
+    /// E: `num_experts` (Qwen3-MoE), `num_local_experts` (Mixtral).
+    pub num_experts: usize,
+    /// K: `num_experts_per_tok`.
+    pub top_k: usize,
+    /// Each expert's intermediate size: `moe_intermediate_size` (Qwen3-MoE), Mixtral's
+    /// `intermediate_size`.
+    pub expert_size: usize,
+    /// The K chosen probabilities renormalized to sum to 1 (`norm_topk_prob`; Mixtral always).
+    pub norm_topk_prob: bool,
+    /// Layers that keep a dense MLP of `intermediate_size` (Qwen3-MoE's `mlp_only_layers`).
+    pub dense_layers: Vec<usize>,
+    /// Every `sparse_step`-th layer is sparse (Qwen3-MoE's `decoder_sparse_step`; 1: all).
+    pub sparse_step: usize,
+    /// `output_router_logits`: the training loss adds `router_aux_loss_coef` times the
+    /// load-balancing loss (transformers' `load_balancing_loss_func`), as transformers does
+    /// when it is set.
+    pub output_router_logits: bool,
+    pub router_aux_loss_coef: f64,
+    /// The tensor names of the family's per-expert layout (transformers 4.57, and what
+    /// transformers 5 saves by default).
+    pub names: MoeNames,
+}
+
+/// Where a family's sparse block and its experts' linears live inside a decoder layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeNames {
+    /// The block's path in the 4.57 layout (`mlp`, Mixtral's `block_sparse_moe`); transformers
+    /// 5's fused layout always says `mlp`.
+    pub block: &'static str,
+    /// Each expert's gate, up and down projections (`gate_proj`, ..., Mixtral's `w1`, `w3`,
+    /// `w2`).
+    pub gate: &'static str,
+    pub up: &'static str,
+    pub down: &'static str,
+}
+
+impl Moe {
+    /// Whether decoder layer `layer` is sparse: transformers' test in
+    /// `Qwen3MoeDecoderLayer.__init__` (Mixtral: every layer).
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        !self.dense_layers.contains(&layer)
+            && self.num_experts > 0
+            && self.sparse_step > 0
+            && (layer + 1).is_multiple_of(self.sparse_step)
+    }
+
+    /// The linears of one expert, (name, out, in): gate and up (I x C), down (C x I), in the
+    /// order the 4.57 layout lists them.
+    pub fn expert_linears(&self, hidden: usize) -> [(&'static str, usize, usize); 3] {
+        let (n, i) = (&self.names, self.expert_size);
+        [(n.gate, i, hidden), (n.up, i, hidden), (n.down, hidden, i)]
+    }
+}
+
 /// Everything the decoder needs, checked. Built only by the family files' `into_config()`.
 #[derive(Debug, Clone)]
 pub struct DecoderConfig {
@@ -124,6 +183,8 @@ pub struct DecoderConfig {
     pub sliding_window: Option<usize>,
     /// Gemma 2's departures from the Llama layout (none for the other families).
     pub variant: Variant,
+    /// A mixture-of-experts model's sparse blocks (None: every layer a dense MLP).
+    pub moe: Option<Moe>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     /// The checkpoint is an image-text model's (`Gemma3ForConditionalGeneration`) and tallow

@@ -216,7 +216,7 @@ fn forward_tiled(layer: &DecoderLayer, x: &Tensor, rope: &RopeMask, tile: usize)
     drop((q, k, v));
     let mid = attention_out_tiled(layer, x, &y, tile)?;
     drop(y);
-    map_tiles(&mid, tile, |xt| layer.mlp_half(xt))
+    map_tiles(&mid, tile, |xt| layer.mlp_half(xt, None))
 }
 
 /// `f` over tiles of at most `tile` rows of the flattened (B*T, N) input, each tile run as a
@@ -347,7 +347,7 @@ fn recompute_backward(
         &mid.detach(),
         dy,
         tile,
-        |m| layer.mlp_half(m),
+        |m| layer.mlp_half(m, None),
         &vars,
         &mut kept,
     )?;
@@ -385,7 +385,14 @@ fn recompute_backward_tiled(
 
     // 2. The MLP half's backward from mid = x + attention_out(y), rebuilt without a graph.
     let mid = crate::nn::no_grad::no_grad(|| attention_out_tiled(layer, &x, &y.detach(), tile))?;
-    let dmid = tiles_backward(&mid, dy, tile, |m| layer.mlp_half(m), &vars, &mut kept)?;
+    let dmid = tiles_backward(
+        &mid,
+        dy,
+        tile,
+        |m| layer.mlp_half(m, None),
+        &vars,
+        &mut kept,
+    )?;
     drop(mid);
     // 3. o_proj (Gemma 2: and its norm) tile by tile: d(y).
     let dy_core = tiles_backward(

@@ -6,6 +6,7 @@
 
 use candle_core::{DType, Tensor};
 
+use super::moe::{RouterTape, SparseMoe};
 use crate::config::{Activation, DecoderConfig, RopeScaling};
 use crate::error::Result;
 use crate::nn::linear::{adapter_input, Linear, Param};
@@ -203,12 +204,32 @@ impl Mlp {
     }
 }
 
+/// A layer's feed-forward: a dense gated MLP, or a mixture of experts (Qwen3-MoE, Mixtral).
+#[derive(Clone)]
+pub enum FeedForward {
+    Dense(Mlp),
+    Sparse(SparseMoe),
+}
+
+impl FeedForward {
+    /// x: (B, T, C) -> (B, T, C); a sparse block records its router on `tape`.
+    pub(crate) fn forward(&self, x: &Tensor, tape: Option<&RouterTape>) -> Result<Tensor> {
+        match self {
+            FeedForward::Dense(m) => m.forward(x),
+            FeedForward::Sparse(m) => m.forward(x, tape),
+        }
+    }
+}
+
 /// One pre-norm decoder layer. Cloning is cheap (tensors are shared), which activation
 /// checkpointing uses to keep a handle on the layer in the graph.
 #[derive(Clone)]
 pub struct DecoderLayer {
     pub self_attn: Attention,
-    pub mlp: Mlp,
+    pub mlp: FeedForward,
+    /// Where the feed-forward's tensors live inside the layer (`mlp`, Mixtral's
+    /// `block_sparse_moe`).
+    pub(crate) mlp_path: &'static str,
     pub input_layernorm: Param,
     pub post_attention_layernorm: Param,
     /// Gemma 2's norms around the MLP (`post_attention_layernorm` then normalizes the
@@ -226,7 +247,7 @@ pub struct DecoderLayer {
 impl DecoderLayer {
     /// x: (B, T, C) -> (B, T, C)
     pub fn forward(&self, x: &Tensor, rope: &RopeMask) -> Result<Tensor> {
-        self.mlp_half(&self.attention_residual(x, rope)?)
+        self.mlp_half(&self.attention_residual(x, rope)?, rope.router.as_deref())
     }
 
     /// The training forward's first half, [`DecoderLayer::attention_half`] with the batch's
@@ -307,7 +328,7 @@ impl DecoderLayer {
         x: &Tensor,
         attn: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
-        self.mlp_half(&self.attention_half(x, attn)?)
+        self.mlp_half(&self.attention_half(x, attn)?, None)
     }
 
     /// The block's first residual half: x + attn(norm(x)). x: (B, T, C) -> (B, T, C)
@@ -328,73 +349,106 @@ impl DecoderLayer {
     /// The block's second residual half: x + mlp(norm(x)) (Gemma 2: x + norm(mlp(norm(x)))
     /// with its pre- and post-feed-forward norms). Token-wise (each row of the output reads
     /// only its own row), which activation checkpointing uses to run it in tiles of tokens.
+    /// A sparse feed-forward records its router on `tape` (the load-balancing loss).
     /// x: (B, T, C) -> (B, T, C)
-    pub(crate) fn mlp_half(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn mlp_half(&self, x: &Tensor, tape: Option<&RouterTape>) -> Result<Tensor> {
         if let (Some(pre), Some(post)) = (
             &self.pre_feedforward_layernorm,
             &self.post_feedforward_layernorm,
         ) {
             let h = self.norm(x, pre)?;
-            let m = self.norm(&self.mlp.forward(&h)?, post)?;
+            let m = self.norm(&self.mlp.forward(&h, tape)?, post)?;
             return Ok((x + m)?);
         }
         let h = self.norm(x, &self.post_attention_layernorm)?;
-        Ok((x + self.mlp.forward(&h)?)?)
+        Ok((x + self.mlp.forward(&h, tape)?)?)
     }
 
     /// Every linear layer of this block with its path relative to the layer, in the order of
     /// `DecoderConfig::layer_linears` (HF's names: `self_attn.q_proj`, ..., or Phi-3's
-    /// `self_attn.qkv_proj`, ...).
-    pub fn linears(&self) -> Vec<(&'static str, &Linear)> {
-        let (a, m) = (&self.self_attn, &self.mlp);
-        let mut v: Vec<(&'static str, &Linear)> = match &a.qkv {
+    /// `self_attn.qkv_proj`, ...); a sparse block's router and experts in transformers 4.57's
+    /// per-expert names (`mlp.gate`, `mlp.experts.0.gate_proj`, ...).
+    pub fn linears(&self) -> Vec<(String, &Linear)> {
+        let a = &self.self_attn;
+        let mut v: Vec<(String, &Linear)> = match &a.qkv {
             QkvProj::Separate {
                 q_proj,
                 k_proj,
                 v_proj,
             } => vec![
-                ("self_attn.q_proj", q_proj),
-                ("self_attn.k_proj", k_proj),
-                ("self_attn.v_proj", v_proj),
+                ("self_attn.q_proj".into(), q_proj),
+                ("self_attn.k_proj".into(), k_proj),
+                ("self_attn.v_proj".into(), v_proj),
             ],
-            QkvProj::Fused { qkv_proj } => vec![("self_attn.qkv_proj", qkv_proj)],
+            QkvProj::Fused { qkv_proj } => vec![("self_attn.qkv_proj".into(), qkv_proj)],
         };
-        v.push(("self_attn.o_proj", &a.o_proj));
-        match &m.gate_up {
-            GateUpProj::Separate { gate_proj, up_proj } => {
-                v.push(("mlp.gate_proj", gate_proj));
-                v.push(("mlp.up_proj", up_proj));
+        v.push(("self_attn.o_proj".into(), &a.o_proj));
+        let p = self.mlp_path;
+        match &self.mlp {
+            FeedForward::Dense(m) => {
+                match &m.gate_up {
+                    GateUpProj::Separate { gate_proj, up_proj } => {
+                        v.push((format!("{p}.gate_proj"), gate_proj));
+                        v.push((format!("{p}.up_proj"), up_proj));
+                    }
+                    GateUpProj::Fused { gate_up_proj } => {
+                        v.push((format!("{p}.gate_up_proj"), gate_up_proj))
+                    }
+                }
+                v.push((format!("{p}.down_proj"), &m.down_proj));
             }
-            GateUpProj::Fused { gate_up_proj } => v.push(("mlp.gate_up_proj", gate_up_proj)),
+            FeedForward::Sparse(m) => {
+                v.push((format!("{p}.gate"), &m.gate));
+                for (e, x) in m.experts.iter().enumerate() {
+                    for (n, lin) in x.named(&m.names) {
+                        v.push((format!("{p}.experts.{e}.{n}"), lin));
+                    }
+                }
+            }
         }
-        v.push(("mlp.down_proj", &m.down_proj));
         v
     }
 
     /// [`DecoderLayer::linears`], mutable (for attaching adapters).
-    pub fn linears_mut(&mut self) -> Vec<(&'static str, &mut Linear)> {
-        let (a, m) = (&mut self.self_attn, &mut self.mlp);
-        let mut v: Vec<(&'static str, &mut Linear)> = match &mut a.qkv {
+    pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        let a = &mut self.self_attn;
+        let mut v: Vec<(String, &mut Linear)> = match &mut a.qkv {
             QkvProj::Separate {
                 q_proj,
                 k_proj,
                 v_proj,
             } => vec![
-                ("self_attn.q_proj", q_proj),
-                ("self_attn.k_proj", k_proj),
-                ("self_attn.v_proj", v_proj),
+                ("self_attn.q_proj".into(), q_proj),
+                ("self_attn.k_proj".into(), k_proj),
+                ("self_attn.v_proj".into(), v_proj),
             ],
-            QkvProj::Fused { qkv_proj } => vec![("self_attn.qkv_proj", qkv_proj)],
+            QkvProj::Fused { qkv_proj } => vec![("self_attn.qkv_proj".into(), qkv_proj)],
         };
-        v.push(("self_attn.o_proj", &mut a.o_proj));
-        match &mut m.gate_up {
-            GateUpProj::Separate { gate_proj, up_proj } => {
-                v.push(("mlp.gate_proj", gate_proj));
-                v.push(("mlp.up_proj", up_proj));
+        v.push(("self_attn.o_proj".into(), &mut a.o_proj));
+        let p = self.mlp_path;
+        match &mut self.mlp {
+            FeedForward::Dense(m) => {
+                match &mut m.gate_up {
+                    GateUpProj::Separate { gate_proj, up_proj } => {
+                        v.push((format!("{p}.gate_proj"), gate_proj));
+                        v.push((format!("{p}.up_proj"), up_proj));
+                    }
+                    GateUpProj::Fused { gate_up_proj } => {
+                        v.push((format!("{p}.gate_up_proj"), gate_up_proj))
+                    }
+                }
+                v.push((format!("{p}.down_proj"), &mut m.down_proj));
             }
-            GateUpProj::Fused { gate_up_proj } => v.push(("mlp.gate_up_proj", gate_up_proj)),
+            FeedForward::Sparse(m) => {
+                v.push((format!("{p}.gate"), &mut m.gate));
+                let names = m.names;
+                for (e, x) in m.experts.iter_mut().enumerate() {
+                    for (n, lin) in x.named_mut(&names) {
+                        v.push((format!("{p}.experts.{e}.{n}"), lin));
+                    }
+                }
+            }
         }
-        v.push(("mlp.down_proj", &mut m.down_proj));
         v
     }
 }
@@ -413,6 +467,9 @@ pub struct RopeMask {
     /// Gemma 3: the sliding layers' rotary tables (cos, sin), (B, 1, T, Dr); None when every
     /// layer reads `cos` / `sin`.
     pub local: Option<(Tensor, Tensor)>,
+    /// A mixture of experts' forward that adds the load-balancing loss: where its sparse
+    /// blocks record their routers.
+    pub router: Option<std::sync::Arc<RouterTape>>,
 }
 
 /// RMSNorm of x with weight `w`: Llama's, or Gemma's `(1 + w)` when `plus_one`.

@@ -8,11 +8,15 @@
 
 pub mod checkpointing;
 pub mod layer;
+pub mod moe;
 mod offload;
 pub mod save;
 
 use layer::{norm, Rotary};
-pub use layer::{Attention, AttentionImpl, DecoderLayer, GateUpProj, Mask, Mlp, QkvProj, RopeMask};
+pub use layer::{
+    Attention, AttentionImpl, DecoderLayer, FeedForward, GateUpProj, Mask, Mlp, QkvProj, RopeMask,
+};
+pub use moe::{Expert, RouterTape, SparseMoe};
 
 use std::path::Path;
 use std::sync::Arc;
@@ -20,7 +24,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 
 use crate::config::layout::LinearSpec;
-use crate::config::DecoderConfig;
+use crate::config::{DecoderConfig, Moe};
 use crate::decoder::checkpointing::Checkpointing;
 use crate::error::{ModelError, Result};
 use crate::io::weights::Weights;
@@ -180,13 +184,92 @@ impl CausalLM {
             })
         };
         let (hs, d) = (c.hidden_size, c.head_dim);
+        // A weight already read (a slice of transformers 5's fused experts), on the CPU in f32
+        // or `dt`: dense or NF4 as `base` makes it.
+        let base_of = |full: Tensor| -> Result<Base> {
+            match opts.quantize {
+                None => Ok(Base::Dense(Param::new(
+                    full.to_dtype(dt)?.to_device(dev)?,
+                    tr,
+                )?)),
+                Some(q) => {
+                    let mut nf4 = Nf4Weight::quantize(&full.to_dtype(DType::F32)?, q.double_quant)?;
+                    nf4.dtype = dt;
+                    Ok(Base::Nf4(Arc::new(nf4.to_device(dev)?)))
+                }
+            }
+        };
+        let plain = |weight: Base| Linear {
+            weight,
+            bias: None,
+            adapter: None,
+        };
+        // A sparse block at `p` (`model.layers.3`): its router, and its experts in either
+        // layout, per-expert linears (transformers 4.57, and 5's default save) or fused 3-D
+        // tensors (5.x's `save_original_format=False`): `mlp.experts.gate_up_proj` (E, 2 I, C),
+        // gate rows then up rows, and `mlp.experts.down_proj` (E, C, I).
+        let sparse_block = |moe: &Moe, p: &str| -> Result<SparseMoe> {
+            let (e, i) = (moe.num_experts, moe.expert_size);
+            let b = moe.names.block;
+            let router = [
+                format!("{p}.{b}.gate.weight"),
+                format!("{p}.mlp.gate.weight"),
+            ]
+            .into_iter()
+            .find(|n| w.contains(n))
+            .unwrap_or_else(|| format!("{p}.{b}.gate.weight"));
+            let gate = plain(base(&router, e, hs)?);
+            let fused = format!("{p}.mlp.experts.gate_up_proj");
+            let experts = if w.contains(&fused) {
+                let load_dt = if opts.quantize.is_some() {
+                    DType::F32
+                } else {
+                    dt
+                };
+                let gu = w.load(&fused, &[e, 2 * i, hs], load_dt, &Device::Cpu)?; // (E, 2I, C)
+                let down_name = format!("{p}.mlp.experts.down_proj");
+                let down = w.load(&down_name, &[e, hs, i], load_dt, &Device::Cpu)?; // (E, C, I)
+                (0..e)
+                    .map(|x| {
+                        let g = gu.get(x)?; // (2I, C)
+                        Ok(Expert {
+                            gate_proj: plain(base_of(g.narrow(0, 0, i)?.contiguous()?)?),
+                            up_proj: plain(base_of(g.narrow(0, i, i)?.contiguous()?)?),
+                            down_proj: plain(base_of(down.get(x)?.contiguous()?)?),
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?
+            } else {
+                let n = &moe.names;
+                (0..e)
+                    .map(|x| {
+                        let q = format!("{p}.{b}.experts.{x}");
+                        Ok(Expert {
+                            gate_proj: plain(base(&format!("{q}.{}.weight", n.gate), i, hs)?),
+                            up_proj: plain(base(&format!("{q}.{}.weight", n.up), i, hs)?),
+                            down_proj: plain(base(&format!("{q}.{}.weight", n.down), hs, i)?),
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?
+            };
+            Ok(SparseMoe {
+                gate,
+                experts,
+                top_k: moe.top_k,
+                norm_topk_prob: moe.norm_topk_prob,
+                act: c.variant.act,
+                names: moe.names,
+            })
+        };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
             // The linears in `layer_linears` order (crate::config::layout): seven, or Phi-3's four.
+            let sparse = c.is_sparse(i);
             let mut lins = c
                 .layer_linears()
                 .iter()
+                .filter(|s| !(sparse && s.path.starts_with("mlp.")))
                 .map(|s| linear(&format!("{p}.{}", s.path), s))
                 .collect::<Result<Vec<_>>>()?
                 .into_iter();
@@ -221,20 +304,25 @@ impl CausalLM {
                 scale: c.attention_scale(),
                 softcap: c.variant.attn_logit_softcapping,
             };
-            let gate_up = if c.fused_projections {
-                GateUpProj::Fused {
-                    gate_up_proj: next(),
+            let mlp = match c.moe.as_ref().filter(|_| sparse) {
+                Some(moe) => FeedForward::Sparse(sparse_block(moe, &p)?),
+                None => {
+                    let gate_up = if c.fused_projections {
+                        GateUpProj::Fused {
+                            gate_up_proj: next(),
+                        }
+                    } else {
+                        GateUpProj::Separate {
+                            gate_proj: next(),
+                            up_proj: next(),
+                        }
+                    };
+                    FeedForward::Dense(Mlp {
+                        gate_up,
+                        down_proj: next(),
+                        act: c.variant.act,
+                    })
                 }
-            } else {
-                GateUpProj::Separate {
-                    gate_proj: next(),
-                    up_proj: next(),
-                }
-            };
-            let mlp = Mlp {
-                gate_up,
-                down_proj: next(),
-                act: c.variant.act,
             };
             let sandwich = |n: &str| -> Result<Option<Param>> {
                 c.variant
@@ -245,6 +333,7 @@ impl CausalLM {
             layers.push(DecoderLayer {
                 self_attn,
                 mlp,
+                mlp_path: c.mlp_path(i),
                 input_layernorm: param(&format!("{p}.input_layernorm.weight"), &[hs])?,
                 post_attention_layernorm: param(
                     &format!("{p}.post_attention_layernorm.weight"),
@@ -370,6 +459,7 @@ impl CausalLM {
             mask,
             full,
             local,
+            router: None,
         })
     }
 
@@ -405,6 +495,43 @@ impl CausalLM {
     ) -> Result<Tensor> {
         let (b, t) = input_ids.dims2()?;
         let rope = self.rope_mask(b, t, segments)?;
+        self.layers_forward(input_ids, rope)
+    }
+
+    /// [`CausalLM::forward_hidden`] and, for a mixture of experts whose config sets
+    /// `output_router_logits`, the router's load-balancing loss over the batch (transformers'
+    /// `aux_loss`, which it adds to the loss times `router_aux_loss_coef`; a () f32 tensor;
+    /// None for other models). `valid` (B rows of T) marks the tokens the loss counts, transformers'
+    /// `attention_mask` (padding is not; None: every token).
+    /// input_ids: (B, T) u32 -> (B, T, C), ()
+    pub fn forward_hidden_aux(
+        &self,
+        input_ids: &Tensor,
+        segments: Option<&[Vec<u32>]>,
+        valid: Option<&[Vec<bool>]>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let Some(moe) = self.config.moe.as_ref().filter(|m| m.output_router_logits) else {
+            return Ok((self.forward_hidden(input_ids, segments)?, None));
+        };
+        if self.checkpointing.is_some() {
+            return Err(ModelError::Invalid(
+                "the router's load-balancing loss (output_router_logits) is not computed with \
+                 activation checkpointing yet: turn train.gradient_checkpointing off, or set \
+                 output_router_logits to false in the model's config.json"
+                    .into(),
+            ));
+        }
+        let (b, t) = input_ids.dims2()?;
+        let mut rope = self.rope_mask(b, t, segments)?;
+        let valid = valid.map(|v| v.concat());
+        let tape = Arc::new(RouterTape::new(b * t, valid, &self.device)?);
+        rope.router = Some(tape.clone());
+        let hidden = self.layers_forward(input_ids, rope)?;
+        Ok((hidden, tape.aux_loss(moe.num_experts)?))
+    }
+
+    /// Embeddings, the decoder layers and the final norm. input_ids: (B, T) -> (B, T, C)
+    fn layers_forward(&self, input_ids: &Tensor, rope: RopeMask) -> Result<Tensor> {
         let mut x = self.embed(input_ids)?;
         match &self.checkpointing {
             Some(c) => x = c.forward_layers(&self.layers, x, &rope)?,

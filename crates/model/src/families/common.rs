@@ -87,6 +87,8 @@ pub struct FamilyExtras {
     pub local_rope: Option<LocalRope>,
     /// The family's default `rope_theta` when neither layout gives one (None: 10000).
     pub default_rope_theta: Option<f64>,
+    /// A mixture of experts (Qwen3-MoE, Mixtral): its sparse blocks.
+    pub moe: Option<crate::config::Moe>,
 }
 
 /// Gemma 3's second rotary table, for its `sliding_attention` layers: theta only, never
@@ -209,6 +211,15 @@ impl CommonKeys {
                 .unwrap_or(shape.tie_word_embeddings),
             sliding_window: shape.sliding_window,
             variant,
+            // Mixtral's experts are `intermediate_size` wide (its extras say 0).
+            moe: extras.moe.map(|m| crate::config::Moe {
+                expert_size: if m.expert_size == 0 {
+                    self.intermediate_size
+                } else {
+                    m.expert_size
+                },
+                ..m
+            }),
             bos_token_id: self.bos_token_id,
             eos_token_ids: self.eos_token_id.into_vec(),
             text_tower: false,

@@ -24,9 +24,11 @@ pub mod gemma2;
 pub mod gemma3;
 pub mod llama;
 pub mod mistral;
+pub mod mixtral;
 pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;
+pub mod qwen3_moe;
 
 use common::{CommonKeys, FamilyExtras, FamilyShape};
 
@@ -39,6 +41,8 @@ pub const FAMILIES: &[Registered] = &[
     register::<gemma2::Gemma2Keys>(),
     register::<phi3::Phi3Keys>(),
     register::<gemma3::Gemma3Keys>(),
+    register::<qwen3_moe::Qwen3MoeKeys>(),
+    register::<mixtral::MixtralKeys>(),
 ];
 
 /// A family's own `config.json` keys (its serde fields), beyond [`CommonKeys`].

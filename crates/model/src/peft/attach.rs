@@ -24,7 +24,7 @@ pub fn attach_lora(model: &mut CausalLM, spec: &LoraSpec, seed: u64) -> Result<(
     let mut id = 0u64;
     for layer in model.layers.iter_mut() {
         for (path, lin) in layer.linears_mut() {
-            if !targets.contains(&module_name(path)) {
+            if !targets.contains(&module_name(&path)) {
                 lin.adapter = None;
                 continue;
             }
@@ -75,7 +75,7 @@ pub fn lora_vars(model: &CausalLM) -> Vec<(String, Var)> {
     for (i, layer) in model.layers.iter().enumerate() {
         for (path, lin) in layer.linears() {
             if let Some(a) = &lin.adapter {
-                let p = model_peft_prefix(model, i, path);
+                let p = model_peft_prefix(model, i, &path);
                 for (suffix, v) in a.vars() {
                     out.push((format!("{p}.{suffix}"), v.clone()));
                 }

@@ -1,0 +1,234 @@
+#!/usr/bin/env python3
+"""Mixture-of-experts reference fixtures from HF transformers (dev-only; issue 40).
+
+Run from the repository root, first with transformers 4.57 (it makes the models), then 5.x:
+
+    /work/pyref/bin/python scripts/make_moe_fixtures.py     (scripts/requirements-fixtures.txt)
+    /work/pyref5/bin/python scripts/make_moe_fixtures.py    (scripts/requirements-fixtures-v5.txt)
+
+transformers 4.57 writes, for tiny random Qwen3-MoE and Mixtral checkpoints:
+
+    tests/fixtures/models/tiny-qwen3-moe/   Qwen3MoeForCausalLM, per-expert linears: 3 layers,
+                                            8 experts, top 3, norm_topk_prob, mlp_only_layers
+                                            [1] (layer 1 dense), head_dim 16 != hidden / heads,
+                                            output_router_logits with coefficient 0.05; the
+                                            "chatml" tokenizer of tiny-qwen3
+    tests/fixtures/models/tiny-mixtral/     MixtralForCausalLM (`block_sparse_moe`, experts
+                                            w1 / w3 / w2): 2 layers, 4 experts, top 2,
+                                            sliding_window 8, output_router_logits with
+                                            coefficient 0.05; the "bos" tokenizer of tiny-mistral
+    tests/fixtures/reference/moe-<model>.json          the rows (text and messages rows of
+                                            tiny-qwen3 / tiny-mistral's reference), each
+                                            row's NLL sum and target count and its aux loss
+                                            (the row alone), and a padded batch of every row:
+                                            its CE, aux loss and total loss
+    tests/fixtures/reference/moe-<model>.safetensors   "row.<k>.logits" (T, V) f32, and
+                                            "grad.<key>" of the batch's total loss for every
+                                            parameter (full fine-tuning; 4.57's names)
+
+The router's coefficient is 0.05 rather than the default 0.001 so that the aux loss moves
+the loss and the router's gradient well past the tests' tolerances.
+
+transformers 5 reads the 4.57 checkpoints, computes the same references, and saves each model
+with `save_original_format=False`: its own fused layout (`mlp.experts.gate_up_proj` (E, 2I, C),
+`mlp.experts.down_proj` (E, C, I), Mixtral's `block_sparse_moe` renamed `mlp`) and its config
+layout (`rope_parameters`):
+
+    tests/fixtures/v5/models/tiny-{qwen3-moe,mixtral}/
+    tests/fixtures/v5/reference/moe-<model>.json       as above, from transformers 5
+
+Everything runs in f32 on the CPU, eager attention, one thread, fixed seeds.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+REPO = Path(__file__).resolve().parent.parent
+FIX = REPO / "tests" / "fixtures"
+V5 = transformers.__version__.startswith("5.")
+SEED = 20261128
+MODELS = {
+    # name: (rows from this reference, tokenizer's model dir, config)
+    "tiny-qwen3-moe": (
+        "tiny-qwen3",
+        "tiny-qwen3",
+        dict(
+            model_type="qwen3_moe",
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=48,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            output_router_logits=True,
+            router_aux_loss_coef=0.05,
+            rope_theta=1e6,
+            max_position_embeddings=256,
+            initializer_range=0.1,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "tiny-mixtral": (
+        "tiny-mistral",
+        "tiny-mistral",
+        dict(
+            model_type="mixtral",
+            hidden_size=64,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            output_router_logits=True,
+            router_aux_loss_coef=0.05,
+            max_position_embeddings=256,
+            initializer_range=0.1,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
+
+def rows_of(reference):
+    ref = json.loads((FIX / "reference" / f"{reference}.json").read_text())
+    rows = []
+    for fmt in ("text", "messages"):
+        rows += ref["formats"][fmt]["rows"]
+    return ref, rows
+
+
+def labels_of(ids, targets):
+    return [i if t else -100 for i, t in zip(ids, targets)]
+
+
+def make_model(name):
+    reference, tok_model, cfg = MODELS[name]
+    ref, _ = rows_of(reference)
+    src = FIX / "models" / tok_model
+    out = FIX / "models" / name
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    kind = cfg["model_type"]
+    config = transformers.AutoConfig.for_model(
+        kind,
+        vocab_size=ref["vocab_size"],
+        bos_token_id=ref["bos_token_id"],
+        eos_token_id=ref["eos_token_id"],
+        **{k: v for k, v in cfg.items() if k != "model_type"},
+    )
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(SEED + 1)
+    with torch.no_grad():
+        # norms that matter: 1 + 0.2 randn, as scripts/make_fixtures.py
+        for mname, mod in model.named_modules():
+            if "RMSNorm" in type(mod).__name__:
+                mod.weight.copy_(1.0 + 0.2 * torch.randn(mod.weight.shape, generator=gen))
+    model.save_pretrained(str(out), safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / f).exists():
+            shutil.copy(src / f, out / f)
+
+
+def references(name, model_dir):
+    reference, _, cfg = MODELS[name]
+    _, rows = rows_of(reference)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager", dtype=torch.float32)
+    model.eval()
+    tensors = {}
+    out_rows = []
+    for k, r in enumerate(rows):
+        ids = torch.tensor([r["ids"]])
+        labels = torch.tensor([labels_of(r["ids"], r["targets"])])
+        with torch.no_grad():
+            o = model(input_ids=ids, labels=labels, output_router_logits=True)
+        logits = o.logits[0].float()
+        lp = torch.log_softmax(logits.double(), -1)
+        nll = 0.0
+        n = 0
+        for i in range(1, len(r["ids"])):
+            if r["targets"][i]:
+                nll -= lp[i - 1, r["ids"][i]].item()
+                n += 1
+        out_rows.append(dict(ids=r["ids"], targets=r["targets"], nll_sum=nll, n_targets=n, aux=o.aux_loss.item()))
+        tensors[f"row.{k}.logits"] = logits.contiguous()
+
+    # One right-padded batch of every row: CE over its targets + coef * aux over its real tokens.
+    t = max(len(r["ids"]) for r in rows)
+    pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
+    ids = [r["ids"] + [pad] * (t - len(r["ids"])) for r in rows]
+    mask = [[1] * len(r["ids"]) + [0] * (t - len(r["ids"])) for r in rows]
+    labels = [labels_of(r["ids"], r["targets"]) + [-100] * (t - len(r["ids"])) for r in rows]
+    model.train()  # dropout is 0; Mixtral's jitter is 0
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model.zero_grad()
+    o = model(
+        input_ids=torch.tensor(ids),
+        attention_mask=torch.tensor(mask),
+        labels=torch.tensor(labels),
+        output_router_logits=True,
+    )
+    o.loss.backward()
+    coef = cfg["router_aux_loss_coef"]
+    batch = dict(
+        pad=pad,
+        ce=o.loss.item() - coef * o.aux_loss.item(),
+        aux=o.aux_loss.item(),
+        loss=o.loss.item(),
+        coef=coef,
+    )
+    if not V5:
+        for pname, p in model.named_parameters():
+            tensors[f"grad.{pname}"] = p.grad.detach().float().contiguous()
+    return dict(
+        versions={"torch": torch.__version__, "transformers": transformers.__version__},
+        model=name,
+        rows=out_rows,
+        batch=batch,
+    ), tensors
+
+
+def main():
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    for name in MODELS:
+        if V5:
+            ref, tensors = references(name, FIX / "models" / name)
+            out = FIX / "v5" / "models" / name
+            if out.exists():
+                shutil.rmtree(out)
+            model = AutoModelForCausalLM.from_pretrained(str(FIX / "models" / name), dtype=torch.float32)
+            model.save_pretrained(str(out), save_original_format=False)
+            for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+                if (FIX / "models" / name / f).exists():
+                    shutil.copy(FIX / "models" / name / f, out / f)
+            # the fused layout, read back by transformers 5, gives the same references
+            ref2, _ = references(name, out)
+            assert abs(ref2["batch"]["loss"] - ref["batch"]["loss"]) < 1e-6, (ref2["batch"], ref["batch"])
+            (FIX / "v5" / "reference" / f"moe-{name}.json").write_text(json.dumps(ref, indent=1) + "\n")
+        else:
+            make_model(name)
+            ref, tensors = references(name, FIX / "models" / name)
+            (FIX / "reference" / f"moe-{name}.json").write_text(json.dumps(ref, indent=1) + "\n")
+            save_file(tensors, str(FIX / "reference" / f"moe-{name}.safetensors"))
+        print(name, ref["batch"])
+
+
+if __name__ == "__main__":
+    main()
