@@ -50,12 +50,16 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,6 +108,8 @@ MODELS = {
     Gemma2Config: Gemma2ForCausalLM,
     Phi3Config: Phi3ForCausalLM,
     Gemma3TextConfig: Gemma3ForCausalLM,
+    Qwen3MoeConfig: Qwen3MoeForCausalLM,
+    MixtralConfig: MixtralForCausalLM,
 }
 
 # The functions that turn `config.json`'s keys into the config object's attributes.

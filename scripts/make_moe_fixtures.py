@@ -26,6 +26,22 @@ transformers 4.57 writes, for tiny random Qwen3-MoE and Mixtral checkpoints:
                                             "grad.<key>" of the batch's total loss for every
                                             parameter (full fine-tuning; 4.57's names)
 
+and, with transformers 4.57 and PEFT 0.17:
+
+    tests/fixtures/adapters/tiny-<model>-peft/         LoRA r=4, alpha=8 on the attention's
+                                            q, k, v, o and every expert's linears (Qwen3-MoE:
+                                            gate_proj / up_proj / down_proj, which also hit
+                                            layer 1's dense MLP; Mixtral: w1 / w3 / w2),
+                                            A and B set to 0.2 randn, as PeftModel saves it
+    tests/fixtures/reference/peft-moe-<model>.json     its text batch (the 4 text rows, one
+                                            right-padded batch as `tallow train` makes it):
+                                            CE, aux and total loss
+    tests/fixtures/reference/peft-moe-<model>-sgd.safetensors  "after.<key>" of one plain SGD
+                                            step (lr 0.5) on that total loss, and "grad.<key>"
+
+Each reference JSON also holds "generate": 8 greedy tokens (`generate(do_sample=False)`)
+after the first messages row's prompt.
+
 The router's coefficient is 0.05 rather than the default 0.001 so that the aux loss moves
 the loss and the router's gradient well past the tests' tolerances.
 
@@ -42,12 +58,19 @@ Everything runs in f32 on the CPU, eager attention, one thread, fixed seeds.
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
-import torch
-import transformers
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __name__ == "__main__":
+    from fixture_env import pin_hash_seed_and_go_offline
+
+    pin_hash_seed_and_go_offline(__file__)
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 FIX = REPO / "tests" / "fixtures"
@@ -169,21 +192,13 @@ def references(name, model_dir):
         tensors[f"row.{k}.logits"] = logits.contiguous()
 
     # One right-padded batch of every row: CE over its targets + coef * aux over its real tokens.
-    t = max(len(r["ids"]) for r in rows)
     pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
-    ids = [r["ids"] + [pad] * (t - len(r["ids"])) for r in rows]
-    mask = [[1] * len(r["ids"]) + [0] * (t - len(r["ids"])) for r in rows]
-    labels = [labels_of(r["ids"], r["targets"]) + [-100] * (t - len(r["ids"])) for r in rows]
+    ids, mask, labels = padded(rows, pad)
     model.train()  # dropout is 0; Mixtral's jitter is 0
     for p in model.parameters():
         p.requires_grad_(True)
     model.zero_grad()
-    o = model(
-        input_ids=torch.tensor(ids),
-        attention_mask=torch.tensor(mask),
-        labels=torch.tensor(labels),
-        output_router_logits=True,
-    )
+    o = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
     o.loss.backward()
     coef = cfg["router_aux_loss_coef"]
     batch = dict(
@@ -196,12 +211,89 @@ def references(name, model_dir):
     if not V5:
         for pname, p in model.named_parameters():
             tensors[f"grad.{pname}"] = p.grad.detach().float().contiguous()
+    model.eval()
+    prompt = rows[-1]["ids"][:12]
+    with torch.no_grad():
+        gen = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=8,
+            min_new_tokens=8,
+            pad_token_id=pad,
+            output_router_logits=False,  # 4.57 fails computing the aux loss of a cached step
+        )[0, len(prompt):].tolist()
     return dict(
         versions={"torch": torch.__version__, "transformers": transformers.__version__},
         model=name,
         rows=out_rows,
         batch=batch,
+        generate=dict(prompt=prompt, ids=gen),
     ), tensors
+
+
+def padded(rows, pad):
+    t = max(len(r["ids"]) for r in rows)
+    ids = [r["ids"] + [pad] * (t - len(r["ids"])) for r in rows]
+    mask = [[1] * len(r["ids"]) + [0] * (t - len(r["ids"])) for r in rows]
+    labels = [labels_of(r["ids"], r["targets"]) + [-100] * (t - len(r["ids"])) for r in rows]
+    return torch.tensor(ids), torch.tensor(mask), torch.tensor(labels)
+
+
+def peft_fixtures(name):
+    """A LoRA adapter on attention and experts, and one SGD step of it on the text batch."""
+    from peft import LoraConfig, get_peft_model
+
+    reference, _, cfg = MODELS[name]
+    ref, _ = rows_of(reference)
+    text = ref["formats"]["text"]["rows"]
+    experts = ["gate_proj", "up_proj", "down_proj"] if cfg["model_type"] == "qwen3_moe" else ["w1", "w3", "w2"]
+    model = AutoModelForCausalLM.from_pretrained(str(FIX / "models" / name), attn_implementation="eager", dtype=torch.float32)
+    lcfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"] + experts,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, lcfg)
+    gen = torch.Generator().manual_seed(SEED + 2)
+    with torch.no_grad():
+        for pn, p in model.named_parameters():
+            if "lora_" in pn:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    out = FIX / "adapters" / f"{name}-peft"
+    if out.exists():
+        shutil.rmtree(out)
+    model.save_pretrained(str(out))
+    (out / "README.md").unlink(missing_ok=True)
+    cfg_path = out / "adapter_config.json"
+    ac = json.loads(cfg_path.read_text())
+    ac["base_model_name_or_path"] = name
+    cfg_path.write_text(json.dumps(ac, indent=2, sort_keys=True) + "\n")
+    pad = ref["eos_token_id"]
+    ids, mask, labels = padded(text, pad)
+    model.train()
+    trainable = {pn: p for pn, p in model.named_parameters() if p.requires_grad}
+    lr = 0.5
+    opt = torch.optim.SGD(list(trainable.values()), lr=lr)
+    opt.zero_grad()
+    o = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+    o.loss.backward()
+    tensors = {}
+    for pn, p in trainable.items():
+        key = pn.replace(".default", "")
+        tensors[f"grad.{key}"] = p.grad.detach().float().clone().contiguous()
+    opt.step()
+    for pn, p in trainable.items():
+        tensors[f"after.{pn.replace('.default', '')}"] = p.detach().float().clone().contiguous()
+    coef = cfg["router_aux_loss_coef"]
+    sgd = dict(lr=lr, loss=o.loss.item(), aux=o.aux_loss.item(), ce=o.loss.item() - coef * o.aux_loss.item())
+    (FIX / "reference" / f"peft-moe-{name}.json").write_text(
+        json.dumps(dict(versions={"torch": torch.__version__, "transformers": transformers.__version__}, sgd=sgd), indent=1) + "\n"
+    )
+    save_file(tensors, str(FIX / "reference" / f"peft-moe-{name}-sgd.safetensors"))
+    print(name, "peft", sgd)
 
 
 def main():
@@ -227,6 +319,7 @@ def main():
             ref, tensors = references(name, FIX / "models" / name)
             (FIX / "reference" / f"moe-{name}.json").write_text(json.dumps(ref, indent=1) + "\n")
             save_file(tensors, str(FIX / "reference" / f"moe-{name}.safetensors"))
+            peft_fixtures(name)
         print(name, ref["batch"])
 
 

@@ -80,6 +80,16 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// The tokens that are not padding, B rows of T (transformers' `attention_mask`); None when
+    /// nothing is padded.
+    pub fn valid(&self) -> Option<Vec<Vec<bool>>> {
+        self.segments.as_ref().map(|rows| {
+            rows.iter()
+                .map(|r| r.iter().map(|&s| s != u32::MAX).collect())
+                .collect()
+        })
+    }
+
     /// Pads `examples` on the right with `pad_id` to the longest one.
     pub fn new(examples: &[&Example], pad_id: u32, device: &Device) -> tallow_model::Result<Self> {
         let rows: Vec<Row> = examples.iter().map(|e| Row::from(*e)).collect();

@@ -119,6 +119,11 @@ pub struct StepLog {
     pub launches_optimizer: u64,
     /// Preference runs: TRL's metrics of the step (`rewards/chosen`, `rewards/accuracies`, ...,
     /// [`crate::preference::METRIC_NAMES`]), written as keys of the line.
+    /// A mixture of experts with `output_router_logits`: the router's load-balancing loss
+    /// (transformers' `aux_loss`, before `router_aux_loss_coef`), the mean over the step's
+    /// micro-batches. `loss` stays the cross-entropy; the gradients include coef * aux.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub aux_loss: Option<f64>,
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub preference: Option<BTreeMap<&'static str, f64>>,
 }
@@ -621,6 +626,9 @@ struct ForwardBackward {
     /// Preference runs: the step's metric sums on the device, with its pairs and ORPO NLL
     /// tokens.
     preference: Option<(Tensor, usize, usize)>,
+    /// A mixture of experts' load-balancing loss: (2) f64, its sum over this rank's
+    /// micro-batches and their count (the metric is its mean; rank-local with data parallel).
+    aux: Option<Tensor>,
     tally: StepTally,
 }
 
@@ -630,6 +638,7 @@ struct Updated {
     grad_norm: f64,
     lr: f64,
     preference: Option<BTreeMap<&'static str, f64>>,
+    aux_loss: Option<f64>,
     tally: StepTally,
 }
 
@@ -1052,18 +1061,34 @@ impl<'a> Session<'a> {
         let micros: Vec<&[&Row]> = step_rows.chunks(self.cfg.train.micro_batch_size).collect();
         let (pad, device) = (self.pad, self.device);
         let prepare = |m: usize| Ok(Batch::from_rows(micros[m], pad, device)?);
+        let n_micros = micros.len();
         let forward = |model: &CausalLM, batch: &Batch| -> Result<MicroForward, TrainError> {
-            let hidden = model.forward_hidden(&batch.input_ids, batch.segments.as_deref())?; // (B, T, C)
+            let valid = batch.valid();
+            let (hidden, aux) = model.forward_hidden_aux(
+                &batch.input_ids,
+                batch.segments.as_deref(),
+                valid.as_deref(),
+            )?; // (B, T, C), and a mixture of experts' load-balancing loss
             let nll = lm_head_nll(
                 &hidden,
                 model.lm_head_weight(),
                 &batch.targets,
                 model.config.variant.final_logit_softcapping,
             )?; // sum over targets
-            Ok(MicroForward {
-                loss: (&nll / step_targets as f64)?, // this micro-batch's share of the step mean
-                sums: vec![nll.detach()],
-            })
+            let mut loss = (&nll / step_targets as f64)?; // this micro-batch's share of the step mean
+            let mut sums = vec![nll.detach()];
+            if let (Some(aux), Some(moe)) = (aux, model.config.moe.as_ref()) {
+                // transformers adds coef * aux to each forward's loss; over the step's
+                // micro-batches each adds its 1 / n share, as the HF Trainer divides each
+                // micro-batch's loss by the accumulation steps.
+                let aux = aux.to_dtype(nll.dtype())?;
+                let share = moe.router_aux_loss_coef / n_micros as f64;
+                loss = (loss + (&aux * share)?)?;
+                let one = Tensor::ones((), aux.dtype(), aux.device())?;
+                sums.push(aux.detach());
+                sums.push(one); // micro-batches run, for the metric's mean
+            }
+            Ok(MicroForward { loss, sums })
         };
         let run = micro_batches(
             loop_parts!(self, step, &mut tally),
@@ -1071,11 +1096,24 @@ impl<'a> Session<'a> {
             &prepare,
             &forward,
         )?;
+        // A mixture of experts: its aux loss summed over this rank's micro-batches, and their
+        // count.
+        let aux = match run.sums.len() {
+            3 => Some(Tensor::stack(
+                &[
+                    run.sum(1, &[], self.device)?.to_dtype(DType::F64)?,
+                    run.sum(2, &[], self.device)?.to_dtype(DType::F64)?,
+                ],
+                0,
+            )?),
+            _ => None,
+        };
         Ok(ForwardBackward {
             // A rank with no micro-batch in a short last step adds nothing.
             nll_sum: run.sum(0, &[], self.device)?,
             loss_divisor: step_targets as f64,
             preference: None,
+            aux,
             tally,
         })
     }
@@ -1163,6 +1201,7 @@ impl<'a> Session<'a> {
                 n_pairs,
                 chosen_tokens,
             )),
+            aux: None,
             tally,
         })
     }
@@ -1197,6 +1236,7 @@ impl<'a> Session<'a> {
             nll_sum,
             loss_divisor,
             preference,
+            aux,
             mut tally,
         } = fb;
         let probe = self.memory.probe.on_step(tally.measure);
@@ -1232,6 +1272,9 @@ impl<'a> Session<'a> {
         if let Some((sums, _, _)) = &preference {
             parts.push(sums.clone());
         }
+        if let Some(aux) = &aux {
+            parts.push(aux.to_device(nll_sum.device())?);
+        }
         let read = {
             // Data parallel on CUDA: the all-reduce's result arrives here (NCCL is async).
             let _waiting = self
@@ -1240,6 +1283,10 @@ impl<'a> Session<'a> {
             host::read(&Tensor::cat(&parts, 0)?)?
         };
         let (loss, grad_norm) = (read[0] / loss_divisor, read[1]);
+        let aux_loss = aux.is_some().then(|| {
+            let [sum, n] = [read[read.len() - 2], read[read.len() - 1]];
+            sum / n.max(1.0)
+        });
         let preference = match (&preference, self.objective) {
             (Some((_, pairs, tokens)), Some(obj)) => Some(
                 Metrics::from_sums(&obj, &read[2..], *pairs, *tokens)
@@ -1274,6 +1321,7 @@ impl<'a> Session<'a> {
             grad_norm,
             lr,
             preference,
+            aux_loss,
             tally,
         })
     }
@@ -1292,6 +1340,7 @@ impl<'a> Session<'a> {
             grad_norm,
             lr,
             preference,
+            aux_loss,
             tally,
         } = upd;
         let probe = self.memory.probe.on_step(tally.measure);
@@ -1318,6 +1367,7 @@ impl<'a> Session<'a> {
             launches_forward: tally.ops_forward.launches,
             launches_backward: tally.ops_backward.launches,
             launches_optimizer: tally.launches_optimizer,
+            aux_loss,
             preference,
         };
         if self.logged(done) && self.dist.is_main() {
