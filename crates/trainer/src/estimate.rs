@@ -320,6 +320,38 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
         mlp += s * c; // post_feedforward_layernorm output
     }
     mlp += s * c; // residual add
+    if let Some(moe) = &m.moe {
+        // A sparse layer's half (`tallow_model::decoder::moe`), per token: the norm, the router
+        // (its logits, their f32 copy, softmax's exp and probabilities), the K gathered rows of
+        // x, each chosen expert's gate / up / act / down on its row (K of them), the outputs
+        // concatenated and weighted, the index_add's sum and the residual add. A model with
+        // dense layers too (`mlp_only_layers`) is counted at the larger of the two per layer.
+        let (k, e) = (moe.top_k, moe.num_experts);
+        let spec = |path, out, inp| Lin {
+            path,
+            out,
+            inp,
+            bias: false,
+        };
+        let (g, u, dn) = (
+            spec(moe.names.gate, moe.expert_size, c),
+            spec(moe.names.up, moe.expert_size, c),
+            spec(moe.names.down, c, moe.expert_size),
+        );
+        let mut sparse = s * c; // post_attention_layernorm output
+        sparse += linear(&spec("gate", e, c), false) + cast(4 * e) + 2 * 4 * e; // router
+        sparse += 3 * 4 * k; // chosen probabilities, renormalized, cast
+        let act = match m.variant.act {
+            Activation::Silu => (if ops.fused_with_bf16 { 1 } else { 2 }) * s * moe.expert_size,
+            Activation::GeluTanh => s * moe.expert_size,
+        };
+        sparse += k * (s * c + group(&[&g, &u]) + act + linear(&dn, false) + 2 * s * c);
+        sparse += 2 * s * c; // index_add's sum, residual add
+        mlp = match (0..m.num_hidden_layers).all(|l| m.is_sparse(l)) {
+            true => sparse,
+            false => mlp.max(sparse),
+        };
+    }
     let per_score = if cfg.model.attention == Attention::Chunked {
         // Chunked attention (`tallow_model::kernels::chunked`) keeps its output (counted above as
         // probs · v) and one f32 log-sum-exp per head and token: nothing T x T.
@@ -732,20 +764,15 @@ pub fn trainable_params(m: &DecoderConfig, cfg: &TrainConfig) -> u64 {
         true => m.num_params() as u64,
         false => {
             let targets = lora_targets(m, cfg);
-            let per_layer: usize = m
-                .layer_linears()
-                .iter()
-                .filter(|l| targets.contains(&l.module()))
-                .map(|l| {
-                    let sizes = cfg
-                        .lora
-                        .kind
-                        .spec()
-                        .tensor_sizes(l.out, l.inp, cfg.lora.rank);
-                    sizes.iter().sum::<usize>()
+            let kind = cfg.lora.kind.spec();
+            (0..m.num_hidden_layers)
+                .flat_map(|layer| m.linears_at(layer))
+                .filter(|(_, l)| targets.contains(&l.module()))
+                .map(|(_, l)| {
+                    let sizes = kind.tensor_sizes(l.out, l.inp, cfg.lora.rank);
+                    sizes.iter().sum::<usize>() as u64
                 })
-                .sum();
-            (per_layer * m.num_hidden_layers) as u64
+                .sum()
         }
     }
 }
@@ -766,8 +793,8 @@ pub fn trainable_tensor_sizes(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize
     }
     let mut v = Vec::new();
     let targets = lora_targets(m, cfg);
-    for _ in 0..m.num_hidden_layers {
-        for l in m.layer_linears() {
+    for layer in 0..m.num_hidden_layers {
+        for (_, l) in m.linears_at(layer) {
             if targets.contains(&l.module()) {
                 v.extend(
                     cfg.lora
@@ -871,9 +898,9 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let mut largest_linear = 0usize;
     let mut formats = std::collections::BTreeSet::new();
     for layer in 0..layers {
-        for l in m.layer_linears() {
+        for (path, l) in m.linears_at(layer) {
             let n = l.inp * l.out;
-            let name = format!("model.layers.{layer}.{}", l.path);
+            let name = format!("model.layers.{layer}.{path}");
             linear_stored += match (keep, pre) {
                 (Some(k), _) => match k.get(&format!("{name}.weight")) {
                     Some(&bytes) => {
@@ -897,13 +924,11 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let adapter_kept = match kind {
         Some(kind) => {
             let targets = lora_targets(m, cfg);
-            let per_layer: usize = m
-                .layer_linears()
-                .iter()
-                .filter(|l| targets.contains(&l.module()))
-                .map(|l| kind.kept_bytes(l.out))
-                .sum();
-            (per_layer * layers) as u64
+            (0..layers)
+                .flat_map(|layer| m.linears_at(layer))
+                .filter(|(_, l)| targets.contains(&l.module()))
+                .map(|(_, l)| kind.kept_bytes(l.out) as u64)
+                .sum()
         }
         None => 0,
     };

@@ -252,6 +252,41 @@ impl DecoderConfig {
             .sum()
     }
 
+    /// Every linear of decoder layer `layer` with its path inside the layer, as
+    /// `DecoderLayer::linears` lists them: [`DecoderConfig::layer_linears`] (less the dense MLP's
+    /// on a sparse layer), then the router and each expert's linears, whose [`LinearSpec`]
+    /// carries the module name as its path (`gate`, `gate_proj`, Mixtral's `w1`). What the
+    /// estimate counts per layer.
+    pub fn linears_at(&self, layer: usize) -> Vec<(String, LinearSpec)> {
+        let sparse = self.is_sparse(layer);
+        let mut v: Vec<(String, LinearSpec)> = self
+            .layer_linears()
+            .into_iter()
+            .filter(|s| !(sparse && s.path.starts_with("mlp.")))
+            .map(|s| (s.path.to_string(), s))
+            .collect();
+        let Some(moe) = self.moe.as_ref().filter(|_| sparse) else {
+            return v;
+        };
+        let b = moe.names.block;
+        let spec = |path: &'static str, out: usize, inp: usize| LinearSpec {
+            path,
+            out,
+            inp,
+            bias: false,
+        };
+        v.push((
+            format!("{b}.gate"),
+            spec("gate", moe.num_experts, self.hidden_size),
+        ));
+        for e in 0..moe.num_experts {
+            for (n, o, i) in moe.expert_linears(self.hidden_size) {
+                v.push((format!("{b}.experts.{e}.{n}"), spec(n, o, i)));
+            }
+        }
+        v
+    }
+
     /// The router and expert linears of layer `layer` (none for a dense one), by their path
     /// inside it in transformers 4.57's per-expert layout, with (out, in): the router
     /// `{block}.gate` (E, C), then each expert's gate, up and down.
@@ -337,5 +372,41 @@ mod tests {
             assert!(e.contains(n), "{n} not in {e}");
         }
         assert!(c.resolve_lora_targets(&["gate_proj"]).is_err());
+    }
+
+    fn real(name: &str, text: &str) -> DecoderConfig {
+        DecoderConfig::from_json_str(text, std::path::Path::new(name)).unwrap()
+    }
+
+    /// The mixtures of experts count their routers and every expert: the parameter counts equal
+    /// transformers 4.57's model built from the same config.json (on the meta device:
+    /// Qwen3-30B-A3B 30_532_122_624, Mixtral-8x7B 46_702_792_704). Counting one dense MLP per
+    /// layer instead gives 1.5 B and 7.2 B.
+    #[test]
+    fn moe_parameter_counts_are_transformers() {
+        let q = real(
+            "qwen3-30b-a3b.json",
+            include_str!("../../../../benchmarks/models/qwen3-30b-a3b.json"),
+        );
+        assert_eq!(q.num_params(), 30_532_122_624);
+        let m = real(
+            "mixtral.json",
+            include_str!("../../../../benchmarks/models/mixtral-8x7b-instruct-v0.1.json"),
+        );
+        assert_eq!(m.num_params(), 46_702_792_704);
+        // every layer sparse: no dense MLP names, the router and Mixtral's expert names
+        assert_eq!(
+            m.lora_modules(),
+            vec!["q_proj", "k_proj", "v_proj", "o_proj", "w1", "w3", "w2", "gate"]
+        );
+        assert_eq!(
+            m.resolve_lora_targets(&LINEAR_MODULES).unwrap(),
+            vec!["q_proj", "k_proj", "v_proj", "o_proj", "w1", "w3", "w2"]
+        );
+        let l = m.linears_at(3);
+        assert_eq!(l.len(), 4 + 1 + 8 * 3);
+        assert_eq!(l[4].0, "block_sparse_moe.gate");
+        assert_eq!(l[5].0, "block_sparse_moe.experts.0.w1");
+        assert!(m.resolve_lora_targets(&["gate_proj"]).is_err());
     }
 }
