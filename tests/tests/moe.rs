@@ -68,14 +68,14 @@ fn batch_loss(model: &CausalLM, rows: &[(Vec<u32>, Vec<bool>)], pad: u32) -> (Te
     }
     let flat: Vec<u32> = ids.concat();
     let input = Tensor::from_vec(flat, (rows.len(), t), &Device::Cpu).unwrap();
+    let coef = model.config.moe.as_ref().unwrap().router_aux_loss_coef;
     let (h, aux) = model
-        .forward_hidden_aux(&input, None, Some(&valid))
+        .forward_hidden_aux(&input, None, Some(&valid), coef)
         .unwrap();
     let tg = Targets::new(&ids, &targets, &Device::Cpu).unwrap();
     let nll = lm_head_nll(&h, model.lm_head_weight(), &tg, None).unwrap();
     let ce = (nll / tg.count as f64).unwrap();
     let aux = aux.expect("output_router_logits is set in the fixtures");
-    let coef = model.config.moe.as_ref().unwrap().router_aux_loss_coef;
     let loss = (&ce + (&aux * coef).unwrap()).unwrap();
     let (ce_v, aux_v) = (scalar(&ce), scalar(&aux));
     (loss, ce_v, aux_v)
@@ -108,7 +108,7 @@ fn moe_logits_and_losses_match_transformers_in_both_layouts() {
                 let got = model.logits(&input).unwrap().squeeze(0).unwrap();
                 let d = max_abs_diff(&got, &logits[&format!("row.{k}.logits")]);
                 assert!(d < 1e-4, "{layout} {name} row {k}: logits differ by {d}");
-                let (h, aux) = model.forward_hidden_aux(&input, None, None).unwrap();
+                let (h, aux) = model.forward_hidden_aux(&input, None, None, 1.0).unwrap();
                 let t = Targets::new(
                     std::slice::from_ref(ids),
                     std::slice::from_ref(tg),
@@ -155,7 +155,9 @@ fn moe_logits_and_losses_match_transformers_in_both_layouts() {
 
 /// Every parameter's gradient of the padded batch's total loss (CE + coef * aux) equals torch
 /// autograd's, the routers' included (their gradient comes from the routing weights and the
-/// aux loss), with the experts loaded from either layout.
+/// aux loss), with the experts loaded from either layout; and the same with activation
+/// checkpointing on every layer and on every 2nd, in tiles of 5 tokens, where a checkpointed
+/// layer's recompute adds the aux loss's gradient itself (`RouterTape`).
 #[test]
 fn moe_gradients_match_torch_autograd_in_both_layouts() {
     for (layout, root) in layouts() {
@@ -170,33 +172,43 @@ fn moe_gradients_match_torch_autograd_in_both_layouts() {
                 train_base: true,
                 ..LoadOptions::frozen(DType::F32, &Device::Cpu)
             };
-            let model = CausalLM::load(&root.join("models").join(name), &opts).unwrap();
+            let mut model = CausalLM::load(&root.join("models").join(name), &opts).unwrap();
             let pad = reference["batch"]["pad"].as_u64().unwrap() as u32;
-            let (loss, _, _) = batch_loss(&model, &rows(&reference), pad);
-            let grads = loss.backward().unwrap();
-            let params = model.named_params();
-            let expected: HashMap<&str, &Tensor> = want
-                .iter()
-                .filter_map(|(k, v)| k.strip_prefix("grad.").map(|n| (n, v)))
-                .collect();
-            assert_eq!(
-                params.len(),
-                expected.len(),
-                "{layout} {name}: parameter count"
-            );
-            for (n, p) in &params {
-                let w = expected
-                    .get(n.as_str())
-                    .unwrap_or_else(|| panic!("{name}: no reference gradient for {n}"));
-                let g = grads
-                    .get(p.var().unwrap().as_tensor())
-                    .unwrap_or_else(|| panic!("{layout} {name}: no gradient for {n}"));
-                let d = max_abs_diff(g, w);
-                let tol = 1e-4 * max_abs(w);
-                assert!(
-                    d <= tol,
-                    "{layout} {name} {n}: gradient differs by {d} (tol {tol})"
-                );
+            for every in [None, Some(1), Some(2)] {
+                if every.is_some() && layout != "transformers 4.57" {
+                    continue; // the layouts load the same weights: one layout suffices
+                }
+                model.set_checkpointing(every);
+                model.set_checkpoint_tile_rows(Some(5));
+                let what = format!("{layout} {name} checkpointing {every:?}");
+                let (loss, _, _) = batch_loss(&model, &rows(&reference), pad);
+                let mut stores = vec![loss.backward().unwrap()];
+                stores.extend(model.take_checkpoint_grads());
+                let params = model.named_params();
+                let expected: HashMap<&str, &Tensor> = want
+                    .iter()
+                    .filter_map(|(k, v)| k.strip_prefix("grad.").map(|n| (n, v)))
+                    .collect();
+                assert_eq!(params.len(), expected.len(), "{what}: parameter count");
+                for (n, p) in &params {
+                    let w = expected
+                        .get(n.as_str())
+                        .unwrap_or_else(|| panic!("{name}: no reference gradient for {n}"));
+                    let v = p.var().unwrap().as_tensor();
+                    let mut g: Option<Tensor> = None;
+                    for s in &stores {
+                        if let Some(x) = s.get(v) {
+                            g = Some(match g {
+                                None => x.clone(),
+                                Some(a) => (a + x).unwrap(),
+                            });
+                        }
+                    }
+                    let g = g.unwrap_or_else(|| panic!("{what}: no gradient for {n}"));
+                    let d = max_abs_diff(&g, w);
+                    let tol = 1e-4 * max_abs(w);
+                    assert!(d <= tol, "{what} {n}: gradient differs by {d} (tol {tol})");
+                }
             }
         }
     }
@@ -273,5 +285,103 @@ fn greedy_generation_matches_transformers() {
                 tallow_model::generate(&model, &ids(&g["prompt"]), &opts, |_| Ok(())).unwrap();
             assert_eq!(out.ids, ids(&g["ids"]), "{layout} {name}");
         }
+    }
+}
+
+/// QLoRA on a mixture of experts end to end: `tallow train` with the experts and routers in
+/// NF4, LoRA on the attention and every expert (the default targets), the load-balancing
+/// loss on (Mixtral's run with activation checkpointing): the eval loss falls, every step
+/// logs its aux loss, and the adapter holds each
+/// expert's A and B under PEFT's per-expert keys. Then `tallow merge` writes a model that
+/// loads and evaluates.
+#[test]
+fn qlora_on_experts_trains() {
+    // Mixtral with activation checkpointing: its recompute adds the aux loss's gradient.
+    for (name, expert, checkpointing) in [
+        ("tiny-qwen3-moe", "gate_proj", false),
+        ("tiny-mixtral", "w1", true),
+    ] {
+        let dir = scratch(&format!("moe-qlora-{name}"));
+        let cfg = dir.join("qlora.toml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "[model]\npath = \"{}\"\ndtype = \"f32\"\nquantize = \"nf4\"\n[lora]\nrank = 8\nalpha = 16\n\
+                 [data]\ntrain = \"{}\"\neval = \"{}\"\nmax_seq_len = 32\nshuffle = false\n\
+                 [train]\nlr = 1e-2\nschedule = \"constant\"\nmax_steps = 8\nmicro_batch_size = 2\n\
+                 grad_accum = 2\neval_every = 8\ncheckpointing = {checkpointing}\n\
+                 output_dir = \"{}\"\n",
+                model_dir(name).display(),
+                data_file("text").display(),
+                data_file("text").display(),
+                dir.join("run").display()
+            ),
+        )
+        .unwrap();
+        let r = tallow(["train", "--config", cfg.to_str().unwrap(), "--quiet"]);
+        assert_eq!(r.code, 0, "{name}: {}", r.stderr);
+        let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
+        let lines: Vec<serde_json::Value> = metrics
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        let evals: Vec<f64> = lines
+            .iter()
+            .filter_map(|v| v["eval_loss"].as_f64())
+            .collect();
+        assert!(evals.len() >= 2, "{name}: eval losses {evals:?}");
+        let (first, last) = (evals[0], evals[evals.len() - 1]);
+        assert!(last < first - 0.1, "{name}: eval loss {first} -> {last}");
+        let steps: Vec<&serde_json::Value> =
+            lines.iter().filter(|v| v["loss"].is_number()).collect();
+        assert!(!steps.is_empty());
+        assert!(
+            steps
+                .iter()
+                .all(|v| v["aux_loss"].as_f64().is_some_and(|a| a > 0.0)),
+            "{name}: a step without aux_loss"
+        );
+        let adapter = load_tensors(&dir.join("run/adapter/adapter_model.safetensors"));
+        let experts = adapter
+            .keys()
+            .filter(|k| k.contains(".experts.") && k.contains(&format!(".{expert}.lora_A")))
+            .count();
+        // two sparse layers each (tiny-qwen3-moe's layer 1 is dense), of 8 and 4 experts
+        let want = if name == "tiny-qwen3-moe" {
+            2 * 8
+        } else {
+            2 * 4
+        };
+        assert_eq!(experts, want, "{name}: adapted experts");
+
+        let merged = dir.join("merged");
+        let r = tallow([
+            "merge",
+            "--model",
+            model_dir(name).to_str().unwrap(),
+            "--adapter",
+            dir.join("run/adapter").to_str().unwrap(),
+            "--out",
+            merged.to_str().unwrap(),
+            "--dtype",
+            "f32",
+        ]);
+        assert_eq!(r.code, 0, "{name}: merge: {}", r.stderr);
+        let loss = eval_loss(&[
+            "eval",
+            "--model",
+            merged.to_str().unwrap(),
+            "--data",
+            data_file("text").to_str().unwrap(),
+            "--max-seq-len",
+            "32",
+            "--dtype",
+            "f32",
+            "--json",
+        ]);
+        assert!(
+            loss < first - 0.1,
+            "{name}: merged model's loss {loss} vs base {first}"
+        );
     }
 }

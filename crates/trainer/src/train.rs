@@ -1064,10 +1064,19 @@ impl<'a> Session<'a> {
         let n_micros = micros.len();
         let forward = |model: &CausalLM, batch: &Batch| -> Result<MicroForward, TrainError> {
             let valid = batch.valid();
+            // transformers adds coef * aux to each forward's loss; over the step's
+            // micro-batches each adds its 1 / n share, as the HF Trainer divides each
+            // micro-batch's loss by the accumulation steps.
+            let share = model
+                .config
+                .moe
+                .as_ref()
+                .map_or(0.0, |m| m.router_aux_loss_coef / n_micros as f64);
             let (hidden, aux) = model.forward_hidden_aux(
                 &batch.input_ids,
                 batch.segments.as_deref(),
                 valid.as_deref(),
+                share,
             )?; // (B, T, C), and a mixture of experts' load-balancing loss
             let nll = lm_head_nll(
                 &hidden,
@@ -1077,12 +1086,8 @@ impl<'a> Session<'a> {
             )?; // sum over targets
             let mut loss = (&nll / step_targets as f64)?; // this micro-batch's share of the step mean
             let mut sums = vec![nll.detach()];
-            if let (Some(aux), Some(moe)) = (aux, model.config.moe.as_ref()) {
-                // transformers adds coef * aux to each forward's loss; over the step's
-                // micro-batches each adds its 1 / n share, as the HF Trainer divides each
-                // micro-batch's loss by the accumulation steps.
+            if let Some(aux) = aux {
                 let aux = aux.to_dtype(nll.dtype())?;
-                let share = moe.router_aux_loss_coef / n_micros as f64;
                 loss = (loss + (&aux * share)?)?;
                 let one = Tensor::ones((), aux.dtype(), aux.device())?;
                 sums.push(aux.detach());

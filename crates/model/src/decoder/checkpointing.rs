@@ -216,7 +216,7 @@ fn forward_tiled(layer: &DecoderLayer, x: &Tensor, rope: &RopeMask, tile: usize)
     drop((q, k, v));
     let mid = attention_out_tiled(layer, x, &y, tile)?;
     drop(y);
-    map_tiles(&mid, tile, |xt| layer.mlp_half(xt, None))
+    map_tiles(&mid, tile, |xt| layer.mlp_half(xt, rope.router.as_deref()))
 }
 
 /// `f` over tiles of at most `tile` rows of the flattened (B*T, N) input, each tile run as a
@@ -347,7 +347,7 @@ fn recompute_backward(
         &mid.detach(),
         dy,
         tile,
-        |m| layer.mlp_half(m, None),
+        |m| layer.mlp_half(m, rope.router.as_deref()),
         &vars,
         &mut kept,
     )?;
@@ -389,7 +389,7 @@ fn recompute_backward_tiled(
         &mid,
         dy,
         tile,
-        |m| layer.mlp_half(m, None),
+        |m| layer.mlp_half(m, rope.router.as_deref()),
         &vars,
         &mut kept,
     )?;

@@ -208,7 +208,7 @@ impl CausalLM {
         // layout, per-expert linears (transformers 4.57, and 5's default save) or fused 3-D
         // tensors (5.x's `save_original_format=False`): `mlp.experts.gate_up_proj` (E, 2 I, C),
         // gate rows then up rows, and `mlp.experts.down_proj` (E, C, I).
-        let sparse_block = |moe: &Moe, p: &str| -> Result<SparseMoe> {
+        let sparse_block = |moe: &Moe, p: &str, layer: usize| -> Result<SparseMoe> {
             let (e, i) = (moe.num_experts, moe.expert_size);
             let b = moe.names.block;
             let router = [
@@ -259,6 +259,7 @@ impl CausalLM {
                 norm_topk_prob: moe.norm_topk_prob,
                 act: c.variant.act,
                 names: moe.names,
+                layer,
             })
         };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
@@ -305,7 +306,7 @@ impl CausalLM {
                 softcap: c.variant.attn_logit_softcapping,
             };
             let mlp = match c.moe.as_ref().filter(|_| sparse) {
-                Some(moe) => FeedForward::Sparse(sparse_block(moe, &p)?),
+                Some(moe) => FeedForward::Sparse(sparse_block(moe, &p, i)?),
                 None => {
                     let gate_up = if c.fused_projections {
                         GateUpProj::Fused {
@@ -504,30 +505,29 @@ impl CausalLM {
     /// None for other models). `valid` (B rows of T) marks the tokens the loss counts, transformers'
     /// `attention_mask` (padding is not; None: every token).
     /// input_ids: (B, T) u32 -> (B, T, C), ()
+    /// `aux_weight` is the factor the caller puts on the aux loss in the loss it
+    /// backpropagates: with activation checkpointing, a checkpointed layer's forward keeps no
+    /// graph, and its recompute in the backward adds the gradient of `aux_weight` x aux itself
+    /// ([`RouterTape`]).
     pub fn forward_hidden_aux(
         &self,
         input_ids: &Tensor,
         segments: Option<&[Vec<u32>]>,
         valid: Option<&[Vec<bool>]>,
+        aux_weight: f64,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let Some(moe) = self.config.moe.as_ref().filter(|m| m.output_router_logits) else {
             return Ok((self.forward_hidden(input_ids, segments)?, None));
         };
-        if self.checkpointing.is_some() {
-            return Err(ModelError::Invalid(
-                "the router's load-balancing loss (output_router_logits) is not computed with \
-                 activation checkpointing yet: turn train.gradient_checkpointing off, or set \
-                 output_router_logits to false in the model's config.json"
-                    .into(),
-            ));
-        }
         let (b, t) = input_ids.dims2()?;
         let mut rope = self.rope_mask(b, t, segments)?;
         let valid = valid.map(|v| v.concat());
-        let tape = Arc::new(RouterTape::new(b * t, valid, &self.device)?);
+        let tape = Arc::new(RouterTape::new(b * t, valid, aux_weight, &self.device)?);
         rope.router = Some(tape.clone());
         let hidden = self.layers_forward(input_ids, rope)?;
-        Ok((hidden, tape.aux_loss(moe.num_experts)?))
+        let aux = tape.aux_loss(moe.num_experts)?;
+        tape.finish();
+        Ok((hidden, aux))
     }
 
     /// Embeddings, the decoder layers and the final norm. input_ids: (B, T) -> (B, T, C)

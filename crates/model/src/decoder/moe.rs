@@ -40,11 +40,21 @@ pub struct SparseMoe {
     pub(crate) act: Activation,
     /// The experts' linears' names (`gate_proj`, ..., Mixtral's `w1`, ...).
     pub(crate) names: MoeNames,
+    /// The decoder layer it sits in: a layer run in token tiles records once per tile, into
+    /// its one entry of the tape.
+    pub(crate) layer: usize,
 }
 
 /// What the sparse blocks of one forward record for the load-balancing loss: per layer, the
 /// router's probabilities summed over the counted tokens and how often each expert was each
 /// token's k-th choice. Shared by every layer of a forward through [`super::RopeMask`].
+///
+/// Activation checkpointing runs a layer's forward without a graph, so its record carries no
+/// gradient; the layer's recompute in the backward (after [`RouterTape::finish`]) adds the
+/// loss's gradient itself. Given every layer's choices (constants: top-K has no gradient),
+/// the loss is linear in each layer's probability sums, d aux / d prob_sum_l[e] =
+/// E / (L n)^2 * chosen[e], so a recomputed block hands `weight` times that to its
+/// probabilities ([`RouterTape::inject`]), tile by tile.
 pub struct RouterTape {
     /// Which of the N = B * T tokens count (transformers' `attention_mask`: padding does not);
     /// None: all.
@@ -53,7 +63,12 @@ pub struct RouterTape {
     valid_col: Option<Tensor>,
     /// The tokens counted in each layer.
     counted: usize,
-    records: Mutex<Vec<RouterRecord>>,
+    /// What the caller multiplies the loss by in the loss it backpropagates.
+    weight: f64,
+    /// The forward is over: a block run now is a checkpointed layer's recompute.
+    finished: std::sync::atomic::AtomicBool,
+    /// By decoder layer.
+    records: Mutex<std::collections::BTreeMap<usize, RouterRecord>>,
 }
 
 struct RouterRecord {
@@ -65,9 +80,12 @@ struct RouterRecord {
 
 impl RouterTape {
     /// A tape for a batch of `tokens` tokens (N), `valid` marking those that count (None: all).
+    /// `weight`: the factor the caller puts on the loss (a checkpointed layer's recompute
+    /// injects the gradient of `weight` x the loss).
     pub fn new(
         tokens: usize,
         valid: Option<Vec<bool>>,
+        weight: f64,
         device: &candle_core::Device,
     ) -> Result<Self> {
         let counted = valid
@@ -84,8 +102,17 @@ impl RouterTape {
             valid,
             valid_col,
             counted,
-            records: Mutex::new(Vec::new()),
+            weight,
+            finished: std::sync::atomic::AtomicBool::new(false),
+            records: Mutex::new(Default::default()),
         })
+    }
+
+    /// Marks the forward done: sparse blocks run from now on (checkpointed layers' recompute)
+    /// inject the loss's gradient instead of recording.
+    pub fn finish(&self) {
+        self.finished
+            .store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// The load-balancing loss of the recorded layers, a () f32 tensor (None when no sparse
@@ -95,13 +122,13 @@ impl RouterTape {
     /// E / (L n)^2 * sum_e chosen[e] * prob_sum[e] over L layers of n counted tokens.
     pub fn aux_loss(&self, num_experts: usize) -> Result<Option<Tensor>> {
         let records = self.records.lock().expect("router tape");
-        let Some(first) = records.first() else {
+        let Some(first) = records.values().next() else {
             return Ok(None);
         };
         let device = first.prob_sum.device().clone();
         let mut chosen = vec![0f64; num_experts];
         let mut prob_sum: Option<Tensor> = None;
-        for r in records.iter() {
+        for r in records.values() {
             for (c, x) in chosen.iter_mut().zip(&r.chosen) {
                 *c += x;
             }
@@ -146,8 +173,9 @@ impl SparseMoe {
         }
         let weights = weights.to_dtype(x.dtype())?; // as transformers casts them back
 
-        if let Some(tape) = tape {
-            tape.record(&probs, &choice, k, e)?;
+        let recompute = tape.filter(|t| t.finished.load(std::sync::atomic::Ordering::SeqCst));
+        if let Some(tape) = tape.filter(|_| recompute.is_none()) {
+            tape.record(self.layer, &probs, &choice, k, e)?;
         }
 
         // The (token, slot) pairs sorted by expert: a stable sort keeps tokens ascending within
@@ -178,29 +206,91 @@ impl SparseMoe {
             start += m;
         }
         let ys = Tensor::cat(&outs, 0)?.broadcast_mul(&ws)?; // (N K, C)
-        let y = Tensor::zeros((n, c), ys.dtype(), x.device())?.index_add(&tokens, &ys, 0)?;
+        let mut y = Tensor::zeros((n, c), ys.dtype(), x.device())?.index_add(&tokens, &ys, 0)?;
+        if let Some(tape) = recompute {
+            y = tape.inject(y, &probs)?;
+        }
         Ok(y.reshape((b, t, c))?)
     }
 }
 
 impl RouterTape {
-    /// Adds one layer's statistics. probs: (N, E) f32; choice: (N, K) row-major.
-    fn record(&self, probs: &Tensor, choice: &[u32], k: usize, e: usize) -> Result<()> {
-        let prob_sum = match &self.valid_col {
-            Some(v) => probs.broadcast_mul(v)?.sum(0)?, // (E)
+    /// The probabilities summed over the counted tokens of this run, which may be a tile of
+    /// the batch's tokens from [`crate::kernels::dropout::first_row`] on.
+    /// probs: (N, E) f32 -> (E)
+    fn prob_sum(&self, probs: &Tensor) -> Result<Tensor> {
+        let first = crate::kernels::dropout::first_row();
+        Ok(match &self.valid_col {
+            Some(v) => probs
+                .broadcast_mul(&v.narrow(0, first, probs.dim(0)?)?)?
+                .sum(0)?,
             None => probs.sum(0)?,
-        };
+        })
+    }
+
+    /// Adds one layer's statistics. probs: (N, E) f32; choice: (N, K) row-major.
+    fn record(
+        &self,
+        layer: usize,
+        probs: &Tensor,
+        choice: &[u32],
+        k: usize,
+        e: usize,
+    ) -> Result<()> {
+        let prob_sum = self.prob_sum(probs)?;
+        let first = crate::kernels::dropout::first_row();
         let mut chosen = vec![0f64; e];
         for (i, &ch) in choice.iter().enumerate() {
-            if self.valid.as_ref().is_none_or(|v| v[i / k]) {
+            if self.valid.as_ref().is_none_or(|v| v[first + i / k]) {
                 chosen[ch as usize] += 1.0;
             }
         }
-        self.records
-            .lock()
-            .expect("router tape")
-            .push(RouterRecord { prob_sum, chosen });
+        let mut records = self.records.lock().expect("router tape");
+        match records.get_mut(&layer) {
+            // another tile of the layer's tokens
+            Some(r) => {
+                r.prob_sum = (&r.prob_sum + prob_sum)?;
+                for (c, x) in r.chosen.iter_mut().zip(chosen) {
+                    *c += x;
+                }
+            }
+            None => {
+                records.insert(layer, RouterRecord { prob_sum, chosen });
+            }
+        }
         Ok(())
+    }
+}
+
+impl RouterTape {
+    /// A checkpointed layer's recompute: `y` passed on unchanged, and in the backward the
+    /// gradient of weight x aux sent to this run's probability sums (see [`RouterTape`]).
+    /// y: (N, C), probs: (N, E) f32 -> (N, C)
+    fn inject(&self, y: Tensor, probs: &Tensor) -> Result<Tensor> {
+        let (chosen, layers) = {
+            let records = self.records.lock().expect("router tape");
+            let e = probs.dim(1)?;
+            let mut chosen = vec![0f64; e];
+            for r in records.values() {
+                for (c, x) in chosen.iter_mut().zip(&r.chosen) {
+                    *c += x;
+                }
+            }
+            (chosen, records.len())
+        };
+        let e = chosen.len();
+        let ln = (layers * self.counted) as f64;
+        let scale = self.weight * e as f64 / (ln * ln);
+        let w: Vec<f32> = chosen.iter().map(|c| (c * scale) as f32).collect();
+        let w = Tensor::from_vec(w, e, probs.device())?; // (E): d(weight x aux) / d prob_sum
+        let prob_sum = self.prob_sum(probs)?; // (E)
+        crate::nn::ops::attach2(
+            "router-aux",
+            &y,
+            &prob_sum,
+            y.clone(),
+            move |_, _, _, dy| Ok((Some(dy.clone()), Some(w.clone()))),
+        )
     }
 }
 
