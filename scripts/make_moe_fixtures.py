@@ -54,6 +54,14 @@ layout (`rope_parameters`):
     tests/fixtures/v5/reference/moe-<model>.json       as above, from transformers 5
 
 Everything runs in f32 on the CPU, eager attention, one thread, fixed seeds.
+
+Check mode: the eval loss (mean NLL over the text rows' targets, each row alone) of a PEFT
+adapter, e.g. one `tallow train` wrote, on the fixture model, to compare with `tallow eval
+--model tests/fixtures/models/<model> --adapter DIR --data tests/fixtures/data/text.jsonl
+--max-seq-len 32 --dtype f32`. transformers 4.57 loads it with PEFT's `PeftModel`; transformers
+5 with `load_adapter` on the fused-layout model of tests/fixtures/v5/models/:
+
+    /work/pyref/bin/python scripts/make_moe_fixtures.py --check-adapter DIR --model tiny-mixtral
 """
 
 import json
@@ -296,7 +304,49 @@ def peft_fixtures(name):
     print(name, "peft", sgd)
 
 
+def check_adapter(adapter, name):
+    reference, _, _ = MODELS[name]
+    _, rows = rows_of(reference)
+    rows = rows[:4]  # the text rows
+    if V5:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(FIX / "v5" / "models" / name), attn_implementation="eager", dtype=torch.float32
+        )
+        # PEFT's ParamWrapper (the fused experts' LoRA in 5.x) refuses lora_dropout != 0,
+        # which changes nothing in eval: a copy with 0
+        import tempfile
+
+        tmp = Path(tempfile.mkdtemp())
+        for f in Path(adapter).iterdir():
+            shutil.copy(f, tmp / f.name)
+        cfg = json.loads((tmp / "adapter_config.json").read_text())
+        cfg["lora_dropout"] = 0.0
+        (tmp / "adapter_config.json").write_text(json.dumps(cfg))
+        model.load_adapter(str(tmp))
+    else:
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(
+            str(FIX / "models" / name), attn_implementation="eager", dtype=torch.float32
+        )
+        model = PeftModel.from_pretrained(base, adapter)
+    model.eval()
+    nll, n = 0.0, 0
+    for r in rows:
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=torch.tensor([r["ids"]])).logits[0].double(), -1)
+        for i in range(1, len(r["ids"])):
+            if r["targets"][i]:
+                nll -= lp[i - 1, r["ids"][i]].item()
+                n += 1
+    print(f"{name} {adapter} transformers {transformers.__version__}: eval loss {nll / n:.9f}")
+
+
 def main():
+    if "--check-adapter" in sys.argv:
+        args = sys.argv[1:]
+        check_adapter(args[args.index("--check-adapter") + 1], args[args.index("--model") + 1])
+        return
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     for name in MODELS:
