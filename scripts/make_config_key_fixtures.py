@@ -56,6 +56,8 @@ from transformers import (
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -110,6 +112,7 @@ MODELS = {
     Gemma3TextConfig: Gemma3ForCausalLM,
     Qwen3MoeConfig: Qwen3MoeForCausalLM,
     MixtralConfig: MixtralForCausalLM,
+    Qwen2MoeConfig: Qwen2MoeForCausalLM,
 }
 
 # The functions that turn `config.json`'s keys into the config object's attributes.

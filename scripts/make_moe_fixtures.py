@@ -17,6 +17,11 @@ transformers 4.57 writes, for tiny random Qwen3-MoE and Mixtral checkpoints:
                                             w1 / w3 / w2): 2 layers, 4 experts, top 2,
                                             sliding_window 8, output_router_logits with
                                             coefficient 0.05; the "bos" tokenizer of tiny-mistral
+    tests/fixtures/models/tiny-qwen2-moe/   Qwen2MoeForCausalLM: 2 layers, 6 experts, top 2, no
+                                            renormalization, a shared expert of 80 with its
+                                            sigmoid gate, q/k/v bias, tied embeddings,
+                                            output_router_logits with coefficient 0.05; the
+                                            "chatml" tokenizer of tiny-qwen2
     tests/fixtures/reference/moe-<model>.json          the rows (text and messages rows of
                                             tiny-qwen3 / tiny-mistral's reference), each
                                             row's NLL sum and target count and its aux loss
@@ -111,6 +116,30 @@ MODELS = {
             tie_word_embeddings=False,
         ),
     ),
+    "tiny-qwen2-moe": (
+        "tiny-qwen2",
+        "tiny-qwen2",
+        dict(
+            model_type="qwen2_moe",
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=80,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=6,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            qkv_bias=True,
+            output_router_logits=True,
+            router_aux_loss_coef=0.05,
+            rope_theta=1e6,
+            max_position_embeddings=256,
+            initializer_range=0.1,
+            tie_word_embeddings=True,
+        ),
+    ),
     "tiny-mixtral": (
         "tiny-mistral",
         "tiny-mistral",
@@ -170,6 +199,10 @@ def make_model(name):
         for mname, mod in model.named_modules():
             if "RMSNorm" in type(mod).__name__:
                 mod.weight.copy_(1.0 + 0.2 * torch.randn(mod.weight.shape, generator=gen))
+        # and biases (Qwen2-MoE's q/k/v): 0.1 randn
+        for pname, p in model.named_parameters():
+            if pname.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(str(out), safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (src / f).exists():
@@ -254,7 +287,7 @@ def peft_fixtures(name):
     reference, _, cfg = MODELS[name]
     ref, _ = rows_of(reference)
     text = ref["formats"]["text"]["rows"]
-    experts = ["gate_proj", "up_proj", "down_proj"] if cfg["model_type"] == "qwen3_moe" else ["w1", "w3", "w2"]
+    experts = ["w1", "w3", "w2"] if cfg["model_type"] == "mixtral" else ["gate_proj", "up_proj", "down_proj"]
     model = AutoModelForCausalLM.from_pretrained(str(FIX / "models" / name), attn_implementation="eager", dtype=torch.float32)
     lcfg = LoraConfig(
         r=4,

@@ -1,6 +1,7 @@
 //! Mixture-of-experts parity (issue 40): tiny random Qwen3-MoE (8 experts, top 3,
-//! `norm_topk_prob`, a dense layer from `mlp_only_layers`) and Mixtral (4 experts, top 2,
-//! sliding window 8) against transformers 4.57 and 5.23, from `scripts/make_moe_fixtures.py`.
+//! `norm_topk_prob`, a dense layer from `mlp_only_layers`), Qwen2-MoE (6 experts, top 2, a
+//! shared expert with its sigmoid gate, q/k/v bias) and Mixtral (4 experts, top 2, sliding
+//! window 8) against transformers 4.57 and 5.23, from `scripts/make_moe_fixtures.py`.
 //! The 4.57 checkpoints store each expert's linears; the 5 ones the fused 3-D expert tensors
 //! (`save_original_format=False`), so both weight layouts and both config layouts load.
 //!
@@ -14,7 +15,7 @@ use candle_core::{DType, Device, Tensor};
 use tallow_model::{lm_head_nll, CausalLM, LoadOptions, Targets};
 use tallow_tests::*;
 
-const MOE_MODELS: [&str; 2] = ["tiny-qwen3-moe", "tiny-mixtral"];
+const MOE_MODELS: [&str; 3] = ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"];
 
 fn rows(reference: &serde_json::Value) -> Vec<(Vec<u32>, Vec<bool>)> {
     reference["rows"]

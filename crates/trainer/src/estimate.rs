@@ -347,6 +347,21 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
         };
         sparse += k * (s * c + group(&[&g, &u]) + act + linear(&dn, false) + 2 * s * c);
         sparse += 2 * s * c; // index_add's sum, residual add
+        if let Some(size) = moe.shared_expert_size {
+            // Qwen2-MoE's shared expert on every token: its gate / up / act / down, the
+            // sigmoid of its gate (4 element-wise steps of one value), the product and the sum
+            let (sg, su, sd) = (
+                spec(moe.names.gate, size, c),
+                spec(moe.names.up, size, c),
+                spec(moe.names.down, c, size),
+            );
+            let act = match m.variant.act {
+                Activation::Silu => (if ops.fused_with_bf16 { 1 } else { 2 }) * s * size,
+                Activation::GeluTanh => s * size,
+            };
+            sparse += group(&[&sg, &su]) + act + linear(&sd, false);
+            sparse += linear(&spec("shared_expert_gate", 1, c), false) + 4 * s + 2 * s * c;
+        }
         mlp = match (0..m.num_hidden_layers).all(|l| m.is_sparse(l)) {
             true => sparse,
             false => mlp.max(sparse),

@@ -258,6 +258,12 @@ pub const GENERIC_FIXED: &[Fixed] = &[
         "a nested generator config that generation runs in place of this one",
     ),
     fixed(
+        "text_encoder",
+        &["null"],
+        "a nested text-encoder config that transformers' generation runs in place of this one \
+         (`get_text_config`, read in 4.57's Qwen2-MoE generate)",
+    ),
+    fixed(
         "default_theta",
         &[],
         "replaces the class's default rotary theta (transformers 5's rotary conversion)",

@@ -5,7 +5,7 @@
 //! (`tallow_trainer::estimate`) all read it, so a family that changes a shape changes it here
 //! once.
 
-use crate::config::DecoderConfig;
+use crate::config::{DecoderConfig, Moe};
 use crate::error::{ModelError, Result};
 
 /// The seven linear layers of a Llama-layout decoder layer (Llama, Qwen, Mistral), by their
@@ -119,6 +119,9 @@ impl DecoderConfig {
                 add(n);
             }
             add("gate");
+            if moe.shared_expert_size.is_some() {
+                add("shared_expert_gate");
+            }
         }
         mods
     }
@@ -159,7 +162,7 @@ impl DecoderConfig {
                 .collect();
             return Ok(mods
                 .into_iter()
-                .filter(|m| *m != "gate" || extra.contains(m))
+                .filter(|m| !["gate", "shared_expert_gate"].contains(m) || extra.contains(m))
                 .collect());
         }
         if let Some(bad) = names.iter().find(|n| !mods.contains(n)) {
@@ -284,24 +287,38 @@ impl DecoderConfig {
                 v.push((format!("{b}.experts.{e}.{n}"), spec(n, o, i)));
             }
         }
+        if let Some(size) = moe.shared_expert_size {
+            let shared = Moe {
+                expert_size: size,
+                ..moe.clone()
+            };
+            for (n, o, i) in shared.expert_linears(self.hidden_size) {
+                v.push((format!("{b}.shared_expert.{n}"), spec(n, o, i)));
+            }
+            let gate = spec("shared_expert_gate", 1, self.hidden_size);
+            v.push((format!("{b}.shared_expert_gate"), gate));
+        }
         v
     }
 
-    /// The router and expert linears of layer `layer` (none for a dense one), by their path
+    /// The sparse block's linears of layer `layer` (none for a dense one), by their path
     /// inside it in transformers 4.57's per-expert layout, with (out, in): the router
-    /// `{block}.gate` (E, C), then each expert's gate, up and down.
+    /// `{block}.gate` (E, C), each expert's gate, up and down, and Qwen2-MoE's shared expert
+    /// and its gate. The tail of [`DecoderConfig::linears_at`].
     pub fn expert_tensors(&self, layer: usize) -> Vec<(String, usize, usize)> {
-        let Some(moe) = self.moe.as_ref().filter(|m| m.is_sparse(layer)) else {
+        if !self.is_sparse(layer) {
             return Vec::new();
-        };
-        let b = moe.names.block;
-        let mut v = vec![(format!("{b}.gate"), moe.num_experts, self.hidden_size)];
-        for e in 0..moe.num_experts {
-            for (n, o, i) in moe.expert_linears(self.hidden_size) {
-                v.push((format!("{b}.experts.{e}.{n}"), o, i));
-            }
         }
-        v
+        let attention_and_dense = self
+            .layer_linears()
+            .iter()
+            .filter(|s| !s.path.starts_with("mlp."))
+            .count();
+        self.linears_at(layer)
+            .into_iter()
+            .skip(attention_and_dense)
+            .map(|(path, s)| (path, s.out, s.inp))
+            .collect()
     }
 }
 

@@ -116,6 +116,9 @@ pub struct Moe {
     /// The tensor names of the family's per-expert layout (transformers 4.57, and what
     /// transformers 5 saves by default).
     pub names: MoeNames,
+    /// Qwen2-MoE: a shared expert of this intermediate size that every token goes through,
+    /// its output scaled by sigmoid(`shared_expert_gate`(x)) and added to the routed ones.
+    pub shared_expert_size: Option<usize>,
 }
 
 /// Where a family's sparse block and its experts' linears live inside a decoder layer.

@@ -404,6 +404,12 @@ impl DecoderLayer {
                         v.push((format!("{p}.experts.{e}.{n}"), lin));
                     }
                 }
+                if let Some(s) = &m.shared {
+                    for (n, lin) in s.expert.named(&m.names) {
+                        v.push((format!("{p}.shared_expert.{n}"), lin));
+                    }
+                    v.push((format!("{p}.shared_expert_gate"), &s.gate));
+                }
             }
         }
         v
@@ -446,6 +452,12 @@ impl DecoderLayer {
                     for (n, lin) in x.named_mut(&names) {
                         v.push((format!("{p}.experts.{e}.{n}"), lin));
                     }
+                }
+                if let Some(s) = &mut m.shared {
+                    for (n, lin) in s.expert.named_mut(&names) {
+                        v.push((format!("{p}.shared_expert.{n}"), lin));
+                    }
+                    v.push((format!("{p}.shared_expert_gate"), &mut s.gate));
                 }
             }
         }

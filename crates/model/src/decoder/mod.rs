@@ -16,7 +16,7 @@ use layer::{norm, Rotary};
 pub use layer::{
     Attention, AttentionImpl, DecoderLayer, FeedForward, GateUpProj, Mask, Mlp, QkvProj, RopeMask,
 };
-pub use moe::{Expert, RouterTape, SparseMoe};
+pub use moe::{Expert, RouterTape, SharedExpert, SparseMoe};
 
 use std::path::Path;
 use std::sync::Arc;
@@ -252,9 +252,26 @@ impl CausalLM {
                     })
                     .collect::<Result<Vec<_>>>()?
             };
+            // Qwen2-MoE's shared expert: the same names in both layouts.
+            let shared = match moe.shared_expert_size {
+                None => None,
+                Some(s) => {
+                    let q = format!("{p}.{b}.shared_expert");
+                    let n = &moe.names;
+                    Some(SharedExpert {
+                        expert: Expert {
+                            gate_proj: plain(base(&format!("{q}.{}.weight", n.gate), s, hs)?),
+                            up_proj: plain(base(&format!("{q}.{}.weight", n.up), s, hs)?),
+                            down_proj: plain(base(&format!("{q}.{}.weight", n.down), hs, s)?),
+                        },
+                        gate: plain(base(&format!("{q}_gate.weight"), 1, hs)?),
+                    })
+                }
+            };
             Ok(SparseMoe {
                 gate,
                 experts,
+                shared,
                 top_k: moe.top_k,
                 norm_topk_prob: moe.norm_topk_prob,
                 act: c.variant.act,

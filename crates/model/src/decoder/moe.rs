@@ -30,11 +30,21 @@ pub struct Expert {
     pub down_proj: Linear,
 }
 
-/// The sparse block: a router (`gate`, E x C, no bias) and E experts.
+/// Qwen2-MoE's shared expert: every token's output gains sigmoid(gate(x)) * expert(x).
+#[derive(Clone)]
+pub struct SharedExpert {
+    pub expert: Expert,
+    /// `shared_expert_gate`, (1, C), no bias.
+    pub gate: Linear,
+}
+
+/// The sparse block: a router (`gate`, E x C, no bias) and E experts (and Qwen2-MoE's shared
+/// expert).
 #[derive(Clone)]
 pub struct SparseMoe {
     pub gate: Linear,
     pub experts: Vec<Expert>,
+    pub shared: Option<SharedExpert>,
     pub(crate) top_k: usize,
     pub(crate) norm_topk_prob: bool,
     pub(crate) act: Activation,
@@ -207,6 +217,11 @@ impl SparseMoe {
         }
         let ys = Tensor::cat(&outs, 0)?.broadcast_mul(&ws)?; // (N K, C)
         let mut y = Tensor::zeros((n, c), ys.dtype(), x.device())?.index_add(&tokens, &ys, 0)?;
+        if let Some(s) = &self.shared {
+            let g = s.gate.forward(&x)?; // (N, 1)
+            let g = (g.neg()?.exp()? + 1.0)?.recip()?; // sigmoid
+            y = (y + s.expert.forward(&x, self.act)?.broadcast_mul(&g)?)?;
+        }
         if let Some(tape) = recompute {
             y = tape.inject(y, &probs)?;
         }

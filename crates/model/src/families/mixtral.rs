@@ -97,6 +97,7 @@ impl Family for MixtralKeys {
                     up: "w3",
                     down: "w2",
                 },
+                shared_expert_size: None,
             }),
             ..Default::default()
         }

@@ -27,6 +27,7 @@ pub mod mistral;
 pub mod mixtral;
 pub mod phi3;
 pub mod qwen2;
+pub mod qwen2_moe;
 pub mod qwen3;
 pub mod qwen3_moe;
 
@@ -43,6 +44,7 @@ pub const FAMILIES: &[Registered] = &[
     register::<gemma3::Gemma3Keys>(),
     register::<qwen3_moe::Qwen3MoeKeys>(),
     register::<mixtral::MixtralKeys>(),
+    register::<qwen2_moe::Qwen2MoeKeys>(),
 ];
 
 /// A family's own `config.json` keys (its serde fields), beyond [`CommonKeys`].

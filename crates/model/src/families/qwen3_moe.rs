@@ -135,6 +135,7 @@ impl Family for Qwen3MoeKeys {
                     up: "up_proj",
                     down: "down_proj",
                 },
+                shared_expert_size: None,
             }),
             ..Default::default()
         }
