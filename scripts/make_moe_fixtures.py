@@ -18,7 +18,7 @@ transformers 4.57 writes, for tiny random Qwen3-MoE and Mixtral checkpoints:
                                             sliding_window 8, output_router_logits with
                                             coefficient 0.05; the "bos" tokenizer of tiny-mistral
     tests/fixtures/models/tiny-qwen2-moe/   Qwen2MoeForCausalLM: 2 layers, 6 experts, top 2, no
-                                            renormalization, a shared expert of 80 with its
+                                            renormalization, a shared expert of 40 with its
                                             sigmoid gate, q/k/v bias, tied embeddings,
                                             output_router_logits with coefficient 0.05; the
                                             "chatml" tokenizer of tiny-qwen2
@@ -96,9 +96,9 @@ MODELS = {
         "tiny-qwen3",
         dict(
             model_type="qwen3_moe",
-            hidden_size=64,
-            intermediate_size=96,
-            moe_intermediate_size=48,
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=24,
             num_hidden_layers=3,
             num_attention_heads=4,
             num_key_value_heads=2,
@@ -121,10 +121,10 @@ MODELS = {
         "tiny-qwen2",
         dict(
             model_type="qwen2_moe",
-            hidden_size=64,
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=80,
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=40,
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
@@ -145,8 +145,8 @@ MODELS = {
         "tiny-mistral",
         dict(
             model_type="mixtral",
-            hidden_size=64,
-            intermediate_size=48,
+            hidden_size=32,
+            intermediate_size=24,
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
