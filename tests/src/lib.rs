@@ -108,8 +108,12 @@ pub fn reference_tensors(model: &str) -> HashMap<String, Tensor> {
 
 /// Rows (ids, targets) of one format in a reference JSON.
 pub fn reference_rows(reference: &serde_json::Value, format: &str) -> Vec<(Vec<u32>, Vec<bool>)> {
-    reference["formats"][format]["rows"]
-        .as_array()
+    rows_of(&reference["formats"][format]["rows"])
+}
+
+/// Rows (ids, targets) of a JSON array of `{"ids": [...], "targets": [...]}` objects.
+pub fn rows_of(rows: &serde_json::Value) -> Vec<(Vec<u32>, Vec<bool>)> {
+    rows.as_array()
         .unwrap()
         .iter()
         .map(|r| {

@@ -18,26 +18,7 @@ use tallow_tests::*;
 const MOE_MODELS: [&str; 3] = ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"];
 
 fn rows(reference: &serde_json::Value) -> Vec<(Vec<u32>, Vec<bool>)> {
-    reference["rows"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| {
-            let ids = r["ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as u32)
-                .collect();
-            let tg = r["targets"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_bool().unwrap())
-                .collect();
-            (ids, tg)
-        })
-        .collect()
+    rows_of(&reference["rows"])
 }
 
 fn scalar(t: &Tensor) -> f64 {

@@ -9,10 +9,9 @@
 use serde::Deserialize;
 
 use super::common::{CommonKeys, FamilyExtras, FamilyShape};
-use super::qwen3_moe::{aux_coef, check_router};
+use super::qwen3_moe::{aux_coef, QwenSparse};
 use super::Family;
 use crate::config::hf_keys::Refusals;
-use crate::config::{Moe, MoeNames};
 
 /// The `config.json` keys only Qwen2-MoE reads, with HF's defaults (4.57 and 5.x agree).
 #[derive(Debug, Clone, Deserialize)]
@@ -64,6 +63,24 @@ fn shared_expert_intermediate_size() -> usize {
     5632
 }
 
+impl Qwen2MoeKeys {
+    fn sparse(&self) -> QwenSparse<'_> {
+        QwenSparse {
+            family: Self::FAMILY,
+            use_sliding_window: self.use_sliding_window,
+            decoder_sparse_step: self.decoder_sparse_step,
+            num_experts: self.num_experts,
+            num_experts_per_tok: self.num_experts_per_tok,
+            moe_intermediate_size: self.moe_intermediate_size,
+            norm_topk_prob: self.norm_topk_prob,
+            mlp_only_layers: &self.mlp_only_layers,
+            output_router_logits: self.output_router_logits,
+            router_aux_loss_coef: self.router_aux_loss_coef,
+            shared_expert_size: Some(self.shared_expert_intermediate_size),
+        }
+    }
+}
+
 impl Family for Qwen2MoeKeys {
     const FAMILY: &'static str = "Qwen2-MoE";
     const CLASS: &'static str = "Qwen2MoeForCausalLM";
@@ -72,32 +89,7 @@ impl Family for Qwen2MoeKeys {
     const IGNORED: &'static [&'static str] = &["sliding_window", "max_window_layers"];
 
     fn shape(&self, common: &CommonKeys, refusals: &mut Refusals) -> FamilyShape {
-        if self.use_sliding_window {
-            let msg = "true gives some layers a sliding window of `sliding_window` tokens; \
-                       tallow's Qwen2-MoE attends to every token";
-            refusals.push("use_sliding_window", msg);
-        }
-        if self.decoder_sparse_step == 0 {
-            refusals.push(
-                "decoder_sparse_step",
-                "0 divides by zero in transformers; 1 makes every layer sparse",
-            );
-        }
-        check_router(self.num_experts, self.num_experts_per_tok, refusals);
-        if let Some(l) = self
-            .mlp_only_layers
-            .iter()
-            .flatten()
-            .find(|&&l| l >= common.num_hidden_layers)
-        {
-            refusals.push(
-                "mlp_only_layers",
-                format!(
-                    "layer {l} does not exist ({} layers)",
-                    common.num_hidden_layers
-                ),
-            );
-        }
+        self.sparse().check(common, refusals);
         FamilyShape {
             layer_types: &["full_attention"],
             head_dim: self.head_dim,
@@ -114,23 +106,7 @@ impl Family for Qwen2MoeKeys {
 
     fn extras(&self) -> FamilyExtras {
         FamilyExtras {
-            moe: Some(Moe {
-                num_experts: self.num_experts,
-                top_k: self.num_experts_per_tok,
-                expert_size: self.moe_intermediate_size,
-                norm_topk_prob: self.norm_topk_prob,
-                dense_layers: self.mlp_only_layers.clone().unwrap_or_default(),
-                sparse_step: self.decoder_sparse_step,
-                output_router_logits: self.output_router_logits,
-                router_aux_loss_coef: self.router_aux_loss_coef,
-                names: MoeNames {
-                    block: "mlp",
-                    gate: "gate_proj",
-                    up: "up_proj",
-                    down: "down_proj",
-                },
-                shared_expert_size: Some(self.shared_expert_intermediate_size),
-            }),
+            moe: Some(self.sparse().moe()),
             ..Default::default()
         }
     }

@@ -70,17 +70,33 @@ pub(crate) fn check_router(experts: usize, top_k: usize, refusals: &mut Refusals
     }
 }
 
-impl Family for Qwen3MoeKeys {
-    const FAMILY: &'static str = "Qwen3-MoE";
-    const CLASS: &'static str = "Qwen3MoeForCausalLM";
-    const MODEL_TYPE: &'static str = "qwen3_moe";
-    /// Only used with `use_sliding_window = true`, which is refused.
-    const IGNORED: &'static [&'static str] = &["sliding_window", "max_window_layers"];
+/// The sparse-block keys Qwen3-MoE and Qwen2-MoE share (HF's names), read by both families'
+/// `shape` and `extras`.
+pub(crate) struct QwenSparse<'a> {
+    pub family: &'static str,
+    pub use_sliding_window: bool,
+    pub decoder_sparse_step: usize,
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub moe_intermediate_size: usize,
+    pub norm_topk_prob: bool,
+    pub mlp_only_layers: &'a Option<Vec<usize>>,
+    pub output_router_logits: bool,
+    pub router_aux_loss_coef: f64,
+    /// Qwen2-MoE's `shared_expert_intermediate_size`.
+    pub shared_expert_size: Option<usize>,
+}
 
-    fn shape(&self, common: &CommonKeys, refusals: &mut Refusals) -> FamilyShape {
+impl QwenSparse<'_> {
+    /// Refuses a sliding window, a sparse step of 0, a bad top-k and a dense layer that does
+    /// not exist, by name.
+    pub(crate) fn check(&self, common: &CommonKeys, refusals: &mut Refusals) {
         if self.use_sliding_window {
-            let msg = "true gives the layers from `max_window_layers` on a sliding window of \
-                       `sliding_window` tokens; tallow's Qwen3-MoE attends to every token";
+            let msg = format!(
+                "true gives some layers a sliding window of `sliding_window` tokens; tallow's \
+                 {} attends to every token",
+                self.family
+            );
             refusals.push("use_sliding_window", msg);
         }
         if self.decoder_sparse_step == 0 {
@@ -90,20 +106,69 @@ impl Family for Qwen3MoeKeys {
             );
         }
         check_router(self.num_experts, self.num_experts_per_tok, refusals);
+        let layers = common.num_hidden_layers;
         if let Some(l) = self
             .mlp_only_layers
             .iter()
             .flatten()
-            .find(|&&l| l >= common.num_hidden_layers)
+            .find(|&&l| l >= layers)
         {
             refusals.push(
                 "mlp_only_layers",
-                format!(
-                    "layer {l} does not exist ({} layers)",
-                    common.num_hidden_layers
-                ),
+                format!("layer {l} does not exist ({layers} layers)"),
             );
         }
+    }
+
+    /// The sparse blocks, with Qwen's names (`mlp`, `gate_proj`, `up_proj`, `down_proj`).
+    pub(crate) fn moe(&self) -> Moe {
+        Moe {
+            num_experts: self.num_experts,
+            top_k: self.num_experts_per_tok,
+            expert_size: self.moe_intermediate_size,
+            norm_topk_prob: self.norm_topk_prob,
+            dense_layers: self.mlp_only_layers.clone().unwrap_or_default(),
+            sparse_step: self.decoder_sparse_step,
+            output_router_logits: self.output_router_logits,
+            router_aux_loss_coef: self.router_aux_loss_coef,
+            names: MoeNames {
+                block: "mlp",
+                gate: "gate_proj",
+                up: "up_proj",
+                down: "down_proj",
+            },
+            shared_expert_size: self.shared_expert_size,
+        }
+    }
+}
+
+impl Qwen3MoeKeys {
+    fn sparse(&self) -> QwenSparse<'_> {
+        QwenSparse {
+            family: Self::FAMILY,
+            use_sliding_window: self.use_sliding_window,
+            decoder_sparse_step: self.decoder_sparse_step,
+            num_experts: self.num_experts,
+            num_experts_per_tok: self.num_experts_per_tok,
+            moe_intermediate_size: self.moe_intermediate_size,
+            norm_topk_prob: self.norm_topk_prob,
+            mlp_only_layers: &self.mlp_only_layers,
+            output_router_logits: self.output_router_logits,
+            router_aux_loss_coef: self.router_aux_loss_coef,
+            shared_expert_size: None,
+        }
+    }
+}
+
+impl Family for Qwen3MoeKeys {
+    const FAMILY: &'static str = "Qwen3-MoE";
+    const CLASS: &'static str = "Qwen3MoeForCausalLM";
+    const MODEL_TYPE: &'static str = "qwen3_moe";
+    /// Only used with `use_sliding_window = true`, which is refused.
+    const IGNORED: &'static [&'static str] = &["sliding_window", "max_window_layers"];
+
+    fn shape(&self, common: &CommonKeys, refusals: &mut Refusals) -> FamilyShape {
+        self.sparse().check(common, refusals);
         FamilyShape {
             layer_types: &["full_attention"],
             head_dim: self.head_dim,
@@ -120,23 +185,7 @@ impl Family for Qwen3MoeKeys {
 
     fn extras(&self) -> FamilyExtras {
         FamilyExtras {
-            moe: Some(Moe {
-                num_experts: self.num_experts,
-                top_k: self.num_experts_per_tok,
-                expert_size: self.moe_intermediate_size,
-                norm_topk_prob: self.norm_topk_prob,
-                dense_layers: self.mlp_only_layers.clone().unwrap_or_default(),
-                sparse_step: self.decoder_sparse_step,
-                output_router_logits: self.output_router_logits,
-                router_aux_loss_coef: self.router_aux_loss_coef,
-                names: MoeNames {
-                    block: "mlp",
-                    gate: "gate_proj",
-                    up: "up_proj",
-                    down: "down_proj",
-                },
-                shared_expert_size: None,
-            }),
+            moe: Some(self.sparse().moe()),
             ..Default::default()
         }
     }
