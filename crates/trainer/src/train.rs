@@ -117,13 +117,13 @@ pub struct StepLog {
     pub launches_backward: u64,
     /// The same for the optimizer phase: the gradient norm, clipping and the update.
     pub launches_optimizer: u64,
-    /// Preference runs: TRL's metrics of the step (`rewards/chosen`, `rewards/accuracies`, ...,
-    /// [`crate::preference::METRIC_NAMES`]), written as keys of the line.
     /// A mixture of experts with `output_router_logits`: the router's load-balancing loss
     /// (transformers' `aux_loss`, before `router_aux_loss_coef`), the mean over the step's
     /// micro-batches. `loss` stays the cross-entropy; the gradients include coef * aux.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub aux_loss: Option<f64>,
+    /// Preference runs: TRL's metrics of the step (`rewards/chosen`, `rewards/accuracies`, ...,
+    /// [`crate::preference::METRIC_NAMES`]), written as keys of the line.
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub preference: Option<BTreeMap<&'static str, f64>>,
 }

@@ -1,6 +1,6 @@
-//! The sparse mixture-of-experts feed-forward of Qwen3-MoE and Mixtral
-//! (`Qwen3MoeSparseMoeBlock`, `MixtralSparseMoeBlock` in transformers 4.57; the router and
-//! fused experts of 5.x compute the same), and the router's load-balancing loss
+//! The sparse mixture-of-experts feed-forward of Qwen3-MoE, Qwen2-MoE and Mixtral
+//! (`Qwen3MoeSparseMoeBlock`, `Qwen2MoeSparseMoeBlock`, `MixtralSparseMoeBlock` in
+//! transformers 4.57; the router and fused experts of 5.x compute the same), and the router's load-balancing loss
 //! (`load_balancing_loss_func`, Switch Transformer eq. 4-6, arXiv:2101.03961).
 //!
 //! Shape legend: N = tokens (B * T), C = hidden size, E = experts, K = experts per token,
@@ -136,12 +136,9 @@ impl RouterTape {
             return Ok(None);
         };
         let device = first.prob_sum.device().clone();
-        let mut chosen = vec![0f64; num_experts];
+        let chosen = chosen_total(&records, num_experts);
         let mut prob_sum: Option<Tensor> = None;
         for r in records.values() {
-            for (c, x) in chosen.iter_mut().zip(&r.chosen) {
-                *c += x;
-            }
             prob_sum = Some(match prob_sum {
                 None => r.prob_sum.clone(),
                 Some(p) => (p + &r.prob_sum)?,
@@ -154,6 +151,17 @@ impl RouterTape {
         let dot = (prob_sum * chosen)?.sum_all()?; // ()
         Ok(Some((dot * (num_experts as f64 / (n * n)))?))
     }
+}
+
+/// E: over every recorded layer, how often each expert was chosen.
+fn chosen_total(records: &std::collections::BTreeMap<usize, RouterRecord>, e: usize) -> Vec<f64> {
+    let mut chosen = vec![0f64; e];
+    for r in records.values() {
+        for (c, x) in chosen.iter_mut().zip(&r.chosen) {
+            *c += x;
+        }
+    }
+    chosen
 }
 
 impl SparseMoe {
@@ -284,14 +292,7 @@ impl RouterTape {
     fn inject(&self, y: Tensor, probs: &Tensor) -> Result<Tensor> {
         let (chosen, layers) = {
             let records = self.records.lock().expect("router tape");
-            let e = probs.dim(1)?;
-            let mut chosen = vec![0f64; e];
-            for r in records.values() {
-                for (c, x) in chosen.iter_mut().zip(&r.chosen) {
-                    *c += x;
-                }
-            }
-            (chosen, records.len())
+            (chosen_total(&records, probs.dim(1)?), records.len())
         };
         let e = chosen.len();
         let ln = (layers * self.counted) as f64;
