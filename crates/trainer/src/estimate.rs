@@ -308,13 +308,15 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
     if m.fused_projections {
         mlp += 2 * s * m.intermediate_size; // gate, up copied out of gate_up_proj's output
     }
-    mlp += group(&lgu);
-    mlp += match m.variant.act {
+    // The gated activation's outputs per token, for an MLP `width` wide.
+    let act = |width: usize| match m.variant.act {
         // silu and silu(gate) * up (fused: one SwiGLU output)
-        Activation::Silu => (if ops.fused_with_bf16 { 1 } else { 2 }) * s * m.intermediate_size,
+        Activation::Silu => (if ops.fused_with_bf16 { 1 } else { 2 }) * s * width,
         // Gemma's GeGLU: one op on every device (`ops::geglu`), its output only
-        Activation::GeluTanh => s * m.intermediate_size,
+        Activation::GeluTanh => s * width,
     };
+    mlp += group(&lgu);
+    mlp += act(m.intermediate_size);
     mlp += linear(ld, false);
     if sandwich {
         mlp += s * c; // post_feedforward_layernorm output
@@ -333,33 +335,20 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
             inp,
             bias: false,
         };
-        let (g, u, dn) = (
-            spec(moe.names.gate, moe.expert_size, c),
-            spec(moe.names.up, moe.expert_size, c),
-            spec(moe.names.down, c, moe.expert_size),
-        );
+        // One gated MLP `width` wide on a token: gate and up (one group), act, down.
+        let gated = |width: usize| {
+            let [g, u, d] = moe.names.linears(width, c).map(|(n, o, i)| spec(n, o, i));
+            group(&[&g, &u]) + act(width) + linear(&d, false)
+        };
         let mut sparse = s * c; // post_attention_layernorm output
         sparse += linear(&spec("gate", e, c), false) + cast(4 * e) + 2 * 4 * e; // router
         sparse += 3 * 4 * k; // chosen probabilities, renormalized, cast
-        let act = match m.variant.act {
-            Activation::Silu => (if ops.fused_with_bf16 { 1 } else { 2 }) * s * moe.expert_size,
-            Activation::GeluTanh => s * moe.expert_size,
-        };
-        sparse += k * (s * c + group(&[&g, &u]) + act + linear(&dn, false) + 2 * s * c);
+        sparse += k * (s * c + gated(moe.expert_size) + 2 * s * c);
         sparse += 2 * s * c; // index_add's sum, residual add
         if let Some(size) = moe.shared_expert_size {
-            // Qwen2-MoE's shared expert on every token: its gate / up / act / down, the
-            // sigmoid of its gate (4 element-wise steps of one value), the product and the sum
-            let (sg, su, sd) = (
-                spec(moe.names.gate, size, c),
-                spec(moe.names.up, size, c),
-                spec(moe.names.down, c, size),
-            );
-            let act = match m.variant.act {
-                Activation::Silu => (if ops.fused_with_bf16 { 1 } else { 2 }) * s * size,
-                Activation::GeluTanh => s * size,
-            };
-            sparse += group(&[&sg, &su]) + act + linear(&sd, false);
+            // Qwen2-MoE's shared expert on every token, the sigmoid of its gate (4 element-wise
+            // steps of one value), the product and the sum
+            sparse += gated(size);
             sparse += linear(&spec("shared_expert_gate", 1, c), false) + 4 * s + 2 * s * c;
         }
         mlp = match (0..m.num_hidden_layers).all(|l| m.is_sparse(l)) {

@@ -5,7 +5,7 @@
 //! (`tallow_trainer::estimate`) all read it, so a family that changes a shape changes it here
 //! once.
 
-use crate::config::{DecoderConfig, Moe};
+use crate::config::DecoderConfig;
 use crate::error::{ModelError, Result};
 
 /// The seven linear layers of a Llama-layout decoder layer (Llama, Qwen, Mistral), by their
@@ -207,17 +207,11 @@ impl DecoderConfig {
         )];
         for l in 0..self.num_hidden_layers {
             let p = format!("model.layers.{l}");
-            for s in self.layer_linears() {
-                if self.is_sparse(l) && s.path.starts_with("mlp.") {
-                    continue;
-                }
-                out.push((format!("{p}.{}.weight", s.path), vec![s.out, s.inp]));
+            for (path, s) in self.linears_at(l) {
+                out.push((format!("{p}.{path}.weight"), vec![s.out, s.inp]));
                 if s.bias {
-                    out.push((format!("{p}.{}.bias", s.path), vec![s.out]));
+                    out.push((format!("{p}.{path}.bias"), vec![s.out]));
                 }
-            }
-            for (name, out_f, in_f) in self.expert_tensors(l) {
-                out.push((format!("{p}.{name}.weight"), vec![out_f, in_f]));
             }
             for (n, len) in self.layer_norms() {
                 out.push((format!("{p}.{n}"), vec![len]));
@@ -242,17 +236,19 @@ impl DecoderConfig {
     /// quantizes.
     pub fn linear_weight_elems(&self) -> usize {
         (0..self.num_hidden_layers)
-            .map(|l| {
-                let dense: usize = self
-                    .layer_linears()
-                    .iter()
-                    .filter(|s| !(self.is_sparse(l) && s.path.starts_with("mlp.")))
-                    .map(|s| s.out * s.inp)
-                    .sum();
-                let experts: usize = self.expert_tensors(l).iter().map(|(_, o, i)| o * i).sum();
-                dense + experts
-            })
+            .flat_map(|l| self.linears_at(l))
+            .map(|(_, s)| s.out * s.inp)
             .sum()
+    }
+
+    /// The layout's linears of layer `layer` ([`DecoderConfig::layer_linears`]) less the
+    /// dense MLP's on a sparse layer: the ones that load by their [`LinearSpec::path`].
+    pub fn plain_linears_at(&self, layer: usize) -> Vec<LinearSpec> {
+        let sparse = self.is_sparse(layer);
+        self.layer_linears()
+            .into_iter()
+            .filter(|s| !(sparse && s.path.starts_with("mlp.")))
+            .collect()
     }
 
     /// Every linear of decoder layer `layer` with its path inside the layer, as
@@ -261,14 +257,12 @@ impl DecoderConfig {
     /// carries the module name as its path (`gate`, `gate_proj`, Mixtral's `w1`). What the
     /// estimate counts per layer.
     pub fn linears_at(&self, layer: usize) -> Vec<(String, LinearSpec)> {
-        let sparse = self.is_sparse(layer);
         let mut v: Vec<(String, LinearSpec)> = self
-            .layer_linears()
+            .plain_linears_at(layer)
             .into_iter()
-            .filter(|s| !(sparse && s.path.starts_with("mlp.")))
             .map(|s| (s.path.to_string(), s))
             .collect();
-        let Some(moe) = self.moe.as_ref().filter(|_| sparse) else {
+        let Some(moe) = self.moe.as_ref().filter(|m| m.is_sparse(layer)) else {
             return v;
         };
         let b = moe.names.block;
@@ -288,37 +282,13 @@ impl DecoderConfig {
             }
         }
         if let Some(size) = moe.shared_expert_size {
-            let shared = Moe {
-                expert_size: size,
-                ..moe.clone()
-            };
-            for (n, o, i) in shared.expert_linears(self.hidden_size) {
+            for (n, o, i) in moe.names.linears(size, self.hidden_size) {
                 v.push((format!("{b}.shared_expert.{n}"), spec(n, o, i)));
             }
             let gate = spec("shared_expert_gate", 1, self.hidden_size);
             v.push((format!("{b}.shared_expert_gate"), gate));
         }
         v
-    }
-
-    /// The sparse block's linears of layer `layer` (none for a dense one), by their path
-    /// inside it in transformers 4.57's per-expert layout, with (out, in): the router
-    /// `{block}.gate` (E, C), each expert's gate, up and down, and Qwen2-MoE's shared expert
-    /// and its gate. The tail of [`DecoderConfig::linears_at`].
-    pub fn expert_tensors(&self, layer: usize) -> Vec<(String, usize, usize)> {
-        if !self.is_sparse(layer) {
-            return Vec::new();
-        }
-        let attention_and_dense = self
-            .layer_linears()
-            .iter()
-            .filter(|s| !s.path.starts_with("mlp."))
-            .count();
-        self.linears_at(layer)
-            .into_iter()
-            .skip(attention_and_dense)
-            .map(|(path, s)| (path, s.out, s.inp))
-            .collect()
     }
 }
 

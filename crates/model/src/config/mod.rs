@@ -144,11 +144,22 @@ impl Moe {
             && (layer + 1).is_multiple_of(self.sparse_step)
     }
 
-    /// The linears of one expert, (name, out, in): gate and up (I x C), down (C x I), in the
-    /// order the 4.57 layout lists them.
+    /// The linears of one routed expert, [`MoeNames::linears`] of `expert_size`.
     pub fn expert_linears(&self, hidden: usize) -> [(&'static str, usize, usize); 3] {
-        let (n, i) = (&self.names, self.expert_size);
-        [(n.gate, i, hidden), (n.up, i, hidden), (n.down, hidden, i)]
+        self.names.linears(self.expert_size, hidden)
+    }
+}
+
+impl MoeNames {
+    /// The linears of one gated MLP of width `width` (an expert, Qwen2-MoE's shared expert),
+    /// (name, out, in): gate and up (width x C), down (C x width), in the order the 4.57
+    /// layout lists them.
+    pub fn linears(&self, width: usize, hidden: usize) -> [(&'static str, usize, usize); 3] {
+        [
+            (self.gate, width, hidden),
+            (self.up, width, hidden),
+            (self.down, hidden, width),
+        ]
     }
 }
 

@@ -204,6 +204,19 @@ impl CausalLM {
             bias: None,
             adapter: None,
         };
+        // A gated MLP stored as its three linears under `q` (an expert of the per-expert layout,
+        // the shared expert), `width` wide.
+        let named_expert = |moe: &Moe, q: &str, width: usize| -> Result<Expert> {
+            let [g, u, d] = moe.names.linears(width, hs);
+            let load = |(n, o, i): (&str, usize, usize)| -> Result<Linear> {
+                Ok(plain(base(&format!("{q}.{n}.weight"), o, i)?))
+            };
+            Ok(Expert {
+                gate_proj: load(g)?,
+                up_proj: load(u)?,
+                down_proj: load(d)?,
+            })
+        };
         // A sparse block at `p` (`model.layers.3`): its router, and its experts in either
         // layout, per-expert linears (transformers 4.57, and 5's default save) or fused 3-D
         // tensors (5.x's `save_original_format=False`): `mlp.experts.gate_up_proj` (E, 2 I, C),
@@ -240,33 +253,17 @@ impl CausalLM {
                     })
                     .collect::<Result<Vec<_>>>()?
             } else {
-                let n = &moe.names;
                 (0..e)
-                    .map(|x| {
-                        let q = format!("{p}.{b}.experts.{x}");
-                        Ok(Expert {
-                            gate_proj: plain(base(&format!("{q}.{}.weight", n.gate), i, hs)?),
-                            up_proj: plain(base(&format!("{q}.{}.weight", n.up), i, hs)?),
-                            down_proj: plain(base(&format!("{q}.{}.weight", n.down), hs, i)?),
-                        })
-                    })
+                    .map(|x| named_expert(moe, &format!("{p}.{b}.experts.{x}"), i))
                     .collect::<Result<Vec<_>>>()?
             };
             // Qwen2-MoE's shared expert: the same names in both layouts.
             let shared = match moe.shared_expert_size {
                 None => None,
-                Some(s) => {
-                    let q = format!("{p}.{b}.shared_expert");
-                    let n = &moe.names;
-                    Some(SharedExpert {
-                        expert: Expert {
-                            gate_proj: plain(base(&format!("{q}.{}.weight", n.gate), s, hs)?),
-                            up_proj: plain(base(&format!("{q}.{}.weight", n.up), s, hs)?),
-                            down_proj: plain(base(&format!("{q}.{}.weight", n.down), hs, s)?),
-                        },
-                        gate: plain(base(&format!("{q}_gate.weight"), 1, hs)?),
-                    })
-                }
+                Some(s) => Some(SharedExpert {
+                    expert: named_expert(moe, &format!("{p}.{b}.shared_expert"), s)?,
+                    gate: plain(base(&format!("{p}.{b}.shared_expert_gate.weight"), 1, hs)?),
+                }),
             };
             Ok(SparseMoe {
                 gate,
@@ -285,9 +282,8 @@ impl CausalLM {
             // The linears in `layer_linears` order (crate::config::layout): seven, or Phi-3's four.
             let sparse = c.is_sparse(i);
             let mut lins = c
-                .layer_linears()
+                .plain_linears_at(i)
                 .iter()
-                .filter(|s| !(sparse && s.path.starts_with("mlp.")))
                 .map(|s| linear(&format!("{p}.{}", s.path), s))
                 .collect::<Result<Vec<_>>>()?
                 .into_iter();

@@ -211,15 +211,7 @@ impl CommonKeys {
                 .unwrap_or(shape.tie_word_embeddings),
             sliding_window: shape.sliding_window,
             variant,
-            // Mixtral's experts are `intermediate_size` wide (its extras say 0).
-            moe: extras.moe.map(|m| crate::config::Moe {
-                expert_size: if m.expert_size == 0 {
-                    self.intermediate_size
-                } else {
-                    m.expert_size
-                },
-                ..m
-            }),
+            moe: extras.moe,
             bos_token_id: self.bos_token_id,
             eos_token_ids: self.eos_token_id.into_vec(),
             text_tower: false,

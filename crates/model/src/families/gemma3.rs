@@ -164,7 +164,7 @@ impl Family for Gemma3Keys {
         }
     }
 
-    fn extras(&self) -> FamilyExtras {
+    fn extras(&self, _common: &CommonKeys) -> FamilyExtras {
         FamilyExtras {
             local_rope: Some(LocalRope {
                 rope_local_base_freq: self.rope_local_base_freq,

@@ -78,14 +78,14 @@ impl Family for MixtralKeys {
         }
     }
 
-    fn extras(&self) -> FamilyExtras {
+    fn extras(&self, common: &CommonKeys) -> FamilyExtras {
         FamilyExtras {
             default_rope_theta: Some(1e6),
             moe: Some(Moe {
                 num_experts: self.num_local_experts,
                 top_k: self.num_experts_per_tok,
-                // Mixtral's experts are `intermediate_size` wide: filled in by into_config.
-                expert_size: 0,
+                // Mixtral's experts are `intermediate_size` wide
+                expert_size: common.intermediate_size,
                 norm_topk_prob: true,
                 dense_layers: Vec::new(),
                 sparse_step: 1,

@@ -64,8 +64,8 @@ pub trait Family: DeserializeOwned {
     /// built by [`CommonKeys::into_config`] from the [`FamilyShape`] this returns.
     fn shape(&self, common: &CommonKeys, refusals: &mut Refusals) -> FamilyShape;
     /// What the family adds beyond the Llama layout (fused projections, partial rotary,
-    /// LongRoPE); nothing by default.
-    fn extras(&self) -> FamilyExtras {
+    /// LongRoPE, a mixture of experts), from its keys and the shared ones; nothing by default.
+    fn extras(&self, _common: &CommonKeys) -> FamilyExtras {
         FamilyExtras::default()
     }
     /// The family config class's defaults for shared keys that [`CommonKeys`] requires or
@@ -176,11 +176,12 @@ fn parse<F: Family>(
         }
     };
     let shape = own.shape(&common, refusals);
+    let extras = own.extras(&common);
     let arch = Arch {
         class: F::CLASS,
         model_type: F::MODEL_TYPE,
     };
-    let cfg = common.into_config(arch, F::FAMILY, shape, own.extras(), refusals)?;
+    let cfg = common.into_config(arch, F::FAMILY, shape, extras, refusals)?;
     Some((cfg, check))
 }
 

@@ -85,7 +85,7 @@ impl Family for Phi3Keys {
         }
     }
 
-    fn extras(&self) -> FamilyExtras {
+    fn extras(&self, _common: &CommonKeys) -> FamilyExtras {
         FamilyExtras {
             fused_projections: true,
             rope: Some(RopeExtras {

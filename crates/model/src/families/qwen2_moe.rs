@@ -104,7 +104,7 @@ impl Family for Qwen2MoeKeys {
         }
     }
 
-    fn extras(&self) -> FamilyExtras {
+    fn extras(&self, _common: &CommonKeys) -> FamilyExtras {
         FamilyExtras {
             moe: Some(self.sparse().moe()),
             ..Default::default()

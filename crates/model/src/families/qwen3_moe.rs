@@ -183,7 +183,7 @@ impl Family for Qwen3MoeKeys {
         }
     }
 
-    fn extras(&self) -> FamilyExtras {
+    fn extras(&self, _common: &CommonKeys) -> FamilyExtras {
         FamilyExtras {
             moe: Some(self.sparse().moe()),
             ..Default::default()
