@@ -44,6 +44,20 @@ and, with transformers 4.57 and PEFT 0.17:
     tests/fixtures/reference/peft-moe-<model>-sgd.safetensors  "after.<key>" of one plain SGD
                                             step (lr 0.5) on that total loss, and "grad.<key>"
 
+and, with transformers 5 and PEFT 0.21, LoRA with `target_parameters` on the fused expert
+tensors of the fused-layout models (PEFT's `ParamWrapper`; it takes no dropout):
+
+    tests/fixtures/v5/adapters/tiny-<model>-peft-params/   r=4, alpha=8, A and B 0.2 randn:
+                                            tiny-qwen3-moe: q/k/v/o + "mlp.experts.gate_up_proj"
+                                            and "mlp.experts.down_proj" (nested wrappers: the
+                                            gate_up adapter under `experts.base_layer.`);
+                                            tiny-qwen2-moe: the seven Llama names (attention and
+                                            the shared expert) + "mlp.experts.gate_up_proj";
+                                            tiny-mixtral: q/k/v/o + "down_proj" (PEFT's suffix
+                                            match)
+    tests/fixtures/v5/reference/peft-moe-<model>.json and -sgd.safetensors   one SGD step of
+                                            it on the text batch, as the 4.57 ones above
+
 Each reference JSON also holds "generate": 8 greedy tokens (`generate(do_sample=False)`)
 after the first messages row's prompt.
 
@@ -337,6 +351,77 @@ def peft_fixtures(name):
     print(name, "peft", sgd)
 
 
+# target_modules, target_parameters of each model's transformers 5 fixture
+PARAMS = {
+    "tiny-qwen3-moe": (["q_proj", "k_proj", "v_proj", "o_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    "tiny-qwen2-moe": (
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ["mlp.experts.gate_up_proj"],
+    ),
+    "tiny-mixtral": (["q_proj", "k_proj", "v_proj", "o_proj"], ["down_proj"]),
+}
+
+
+def peft_params_fixtures(name):
+    """transformers 5 + PEFT: LoRA on the fused expert tensors, and one SGD step of it."""
+    from peft import LoraConfig, get_peft_model
+
+    reference, _, cfg = MODELS[name]
+    ref, _ = rows_of(reference)
+    text = ref["formats"]["text"]["rows"]
+    modules, params = PARAMS[name]
+    model = AutoModelForCausalLM.from_pretrained(
+        str(FIX / "v5" / "models" / name), attn_implementation="eager", dtype=torch.float32
+    )
+    lcfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=modules,
+        target_parameters=params,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, lcfg)
+    gen = torch.Generator().manual_seed(SEED + 3)
+    with torch.no_grad():
+        for pn, p in model.named_parameters():
+            if "lora_" in pn:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    out = FIX / "v5" / "adapters" / f"{name}-peft-params"
+    if out.exists():
+        shutil.rmtree(out)
+    model.save_pretrained(str(out))
+    (out / "README.md").unlink(missing_ok=True)
+    cfg_path = out / "adapter_config.json"
+    ac = json.loads(cfg_path.read_text())
+    ac["base_model_name_or_path"] = name
+    cfg_path.write_text(json.dumps(ac, indent=2, sort_keys=True) + "\n")
+    pad = ref["eos_token_id"]
+    ids, mask, labels = padded(text, pad)
+    model.train()
+    trainable = {pn: p for pn, p in model.named_parameters() if p.requires_grad}
+    lr = 0.5
+    opt = torch.optim.SGD(list(trainable.values()), lr=lr)
+    opt.zero_grad()
+    o = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+    o.loss.backward()
+    tensors = {}
+    for pn, p in trainable.items():
+        tensors[f"grad.{pn.replace('.default', '')}"] = p.grad.detach().float().clone().contiguous()
+    opt.step()
+    for pn, p in trainable.items():
+        tensors[f"after.{pn.replace('.default', '')}"] = p.detach().float().clone().contiguous()
+    coef = cfg["router_aux_loss_coef"]
+    sgd = dict(lr=lr, loss=o.loss.item(), aux=o.aux_loss.item(), ce=o.loss.item() - coef * o.aux_loss.item())
+    import peft
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
+    (FIX / "v5" / "reference" / f"peft-moe-{name}.json").write_text(json.dumps(dict(versions=versions, sgd=sgd), indent=1) + "\n")
+    save_file(tensors, str(FIX / "v5" / "reference" / f"peft-moe-{name}-sgd.safetensors"))
+    print(name, "peft target_parameters", sgd)
+
+
 def check_adapter(adapter, name):
     reference, _, _ = MODELS[name]
     _, rows = rows_of(reference)
@@ -382,6 +467,10 @@ def main():
         return
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    if "--only-params" in sys.argv:  # transformers 5: the target_parameters fixtures alone
+        for name in MODELS:
+            peft_params_fixtures(name)
+        return
     for name in MODELS:
         if V5:
             ref, tensors = references(name, FIX / "models" / name)
@@ -397,6 +486,7 @@ def main():
             ref2, _ = references(name, out)
             assert abs(ref2["batch"]["loss"] - ref["batch"]["loss"]) < 1e-6, (ref2["batch"], ref["batch"])
             (FIX / "v5" / "reference" / f"moe-{name}.json").write_text(json.dumps(ref, indent=1) + "\n")
+            peft_params_fixtures(name)
         else:
             make_model(name)
             ref, tensors = references(name, FIX / "models" / name)

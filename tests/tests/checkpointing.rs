@@ -152,6 +152,7 @@ fn adapter_gradients_with_checkpointing(model_name: &str, dora: bool) {
         } else {
             tallow_model::AdapterKind::Lora
         },
+        target_parameters: vec![],
     };
     attach_lora(&mut model, &spec, 1).unwrap();
     let vars = lora_vars(&model);

@@ -65,6 +65,7 @@ fn evaluation_records_no_graph_and_needs_less_memory_than_a_training_forward() {
                     .to_vec(),
                 rslora: false,
                 kind: tallow_model::AdapterKind::Lora,
+                target_parameters: vec![],
             };
             attach_lora(&mut model, &spec, 1).unwrap();
         }

@@ -150,14 +150,18 @@ pub fn model_card(dir: &Path, repo_id: &str) -> String {
     y += &format!("# {name}\n\n");
     match &adapter {
         Some(a) => {
-            let targets = a["target_modules"]
-                .as_array()
-                .map(|t| {
-                    let mut t: Vec<&str> = t.iter().filter_map(|x| x.as_str()).collect();
-                    t.sort();
-                    t.join(", ")
-                })
-                .unwrap_or_default();
+            // the modules, then PEFT's target_parameters (a mixture of experts' fused tensors)
+            let names = |key: &str| -> Vec<&str> {
+                let mut t: Vec<&str> = a[key]
+                    .as_array()
+                    .map(|t| t.iter().filter_map(|x| x.as_str()).collect())
+                    .unwrap_or_default();
+                t.sort();
+                t
+            };
+            let mut targets = names("target_modules");
+            targets.extend(names("target_parameters"));
+            let targets = targets.join(", ");
             y += &format!(
                 "A {} adapter (rank {}, alpha {}, on {targets}) for {base_words}, trained with \
                  tallow. It is a PEFT adapter: transformers + PEFT load it as it is.\n\n",

@@ -153,6 +153,7 @@ fn dtype_bytes(d: ModelDtype) -> usize {
 /// A decoder linear layer's shape (from the model crate's one description of the layers,
 /// `DecoderConfig::layer_linears`).
 type Lin = tallow_model::LinearSpec;
+use tallow_model::config::layout::LoraPlan;
 
 /// NF4 bytes of an (out, in) weight: 4-bit codes, plus per block of 64 an f32 absmax, or with
 /// double quantization an 8-bit absmax and one f32 per 256 blocks (+ the f32 offset).
@@ -238,31 +239,46 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
     let (h, kv) = (m.num_attention_heads, m.num_key_value_heads);
     let (q, kvd) = (h * d, kv * d);
     let lora = !cfg.trains_full();
-    let targets = lora_targets(m, cfg);
+    let plan = lora_plan(m, cfg);
     let r = cfg.lora.rank;
     let dropout = lora && cfg.lora.dropout > 0.0;
     // One linear: its output (base matmul, + bias), and with LoRA: x cast to f32 (unless
     // `shared`: one cast for the group, counted by `group_cast`), the dropped-out x (the
     // dropout op keeps no mask), x·Aᵀ and its scaled copy (r), B·(..) in f32, cast back, sum.
-    let adapted = |l: &Lin| lora && targets.contains(&l.module());
+    // A routed expert's linear (`routed`) is adapted by `lora.target_parameters` when set.
+    let adapted = |l: &Lin, routed: bool| {
+        lora && match routed {
+            true => plan.wraps(&format!("mlp.experts.0.{}", l.path)),
+            false => plan.wraps(l.path),
+        }
+    };
     let kind = cfg.lora.kind.spec();
-    let one_op = |l: &Lin| ops.lora_one_op && kind.additive() && adapted(l);
-    let linear = |l: &Lin, shared: bool| -> usize {
-        if one_op(l) {
+    let one_op = |l: &Lin, routed: bool| ops.lora_one_op && kind.additive() && adapted(l, routed);
+    let linear_in = |l: &Lin, shared: bool, routed: bool| -> usize {
+        if one_op(l, routed) {
             return s * l.out; // one op; its input is the previous output, A and B are params
         }
-        if adapted(l) {
+        if adapted(l, routed) {
             return kind.activation_bytes(l, s, r, dropout, shared);
         }
         s * l.out + if l.bias { s * l.out } else { 0 }
     };
+    let linear = |l: &Lin, shared: bool| linear_in(l, shared, false);
     // Linears reading one input (q/k/v, gate/up) share its f32 cast when >= 2 adapted ones
     // take the unfused path (the one-op linear casts inside).
-    let group = |ls: &[&Lin]| -> usize {
-        let shared = ls.iter().filter(|l| adapted(l) && !one_op(l)).count() >= 2;
+    let group_in = |ls: &[&Lin], routed: bool| -> usize {
+        let shared = ls
+            .iter()
+            .filter(|l| adapted(l, routed) && !one_op(l, routed))
+            .count()
+            >= 2;
         let cast_once = if shared { cast(4 * ls[0].inp) } else { 0 };
-        cast_once + ls.iter().map(|l| linear(l, shared)).sum::<usize>()
+        cast_once
+            + ls.iter()
+                .map(|l| linear_in(l, shared, routed))
+                .sum::<usize>()
     };
+    let group = |ls: &[&Lin]| group_in(ls, false);
     let ls = m.layer_linears();
     // (q, k, v), o, (gate, up), down: Phi-3's fused linears are one-element groups.
     let (lqkv, lo, lgu, ld) = if m.fused_projections {
@@ -335,20 +351,21 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
             inp,
             bias: false,
         };
-        // One gated MLP `width` wide on a token: gate and up (one group), act, down.
-        let gated = |width: usize| {
+        // One gated MLP `width` wide on a token: gate and up (one group), act, down; a routed
+        // expert's (`routed`) or the shared expert's.
+        let gated = |width: usize, routed: bool| {
             let [g, u, d] = moe.names.linears(width, c).map(|(n, o, i)| spec(n, o, i));
-            group(&[&g, &u]) + act(width) + linear(&d, false)
+            group_in(&[&g, &u], routed) + act(width) + linear_in(&d, false, routed)
         };
         let mut sparse = s * c; // post_attention_layernorm output
         sparse += linear(&spec("gate", e, c), false) + cast(4 * e) + 2 * 4 * e; // router
         sparse += 3 * 4 * k; // chosen probabilities, renormalized, cast
-        sparse += k * (s * c + gated(moe.expert_size) + 2 * s * c);
+        sparse += k * (s * c + gated(moe.expert_size, true) + 2 * s * c);
         sparse += 2 * s * c; // index_add's sum, residual add
         if let Some(size) = moe.shared_expert_size {
             // Qwen2-MoE's shared expert on every token, the sigmoid of its gate (4 element-wise
             // steps of one value), the product and the sum
-            sparse += gated(size);
+            sparse += gated(size, false);
             sparse += linear(&spec("shared_expert_gate", 1, c), false) + 4 * s + 2 * s * c;
         }
         mlp = match (0..m.num_hidden_layers).all(|l| m.is_sparse(l)) {
@@ -400,13 +417,9 @@ fn one_op_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool, tokens: u6
     let s = dtype_bytes(cfg.model.dtype) as u64;
     let half = (s == 2) as u64;
     let drop = (cfg.lora.dropout > 0.0) as u64;
-    let targets = lora_targets(m, cfg);
+    let plan = lora_plan(m, cfg);
     let (mut fwd, mut bwd) = (0, 0);
-    for l in m
-        .layer_linears()
-        .iter()
-        .filter(|l| targets.contains(&l.module()))
-    {
+    for l in m.layer_linears().iter().filter(|l| plan.wraps(l.path)) {
         let (k, n) = (l.inp as u64, l.out as u64);
         let rows = tokens.min(tallow_model::kernels::lora_linear::chunk_rows(l.inp, l.out) as u64);
         fwd = fwd.max(rows * (4 * k * (half + drop) + 4 * n * half));
@@ -744,14 +757,19 @@ fn grad_detail(cfg: &TrainConfig, phase: &str) -> String {
     }
 }
 
-/// The modules `lora.targets` wraps on this model (`DecoderConfig::resolve_lora_targets`: on
-/// Phi-3 the seven Llama names are its four fused ones); names the model lacks (refused when
-/// training starts) wrap nothing.
-fn lora_targets(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<&'static str> {
+/// The linears `lora.targets` and `lora.target_parameters` wrap on this model
+/// (`DecoderConfig::lora_plan`: on Phi-3 the seven Llama names are its four fused ones);
+/// names the model lacks (refused when training starts) wrap nothing.
+fn lora_plan(m: &DecoderConfig, cfg: &TrainConfig) -> LoraPlan {
     let names = cfg.lora.targets();
-    m.resolve_lora_targets(&names).unwrap_or_else(|_| {
-        let mods = m.lora_modules();
-        mods.into_iter().filter(|x| names.contains(x)).collect()
+    let params = &cfg.lora.target_parameters;
+    m.lora_plan(&names, params).unwrap_or_else(|_| LoraPlan {
+        modules: m
+            .lora_modules()
+            .into_iter()
+            .filter(|x| names.contains(x))
+            .collect(),
+        experts: None,
     })
 }
 
@@ -764,21 +782,10 @@ pub fn rows_per_micro_batch(cfg: &TrainConfig) -> usize {
 
 /// Trainable parameters: LoRA factors, or every weight.
 pub fn trainable_params(m: &DecoderConfig, cfg: &TrainConfig) -> u64 {
-    match cfg.trains_full() {
-        true => m.num_params() as u64,
-        false => {
-            let targets = lora_targets(m, cfg);
-            let kind = cfg.lora.kind.spec();
-            (0..m.num_hidden_layers)
-                .flat_map(|layer| m.linears_at(layer))
-                .filter(|(_, l)| targets.contains(&l.module()))
-                .map(|(_, l)| {
-                    let sizes = kind.tensor_sizes(l.out, l.inp, cfg.lora.rank);
-                    sizes.iter().sum::<usize>() as u64
-                })
-                .sum()
-        }
-    }
+    trainable_tensor_sizes(m, cfg)
+        .iter()
+        .map(|&n| n as u64)
+        .sum()
 }
 
 /// Every trainable tensor's element count, in the trainer's trainable order (what the
@@ -786,7 +793,8 @@ pub fn trainable_params(m: &DecoderConfig, cfg: &TrainConfig) -> u64 {
 /// `train.shard_optimizer` partitions): a full fine-tune's `CausalLM::named_params` (the HF
 /// file order of `DecoderConfig::hf_tensor_shapes`: embedding, each layer's linears with their
 /// biases and its norms, final norm, untied LM head); LoRA's `peft::lora_vars` (per layer, per
-/// adapted linear: A, B, and DoRA's magnitude).
+/// adapted linear: A, B, and DoRA's magnitude; an expert's up projection under a fused
+/// `gate_up_proj` target shares its gate's A, listed once).
 pub fn trainable_tensor_sizes(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize> {
     if cfg.trains_full() {
         return m
@@ -796,16 +804,17 @@ pub fn trainable_tensor_sizes(m: &DecoderConfig, cfg: &TrainConfig) -> Vec<usize
             .collect();
     }
     let mut v = Vec::new();
-    let targets = lora_targets(m, cfg);
+    let plan = lora_plan(m, cfg);
     for layer in 0..m.num_hidden_layers {
-        for (_, l) in m.linears_at(layer) {
-            if targets.contains(&l.module()) {
-                v.extend(
-                    cfg.lora
-                        .kind
-                        .spec()
-                        .tensor_sizes(l.out, l.inp, cfg.lora.rank),
-                );
+        for (path, l) in m.linears_at(layer) {
+            if plan.wraps(&path) {
+                let sizes = cfg
+                    .lora
+                    .kind
+                    .spec()
+                    .tensor_sizes(l.out, l.inp, cfg.lora.rank);
+                let skip = usize::from(plan.shares_a(&path)); // A comes first
+                v.extend(sizes.into_iter().skip(skip));
             }
         }
     }
@@ -927,10 +936,10 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
     let kind = (!full).then(|| cfg.lora.kind.spec());
     let adapter_kept = match kind {
         Some(kind) => {
-            let targets = lora_targets(m, cfg);
+            let plan = lora_plan(m, cfg);
             (0..layers)
                 .flat_map(|layer| m.linears_at(layer))
-                .filter(|(_, l)| targets.contains(&l.module()))
+                .filter(|(path, _)| plan.wraps(path))
                 .map(|(_, l)| kind.kept_bytes(l.out) as u64)
                 .sum()
         }
@@ -980,7 +989,7 @@ fn parts(m: &DecoderConfig, cfg: &TrainConfig, device: &'static str) -> Parts {
                     "{} r{} on {}, {tp} parameters in f32",
                     cfg.lora.kind.spec().label(),
                     cfg.lora.rank,
-                    lora_targets(m, cfg).join(",")
+                    lora_plan(m, cfg).describe()
                 ),
             ),
         )

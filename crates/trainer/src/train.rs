@@ -296,6 +296,16 @@ fn setup(cfg: &TrainConfig, device: &Device) -> Result<Setup, TrainError> {
                     spec.kind.name(),
                 )));
             }
+            if !spec.target_parameters.is_empty() && cfg.lora.dropout > 0.0 {
+                return Err(TrainError::Invalid(format!(
+                    "lora.dropout = {}, but the adapter in lora.init ({}) adapts the fused \
+                     expert tensors (target_parameters {:?}), which take no dropout, as in PEFT: \
+                     set lora.dropout = 0",
+                    cfg.lora.dropout,
+                    init.display(),
+                    spec.target_parameters,
+                )));
+            }
             spec.dropout = cfg.lora.dropout;
             set_dropout_rate(&mut model, spec.dropout);
             spec

@@ -967,6 +967,7 @@ fn checkpointed(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
             .collect(),
         rslora: false,
         kind: tallow_model::AdapterKind::Lora,
+        target_parameters: vec![],
     };
     tallow_model::attach_lora(&mut model, &spec, 1).map_err(to_candle)?;
     tallow_model::set_dropout(&model, Some(7));

@@ -181,6 +181,44 @@ impl DecoderConfig {
         Ok(mods.into_iter().filter(|m| names.contains(m)).collect())
     }
 
+    /// Which linears an adapter of LoRA targets `targets` (module names, as
+    /// [`DecoderConfig::resolve_lora_targets`]) and PEFT's `target_parameters` `params` wraps.
+    ///
+    /// `params` name transformers 5's fused expert tensors ([`EXPERT_PARAMETERS`], or a
+    /// dot-suffix of one as PEFT matches them): with them the routed experts are adapted by
+    /// tensor, not by module name, and `targets` wraps the other linears (the attention, a
+    /// dense layer's MLP, Qwen2-MoE's shared expert), as PEFT 0.21 on transformers 5, where
+    /// the experts are no modules, does.
+    pub fn lora_plan<S: AsRef<str>, P: AsRef<str>>(
+        &self,
+        targets: &[S],
+        params: &[P],
+    ) -> Result<LoraPlan> {
+        let modules = self.resolve_lora_targets(targets)?;
+        if params.is_empty() {
+            return Ok(LoraPlan {
+                modules,
+                experts: None,
+            });
+        }
+        let Some(moe) = &self.moe else {
+            return Err(ModelError::Invalid(format!(
+                "LoRA target_parameters {:?} name the fused expert tensors of a mixture of                  experts; this {} model has no experts (leave target_parameters out)",
+                params.iter().map(AsRef::as_ref).collect::<Vec<_>>(),
+                self.arch.hf_class()
+            )));
+        };
+        let (gate_up, down) = parse_expert_parameters(params).map_err(ModelError::Invalid)?;
+        Ok(LoraPlan {
+            modules,
+            experts: Some(ExpertTargets {
+                gate_up,
+                down,
+                names: moe.names,
+            }),
+        })
+    }
+
     /// The norm weights of every decoder layer: (path inside the layer, length).
     pub fn layer_norms(&self) -> Vec<(&'static str, usize)> {
         let mut v = Vec::with_capacity(6);
@@ -292,6 +330,112 @@ impl DecoderConfig {
     }
 }
 
+/// PEFT's `target_parameters` names of transformers 5's fused expert tensors (its
+/// `*Experts` module, `mlp.experts` in every MoE family): `gate_up_proj` (E, 2 I, C), gate
+/// rows then up rows, and `down_proj` (E, C, I).
+pub const EXPERT_PARAMETERS: [&str; 2] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"];
+
+/// `target_parameters` as (gate_up, down): each entry one of [`EXPERT_PARAMETERS`] or a
+/// dot-suffix of one (`experts.down_proj`, `down_proj`: PEFT matches a parameter whose full
+/// name ends with `.` + the entry), none twice.
+pub fn parse_expert_parameters<P: AsRef<str>>(
+    params: &[P],
+) -> std::result::Result<(bool, bool), String> {
+    let mut hit = [false; 2];
+    for p in params.iter().map(AsRef::as_ref) {
+        let k = EXPERT_PARAMETERS
+            .iter()
+            .position(|full| !p.is_empty() && (*full == p || full.ends_with(&format!(".{p}"))))
+            .ok_or_else(|| {
+                format!(
+                    "LoRA target_parameters has `{p}`: tallow adapts the fused expert tensors {}                      (every sparse layer's; a layer-specific name is not supported)",
+                    EXPERT_PARAMETERS.join(" and ")
+                )
+            })?;
+        if hit[k] {
+            return Err(format!(
+                "LoRA target_parameters names `{}` twice",
+                EXPERT_PARAMETERS[k]
+            ));
+        }
+        hit[k] = true;
+    }
+    Ok((hit[0], hit[1]))
+}
+
+/// The routed experts' tensors PEFT's `target_parameters` adapts (transformers 5's layout):
+/// per expert, one LoRA on the fused `gate_up_proj` (A (r, C), B (2 I, r): the gate and up
+/// projections share A, each takes its half of B's rows) and one on `down_proj`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertTargets {
+    pub gate_up: bool,
+    pub down: bool,
+    /// The family's expert linear names, to tell gate, up and down apart.
+    pub names: crate::config::MoeNames,
+}
+
+/// Which linears of a decoder layer an adapter wraps ([`DecoderConfig::lora_plan`]): the one
+/// answer attaching, naming, saving and the estimate use.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraPlan {
+    /// Module names: every linear with one of them, but the routed experts' when `experts`
+    /// is set.
+    pub modules: Vec<&'static str>,
+    /// PEFT's `target_parameters` on the fused expert tensors.
+    pub experts: Option<ExpertTargets>,
+}
+
+/// The module name of a routed expert's linear at `path` inside a layer
+/// (`mlp.experts.3.gate_proj` -> `gate_proj`); None for any other linear.
+fn routed_expert_module(path: &str) -> Option<&str> {
+    let (_, rest) = path.split_once(".experts.")?;
+    let (e, n) = rest.split_once('.')?;
+    e.parse::<usize>().ok().map(|_| n)
+}
+
+impl LoraPlan {
+    /// Whether the linear at `path` (inside a decoder layer, `self_attn.q_proj`,
+    /// `mlp.experts.3.gate_proj`) carries an adapter.
+    pub fn wraps(&self, path: &str) -> bool {
+        match (&self.experts, routed_expert_module(path)) {
+            (Some(x), Some(n)) => {
+                (x.gate_up && (n == x.names.gate || n == x.names.up))
+                    || (x.down && n == x.names.down)
+            }
+            _ => self.modules.contains(&module_name(path)),
+        }
+    }
+
+    /// Whether the adapter at `path` takes its A from the linear listed before it: a routed
+    /// expert's up projection under a `gate_up_proj` target, whose one adapter covers gate
+    /// and up.
+    pub fn shares_a(&self, path: &str) -> bool {
+        match (&self.experts, routed_expert_module(path)) {
+            (Some(x), Some(n)) => x.gate_up && n == x.names.up,
+            _ => false,
+        }
+    }
+
+    /// The canonical `target_parameters` (as PEFT writes them), empty without.
+    pub fn parameters(&self) -> Vec<&'static str> {
+        match &self.experts {
+            Some(x) => EXPERT_PARAMETERS
+                .iter()
+                .zip([x.gate_up, x.down])
+                .filter_map(|(p, on)| on.then_some(*p))
+                .collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// What it wraps, for messages: `q_proj,k_proj,...` and the parameters.
+    pub fn describe(&self) -> String {
+        let mut v: Vec<&str> = self.modules.clone();
+        v.extend(self.parameters());
+        v.join(",")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use crate::config::layout::{module_name, FUSED_LINEAR_PATHS, LINEAR_PATHS};
@@ -395,5 +539,47 @@ mod tests {
         assert_eq!(l[4].0, "block_sparse_moe.gate");
         assert_eq!(l[5].0, "block_sparse_moe.experts.0.w1");
         assert!(m.resolve_lora_targets(&["gate_proj"]).is_err());
+    }
+
+    #[test]
+    fn target_parameters_wrap_the_routed_experts_only() {
+        let m = real(
+            "mixtral.json",
+            include_str!("../../../../benchmarks/models/mixtral-8x7b-instruct-v0.1.json"),
+        );
+        // the seven Llama names + gate_up: attention by name, experts' w1 and w3 by tensor
+        let plan = m.lora_plan(&LINEAR_MODULES, &["gate_up_proj"]).unwrap();
+        assert_eq!(plan.parameters(), ["mlp.experts.gate_up_proj"]);
+        assert!(plan.wraps("self_attn.q_proj"));
+        assert!(plan.wraps("block_sparse_moe.experts.7.w1"));
+        assert!(plan.wraps("block_sparse_moe.experts.7.w3"));
+        assert!(!plan.wraps("block_sparse_moe.experts.7.w2"));
+        assert!(!plan.wraps("block_sparse_moe.gate"));
+        assert!(plan.shares_a("block_sparse_moe.experts.7.w3"));
+        assert!(!plan.shares_a("block_sparse_moe.experts.7.w1"));
+        // down alone, attention by name
+        let plan = m
+            .lora_plan(&["q_proj"], &["mlp.experts.down_proj"])
+            .unwrap();
+        assert!(plan.wraps("block_sparse_moe.experts.0.w2"));
+        assert!(!plan.wraps("block_sparse_moe.experts.0.w1"));
+        assert!(!plan.shares_a("block_sparse_moe.experts.0.w3"));
+        // Qwen3-MoE: the names still wrap what is not a routed expert
+        let q = real(
+            "qwen3-30b-a3b.json",
+            include_str!("../../../../benchmarks/models/qwen3-30b-a3b.json"),
+        );
+        let plan = q.lora_plan(&["gate_proj"], &["down_proj"]).unwrap();
+        assert!(!plan.wraps("mlp.experts.1.gate_proj"));
+        assert!(plan.wraps("mlp.experts.1.down_proj"));
+        assert!(plan.wraps("mlp.shared_expert.gate_proj"));
+        // refused: a dense model, a name that is no fused expert tensor
+        let e = phi3()
+            .lora_plan(&["o_proj"], &["gate_up_proj"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("has no experts"), "{e}");
+        let e = m.lora_plan(&["q_proj"], &["w1"]).unwrap_err().to_string();
+        assert!(e.contains("`w1`"), "{e}");
     }
 }

@@ -8,29 +8,40 @@ use candle_core::{DType, Var};
 use super::lora::lora_a_init;
 use super::names::model_peft_prefix;
 use super::LoraSpec;
-use crate::config::layout::module_name;
 use crate::decoder::CausalLM;
 use crate::error::Result;
 use crate::kernels::dropout::Dropout;
 use crate::nn::linear::{Base, Param};
 use crate::nn::lora::{mix_seed, Lora};
 
-/// Attaches fresh adapters (A Kaiming-uniform from `seed`, B zeros, f32) to the targeted linear
-/// layers of every decoder layer.
-/// Each is of `spec.kind` (DoRA: the magnitude starts as the row norms of W).
+/// Attaches fresh adapters (A Kaiming-uniform from `seed`, B zeros, f32) to the linears of
+/// every decoder layer that `spec` targets ([`LoraSpec::plan`]).
+/// Each is of `spec.kind` (DoRA: the magnitude starts as the row norms of W). Under a fused
+/// `gate_up_proj` target an expert's up projection shares its gate projection's A (one
+/// adapter on the two, as PEFT's on transformers 5's fused tensor): the one `Var` gathers
+/// both gradients.
 pub fn attach_lora(model: &mut CausalLM, spec: &LoraSpec, seed: u64) -> Result<()> {
-    let targets = model.config.resolve_lora_targets(&spec.targets)?;
+    let plan = spec.plan(&model.config)?;
     let device = model.device().clone();
     let mut id = 0u64;
     for layer in model.layers.iter_mut() {
+        // the A of the adapter attached last: an expert's gate projection's, for its up
+        let mut last_a: Option<Var> = None;
         for (path, lin) in layer.linears_mut() {
-            if !targets.contains(&module_name(&path)) {
+            if !plan.wraps(&path) {
                 lin.adapter = None;
                 continue;
             }
             let (out, inp) = (lin.out_features(), lin.in_features());
+            let a = match last_a.as_ref().filter(|_| plan.shares_a(&path)) {
+                Some(a) => a.clone(),
+                None => {
+                    Var::from_tensor(&lora_a_init(spec.rank, inp, mix_seed(seed, id), &device)?)?
+                }
+            };
+            last_a = Some(a.clone());
             let lora = Lora {
-                a: Var::from_tensor(&lora_a_init(spec.rank, inp, mix_seed(seed, id), &device)?)?,
+                a,
                 b: Var::zeros((out, spec.rank), DType::F32, &device)?,
                 scale: spec.scale(),
                 dropout: None,
@@ -70,14 +81,20 @@ pub fn set_dropout(model: &CausalLM, seed: Option<u64>) {
 }
 
 /// Every adapter variable with its PEFT key, layer by layer, A before B (then DoRA's magnitude).
+/// A routed expert's adapters are named per expert, as PEFT names them on transformers 4.57's
+/// per-expert modules; an A shared by gate and up ([`attach_lora`]) is listed once, under the
+/// gate's name (`format::save_peft` stacks them into PEFT's fused-expert keys).
 pub fn lora_vars(model: &CausalLM) -> Vec<(String, Var)> {
     let mut out = Vec::new();
+    let mut seen = std::collections::HashSet::new();
     for (i, layer) in model.layers.iter().enumerate() {
         for (path, lin) in layer.linears() {
             if let Some(a) = &lin.adapter {
                 let p = model_peft_prefix(model, i, &path);
                 for (suffix, v) in a.vars() {
-                    out.push((format!("{p}.{suffix}"), v.clone()));
+                    if seen.insert(v.as_tensor().id()) {
+                        out.push((format!("{p}.{suffix}"), v.clone()));
+                    }
                 }
             }
         }

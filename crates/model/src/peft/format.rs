@@ -15,7 +15,8 @@ use std::path::Path;
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
-use super::attach::{attach_lora, lora_vars};
+use super::attach::{attach_lora, lora_vars, set_dropout_rate};
+use super::experts::{stack, unstack};
 use super::names::{parse_text_tower_targets, text_tower_targets};
 use super::{AdapterKind, LoraSpec, LINEAR_MODULES};
 use crate::decoder::CausalLM;
@@ -56,16 +57,22 @@ struct PeftConfig {
     inference_mode: bool,
     #[serde(default)]
     init_lora_weights: serde_json::Value,
+    /// PEFT >= 0.17: LoRA on parameters (transformers 5's fused expert tensors), beside
+    /// `target_modules` (`super::experts`). Left out when there are none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    target_parameters: Option<Vec<String>>,
 }
 
 /// Writes `dir/adapter_model.safetensors` and `dir/adapter_config.json` as PEFT does; the
 /// directory is staged and renamed into place.
 pub fn save_peft(model: &CausalLM, spec: &LoraSpec, dir: &Path, base_model: &str) -> Result<()> {
+    let plan = spec.plan(&model.config)?;
     let staged = staging_dir(dir)?;
     let tensors: Vec<(String, Tensor)> = lora_vars(model)
         .into_iter()
         .map(|(n, v)| (n, v.as_tensor().clone()))
         .collect();
+    let tensors = stack(model, &plan, tensors)?;
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
     save_safetensors(
         &staged.join("adapter_model.safetensors"),
@@ -73,8 +80,9 @@ pub fn save_peft(model: &CausalLM, spec: &LoraSpec, dir: &Path, base_model: &str
         Some(meta),
     )?;
     // The model's own names (all seven Llama names on Phi-3 are its four), so PEFT loads it.
-    let mut targets = model.config.resolve_lora_targets(&spec.targets)?;
+    let mut targets = plan.modules.clone();
     targets.sort();
+    let params = plan.parameters();
     let cfg = PeftConfig {
         peft_type: "LORA".into(),
         task_type: Some("CAUSAL_LM".into()),
@@ -97,6 +105,8 @@ pub fn save_peft(model: &CausalLM, spec: &LoraSpec, dir: &Path, base_model: &str
         modules_to_save: None,
         inference_mode: true,
         init_lora_weights: serde_json::json!(true),
+        target_parameters: (!params.is_empty())
+            .then(|| params.iter().map(|p| p.to_string()).collect()),
     };
     let json = serde_json::to_string_pretty(&cfg).expect("serializable");
     write_atomic(&staged.join("adapter_config.json"), json.as_bytes())?;
@@ -137,7 +147,10 @@ pub fn read_peft_config(dir: &Path) -> Result<LoraSpec> {
             "must be false (the HF layout stores weights (out, in))",
         ));
     }
+    let target_parameters = cfg.target_parameters.clone().unwrap_or_default();
     let targets: Vec<String> = match &cfg.target_modules {
+        // PEFT: no modules when `target_parameters` names every target
+        serde_json::Value::Null if !target_parameters.is_empty() => Vec::new(),
         serde_json::Value::String(s) if s == "all-linear" => {
             LINEAR_MODULES.iter().map(|s| s.to_string()).collect()
         }
@@ -163,6 +176,7 @@ pub fn read_peft_config(dir: &Path) -> Result<LoraSpec> {
         targets,
         rslora: cfg.use_rslora,
         kind: AdapterKind::from_use_dora(cfg.use_dora),
+        target_parameters,
     })
 }
 
@@ -170,32 +184,50 @@ pub fn read_peft_config(dir: &Path) -> Result<LoraSpec> {
 /// expected tensor must be present with the shape the model implies.
 pub fn load_peft(model: &mut CausalLM, dir: &Path) -> Result<LoraSpec> {
     let spec = read_peft_config(dir)?;
-    attach_lora(model, &spec, 0)?;
+    // PEFT's dropout is a training setting (the caller sets its own run's); it has no effect
+    // here, so an adapter with target_parameters loads whatever it says.
+    let attach_spec = LoraSpec {
+        dropout: 0.0,
+        ..spec.clone()
+    };
+    let plan = attach_spec.plan(&model.config)?;
+    attach_lora(model, &attach_spec, 0)?;
+    if spec.target_parameters.is_empty() {
+        set_dropout_rate(model, spec.dropout);
+    }
     let file = dir.join("adapter_model.safetensors");
     let weights = Weights::from_files(dir, std::slice::from_ref(&file))?;
     let device = model.device().clone();
+    let (mut split, stacked) = unstack(model, &plan, spec.rank, &weights, &device)?;
     let vars = lora_vars(model);
     for (name, var) in &vars {
-        if !weights.contains(name) {
-            return Err(ModelError::MissingTensor {
-                dir: dir.to_path_buf(),
-                name: name.clone(),
-                hint: " (the adapter was made for another model or another set of target modules)"
-                    .into(),
-            });
-        }
         let shape = var.dims().to_vec();
-        let t = weights.load(name, &shape, DType::F32, &device).map_err(|e| match e {
-            ModelError::ShapeMismatch { path, name, expected, found } => ModelError::Invalid(format!(
-                "{}: tensor `{name}` has shape {found:?} but this model needs {expected:?}: the adapter \
-                 was trained on a different model (or rank)",
-                path.display()
-            )),
-            other => other,
-        })?;
+        let t = match split.remove(name) {
+            Some(t) => t,
+            None if !weights.contains(name) => {
+                return Err(ModelError::MissingTensor {
+                    dir: dir.to_path_buf(),
+                    name: name.clone(),
+                    hint: " (the adapter was made for another model or another set of target modules)"
+                        .into(),
+                })
+            }
+            None => weights.load(name, &shape, DType::F32, &device).map_err(|e| match e {
+                ModelError::ShapeMismatch { path, name, expected, found } => ModelError::Invalid(format!(
+                    "{}: tensor `{name}` has shape {found:?} but this model needs {expected:?}: the adapter \
+                     was trained on a different model (or rank)",
+                    path.display()
+                )),
+                other => other,
+            })?,
+        };
         var.set(&t)?;
     }
-    let known: std::collections::HashSet<&str> = vars.iter().map(|(n, _)| n.as_str()).collect();
+    let known: std::collections::HashSet<&str> = vars
+        .iter()
+        .map(|(n, _)| n.as_str())
+        .chain(stacked.iter().map(String::as_str))
+        .collect();
     if let Some(extra) = weights.names().find(|n| !known.contains(n)) {
         return Err(ModelError::Invalid(format!(
             "{}: tensor `{extra}` has no place in this model (different number of layers or modules?)",

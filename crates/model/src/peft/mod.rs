@@ -10,12 +10,15 @@
 
 pub mod attach;
 pub mod dora;
+pub mod experts;
 pub mod format;
 pub mod kind;
 pub mod lora;
 pub mod names;
 
 use kind::KindSpec;
+
+use crate::config::layout::LoraPlan;
 
 /// The adapter kinds: `lora.kind` in a training config, PEFT's `use_dora` in
 /// adapter_config.json.
@@ -118,9 +121,37 @@ pub struct LoraSpec {
     pub rslora: bool,
     /// LoRA or DoRA (PEFT's `use_dora`: a magnitude vector per output feature, Liu et al. 2024).
     pub kind: AdapterKind,
+    /// PEFT's `target_parameters`: transformers 5's fused expert tensors of a mixture of
+    /// experts (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`); empty: none
+    /// ([`crate::config::layout::LoraPlan`]).
+    pub target_parameters: Vec<String>,
 }
 
 impl LoraSpec {
+    /// Which linears of `config`'s layers this adapter wraps. PEFT's fused-expert adapter
+    /// (`ParamWrapper`) takes neither dropout nor DoRA, so a spec with `target_parameters`
+    /// and either is refused, as PEFT refuses it.
+    pub fn plan(&self, config: &crate::config::DecoderConfig) -> crate::error::Result<LoraPlan> {
+        if !self.target_parameters.is_empty() {
+            if self.dropout > 0.0 {
+                return Err(crate::error::ModelError::Invalid(format!(
+                    "LoRA target_parameters (the fused expert tensors) take no dropout, as in \
+                     PEFT, whose fused-expert LoRA refuses lora_dropout != 0: set the dropout to 0 \
+                     (found {})",
+                    self.dropout
+                )));
+            }
+            if self.kind != AdapterKind::Lora {
+                return Err(crate::error::ModelError::Invalid(format!(
+                    "LoRA target_parameters (the fused expert tensors) take plain LoRA only, as \
+                     in PEFT; this adapter is {}",
+                    self.kind.spec().label()
+                )));
+            }
+        }
+        config.lora_plan(&self.targets, &self.target_parameters)
+    }
+
     /// alpha / r, or alpha / sqrt(r) with rsLoRA.
     pub fn scale(&self) -> f64 {
         if self.rslora {

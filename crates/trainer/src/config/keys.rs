@@ -28,6 +28,7 @@ pub(super) const ALIASES: &[(&str, &str)] = &[
     ("target_modules", "lora.targets"),
     ("lora_target_modules", "lora.targets"),
     ("lora_targets", "lora.targets"),
+    ("lora_target_parameters", "lora.target_parameters"),
     ("use_rslora", "lora.rslora"),
     ("use_dora", "lora.kind"),
     ("peft_use_dora", "lora.kind"),

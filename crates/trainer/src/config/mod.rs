@@ -100,6 +100,7 @@ impl LoraSection {
             targets: self.targets().iter().map(|s| s.to_string()).collect(),
             rslora: self.rslora,
             kind: self.kind,
+            target_parameters: self.target_parameters.clone(),
         }
     }
 

@@ -79,6 +79,13 @@ section! {
         /// (W + s B A) / ||W + s B A||. Each kind is one file of `crates/model/src/peft/`
         /// ([architecture.md](architecture.md)).
         kind: AdapterKind = AdapterKind::Lora;
+        /// PEFT's `target_parameters`: LoRA on a mixture of experts' fused expert tensors, as
+        /// PEFT (>= 0.17) adapts transformers 5's experts: `"mlp.experts.gate_up_proj"` (one
+        /// adapter per expert on gate and up together) and `"mlp.experts.down_proj"`. The
+        /// routed experts are then adapted by these, and `targets` wraps the other linears.
+        /// Needs `dropout = 0` and `kind = "lora"`, as in PEFT ([models.md](models.md#lora-on-the-experts)).
+        target_parameters: Vec<String> = Vec::new(),
+            check |p| tallow_model::config::layout::parse_expert_parameters(p).map(|_| ());
         /// A PEFT adapter dir to start from; rank, alpha and targets then come from it.
         init: Option<PathBuf> = None,
             check |p| ensure(

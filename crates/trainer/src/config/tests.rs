@@ -388,6 +388,7 @@ fn spec_scale_and_targets() {
             targets: vec!["v_proj".into()],
             rslora: true,
             kind: tallow_model::AdapterKind::Dora,
+            target_parameters: vec![],
         }
     );
 }
@@ -480,4 +481,45 @@ fn to_toml_round_trip() {
         assert_eq!(back, config, "{text}");
         assert_eq!(back.to_toml_string(), text);
     }
+}
+
+#[test]
+fn target_parameters_are_peft_names_without_dropout_or_dora() {
+    let e = invalid("lora.target_parameters=[\"mlp.experts.gate_proj\"]");
+    contains_all(
+        &e,
+        &[
+            "`mlp.experts.gate_proj`",
+            "mlp.experts.gate_up_proj and mlp.experts.down_proj",
+        ],
+    );
+    let e = invalid("lora.target_parameters=[\"down_proj\", \"mlp.experts.down_proj\"]");
+    assert!(e.contains("twice"), "{e}");
+    // the default dropout (0.05) is refused by name, as PEFT refuses it
+    let e = err(MINIMAL, &["lora.target_parameters=[\"gate_up_proj\"]"]);
+    contains_all(&e, &["lora.dropout", "set lora.dropout = 0"]);
+    let e = err(
+        MINIMAL,
+        &[
+            "lora.target_parameters=[\"gate_up_proj\"]",
+            "lora.dropout=0.0",
+            "lora.kind=\"dora\"",
+        ],
+    );
+    contains_all(&e, &["lora.kind", "plain LoRA only"]);
+    let c = parse(
+        MINIMAL,
+        &[
+            "lora.target_parameters=[\"experts.down_proj\"]",
+            "lora.dropout=0.0",
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.lora.spec().target_parameters, ["experts.down_proj"]);
+    // PEFT's name for the key is pointed to ours
+    let e = err(
+        "[model]\npath = \"m\"\n[data]\ntrain = \"d.jsonl\"\n[lora]\nlora_target_parameters = []\n",
+        &[],
+    );
+    assert!(e.contains("lora.target_parameters"), "{e}");
 }

@@ -8,8 +8,8 @@ use std::path::Path;
 use super::section::Section;
 use super::suggest::closest;
 use super::{
-    DataSection, InvalidValue, Method, ModelSection, OptimizerKind, PreferenceLoss, Quantize,
-    TrainConfig, TrainSection, ALL_LINEAR,
+    AdapterKind, DataSection, InvalidValue, LoraSection, Method, ModelSection, OptimizerKind,
+    PreferenceLoss, Quantize, TrainConfig, TrainSection, ALL_LINEAR,
 };
 use tallow_model::peft::KNOWN_MODULES;
 
@@ -35,6 +35,7 @@ impl TrainConfig {
         validate_train_length(&self.train)?;
         validate_quantize_with_method(&self.model, &self.train)?;
         validate_best_with_eval(&self.data, &self.train)?;
+        validate_target_parameters(&self.lora)?;
         validate_preference(self)
     }
 }
@@ -297,6 +298,37 @@ fn validate_train_length(t: &TrainSection) -> Checked {
 }
 
 /// `model.quantize = "nf4"` (or `"keep"`) freezes the base, so it needs `train.method = "lora"`.
+/// `lora.target_parameters` takes plain LoRA without dropout, as PEFT's fused-expert
+/// adapter (`ParamWrapper`) does.
+fn validate_target_parameters(l: &LoraSection) -> Checked {
+    if l.target_parameters.is_empty() {
+        return Ok(());
+    }
+    if l.dropout > 0.0 {
+        return bad(
+            "lora.dropout",
+            format!(
+                "is {}, but lora.target_parameters (the fused expert tensors) takes no dropout, \
+                 as PEFT's fused-expert LoRA refuses lora_dropout != 0: set lora.dropout = 0",
+                l.dropout
+            ),
+        );
+    }
+    if l.kind != AdapterKind::Lora {
+        return bad(
+            "lora.kind",
+            format!(
+                "is \"{}\", but lora.target_parameters (the fused expert tensors) takes plain \
+                 LoRA only, as PEFT: set lora.kind = \"{}\", or adapt the experts per module \
+                 (lora.targets) without target_parameters",
+                l.kind.name(),
+                AdapterKind::Lora.name()
+            ),
+        );
+    }
+    Ok(())
+}
+
 fn validate_quantize_with_method(m: &ModelSection, t: &TrainSection) -> Checked {
     if m.quantize == Quantize::Nf4 && t.method == Method::Full {
         return bad(
