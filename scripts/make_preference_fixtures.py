@@ -54,6 +54,15 @@ The two trainers tokenize differently, and the rules data shows where (TRL 0.23)
   prepended when the tokenizer has one and the prompt does not start with it, EOS appended only
   when the completion does not already end with it.
 
+Mixture of experts (`--moe`, writing only tests/fixtures/reference/preference-moe.json and
+.safetensors, in the same form): tiny-qwen3-moe and tiny-mixtral (scripts/make_moe_fixtures.py:
+`output_router_logits` with coefficient 0.05) from their PEFT adapters on attention and
+experts, "dpo-sigmoid" and "orpo" on the string data. TRL adds coef * the concatenated forward's
+`aux_loss` to the loss (and logs it as the metric "aux_loss"); the re-implementation below has
+no aux term, so these cases are not cross-checked. They run with gradient_checkpointing=False:
+with TRL's default (True) transformers 4.57 records a checkpointed layer's router logits
+without a graph, and the aux loss adds its value to the loss but nothing to the gradient.
+
 Cross-check: a plain PyTorch re-implementation of the losses (case_loss below: TRL's formulas
 written out) on the token ids TRL produced, one torch.optim.SGD step, must agree with the
 trainer to float error (asserted; the largest differences are printed).
@@ -153,7 +162,10 @@ FULL_TENSORS = [
 METRICS = [
     "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
     "logps/chosen", "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen",
+    "aux_loss",
 ]
+MOE_MODELS = ["tiny-qwen3-moe", "tiny-mixtral"]
+MOE_CASES = [("dpo-sigmoid", CASES[0][1]), ("orpo", CASES[3][1])]
 # The re-implementation against the trainer (measured: loss <= 6e-7 relative, metrics <= 8e-6
 # absolute, updates <= 1.3e-5 relative: float order only).
 CROSS = {"loss": 1e-5, "metric": 1e-4, "update": 1e-4}
@@ -175,9 +187,10 @@ def one_step_trainer(cls):
     return OneStep
 
 
-def trl_step(model, tok, case, rows, precompute_ref=False):
+def trl_step(model, tok, case, rows, precompute_ref=False, checkpointing=True):
     """One SGD step of TRL's trainer for `case` on `rows`: (loss, metrics, rows as TRL tokenized
-    them). `model` is updated in place."""
+    them). `model` is updated in place. `checkpointing`: TRL's `gradient_checkpointing` (its
+    configs' default is True)."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer, ORPOConfig, ORPOTrainer
 
@@ -186,6 +199,7 @@ def trl_step(model, tok, case, rows, precompute_ref=False):
         max_steps=1, learning_rate=LR, optim="sgd", lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=0.0, bf16=False, fp16=False, use_cpu=True, report_to=[],
         save_strategy="no", logging_steps=1, padding_value=0, seed=0, disable_tqdm=True,
+        gradient_checkpointing=checkpointing,
     )
     if case["kind"] == "dpo":
         args = DPOConfig(
@@ -328,6 +342,35 @@ def cross_check(key, model, trainable, key_of, case, rows, want, after, worst, r
         worst[name] = max(worst[name], d)
 
 
+def moe_main(versions):
+    """The mixture-of-experts cases: TRL's step with the router's aux loss."""
+    out, tensors = {"versions": versions, "lr": LR, "cases": {}}, {}
+    for model_name in MOE_MODELS:
+        model_dir = FIX / "models" / model_name
+        adapter_dir = FIX / "adapters" / f"{model_name}-peft"
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        tok.pad_token = tok.pad_token or tok.eos_token
+        for case_name, case in MOE_CASES:
+            key = f"{model_name}/{case_name}/string"
+            model = PeftModel.from_pretrained(mf.load_model(model_dir), str(adapter_dir), is_trainable=True)
+            assert model.config.output_router_logits
+            trainable, key_of, _ = fl.adapter_trainables(model, adapter_dir, mp.file_key_to_param)
+            # Without gradient checkpointing: with it (TRL's default), transformers 4.57 records
+            # each checkpointed layer's router logits in the no-grad forward, so the aux loss
+            # adds its value but no gradient (measured: the updates then equal a step on the
+            # loss with the aux term detached, to 1.5e-5).
+            loss, metrics, rows = trl_step(model, tok, case, STRING_ROWS, checkpointing=False)
+            # DPO logs the aux loss as a metric; ORPO only adds it to the loss
+            assert math.isfinite(loss) and (case["kind"] == "orpo" or "aux_loss" in metrics), metrics
+            for n, p in trainable.items():
+                tensors[f"{key}.after.{key_of[n]}"] = p.detach().float().clone().contiguous()
+            coef = model.config.router_aux_loss_coef
+            out["cases"][key] = {"case": case, "loss": loss, "metrics": metrics, "rows": rows, "aux_coef": coef}
+            print(key, round(loss, 6), "aux", metrics.get("aux_loss"))
+    mf.write_json(FIX / "reference" / "preference-moe.json", out)
+    fl.save_tensors(tensors, FIX / "reference" / "preference-moe.safetensors")
+
+
 def main():
     import datasets
     import trl
@@ -335,6 +378,9 @@ def main():
     fl.deterministic()
     versions = dict(mf.VERSIONS, trl=trl.__version__, datasets=datasets.__version__)
     fl.warn_unpinned(versions, PINNED_TRL)
+    if "--moe" in sys.argv:
+        moe_main(versions)
+        return
     for file, rows in DATA.values():
         mf.write_jsonl(FIX / "data" / file, rows)
     out, tensors = {"versions": versions, "lr": LR, "cases": {}}, {}

@@ -1111,24 +1111,12 @@ impl<'a> Session<'a> {
             &prepare,
             &forward,
         )?;
-        // A mixture of experts: its aux loss summed over this rank's micro-batches, and their
-        // count.
-        let aux = match run.sums.len() {
-            3 => Some(Tensor::stack(
-                &[
-                    run.sum(1, &[], self.device)?.to_dtype(DType::F64)?,
-                    run.sum(2, &[], self.device)?.to_dtype(DType::F64)?,
-                ],
-                0,
-            )?),
-            _ => None,
-        };
         Ok(ForwardBackward {
             // A rank with no micro-batch in a short last step adds nothing.
             nll_sum: run.sum(0, &[], self.device)?,
             loss_divisor: step_targets as f64,
             preference: None,
-            aux,
+            aux: aux_sums(&run, 1, self.device)?,
             tally,
         })
     }
@@ -1186,7 +1174,21 @@ impl<'a> Session<'a> {
                 (None, true) => Some(preference::reference_logps(model, pb)?),
             };
             let b = &pb.batch;
-            let hidden = model.forward_hidden(&b.input_ids, b.segments.as_deref())?; // (2m, T, C)
+            // A mixture of experts: TRL's DPO and ORPO trainers add coef * aux of the
+            // concatenated forward (chosen and rejected rows, padding not counted) to each
+            // batch's loss; each micro-batch adds its 1 / n share, as the plain loop's.
+            let share = model
+                .config
+                .moe
+                .as_ref()
+                .map_or(0.0, |m| m.router_aux_loss_coef / micros.len() as f64);
+            let valid = b.valid();
+            let (hidden, aux) = model.forward_hidden_aux(
+                &b.input_ids,
+                b.segments.as_deref(),
+                valid.as_deref(),
+                share,
+            )?; // (2m, T, C)
             let ml = preference::micro_loss(
                 &objective,
                 model,
@@ -1196,10 +1198,16 @@ impl<'a> Session<'a> {
                 n_pairs,
                 chosen_tokens,
             )?;
-            Ok(MicroForward {
-                sums: vec![ml.loss.detach(), ml.sums],
-                loss: ml.loss,
-            })
+            let mut loss = ml.loss;
+            let mut sums = vec![loss.detach(), ml.sums];
+            if let Some(aux) = aux {
+                let aux = aux.to_dtype(loss.dtype())?;
+                loss = (loss + (&aux * share)?)?;
+                let one = Tensor::ones((), aux.dtype(), aux.device())?;
+                sums.push(aux.detach());
+                sums.push(one); // micro-batches run, for the metric's mean
+            }
+            Ok(MicroForward { sums, loss })
         };
         let run = micro_batches(
             loop_parts!(self, step, &mut tally),
@@ -1216,7 +1224,7 @@ impl<'a> Session<'a> {
                 n_pairs,
                 chosen_tokens,
             )),
-            aux: None,
+            aux: aux_sums(&run, 2, self.device)?,
             tally,
         })
     }
@@ -1844,6 +1852,17 @@ impl MicroRun {
             None => Tensor::zeros(shape, DType::F64, device),
         }
     }
+}
+
+/// A mixture of experts' aux loss summed over this rank's micro-batches and their count, (2)
+/// f64, from the sums at `i` and `i + 1` (where the forward put them); None when the model
+/// recorded none.
+fn aux_sums(run: &MicroRun, i: usize, device: &Device) -> candle_core::Result<Option<Tensor>> {
+    if run.sums.len() != i + 2 {
+        return Ok(None);
+    }
+    let part = |k| run.sum(k, &[], device)?.to_dtype(DType::F64);
+    Ok(Some(Tensor::stack(&[part(i)?, part(i + 1)?], 0)?))
 }
 
 impl StepTally {
