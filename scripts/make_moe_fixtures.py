@@ -294,13 +294,47 @@ def padded(rows, pad):
     return torch.tensor(ids), torch.tensor(mask), torch.tensor(labels)
 
 
+def randomize_save_and_step(model, out, name, seed, ref, cfg):
+    """Sets every LoRA tensor of the PeftModel `model` to 0.2 randn (seeded), saves it in `out`
+    (`base_model_name_or_path` = `name`), then takes one plain SGD step (lr 0.5) on the text
+    batch: ({"grad.<key>", "after.<key>"} tensors, the step's losses)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pn, p in model.named_parameters():
+            if "lora_" in pn:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    if out.exists():
+        shutil.rmtree(out)
+    model.save_pretrained(str(out))
+    (out / "README.md").unlink(missing_ok=True)
+    cfg_path = out / "adapter_config.json"
+    ac = json.loads(cfg_path.read_text())
+    ac["base_model_name_or_path"] = name
+    cfg_path.write_text(json.dumps(ac, indent=2, sort_keys=True) + "\n")
+    ids, mask, labels = padded(ref["formats"]["text"]["rows"], ref["eos_token_id"])
+    model.train()
+    trainable = {pn: p for pn, p in model.named_parameters() if p.requires_grad}
+    lr = 0.5
+    opt = torch.optim.SGD(list(trainable.values()), lr=lr)
+    opt.zero_grad()
+    o = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+    o.loss.backward()
+    tensors = {}
+    for pn, p in trainable.items():
+        tensors[f"grad.{pn.replace('.default', '')}"] = p.grad.detach().float().clone().contiguous()
+    opt.step()
+    for pn, p in trainable.items():
+        tensors[f"after.{pn.replace('.default', '')}"] = p.detach().float().clone().contiguous()
+    coef = cfg["router_aux_loss_coef"]
+    return tensors, dict(lr=lr, loss=o.loss.item(), aux=o.aux_loss.item(), ce=o.loss.item() - coef * o.aux_loss.item())
+
+
 def peft_fixtures(name):
     """A LoRA adapter on attention and experts, and one SGD step of it on the text batch."""
     from peft import LoraConfig, get_peft_model
 
     reference, _, cfg = MODELS[name]
     ref, _ = rows_of(reference)
-    text = ref["formats"]["text"]["rows"]
     experts = ["w1", "w3", "w2"] if cfg["model_type"] == "mixtral" else ["gate_proj", "up_proj", "down_proj"]
     model = AutoModelForCausalLM.from_pretrained(str(FIX / "models" / name), attn_implementation="eager", dtype=torch.float32)
     lcfg = LoraConfig(
@@ -312,38 +346,8 @@ def peft_fixtures(name):
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lcfg)
-    gen = torch.Generator().manual_seed(SEED + 2)
-    with torch.no_grad():
-        for pn, p in model.named_parameters():
-            if "lora_" in pn:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
     out = FIX / "adapters" / f"{name}-peft"
-    if out.exists():
-        shutil.rmtree(out)
-    model.save_pretrained(str(out))
-    (out / "README.md").unlink(missing_ok=True)
-    cfg_path = out / "adapter_config.json"
-    ac = json.loads(cfg_path.read_text())
-    ac["base_model_name_or_path"] = name
-    cfg_path.write_text(json.dumps(ac, indent=2, sort_keys=True) + "\n")
-    pad = ref["eos_token_id"]
-    ids, mask, labels = padded(text, pad)
-    model.train()
-    trainable = {pn: p for pn, p in model.named_parameters() if p.requires_grad}
-    lr = 0.5
-    opt = torch.optim.SGD(list(trainable.values()), lr=lr)
-    opt.zero_grad()
-    o = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
-    o.loss.backward()
-    tensors = {}
-    for pn, p in trainable.items():
-        key = pn.replace(".default", "")
-        tensors[f"grad.{key}"] = p.grad.detach().float().clone().contiguous()
-    opt.step()
-    for pn, p in trainable.items():
-        tensors[f"after.{pn.replace('.default', '')}"] = p.detach().float().clone().contiguous()
-    coef = cfg["router_aux_loss_coef"]
-    sgd = dict(lr=lr, loss=o.loss.item(), aux=o.aux_loss.item(), ce=o.loss.item() - coef * o.aux_loss.item())
+    tensors, sgd = randomize_save_and_step(model, out, name, SEED + 2, ref, cfg)
     (FIX / "reference" / f"peft-moe-{name}.json").write_text(
         json.dumps(dict(versions={"torch": torch.__version__, "transformers": transformers.__version__}, sgd=sgd), indent=1) + "\n"
     )
@@ -368,7 +372,6 @@ def peft_params_fixtures(name):
 
     reference, _, cfg = MODELS[name]
     ref, _ = rows_of(reference)
-    text = ref["formats"]["text"]["rows"]
     modules, params = PARAMS[name]
     model = AutoModelForCausalLM.from_pretrained(
         str(FIX / "v5" / "models" / name), attn_implementation="eager", dtype=torch.float32
@@ -383,37 +386,8 @@ def peft_params_fixtures(name):
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lcfg)
-    gen = torch.Generator().manual_seed(SEED + 3)
-    with torch.no_grad():
-        for pn, p in model.named_parameters():
-            if "lora_" in pn:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
     out = FIX / "v5" / "adapters" / f"{name}-peft-params"
-    if out.exists():
-        shutil.rmtree(out)
-    model.save_pretrained(str(out))
-    (out / "README.md").unlink(missing_ok=True)
-    cfg_path = out / "adapter_config.json"
-    ac = json.loads(cfg_path.read_text())
-    ac["base_model_name_or_path"] = name
-    cfg_path.write_text(json.dumps(ac, indent=2, sort_keys=True) + "\n")
-    pad = ref["eos_token_id"]
-    ids, mask, labels = padded(text, pad)
-    model.train()
-    trainable = {pn: p for pn, p in model.named_parameters() if p.requires_grad}
-    lr = 0.5
-    opt = torch.optim.SGD(list(trainable.values()), lr=lr)
-    opt.zero_grad()
-    o = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
-    o.loss.backward()
-    tensors = {}
-    for pn, p in trainable.items():
-        tensors[f"grad.{pn.replace('.default', '')}"] = p.grad.detach().float().clone().contiguous()
-    opt.step()
-    for pn, p in trainable.items():
-        tensors[f"after.{pn.replace('.default', '')}"] = p.detach().float().clone().contiguous()
-    coef = cfg["router_aux_loss_coef"]
-    sgd = dict(lr=lr, loss=o.loss.item(), aux=o.aux_loss.item(), ce=o.loss.item() - coef * o.aux_loss.item())
+    tensors, sgd = randomize_save_and_step(model, out, name, SEED + 3, ref, cfg)
     import peft
 
     versions = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}

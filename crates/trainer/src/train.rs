@@ -1074,14 +1074,7 @@ impl<'a> Session<'a> {
         let n_micros = micros.len();
         let forward = |model: &CausalLM, batch: &Batch| -> Result<MicroForward, TrainError> {
             let valid = batch.valid();
-            // transformers adds coef * aux to each forward's loss; over the step's
-            // micro-batches each adds its 1 / n share, as the HF Trainer divides each
-            // micro-batch's loss by the accumulation steps.
-            let share = model
-                .config
-                .moe
-                .as_ref()
-                .map_or(0.0, |m| m.router_aux_loss_coef / n_micros as f64);
+            let share = aux_share(model, n_micros);
             let (hidden, aux) = model.forward_hidden_aux(
                 &batch.input_ids,
                 batch.segments.as_deref(),
@@ -1094,16 +1087,13 @@ impl<'a> Session<'a> {
                 &batch.targets,
                 model.config.variant.final_logit_softcapping,
             )?; // sum over targets
-            let mut loss = (&nll / step_targets as f64)?; // this micro-batch's share of the step mean
-            let mut sums = vec![nll.detach()];
-            if let Some(aux) = aux {
-                let aux = aux.to_dtype(nll.dtype())?;
-                loss = (loss + (&aux * share)?)?;
-                let one = Tensor::ones((), aux.dtype(), aux.device())?;
-                sums.push(aux.detach());
-                sums.push(one); // micro-batches run, for the metric's mean
-            }
-            Ok(MicroForward { loss, sums })
+            let loss = (&nll / step_targets as f64)?; // this micro-batch's share of the step mean
+            Ok(MicroForward::with_aux(
+                loss,
+                vec![nll.detach()],
+                aux,
+                share,
+            )?)
         };
         let run = micro_batches(
             loop_parts!(self, step, &mut tally),
@@ -1176,12 +1166,8 @@ impl<'a> Session<'a> {
             let b = &pb.batch;
             // A mixture of experts: TRL's DPO and ORPO trainers add coef * aux of the
             // concatenated forward (chosen and rejected rows, padding not counted) to each
-            // batch's loss; each micro-batch adds its 1 / n share, as the plain loop's.
-            let share = model
-                .config
-                .moe
-                .as_ref()
-                .map_or(0.0, |m| m.router_aux_loss_coef / micros.len() as f64);
+            // batch's loss.
+            let share = aux_share(model, micros.len());
             let valid = b.valid();
             let (hidden, aux) = model.forward_hidden_aux(
                 &b.input_ids,
@@ -1198,16 +1184,8 @@ impl<'a> Session<'a> {
                 n_pairs,
                 chosen_tokens,
             )?;
-            let mut loss = ml.loss;
-            let mut sums = vec![loss.detach(), ml.sums];
-            if let Some(aux) = aux {
-                let aux = aux.to_dtype(loss.dtype())?;
-                loss = (loss + (&aux * share)?)?;
-                let one = Tensor::ones((), aux.dtype(), aux.device())?;
-                sums.push(aux.detach());
-                sums.push(one); // micro-batches run, for the metric's mean
-            }
-            Ok(MicroForward { sums, loss })
+            let sums = vec![ml.loss.detach(), ml.sums];
+            Ok(MicroForward::with_aux(ml.loss, sums, aux, share)?)
         };
         let run = micro_batches(
             loop_parts!(self, step, &mut tally),
@@ -1818,6 +1796,39 @@ use loop_parts;
 struct MicroForward {
     loss: Tensor,
     sums: Vec<Tensor>,
+}
+
+impl MicroForward {
+    /// `loss` plus `share` x a mixture of experts' load-balancing loss `aux` when the forward
+    /// recorded one, which then also goes into `sums` with a 1 (the micro-batches run, for the
+    /// metric's mean; [`aux_sums`] reads the two).
+    fn with_aux(
+        loss: Tensor,
+        mut sums: Vec<Tensor>,
+        aux: Option<Tensor>,
+        share: f64,
+    ) -> candle_core::Result<Self> {
+        let Some(aux) = aux else {
+            return Ok(Self { loss, sums });
+        };
+        let aux = aux.to_dtype(loss.dtype())?;
+        let loss = (loss + (&aux * share)?)?;
+        let one = Tensor::ones((), aux.dtype(), aux.device())?;
+        sums.push(aux.detach());
+        sums.push(one);
+        Ok(Self { loss, sums })
+    }
+}
+
+/// The load-balancing loss's weight in each of a step's `n_micros` micro-batches:
+/// `router_aux_loss_coef` / n, as transformers adds coef * aux to each forward's loss and the HF
+/// Trainer divides each micro-batch's loss by the accumulation steps (0: a dense model).
+fn aux_share(model: &CausalLM, n_micros: usize) -> f64 {
+    model
+        .config
+        .moe
+        .as_ref()
+        .map_or(0.0, |m| m.router_aux_loss_coef / n_micros as f64)
 }
 
 /// The session's parts the micro-batch loop uses (borrowed apart from the rows and caches the
