@@ -22,6 +22,7 @@ mkdir -p "$WORK"
 # chunked attention, rows of 64 tokens: one attention block).
 VARIANTS=(
   "LoRA, chunked attention|"
+  "LoRA dropout 0.05, chunked|lora.dropout=0.05"
   "LoRA, eager attention|model.attention=\"eager\""
   "QLoRA (NF4, double quant), chunked|model.quantize=\"nf4\""
   "LoRA, chunked, checkpointing|train.checkpointing=true"

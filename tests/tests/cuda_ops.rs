@@ -201,3 +201,47 @@ fn adamw8bit_group_step_op_count() {
         launches as f64 / k as f64
     );
 }
+
+/// The one-op LoRA linear's CUDA kernels for a bf16 x (`crates/model/kernels/lora_gemm.cuh`:
+/// s x Aᵀ and s dY B, the rounding sum with the product with Bᵀ and the bias, dB and dA, with
+/// and without LoRA dropout's mask) run on the CPU: the kernel source compiled as C++ by g++ (`tests/cuda_host/lora_gemm_host.cpp`),
+/// each block's threads on CPU threads with a barrier for `__syncthreads`, every output
+/// compared bit for bit with a sequential loop in the kernels' order of f32 operations, at
+/// sizes that cross every tile edge, with two problems per launch, r past one tile, and dB /
+/// dA summed in one block per tile and split over blocks of 32 rows. So
+/// the kernels' indexing, tiling and barriers are checked before a GPU runs them (`tallow
+/// doctor` then compares them with the CPU twin). Checked: one tile's index off by one (a
+/// column of R read from its neighbour) fails 4 of the cases; a skipped column 33 of dA fails
+/// the r = 40 case; the last split left out of the sum, or its ticket not reset, fails; dA's
+/// rows read without the mask fails the dropout case.
+#[test]
+fn lora_kernels_run_on_cpu_threads_bit_for_bit() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let src = root.join("cuda_host/lora_gemm_host.cpp");
+    let exe = std::env::temp_dir().join(format!("tallow-lora-gemm-host-{}", std::process::id()));
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+    let built = std::process::Command::new(&cxx)
+        .args(["-std=c++20", "-O2", "-pthread"])
+        .arg(&src)
+        .arg("-o")
+        .arg(&exe)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cxx} ({e}): this test needs a C++20 compiler"));
+    assert!(
+        built.status.success(),
+        "{cxx} failed on {}:\n{}",
+        src.display(),
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let run = std::process::Command::new(&exe)
+        .output()
+        .expect("run the host kernels");
+    let _ = std::fs::remove_file(&exe);
+    let out = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "the kernels disagree:\n{out}");
+    assert_eq!(
+        out.lines().filter(|l| l.ends_with(": ok")).count(),
+        6,
+        "{out}"
+    );
+}

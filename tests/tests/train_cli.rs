@@ -844,8 +844,9 @@ fn cuda_path_launches_per_layer_do_not_grow() {
             step2["launches_optimizer"].as_u64().unwrap(),
         )
     };
-    let variants: [(&str, &[&str]); 4] = [
+    let variants: [(&str, &[&str]); 5] = [
         ("LoRA, chunked attention", &[]),
+        ("LoRA dropout 0.05, chunked", &["lora.dropout=0.05"]),
         ("LoRA, eager attention", &["model.attention=\"eager\""]),
         (
             "QLoRA (NF4, double quant), chunked",

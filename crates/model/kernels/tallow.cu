@@ -500,6 +500,9 @@ extern "C" __global__ void tallow_lora_sum_f32(float *o, const float *l, const s
     }
 }
 
+// The same linear's adapter side as skinny products on the bf16 rows (no f32 copies of x or dY).
+#include "lora_gemm.cuh"
+
 // Chunked attention's path on CUDA (`tallow_model::kernels::attn_block`): the element-wise
 // work of one block of query rows, around its two cuBLAS matmuls. s: the block's scores q kᵀ
 // (rows, nk) in the model dtype, rows = (B, KV, n_rep, m) for query positions p0 .. p0 + m

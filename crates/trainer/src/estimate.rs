@@ -405,9 +405,12 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
 /// accumulates it into the output in place). Backward: dY widened to f32 (bf16), then the
 /// larger of the adapter gradients' inputs (x in f32 and dropped out) and dx's adapter share
 /// (in f32 where it is summed apart: bf16 or dropout, and its masked copy), beside dx itself.
-/// The f32 buffers are per chunk of rows (`lora_linear::chunk_rows`), dx is every row's.
-/// Zero on the CPU, whose twin's buffers are in the measured per-element figures, and where
-/// the linear is not one op. r-sized buffers (x Aᵀ, dY B) are left out.
+/// The f32 buffers are per chunk of rows (`lora_linear::chunk_rows`), dx is every row's. A
+/// bf16 model takes tallow's kernels (`lora_linear::bf16_kernels`), which read the bf16 rows
+/// themselves and apply dropout's mask as they read: no f32 buffer but the r-sized ones, so
+/// the forward holds nothing more and the backward dx. Zero on the CPU, whose twin's buffers are in the measured
+/// per-element figures, and where the linear is not one op. r-sized buffers (x Aᵀ, dY B) are
+/// left out.
 fn one_op_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool, tokens: u64) -> (u64, u64) {
     let ops = paths(m, cfg, cpu);
     let kind = cfg.lora.kind.spec();
@@ -419,8 +422,13 @@ fn one_op_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool, tokens: u6
     let drop = (cfg.lora.dropout > 0.0) as u64;
     let plan = lora_plan(m, cfg);
     let (mut fwd, mut bwd) = (0, 0);
+    let kernels = tallow_model::kernels::lora_linear::bf16_kernels(half == 1);
     for l in m.layer_linears().iter().filter(|l| plan.wraps(l.path)) {
         let (k, n) = (l.inp as u64, l.out as u64);
+        if kernels {
+            bwd = bwd.max(tokens * s * k); // dx
+            continue;
+        }
         let rows = tokens.min(tallow_model::kernels::lora_linear::chunk_rows(l.inp, l.out) as u64);
         fwd = fwd.max(rows * (4 * k * (half + drop) + 4 * n * half));
         let apart = (half | drop) * 4 * k;
@@ -1892,24 +1900,32 @@ mod tests {
         );
         assert_eq!(cuda.outside_pool_bytes, CUDA_CONTEXT_BYTES);
         assert_eq!(cpu.outside_pool_bytes, 0);
-        // In bf16 the one-op LoRA linears keep one output each on both devices (CUDA's cuBLAS
-        // body as the CPU's kernel), and CUDA's hold their f32 buffers while they run.
+        // In bf16 the one-op LoRA linears keep one output each on both devices (CUDA's
+        // kernels as the CPU's), and CUDA's hold dx while they run: tallow's kernels read the
+        // bf16 rows, dropout's mask included, so nothing f32 beyond the r-sized products.
         let bf16 = cfg(&[]);
         let (b, t) = (bf16.train.micro_batch_size, bf16.data.max_seq_len);
         let on_cuda = layer_activation_bytes(&model(), &bf16, b, t, false);
         let on_cpu = layer_activation_bytes(&model(), &bf16, b, t, true);
         assert_eq!(on_cpu, on_cuda, "bf16: {on_cpu} (CPU) vs {on_cuda} (CUDA)");
         let tokens = (b * t) as u64;
-        let (c, i) = (model().hidden_size as u64, model().intermediate_size as u64);
-        // the largest: down_proj (K = I), with the default dropout: x widened and dropped out
-        // (2 x 4 I) beside the adapter's product (4 C); then dY widened (4 C), dx's f32 share
-        // and its masked copy (2 x 4 I), beside dx (2 I)
+        let i = model().intermediate_size as u64;
         assert!(bf16.lora.dropout > 0.0);
+        // the largest: down_proj's dx (K = I, 2 bytes)
         assert_eq!(
             one_op_transients(&model(), &bf16, false, tokens),
-            (tokens * (8 * i + 4 * c), tokens * (4 * c + 10 * i))
+            (0, tokens * 2 * i)
         );
         assert_eq!(one_op_transients(&model(), &bf16, true, tokens), (0, 0));
+        // an f32 model keeps cuBLAS's chunked body: with the default dropout x's dropped-out
+        // copy (4 I) forward; dx (4 I), its f32 share apart and its masked copy (2 x 4 I)
+        let f32_drop = cfg(&["model.dtype=f32"]);
+        let (b, t) = (f32_drop.train.micro_batch_size, f32_drop.data.max_seq_len);
+        let tokens = (b * t) as u64;
+        assert_eq!(
+            one_op_transients(&model(), &f32_drop, false, tokens),
+            (tokens * 4 * i, tokens * 12 * i)
+        );
     }
 
     /// Chunked attention's saved activations are linear in the sequence length, eager's are not;

@@ -334,6 +334,16 @@ const CASES: &[Case] = &[
         run: lora_linear,
     },
     Case {
+        name: "lora linear tiles+bias fwd+bwd",
+        on_cpu: "plain ops against the LoRA linear, past one kernel tile in every dimension",
+        f32_tol: 1e-4,
+        generic_on_cpu: true,
+        reference_f64: false,
+        cpu_tol: None,
+        always_f32: false,
+        run: lora_linear_tiles,
+    },
+    Case {
         name: "lora linear nf4+bias+dropout fwd+bwd",
         on_cpu: "the linear's tensor-op path against the one-op LoRA linear",
         f32_tol: 1e-4,
@@ -815,22 +825,49 @@ fn fused_loss(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
 }
 
 fn lora_linear(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    lora_linear_sized(dev, dt, generic, (2, 5, 48, 40, 8), false)
+}
+
+/// [`lora_linear`] at sizes past one tile of `kernels/lora_gemm.cuh`'s kernels in every
+/// dimension (rows 150 > 2 x 64, in 80 > 64, out 70 > 64, rank 40 > 32), with a frozen bias: on
+/// CUDA in bf16 its adapter side is those three kernels (`lora_linear::bf16_kernels`; with
+/// dropout, "lora linear nf4+bias+dropout" runs them too), in f32 cuBLAS.
+fn lora_linear_tiles(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    lora_linear_sized(dev, dt, generic, (2, 75, 80, 70, 40), true)
+}
+
+/// x (B, T, K) through a dense frozen base (N, K) with a LoRA of rank r, scale 2 (and a frozen
+/// bias): the one-op linear, or with `generic` the same from plain ops.
+fn lora_linear_sized(
+    dev: &Device,
+    dt: DType,
+    generic: bool,
+    (bt, t, k, n, rank): (usize, usize, usize, usize, usize),
+    with_bias: bool,
+) -> R<Vec<Tensor>> {
     let r = &mut rng(15);
-    let x = Var::from_tensor(&input(r, &[2, 5, 48], dev, dt)?)?;
-    let w = (input(r, &[40, 48], dev, dt)? * 0.15)?;
-    let a = Var::from_tensor(&(input(r, &[8, 48], dev, DType::F32)? * 0.15)?)?;
-    let b = Var::from_tensor(&(input(r, &[40, 8], dev, DType::F32)? * 0.15)?)?;
+    let x = Var::from_tensor(&input(r, &[bt, t, k], dev, dt)?)?;
+    let w = (input(r, &[n, k], dev, dt)? * 0.15)?;
+    let a = Var::from_tensor(&(input(r, &[rank, k], dev, DType::F32)? * 0.15)?)?;
+    let b = Var::from_tensor(&(input(r, &[n, rank], dev, DType::F32)? * 0.15)?)?;
+    let bias = match with_bias {
+        true => Some((input(r, &[n], dev, dt)? * 0.5)?),
+        false => None,
+    };
     let scale = 2.0;
     let y = if generic {
-        // W x + s B A x from plain ops (no dropout: the mask has its own check).
-        let x2 = x.reshape((10, 48))?;
-        let base = x2.matmul(&w.t()?)?;
+        // W x (+ c) + s B A x from plain ops (no dropout: the mask has its own check).
+        let x2 = x.reshape((bt * t, k))?;
+        let mut base = x2.matmul(&w.t()?)?;
+        if let Some(c) = &bias {
+            base = base.broadcast_add(c)?;
+        }
         let lora = (x2.to_dtype(DType::F32)?.matmul(&a.t()?)? * scale)?.matmul(&b.t()?)?;
-        (base + lora.to_dtype(dt)?)?.reshape((2, 5, 40))?
+        (base + lora.to_dtype(dt)?)?.reshape((bt, t, n))?
     } else {
         let lin = Linear {
             weight: Base::Dense(Param::Frozen(w)),
-            bias: None,
+            bias: bias.map(Param::Frozen),
             adapter: Some(Box::new(Lora {
                 a: a.clone(),
                 b: b.clone(),

@@ -45,14 +45,14 @@ pub struct DropoutOp {
 
 impl DropoutOp {
     /// round(p · 2^32), saturating (p < 1).
-    fn threshold(&self) -> u32 {
+    pub(crate) fn threshold(&self) -> u32 {
         (self.p as f64 * 4_294_967_296.0)
             .round()
             .min(u32::MAX as f64) as u32
     }
 
     /// 1 / (1 - p), rounded once to f32.
-    fn scale(&self) -> f32 {
+    pub(crate) fn scale(&self) -> f32 {
         (1.0 / (1.0 - self.p as f64)) as f32
     }
 

@@ -2,9 +2,11 @@
 //! adapter's product accumulated into the base matmul's output, and one backward buffer for
 //! dx. f32 / f64, and a bf16 model's (bf16 x, base and bias; f32 adapter, widened and rounded
 //! back where the graph of Candle ops rounds). On CUDA the same op (f32, and bf16 x with an f32
-//! adapter) is a few cuBLAS calls whose alpha and beta do the scale and the accumulation, and a
-//! rounding kernel for bf16 ([`LoraLinearOp::device_launches`] counts them); the CPU bodies
-//! below are its twins. Which path a linear takes is `crate::kernels::dispatch`'s rule.
+//! adapter) is the base's cuBLAS gemm and, for a bf16 x without dropout, three kernels of
+//! `kernels/lora_gemm.cuh` on the bf16 rows ([`bf16_kernels`]); otherwise a few cuBLAS calls
+//! whose alpha and beta do the scale and the accumulation, and a rounding kernel for bf16
+//! ([`LoraLinearOp::device_launches`] counts either); the CPU bodies below are its twins. Which
+//! path a linear takes is `crate::kernels::dispatch`'s rule.
 
 use std::sync::Arc;
 
@@ -399,6 +401,19 @@ pub struct DeviceLaunches {
     dropout: bool,
     /// Chunks of rows of the adapter's side ([`chunk_rows`]).
     chunks: usize,
+    /// The adapter's side as tallow's kernels ([`bf16_kernels`]); `chunks` is then 1 with
+    /// rows, 0 without.
+    kernels: bool,
+}
+
+/// Whether a one-op linear's CUDA body takes `kernels/lora_gemm.cuh`'s kernels for its
+/// adapter side: for a bf16 x (with its f32 adapter). They read the bf16 rows of x and dY
+/// directly, so the body needs no f32 copies of them (and no chunks of rows), and fold the
+/// scale, the bias, LoRA dropout's mask and the bf16 rounding sum in: the forward is the base's
+/// gemm and 2 launches, the backward dY W and 3. An f32 x keeps cuBLAS (its operands are
+/// already f32).
+pub fn bf16_kernels(bf16: bool) -> bool {
+    bf16
 }
 
 impl DeviceLaunches {
@@ -408,6 +423,12 @@ impl DeviceLaunches {
     /// accumulated by beta (f32, no dropout) or apart and summed by a kernel (bf16: the
     /// rounding kernel; f32 with dropout: the mask, then an add).
     pub fn backward(&self, dx: bool) -> usize {
+        if self.kernels {
+            // dY W; then with rows s dY B and s x Aᵀ (one launch), dB and dA (one; zeros
+            // without rows) and dx's rounding sum of (s dY B) A
+            let rows = (self.chunks > 0) as usize;
+            return dx as usize + rows + 1 + (dx as usize) * rows;
+        }
         let (h, d) = (self.bf16 as usize, self.dropout as usize);
         let adapter = 4 + 2 * h + d;
         let dx_share = match (dx, self.bf16 || self.dropout) {
@@ -427,6 +448,17 @@ impl LoraLinearOp {
     pub fn device_launches(&self, bf16: bool) -> DeviceLaunches {
         let (m, k, n) = self.mkn;
         let dropout = self.dropout.is_some();
+        if bf16_kernels(bf16) {
+            // x Wᵀ, then with rows s x Aᵀ and the product with Bᵀ summed into the output
+            let rows = (m > 0) as usize;
+            return DeviceLaunches {
+                forward: 1 + 2 * rows,
+                bf16,
+                dropout,
+                chunks: rows,
+                kernels: true,
+            };
+        }
         let chunks = m.div_ceil(chunk_rows(k, n));
         let (h, d) = (bf16 as usize, dropout as usize);
         let bias = (!bf16 && self.bias.is_some()) as usize;
@@ -435,6 +467,7 @@ impl LoraLinearOp {
             bf16,
             dropout,
             chunks,
+            kernels: false,
         }
     }
 
@@ -572,6 +605,21 @@ impl CustomOp2 for LoraLinearDx {
     }
 }
 
+/// Thread blocks the gradient kernel aims for: enough to fill a large GPU (132 SMs on an
+/// H100 / H200) about twice over, so that a short P (896 for Qwen2.5-0.5B) still keeps
+/// every SM busy, by splitting the sum over M.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const GRAD_BLOCKS: usize = 264;
+
+/// Rows of M per split of the gradient kernel and the splits, for `tiles` (problems x P
+/// tiles x r tiles) blocks per split: at least 256 rows each (a multiple of 32).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn grad_splits(m: usize, tiles: usize) -> (usize, usize) {
+    let want = GRAD_BLOCKS.div_ceil(tiles.max(1)).min(m / 256).max(1);
+    let chunk = m.div_ceil(want).max(1).next_multiple_of(32);
+    (m.div_ceil(chunk).max(1), chunk)
+}
+
 /// The one-op linear on CUDA: cuBLAS gemms (`super::cuda::gemm`, f32 accumulation) whose alpha
 /// applies the LoRA scale and whose beta accumulates into the output, Candle's cast and copy
 /// kernels, the dropout kernel and `kernels/tallow.cu`'s `tallow_lora_sum_*`. Step for step
@@ -583,7 +631,7 @@ impl CustomOp2 for LoraLinearDx {
 mod device {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
-        CudaSlice, CudaView, CudaViewMut, DevicePtrMut, PushKernelArg,
+        CudaSlice, CudaView, CudaViewMut, DevicePtrMut, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDevice, WrapErr};
     use candle_core::{CudaStorage, CustomOp1, DType, Layout, Result, Storage, Tensor};
@@ -594,6 +642,43 @@ mod device {
     use crate::kernels::dropout::DropoutOp;
 
     const NAME: &str = "lora linear";
+
+    /// `LgDrop` of kernels/lora_gemm.cuh: LoRA dropout's mask (`DropoutOp`'s seed, threshold
+    /// and scale) on the rows of problem `which` (2: none).
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct LgDrop {
+        seed: u64,
+        threshold: u32,
+        scale: f32,
+        which: u32,
+    }
+
+    // SAFETY: a plain #[repr(C)] struct of integers and a float, laid out as the kernels' C
+    // struct (8-byte seed, then three 4-byte fields, padded to 24 bytes on both sides).
+    unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for LgDrop {}
+
+    impl LgDrop {
+        /// The op's dropout on problem `which` (0 or 1), or none.
+        fn of(op: &LoraLinearOp, which: u32) -> Self {
+            match op.dropout {
+                Some(d) => LgDrop {
+                    seed: d.seed,
+                    threshold: d.threshold(),
+                    scale: d.scale(),
+                    which,
+                },
+                None => LgDrop::NONE,
+            }
+        }
+
+        const NONE: LgDrop = LgDrop {
+            seed: 0,
+            threshold: 0,
+            scale: 1.0,
+            which: 2,
+        };
+    }
 
     /// A tensor's CUDA storage (the tensor must be on CUDA).
     fn cuda_of(st: &Storage) -> Result<&CudaStorage> {
@@ -766,6 +851,9 @@ mod device {
         let dev = x.device().clone();
         let (av, bv) = (view::<f32>(a, al, NAME)?, view::<f32>(b, bl, NAME)?);
         let bf16 = x.dtype() == DType::BF16;
+        if super::bf16_kernels(bf16) {
+            return forward_kernels(op, (x, xl), &av, &bv, r);
+        }
         // The base product, into the output (f32: onto the bias's rows); its gemm is a launch.
         let mut launched = 1;
         let mut out = match x.dtype() {
@@ -852,6 +940,357 @@ mod device {
         Ok(out)
     }
 
+    /// The launch configuration of `kernels/lora_gemm.cuh`'s kernels (static shared memory).
+    fn grid3((x, y, z): (usize, usize, usize), threads: u32) -> Result<LaunchConfig> {
+        let dim = |v: usize| -> Result<u32> {
+            u32::try_from(v).map_err(|_| candle_core::Error::Msg(format!("{NAME}: grid of {v}")))
+        };
+        if y > 65535 {
+            candle_core::bail!("{NAME}: {y} blocks in the grid's y (at most 65535)");
+        }
+        Ok(LaunchConfig {
+            grid_dim: (dim(x)?, dim(y)?, dim(z)?),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+
+    /// One problem of `tallow_lora_down_bf16` / `tallow_lora_grad_bf16`: its bf16 rows, its f32
+    /// operand, its f32 output, its length (K or P) and the two strides.
+    struct Problem<'a, 'b> {
+        rows: &'a CudaView<'a, bf16>,
+        operand: &'a CudaView<'a, f32>,
+        out: &'a mut CudaViewMut<'b, f32>,
+        len: u64,
+        strides: (u64, u64),
+    }
+
+    /// Pushes one problem's arguments (or a second problem's nulls) onto a launch.
+    fn push_problem<'p>(
+        b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'p>,
+        p: &'p mut Option<Problem<'_, '_>>,
+        null: &'p u64,
+    ) {
+        match p {
+            Some(p) => {
+                b.arg(p.rows);
+                b.arg(p.operand);
+                b.arg(&mut *p.out);
+                b.arg(&p.len);
+                b.arg(&p.strides.0);
+                b.arg(&p.strides.1);
+            }
+            None => {
+                for _ in 0..6 {
+                    b.arg(null);
+                }
+            }
+        }
+    }
+
+    /// `tallow_lora_down_bf16`: C (M, r) := alpha · L · R for one problem, or two in one
+    /// launch (blockIdx.z 1 the second).
+    fn down(
+        dev: &CudaDevice,
+        first: Problem<'_, '_>,
+        second: Option<Problem<'_, '_>>,
+        (m, r): (usize, usize),
+        alpha: f32,
+        drop: LgDrop,
+    ) -> Result<()> {
+        let cfg = grid3(
+            (
+                m.div_ceil(64),
+                r.div_ceil(32),
+                1 + second.is_some() as usize,
+            ),
+            128,
+        )?;
+        if m == 0 {
+            return Ok(());
+        }
+        let func = crate::kernels::cuda::func(dev, "tallow_lora_down_bf16")?;
+        let (m, r, null) = (m as u64, r as u64, 0u64);
+        let (mut first, mut second) = (Some(first), second);
+        let mut b = func.builder();
+        push_problem(&mut b, &mut first, &null);
+        push_problem(&mut b, &mut second, &null);
+        b.arg(&m);
+        b.arg(&r);
+        b.arg(&alpha);
+        b.arg(&drop);
+        // SAFETY: argument types and order match `tallow_lora_down_bf16(l0, r0, c0, k0, rsk0,
+        // rsj0, l1, .., m, r, alpha, drop)` in kernels/lora_gemm.cuh; each buffer holds the matrix
+        // its length and strides describe (the callers' shapes); a second problem's nulls are
+        // read only by blocks of z 1, which a one-problem grid has none of.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+
+    /// The gradient kernel's tickets on each device: zeros between launches (the kernel's
+    /// last block of a tile resets its own), grown as needed.
+    static TICKETS: std::sync::Mutex<Vec<(candle_core::cuda_backend::DeviceId, CudaSlice<u32>)>> =
+        std::sync::Mutex::new(Vec::new());
+
+    /// `tallow_lora_grad_bf16`: G := Lᵀ S for two problems in one launch, the sum over M split
+    /// over [`grad_splits`] blocks per tile.
+    fn grads(
+        dev: &CudaDevice,
+        first: Problem<'_, '_>,
+        second: Problem<'_, '_>,
+        (m, r): (usize, usize),
+        drop: LgDrop,
+    ) -> Result<()> {
+        let (gx, gy) = (
+            (first.len.max(second.len) as usize).div_ceil(32),
+            r.div_ceil(32),
+        );
+        let (splits, chunk) = super::grad_splits(m, 2 * gx * gy);
+        let cfg = grid3((gx, gy, 2 * splits), 128)?;
+        if gx == 0 || gy == 0 {
+            return Ok(());
+        }
+        let ws_p = first.len.max(second.len);
+        let mut ws = alloc::<f32>(
+            dev,
+            if splits > 1 {
+                2 * splits * ws_p as usize * r
+            } else {
+                1
+            },
+        )?;
+        let mut held = TICKETS.lock().expect("tickets lock");
+        let id = dev.id();
+        let need = 2 * gx * gy;
+        let at = match held.iter().position(|(d, t)| *d == id && t.len() >= need) {
+            Some(i) => i,
+            None => {
+                held.retain(|(d, _)| *d != id);
+                held.push((id, dev.alloc_zeros::<u32>(need)?));
+                held.len() - 1
+            }
+        };
+        let tickets = &mut held[at].1;
+        let func = crate::kernels::cuda::func(dev, "tallow_lora_grad_bf16")?;
+        let (m, r, null, splits32, chunk) = (m as u64, r as u64, 0u64, splits as u32, chunk as u64);
+        let (mut first, mut second) = (Some(first), Some(second));
+        let mut b = func.builder();
+        push_problem(&mut b, &mut first, &null);
+        push_problem(&mut b, &mut second, &null);
+        b.arg(&m);
+        b.arg(&r);
+        b.arg(&splits32);
+        b.arg(&chunk);
+        b.arg(&mut ws);
+        b.arg(&ws_p);
+        b.arg(tickets);
+        b.arg(&drop);
+        // SAFETY: argument types and order match `tallow_lora_grad_bf16(l0, s0, g0, p0, osp0,
+        // osj0, l1, .., m, r, splits, chunk, ws, ws_p, tickets, drop)` in kernels/lora_gemm.cuh; each
+        // buffer holds the matrix its length and strides describe; ws holds 2 x splits x ws_p
+        // x r floats when there is more than one split (else it is not read); tickets holds at
+        // least 2 x gx x gy zeros, and stays locked (this device's launches are ordered on its
+        // one stream) while the kernel is queued.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+
+    /// `tallow_lora_up_bf16`: o (M, N) bf16 := r(r(o) (+ bias) + r(S Rᵀ)), S (M, r) f32 and R
+    /// (N, r) read at n · rsn + j · rsj. One launch.
+    #[allow(clippy::too_many_arguments)]
+    fn up_sum(
+        dev: &CudaDevice,
+        o: &mut CudaViewMut<'_, bf16>,
+        s: &CudaView<'_, f32>,
+        rm: &CudaView<'_, f32>,
+        bias: Option<&CudaView<'_, bf16>>,
+        (m, n, r): (usize, usize, usize),
+        (rsn, rsj): (usize, usize),
+        drop: LgDrop,
+    ) -> Result<()> {
+        let cfg = grid3((m.div_ceil(64), n.div_ceil(64), 1), 256)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let func = crate::kernels::cuda::func(dev, "tallow_lora_up_bf16")?;
+        let null = 0u64;
+        let (m, n, r, rsn, rsj) = (m as u64, n as u64, r as u64, rsn as u64, rsj as u64);
+        let mut b = func.builder();
+        b.arg(o);
+        b.arg(s);
+        b.arg(rm);
+        match bias {
+            Some(c) => b.arg(c),
+            None => b.arg(&null),
+        };
+        b.arg(&m);
+        b.arg(&n);
+        b.arg(&r);
+        b.arg(&rsn);
+        b.arg(&rsj);
+        b.arg(&drop);
+        // SAFETY: argument types and order match `tallow_lora_up_bf16` in
+        // kernels/lora_gemm.cuh; o holds (M, N), s (M, r), rm the (N, r) its strides describe,
+        // the bias N elements; a null bias pointer is what the kernel reads as "no bias".
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+
+    /// The forward for a bf16 x without dropout ([`super::bf16_kernels`]): x Wᵀ into the
+    /// output (cuBLAS), s x Aᵀ from x's bf16 rows, and the output's rounding sum with its
+    /// product with Bᵀ and the bias: 3 launches, no f32 copy of x.
+    fn forward_kernels(
+        op: &LoraLinearOp,
+        (x, xl): (&CudaStorage, &Layout),
+        av: &CudaView<'_, f32>,
+        bv: &CudaView<'_, f32>,
+        r: usize,
+    ) -> Result<CudaStorage> {
+        let (m, k, n) = op.mkn;
+        let dev = x.device().clone();
+        let mut out = alloc::<bf16>(&dev, m * n)?;
+        base_product(&dev, op, &mut out, (x, xl), true, (m, n, k), 0.0)?;
+        let mut launched = 1;
+        if m > 0 {
+            let xv = view::<bf16>(x, xl, NAME)?;
+            let mut xa = alloc::<f32>(&dev, m * r)?;
+            let mut xa_out = xa.slice_mut(..);
+            let first = Problem {
+                rows: &xv,
+                operand: av,
+                out: &mut xa_out,
+                len: k as u64,
+                strides: (1, k as u64), // A (r, K): element (k, j) at j K + k
+            };
+            down(
+                &dev,
+                first,
+                None,
+                (m, r),
+                op.scale as f32,
+                LgDrop::of(op, 0),
+            )?;
+            let bias = op.bias.as_ref().map(|c| c.storage_and_layout());
+            let bias = match &bias {
+                Some((st, l)) => Some(view::<bf16>(cuda_of(st)?, l, NAME)?),
+                None => None,
+            };
+            // B (N, r): element (n, j) at n r + j
+            let mut o = out.slice_mut(..);
+            up_sum(
+                &dev,
+                &mut o,
+                &xa.slice(..),
+                bv,
+                bias.as_ref(),
+                (m, n, r),
+                (r, 1),
+                LgDrop::NONE,
+            )?;
+            launched += 2;
+        }
+        debug_assert_eq!(launched, op.device_launches(true).forward);
+        count_launches(launched - 1);
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+
+    /// The backward for a bf16 x without dropout ([`super::bf16_kernels`]): dx = dY W
+    /// (cuBLAS) when x needs it; s dY B and s x Aᵀ (one launch); dB = dYᵀ (s x Aᵀ) and dA =
+    /// (s dY B)ᵀ x (one); dx's rounding sum with (s dY B) A (one). No f32 copies of x or dY.
+    fn backward_kernels(
+        op: &LoraLinearOp,
+        x: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        dy: &Tensor,
+        want_dx: bool,
+    ) -> Result<(Option<Tensor>, Tensor, Tensor)> {
+        let (m, k, n) = op.mkn;
+        let r = a.elem_count() / k.max(1);
+        let (xst, xl) = x.storage_and_layout();
+        let (dyst, dyl) = dy.storage_and_layout();
+        let (ast, al) = a.storage_and_layout();
+        let (bst, bl) = b.storage_and_layout();
+        let (xs, dys) = (cuda_of(&xst)?, cuda_of(&dyst)?);
+        let dev = xs.device().clone();
+        let av = view::<f32>(cuda_of(&ast)?, al, NAME)?;
+        let bv = view::<f32>(cuda_of(&bst)?, bl, NAME)?;
+        let (xv, dyv) = (view::<bf16>(xs, xl, NAME)?, view::<bf16>(dys, dyl, NAME)?);
+        let mut launched = 0;
+        let mut dx = None;
+        if want_dx {
+            let mut d = alloc::<bf16>(&dev, m * k)?;
+            base_product(&dev, op, &mut d, (dys, dyl), false, (m, k, n), 0.0)?;
+            launched += 1;
+            dx = Some(d);
+        }
+        let s = op.scale as f32;
+        let (mut g, mut xa) = (alloc::<f32>(&dev, m * r)?, alloc::<f32>(&dev, m * r)?);
+        if m > 0 {
+            let (mut g_out, mut xa_out) = (g.slice_mut(..), xa.slice_mut(..));
+            let first = Problem {
+                rows: &dyv,
+                operand: &bv,
+                out: &mut g_out,
+                len: n as u64,
+                strides: (r as u64, 1), // B (N, r): element (n, j) at n r + j
+            };
+            let second = Problem {
+                rows: &xv,
+                operand: &av,
+                out: &mut xa_out,
+                len: k as u64,
+                strides: (1, k as u64), // A (r, K): element (k, j) at j K + k
+            };
+            down(&dev, first, Some(second), (m, r), s, LgDrop::of(op, 1))?;
+            launched += 1;
+        }
+        // every element written (zeros without rows)
+        let (mut db, mut da) = (alloc::<f32>(&dev, n * r)?, alloc::<f32>(&dev, r * k)?);
+        {
+            let (gv, xav) = (g.slice(..), xa.slice(..));
+            let (mut db_out, mut da_out) = (db.slice_mut(..), da.slice_mut(..));
+            let first = Problem {
+                rows: &dyv,
+                operand: &xav,
+                out: &mut db_out,
+                len: n as u64,
+                strides: (r as u64, 1), // dB (N, r)
+            };
+            let second = Problem {
+                rows: &xv,
+                operand: &gv,
+                out: &mut da_out,
+                len: k as u64,
+                strides: (1, k as u64), // dA (r, K)
+            };
+            grads(&dev, first, second, (m, r), LgDrop::of(op, 1))?;
+            launched += 1;
+        }
+        if let Some(d) = &mut dx {
+            if m > 0 {
+                // A (r, K) as the (K, r) operand: element (k, j) at j K + k
+                let mut o = d.slice_mut(..);
+                let drop = LgDrop::of(op, 0);
+                up_sum(
+                    &dev,
+                    &mut o,
+                    &g.slice(..),
+                    &av,
+                    None,
+                    (m, k, r),
+                    (1, k),
+                    drop,
+                )?;
+                launched += 1;
+            }
+        }
+        debug_assert_eq!(launched, op.device_launches(true).backward(want_dx));
+        count_launches(launched);
+        let dx = dx.map(|d| tensor(d, &dev, x.dims()));
+        Ok((dx, tensor(da, &dev, &[r, k]), tensor(db, &dev, &[n, r])))
+    }
+
     /// A CUDA tensor of `shape` over `slice`, outside the graph (a gradient).
     fn tensor<T: candle_core::cuda_backend::CudaDType>(
         slice: CudaSlice<T>,
@@ -884,6 +1323,9 @@ mod device {
         dy: &Tensor,
         want_dx: bool,
     ) -> Result<(Option<Tensor>, Tensor, Tensor)> {
+        if super::bf16_kernels(x.dtype() == DType::BF16) {
+            return backward_kernels(op, x, a, b, dy, want_dx);
+        }
         let (m, k, n) = op.mkn;
         let r = a.elem_count() / k.max(1);
         let (xst, xl) = x.storage_and_layout();
@@ -1027,5 +1469,36 @@ mod device {
             Dx::Bf16(d) => tensor(d, &dev, x.dims()),
         });
         Ok((dx, tensor(da, &dev, &[r, k]), tensor(db, &dev, &[n, r])))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::grad_splits;
+
+    /// The gradient kernel's splits of M cover every row once, in chunks of a multiple of 32
+    /// rows, none empty, at least 256 rows each when there is more than one, and fill about
+    /// `GRAD_BLOCKS` blocks when M allows: Qwen2.5-0.5B's q_proj (P 896, r 16: 2 x 28 x 1
+    /// tiles) at 4096 tokens takes 5 splits of 832 rows, a 7B's (2 x 128 tiles) 2; a tile
+    /// grid of `GRAD_BLOCKS` or more is not split.
+    #[test]
+    fn grad_splits_cover_m_in_chunks_of_32() {
+        for m in [0, 1, 31, 32, 33, 255, 256, 257, 1000, 4096, 65536, 1 << 20] {
+            for tiles in [1, 2, 56, 256, 1000] {
+                let (splits, chunk) = grad_splits(m, tiles);
+                assert!(splits >= 1 && chunk % 32 == 0 && chunk >= 32, "{m} {tiles}");
+                assert!(splits * chunk >= m, "{m} {tiles}: rows left out");
+                assert!(
+                    m == 0 || (splits - 1) * chunk < m,
+                    "{m} {tiles}: an empty split"
+                );
+                if splits > 1 {
+                    assert!(chunk >= 256, "{m} {tiles}: {chunk} rows a split");
+                }
+            }
+        }
+        assert_eq!(grad_splits(4096, 56), (5, 832));
+        assert_eq!(grad_splits(4096, 256).0, 2);
+        assert_eq!(grad_splits(4096, 264).0, 1);
     }
 }
