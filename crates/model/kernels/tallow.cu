@@ -475,6 +475,46 @@ extern "C" __global__ void tallow_adamw_param_f32(
     }
 }
 
+// AdamW's update of up to TALLOW_ADAM_MEMBERS parameters of one group in one launch
+// (`tallow_model::kernels::adamw::adamw_members`): each member's f32 parameter and gradient read
+// where they are (no copies into flat buffers) and the parameter written in place; the moments
+// are the group's flat (2, len) buffer, the slice's elements from `base` on. Element e of the
+// slice belongs to the member j with start[j] <= e < start[j + 1]; each element sees
+// `tallow_adamw_moments_f32`'s then `tallow_adamw_param_f32`'s operations, so the bits are theirs.
+#define TALLOW_ADAM_MEMBERS 32
+struct TallowAdamMembers {
+    float *p[TALLOW_ADAM_MEMBERS];
+    const float *g[TALLOW_ADAM_MEMBERS];
+    unsigned long long start[TALLOW_ADAM_MEMBERS + 1];
+    unsigned long long count;
+};
+
+extern "C" __global__ void tallow_adamw_members_f32(
+    const TallowAdamMembers ms, float *mv, const size_t len, const size_t base, const float b1,
+    const float c1, const float b2, const float c2, const float decay, const int decay_on,
+    const float inv_bc2, const float eps, const float step) {
+    const size_t total = ms.start[ms.count];
+    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+         e += (size_t)blockDim.x * gridDim.x) {
+        unsigned lo = 0, hi = (unsigned)ms.count; // the last start <= e
+        while (hi - lo > 1) {
+            const unsigned mid = (lo + hi) / 2;
+            if (ms.start[mid] <= e) lo = mid; else hi = mid;
+        }
+        const size_t i = e - ms.start[lo], f = base + e;
+        const float gi = ms.g[lo][i];
+        const float m = __fadd_rn(tallow_affine(mv[f], b1, 0.0f), tallow_affine(gi, c1, 0.0f));
+        const float v = __fadd_rn(tallow_affine(mv[len + f], b2, 0.0f),
+                                  tallow_affine(__fmul_rn(gi, gi), c2, 0.0f));
+        mv[f] = m;
+        mv[len + f] = v;
+        const float p = ms.p[lo][i];
+        const float pi = decay_on ? tallow_affine(p, decay, 0.0f) : p;
+        const float denom = tallow_affine(__fsqrt_rn(v), inv_bc2, eps);
+        ms.p[lo][i] = __fsub_rn(pi, tallow_affine(__fdiv_rn(m, denom), step, 0.0f));
+    }
+}
+
 // The one-op LoRA linear's sums (`tallow_model::kernels::lora_linear`), in place on the base's
 // product `o` (rows, n), whose gemm wrote it; `l` the adapter's f32 product (rows, n).
 // bf16, as `sum_rows_bf16_body`: o = r(r(o) + r(l)), with a bias c (n) o = r(r(r(o) + c) + r(l))

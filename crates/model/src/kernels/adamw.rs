@@ -213,3 +213,233 @@ impl candle_core::CustomOp2 for Param {
         ))
     }
 }
+
+/// Members of one [`adamw_members`] launch (`TALLOW_ADAM_MEMBERS` in kernels/tallow.cu).
+pub const MEMBERS: usize = 32;
+
+/// AdamW's update of up to [`MEMBERS`] f32 parameters of one group as one op, with no copies:
+/// each parameter and its f32 gradient (contiguous) read where they are and the parameter
+/// written in place; `mv` the group's (2, len) moments, these members' elements from `base` on,
+/// in order. On CUDA one kernel (`tallow_adamw_members_f32`, each element
+/// `tallow_adamw_moments_f32`'s then `tallow_adamw_param_f32`'s operations); on the CPU (the
+/// CUDA path's twin) the two ops' CPU bodies, the new values set into the parameters outside
+/// the launch count, so one launch is counted as on the GPU.
+pub fn adamw_members(
+    mv: &Tensor,
+    base: usize,
+    params: &[&candle_core::Var],
+    grads: &[Tensor],
+    k: &AdamWStep,
+) -> R<()> {
+    if params.len() != grads.len() || params.is_empty() || params.len() > MEMBERS {
+        candle_core::bail!(
+            "adamw members: {} parameters, {} gradients (1 to {MEMBERS})",
+            params.len(),
+            grads.len()
+        );
+    }
+    let mut start = vec![0usize];
+    for (p, g) in params.iter().zip(grads) {
+        if p.dtype() != candle_core::DType::F32 || g.dtype() != candle_core::DType::F32 {
+            candle_core::bail!("adamw members: f32 parameters and gradients only");
+        }
+        if p.shape() != g.shape() || !p.is_contiguous() || !g.is_contiguous() {
+            candle_core::bail!(
+                "adamw members: parameter {:?} and gradient {:?} (contiguous, one shape)",
+                p.shape(),
+                g.shape()
+            );
+        }
+        start.push(start.last().expect("start") + p.elem_count());
+    }
+    let op = Members {
+        params: params.iter().map(|p| p.as_tensor().clone()).collect(),
+        grads: grads.to_vec(),
+        start,
+        base,
+        k: *k,
+        new: std::sync::Mutex::new(Vec::new()),
+    };
+    mv.inplace_op1(&op)?;
+    let new = std::mem::take(&mut *op.new.lock().expect("new values lock"));
+    if !new.is_empty() {
+        // the CPU twin: its new values into the parameters, not a launch of the CUDA body
+        candle_core::launches::uncounted(|| -> R<()> {
+            for (p, v) in params.iter().zip(new) {
+                p.set(&Tensor::from_vec(v, p.shape(), p.device())?)?;
+            }
+            Ok(())
+        })?;
+    }
+    Ok(())
+}
+
+struct Members {
+    params: Vec<Tensor>,
+    grads: Vec<Tensor>,
+    /// Each member's first element in the slice, then the slice's length.
+    start: Vec<usize>,
+    /// The slice's first element in the group's flat buffers.
+    base: usize,
+    k: AdamWStep,
+    /// The CPU twin's new parameter values, set by the caller.
+    new: std::sync::Mutex<Vec<Vec<f32>>>,
+}
+
+impl Members {
+    /// len, and mv's contiguous offset, for the (2, len) moments holding this slice.
+    fn dims(&self, mvl: &Layout) -> R<(usize, usize)> {
+        let (len, total) = match mvl.shape().dims() {
+            [2, len] => (*len, *self.start.last().expect("start")),
+            d => candle_core::bail!("adamw members: moments {d:?}, not (2, len)"),
+        };
+        if self.base + total > len {
+            candle_core::bail!(
+                "adamw members: elements {}..{} of moments of {len}",
+                self.base,
+                self.base + total
+            );
+        }
+        match mvl.contiguous_offsets() {
+            Some((o, _)) => Ok((len, o)),
+            None => candle_core::bail!("adamw members: the moments must be contiguous"),
+        }
+    }
+}
+
+impl candle_core::InplaceOp1 for Members {
+    fn name(&self) -> &'static str {
+        "adamw-members"
+    }
+
+    fn cpu_fwd(&self, mv: &mut CpuStorage, mvl: &Layout) -> R<()> {
+        let (len, o) = self.dims(mvl)?;
+        let CpuStorage::F32(mv) = mv else {
+            candle_core::bail!("adamw members: the moments must be f32");
+        };
+        let (m, v) = mv[o..o + 2 * len].split_at_mut(len);
+        let k = &self.k;
+        let mut new = Vec::with_capacity(self.params.len());
+        for (j, (p, g)) in self.params.iter().zip(&self.grads).enumerate() {
+            // host reads of the twin's inputs, not launches of the CUDA body
+            let (p, g) = candle_core::launches::uncounted(|| -> R<_> {
+                Ok((
+                    p.flatten_all()?.to_vec1::<f32>()?,
+                    g.flatten_all()?.to_vec1::<f32>()?,
+                ))
+            })?;
+            let (a, b) = (self.base + self.start[j], self.base + self.start[j + 1]);
+            let mut out = vec![0f32; p.len()];
+            // the two ops' CPU bodies, element by element (`Moments`, then `Param`)
+            for (i, o) in out.iter_mut().enumerate() {
+                let (m, v) = (&mut m[a + i], &mut v[a + i]);
+                *m = affine(*m, k.beta1, 0.0) + affine(g[i], k.one_minus_beta1, 0.0);
+                *v = affine(*v, k.beta2, 0.0) + affine(g[i] * g[i], k.one_minus_beta2, 0.0);
+                let p = match k.decay {
+                    Some(d) => affine(p[i], d, 0.0),
+                    None => p[i],
+                };
+                let denom = affine(v.sqrt(), k.inv_bias_correction2_sqrt, k.eps);
+                *o = p - affine(*m / denom, k.step_size, 0.0);
+            }
+            debug_assert_eq!(b - a, out.len());
+            new.push(out);
+        }
+        *self.new.lock().expect("new values lock") = new;
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, mv: &mut candle_core::CudaStorage, mvl: &Layout) -> R<()> {
+        use candle_core::backend::BackendStorage;
+        use candle_core::cuda_backend::cudarc::driver::{DevicePtr, PushKernelArg};
+        use candle_core::cuda_backend::WrapErr;
+        use candle_core::Storage;
+
+        /// `TallowAdamMembers` of kernels/tallow.cu.
+        #[repr(C)]
+        #[derive(Clone, Copy)]
+        struct Table {
+            p: [u64; MEMBERS],
+            g: [u64; MEMBERS],
+            start: [u64; MEMBERS + 1],
+            count: u64,
+        }
+        // SAFETY: a #[repr(C)] struct of u64 arrays, laid out as the kernel's C struct (device
+        // pointers as 64-bit integers).
+        unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for Table {}
+
+        let (len, o) = self.dims(mvl)?;
+        let total = *self.start.last().expect("start");
+        let dev = mv.device().clone();
+        let stream = dev.cuda_stream();
+        let mut table = Table {
+            p: [0; MEMBERS],
+            g: [0; MEMBERS],
+            start: [0; MEMBERS + 1],
+            count: self.params.len() as u64,
+        };
+        for (j, s) in self.start.iter().enumerate() {
+            table.start[j] = *s as u64;
+        }
+        // the storages stay locked (read) and their pointers' guards alive until the launch
+        let guards: Vec<_> = self
+            .params
+            .iter()
+            .chain(&self.grads)
+            .map(|t| t.storage_and_layout())
+            .collect();
+        let mut views = Vec::with_capacity(guards.len());
+        for (st, l) in guards.iter() {
+            let Storage::Cuda(c) = &**st else {
+                candle_core::bail!("adamw members: a parameter or gradient is not on CUDA");
+            };
+            let Some((a, b)) = l.contiguous_offsets() else {
+                candle_core::bail!("adamw members: not contiguous");
+            };
+            views.push(c.as_cuda_slice::<f32>()?.slice(a..b));
+        }
+        let mut events = Vec::with_capacity(views.len());
+        for (j, view) in views.iter().enumerate() {
+            let (ptr, event) = view.device_ptr(&stream);
+            events.push(event);
+            let n = self.params.len();
+            if j < n {
+                table.p[j] = ptr;
+            } else {
+                table.g[j - n] = ptr;
+            }
+        }
+        if total == 0 {
+            return Ok(());
+        }
+        let mut mvv = mv.as_cuda_slice_mut::<f32>()?.slice_mut(o..o + 2 * len);
+        let k = &self.k;
+        let (decay, decay_on) = (k.decay.unwrap_or(1.0), k.decay.is_some() as i32);
+        let func = crate::kernels::cuda::func(&dev, "tallow_adamw_members_f32")?;
+        let mut bld = func.builder();
+        bld.arg(&table);
+        bld.arg(&mut mvv);
+        bld.arg(&len);
+        bld.arg(&self.base);
+        bld.arg(&k.beta1);
+        bld.arg(&k.one_minus_beta1);
+        bld.arg(&k.beta2);
+        bld.arg(&k.one_minus_beta2);
+        bld.arg(&decay);
+        bld.arg(&decay_on);
+        bld.arg(&k.inv_bias_correction2_sqrt);
+        bld.arg(&k.eps);
+        bld.arg(&k.step_size);
+        let cfg = super::cuda::Grid::Elems(total).config();
+        // SAFETY: argument types and order match `tallow_adamw_members_f32`; the table holds
+        // `count` members whose parameter and gradient buffers hold start[j + 1] - start[j]
+        // f32 elements each (checked by `adamw_members`), on this device and stream; the
+        // moments hold (2, len) with base + total <= len (`dims`). The parameters are written
+        // through their pointers while their storages are locked for reading: the kernel is the
+        // only writer, queued on the one stream every op of theirs is queued on.
+        unsafe { bld.launch(cfg) }.w()?;
+        drop(events);
+        Ok(())
+    }
+}

@@ -21,7 +21,11 @@
 //! new values; one CUDA kernel each, a CPU twin on the CPU) where Candle's tensor ops
 //! ([`adamw_math`]) took 13 launches. Device cost of a step: 2 launches per group and 3 per
 //! member (its parameter and gradient copied in, the new value copied back; a lone member
-//! copies neither in), +2 casts for a bf16/f16 parameter, +1 for a bf16/f16 gradient. Updated
+//! copies neither in), +2 casts for a bf16/f16 parameter, +1 for a bf16/f16 gradient. A group
+//! of f32 parameters with f32 gradients (LoRA's factors, an f32 model) on CUDA takes neither
+//! the flat inputs nor the copies: one launch per [`adamw::MEMBERS`] members
+//! (`adamw::adamw_members`: each parameter and gradient read where it is, the parameter
+//! written in place, the same operations per element, so the same bits). Updated
 //! one parameter at a time with tensor ops it was 14 per parameter (13 without weight decay):
 //! 182 launches per decoder layer and step for 14 LoRA factors, 42 in groups
 //! (`benchmarks/op-counts.md`). The f32 temporaries are a group's flat parameters, gradients
@@ -235,6 +239,25 @@ impl Optimizer for AdamW {
         let t = self.t + 1; // t = index of this step, from 1
         let k = StepConstants::new(&self.hp, t, lr).fused();
         for group in groups.iter_mut() {
+            let members_f32 = group.params.iter().all(|&i| {
+                params[i].dtype() == DType::F32
+                    && grads[i].dtype() == DType::F32
+                    && params[i].is_contiguous()
+            });
+            if members_f32 && Backend::of(params[group.params[0]].device()) == Backend::Cuda {
+                // f32 members on CUDA: each slice of up to adamw::MEMBERS one op, reading the
+                // parameters and gradients where they are and writing the parameters in place
+                for (c, chunk) in group.params.chunks(adamw::MEMBERS).enumerate() {
+                    let base = group.offsets[c * adamw::MEMBERS];
+                    let ps: Vec<&Var> = chunk.iter().map(|&i| &params[i]).collect();
+                    let gs = chunk
+                        .iter()
+                        .map(|&i| grads[i].detach().contiguous())
+                        .collect::<candle_core::Result<Vec<_>>>()?;
+                    adamw::adamw_members(&group.moments, base, &ps, &gs, &k)?;
+                }
+                continue;
+            }
             // flat f32 inputs (len,): parameters (detached: the update records no graph) and
             // gradients
             let p32 = group.flat(|i| params[i].as_detached_tensor())?;
@@ -638,6 +661,87 @@ mod tests {
         }
         // and the step actually moved the parameters
         assert_ne!(bits(&pa[0]), bits(&two_params(&dev)[0]));
+    }
+
+    /// On the CUDA path (its CPU twin) a group of f32 parameters is updated in place by
+    /// `adamw::adamw_members`, one launch per `adamw::MEMBERS` members and no copies, with a
+    /// per-parameter update's bits: 70 small f32 parameters of mixed shapes in one group (3
+    /// launches of 32, 32 and 6 members), then a large one alone, 3 steps with weight decay. A
+    /// slice's first element off by one member (its base), or the slices' members in another
+    /// order, fails it.
+    #[test]
+    fn f32_members_update_in_place_with_the_per_parameter_bits() {
+        use tallow_model::kernels::dispatch::with_cuda_paths_on_cpu;
+        let dev = Device::Cpu;
+        let shapes: Vec<Vec<usize>> = (0..70)
+            .map(|i| {
+                if i % 3 == 0 {
+                    vec![2, 3 + i % 5]
+                } else {
+                    vec![5 + i % 7]
+                }
+            })
+            .chain(std::iter::once(vec![GROUP_ELEMS + 1]))
+            .collect();
+        let make = || -> Vec<Var> {
+            shapes
+                .iter()
+                .enumerate()
+                .map(|(i, shape)| {
+                    let n: usize = shape.iter().product();
+                    let t = Tensor::arange(0f32, n as f32, &dev)
+                        .unwrap()
+                        .affine(0.013, i as f64 * 0.07 - 0.3)
+                        .unwrap()
+                        .sin()
+                        .unwrap()
+                        .reshape(shape.as_slice())
+                        .unwrap();
+                    Var::from_tensor(&t).unwrap()
+                })
+                .collect()
+        };
+        let grads = |step: usize, params: &[Var]| -> Vec<Tensor> {
+            params
+                .iter()
+                .map(|p| (p.as_tensor().cos().unwrap() * (step as f64 + 1.5)).unwrap())
+                .collect()
+        };
+        let hp = AdamWParams::default();
+        let (grouped, alone) = (make(), make());
+        let mut opt = AdamW::new(hp).with_group_elems(GROUP_ELEMS);
+        let mut moments: Vec<(Tensor, Tensor)> = alone
+            .iter()
+            .map(|p| {
+                let z = Tensor::zeros(p.shape(), DType::F32, &dev).unwrap();
+                (z.clone(), z)
+            })
+            .collect();
+        for step in 0..3 {
+            let g = grads(step, &grouped);
+            let c0 = candle_core::launches::count_on_this_thread();
+            with_cuda_paths_on_cpu(|| opt.step(&grouped, &g, 1e-2)).unwrap();
+            let launched = candle_core::launches::count_on_this_thread() - c0;
+            // 70 members: 3 launches; the large parameter alone: 1; the moments' zeros (step 1)
+            let zeros = if step == 0 { 2 } else { 0 };
+            assert_eq!(launched, 4 + zeros, "step {step}");
+            let k = StepConstants::new(&hp, step as u32 + 1, 1e-2);
+            let g = grads(step, &alone);
+            for ((p, g), (m, v)) in alone.iter().zip(&g).zip(moments.iter_mut()) {
+                (*m, *v) = adamw_update(p, g, m, v, &k).unwrap();
+            }
+        }
+        for (i, (a, b)) in grouped.iter().zip(&alone).enumerate() {
+            assert_eq!(bits(a), bits(b), "parameter {i}");
+        }
+        let sizes: Vec<usize> = opt
+            .groups
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|g| g.params.len())
+            .collect();
+        assert_eq!(sizes, vec![70, 1]);
     }
 
     /// The grouped update (module docs) gives a per-parameter update's bits: mixed shapes,
