@@ -1,4 +1,4 @@
-// The one-op LoRA linear's adapter side for a bf16 x and an f32 adapter without dropout
+// The one-op LoRA linear's adapter side for a bf16 x and an f32 adapter
 // (`tallow_model::kernels::lora_linear`, `device::forward_kernels` / `backward_kernels`): the
 // skinny products that cuBLAS could only take after x and dY were cast to f32 (its operands
 // share one type), reading the bf16 rows directly, with the scale, the bias and the bf16
@@ -13,33 +13,14 @@
 // LoRA dropout is applied where the rows are read (x's mask from its element index, as
 // `tallow_dropout_f32` draws it), so dropout costs no launch and no copy either.
 //
-// Written against a small set of device functions (`LG_*` below) so that
-// `scripts/check_cuda_kernels.sh` can compile this file as plain C++ and run each block's threads
-// on CPU threads with a barrier for __syncthreads (tests/cuda_host/lora_gemm_host.cpp).
+// Written against emulable.cuh's device functions (`LG_*`), so that a test can compile this
+// file as plain C++ and run each block's threads on CPU threads with a barrier for
+// __syncthreads (tests/cuda_host/lora_gemm_host.cpp, run by tests/tests/cuda_ops.rs).
 
 #ifndef TALLOW_LORA_GEMM_CUH
 #define TALLOW_LORA_GEMM_CUH
 
-#ifndef LG_HOST_EMULATION
-#define LG_BF16 __nv_bfloat16
-#define LG_TO_F32(v) __bfloat162float(v)
-#define LG_TO_BF16(v) __float2bfloat16_rn(v)
-#define LG_ADD(a, b) __fadd_rn(a, b)
-#define LG_FMA(a, b, c) __fmaf_rn(a, b, c)
-#define LG_MUL(a, b) __fmul_rn(a, b)
-#define LG_SYNC() __syncthreads()
-#define LG_SHARED __shared__
-#define LG_TID threadIdx.x
-#define LG_BX blockIdx.x
-#define LG_BY blockIdx.y
-#define LG_BZ blockIdx.z
-#define LG_KERNEL extern "C" __global__ void
-#define LG_GX gridDim.x
-#define LG_GY gridDim.y
-#define LG_FENCE() __threadfence()
-#define LG_TICKET(p) atomicAdd(p, 1u)
-#define LG_LOAD(p) __ldcg(p)
-#endif
+#include "emulable.cuh"
 
 // r(v): v rounded to bf16 and back (round to nearest even).
 #define LG_RB(v) LG_TO_F32(LG_TO_BF16(v))

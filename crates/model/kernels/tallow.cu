@@ -481,6 +481,8 @@ extern "C" __global__ void tallow_adamw_param_f32(
 // are the group's flat (2, len) buffer, the slice's elements from `base` on. Element e of the
 // slice belongs to the member j with start[j] <= e < start[j + 1]; each element sees
 // `tallow_adamw_moments_f32`'s then `tallow_adamw_param_f32`'s operations, so the bits are theirs.
+// `scale` (nullable, one float on the device): the gradient clipping's coefficient, each
+// gradient element multiplied by it first (one rounding, as the clipping's multiply did).
 #define TALLOW_ADAM_MEMBERS 32
 struct TallowAdamMembers {
     float *p[TALLOW_ADAM_MEMBERS];
@@ -492,7 +494,8 @@ struct TallowAdamMembers {
 extern "C" __global__ void tallow_adamw_members_f32(
     const TallowAdamMembers ms, float *mv, const size_t len, const size_t base, const float b1,
     const float c1, const float b2, const float c2, const float decay, const int decay_on,
-    const float inv_bc2, const float eps, const float step) {
+    const float inv_bc2, const float eps, const float step, const float *scale) {
+    const float sc = scale != nullptr ? *scale : 1.0f;
     const size_t total = ms.start[ms.count];
     for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total;
          e += (size_t)blockDim.x * gridDim.x) {
@@ -502,7 +505,7 @@ extern "C" __global__ void tallow_adamw_members_f32(
             if (ms.start[mid] <= e) lo = mid; else hi = mid;
         }
         const size_t i = e - ms.start[lo], f = base + e;
-        const float gi = ms.g[lo][i];
+        const float gi = scale != nullptr ? __fmul_rn(ms.g[lo][i], sc) : ms.g[lo][i];
         const float m = __fadd_rn(tallow_affine(mv[f], b1, 0.0f), tallow_affine(gi, c1, 0.0f));
         const float v = __fadd_rn(tallow_affine(mv[len + f], b2, 0.0f),
                                   tallow_affine(__fmul_rn(gi, gi), c2, 0.0f));
@@ -542,6 +545,9 @@ extern "C" __global__ void tallow_lora_sum_f32(float *o, const float *l, const s
 
 // The same linear's adapter side as skinny products on the bf16 rows (no f32 copies of x or dY).
 #include "lora_gemm.cuh"
+
+// The gradient norm's sum of squares over many tensors in one launch.
+#include "sum_squares.cuh"
 
 // Chunked attention's path on CUDA (`tallow_model::kernels::attn_block`): the element-wise
 // work of one block of query rows, around its two cuBLAS matmuls. s: the block's scores q kᵀ

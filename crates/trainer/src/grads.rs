@@ -3,13 +3,16 @@
 //! Candle's `backward()` returns a fresh `GradStore` (tensor id -> gradient) each time, so the sum
 //! over micro-batches is ours to keep: [`GradAccumulator`] holds one f32 buffer per trainable
 //! parameter. At the step boundary the trainer takes the sums, scales them (1 / target tokens),
-//! clips them with [`clip_grad_norm`] and hands them to the optimizer.
+//! computes their norm and clipping coefficient ([`norm_and_clip_coefficient`]) and hands both
+//! to the optimizer (`Optimizer::step_scaled`), which multiplies the gradients by it, in its
+//! kernel where it has one ([`clip_grad_norm`] does the multiply itself).
 //!
 //! Everything is Candle tensor ops on the parameters' device, clipping included: the norm stays
 //! a device tensor, read by the trainer together with the step's loss (`crate::host`).
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, TensorId, Var};
+use tallow_model::kernels::dispatch::Backend;
 
 /// Sums gradients of the trainable vars over the micro-batches of one optimizer step (Candle's
 /// backward returns a fresh GradStore each time).
@@ -92,34 +95,71 @@ impl GradAccumulator {
 /// before the update. All grads are expected on one device (the first one's; others are moved
 /// there for the sum).
 pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> candle_core::Result<Tensor> {
-    let Some(first) = grads.first() else {
-        return Tensor::zeros((), DType::F32, &Device::Cpu);
-    };
-    let device = first.device().clone();
-    // sum over all grads of sum(g^2): a 0-d f32 tensor on the device, no sync
-    let mut sum_sq: Option<Tensor> = None;
-    for g in grads.iter() {
-        let s = g
-            .detach()
-            .to_dtype(DType::F32)?
-            .sqr()?
-            .sum_all()?
-            .to_device(&device)?;
-        sum_sq = Some(match sum_sq {
-            None => s,
-            Some(acc) => (acc + s)?,
-        });
-    }
-    let norm = sum_sq.expect("grads is not empty").sqrt()?;
-    if max_norm > 0.0 {
-        // torch: clip_coef = max_norm / (total_norm + 1e-6), clamped to at most 1, and every
-        // gradient multiplied by it (a no-op multiply by 1 when under the norm), on the device
-        let coef = ((&norm + 1e-6)?.recip()? * max_norm)?.clamp(0f32, 1f32)?;
-        for g in grads.iter_mut() {
-            *g = g.broadcast_mul(&coef.to_dtype(g.dtype())?.to_device(g.device())?)?;
-        }
+    let (norm, coef) = norm_and_clip_coefficient(grads, max_norm)?;
+    if let Some(coef) = coef {
+        scale_in_place(grads, &coef)?;
     }
     Ok(norm)
+}
+
+/// Every gradient multiplied by `coef` (a 0-d f32), each new one replacing the old in `grads`
+/// (so one extra gradient at a time is alive).
+pub fn scale_in_place(grads: &mut [Tensor], coef: &Tensor) -> candle_core::Result<()> {
+    for g in grads.iter_mut() {
+        *g = g.broadcast_mul(&coef.to_dtype(g.dtype())?.to_device(g.device())?)?;
+    }
+    Ok(())
+}
+
+/// [`clip_grad_norm`]'s norm, and (with `max_norm > 0`) its clipping coefficient
+/// `min(1, max_norm / (norm + 1e-6))` as a 0-d f32 on the norm's device, without multiplying
+/// the gradients: the trainer hands it to the optimizer (`Optimizer::step_scaled`), whose
+/// kernel applies it as it reads each gradient, one launch fewer per gradient.
+pub fn norm_and_clip_coefficient(
+    grads: &[Tensor],
+    max_norm: f64,
+) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+    let Some(first) = grads.first() else {
+        return Ok((Tensor::zeros((), DType::F32, &Device::Cpu)?, None));
+    };
+    let device = first.device().clone();
+    // sum over all grads of sum(g^2): a 0-d f32 tensor on the device, no sync. On the CUDA
+    // path f32 gradients on one device are summed by tallow's kernel, one launch per 32
+    // (`kernels::sum_squares`), where each took a square, a sum and an add.
+    let one_pass = Backend::of(&device) == Backend::Cuda
+        && grads
+            .iter()
+            .all(|g| g.dtype() == DType::F32 && g.device().same_device(&device));
+    let sum_sq = if one_pass {
+        let flat = grads
+            .iter()
+            .map(|g| g.detach().contiguous())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        tallow_model::kernels::sum_squares::sum_squares(&flat)?
+    } else {
+        let mut sum_sq: Option<Tensor> = None;
+        for g in grads.iter() {
+            let s = g
+                .detach()
+                .to_dtype(DType::F32)?
+                .sqr()?
+                .sum_all()?
+                .to_device(&device)?;
+            sum_sq = Some(match sum_sq {
+                None => s,
+                Some(acc) => (acc + s)?,
+            });
+        }
+        sum_sq.expect("grads is not empty")
+    };
+    let norm = sum_sq.sqrt()?;
+    if max_norm <= 0.0 {
+        return Ok((norm, None));
+    }
+    // torch: clip_coef = max_norm / (total_norm + 1e-6), clamped to at most 1, and every
+    // gradient multiplied by it (a no-op multiply by 1 when under the norm), on the device
+    let coef = ((&norm + 1e-6)?.recip()? * max_norm)?.clamp(0f32, 1f32)?;
+    Ok((norm, Some(coef)))
 }
 
 #[cfg(test)]
@@ -236,5 +276,41 @@ mod tests {
             }
         }
         assert_eq!(scalar(&clip_grad_norm(&mut [], 1.0).unwrap()), 0.0);
+    }
+
+    /// On the CUDA path (its CPU twin) the norm is one op per 32 f32 gradients
+    /// (`kernels::sum_squares`) and gives the CPU path's norm and clipped gradients within f32
+    /// rounding (the twin sums in f64, Candle's ops in f32): 40 gradients, 2 ops and an add
+    /// and a sqrt where the per-gradient ops were 3 x 40 + 1; a gradient left out changes the
+    /// norm by far more than 1e-6.
+    #[test]
+    fn clip_grad_norm_on_the_cuda_path_sums_in_one_op_per_32_gradients() {
+        use tallow_model::kernels::dispatch::with_cuda_paths_on_cpu;
+        let dev = Device::Cpu;
+        let grads = || -> Vec<Tensor> {
+            (0..40)
+                .map(|i| {
+                    Tensor::arange(0f32, (3 + i % 11) as f32, &dev)
+                        .unwrap()
+                        .affine(0.3, i as f64 * 0.05 - 1.0)
+                        .unwrap()
+                })
+                .collect()
+        };
+        let (mut cpu, mut cuda) = (grads(), grads());
+        let want = scalar(&clip_grad_norm(&mut cpu, 1.0).unwrap());
+        let c0 = candle_core::launches::count_on_this_thread();
+        let norm = with_cuda_paths_on_cpu(|| clip_grad_norm(&mut cuda, 0.0)).unwrap();
+        let launched = candle_core::launches::count_on_this_thread() - c0;
+        assert_eq!(launched, 2 + 1 + 1, "2 ops, their add, the sqrt");
+        let got = scalar(&norm);
+        assert!((got - want).abs() <= 1e-6 * want, "{got} vs {want}");
+        let got = scalar(&with_cuda_paths_on_cpu(|| clip_grad_norm(&mut cuda, 1.0)).unwrap());
+        assert!((got - want).abs() <= 1e-6 * want, "{got} vs {want}");
+        for (a, b) in cuda.iter().zip(&cpu) {
+            for (x, y) in vals(a).iter().zip(vals(b)) {
+                assert!((x - y).abs() <= 1e-6 * y.abs().max(1e-3), "{x} vs {y}");
+            }
+        }
     }
 }

@@ -32,7 +32,7 @@ use crate::config::{AdapterKind, Quantize, TrainConfig};
 use crate::data::{load_file, load_hub_split, DataOptions, Dataset, Example, Format};
 use crate::error::{DataError, TrainError};
 use crate::eval::evaluate;
-use crate::grads::{clip_grad_norm, GradAccumulator};
+use crate::grads::{norm_and_clip_coefficient, scale_in_place, GradAccumulator};
 use crate::host;
 use crate::lock::RunLock;
 use crate::memory::{PhasePeaks, Probe};
@@ -1260,7 +1260,15 @@ impl<'a> Session<'a> {
         // The phase's device operations, counted from the gradient norm on (per parameter: its
         // sum of squares and, with clipping, its scaling) to the optimizer's update.
         let ops = opcount::mark();
-        let grad_norm = clip_grad_norm(&mut grads, t.max_grad_norm)?;
+        // the clipping's coefficient goes to an optimizer that scales each gradient as it
+        // reads it (AdamW: in its f32 kernel, or group by group); for the others the
+        // gradients are clipped here, in place
+        let (grad_norm, mut clip) = norm_and_clip_coefficient(&grads, t.max_grad_norm)?;
+        if !self.opt.applies_grad_scale() {
+            if let Some(coef) = clip.take() {
+                scale_in_place(&mut grads, &coef)?;
+            }
+        }
         // The one host read of the step: its loss and gradient norm together (and a preference
         // run's metric sums).
         let mut parts = vec![
@@ -1308,9 +1316,14 @@ impl<'a> Session<'a> {
             }
         }
         let lr = lr_at(t.schedule, t.lr, step, t.warmup_steps, self.total_steps);
-        let stepped = self
-            .shard
-            .step(self.opt.as_mut(), &self.vars, self.dist, &grads, lr);
+        let stepped = self.shard.step(
+            self.opt.as_mut(),
+            &self.vars,
+            self.dist,
+            &grads,
+            clip.as_ref(),
+            lr,
+        );
         tally.launches_optimizer = opcount::since(ops).launches;
         self.memory
             .check(stepped, "optimizer", step + 1, &self.last_checkpoint)?;

@@ -344,6 +344,18 @@ const CASES: &[Case] = &[
         run: lora_linear_tiles,
     },
     Case {
+        name: "sum of squares",
+        on_cpu: "the one-op sum (f64) against Candle's square, sum and add per tensor",
+        // 40 tensors, 100k elements of O(1): f32 sums in any order agree to ~1e-6 relative;
+        // a tensor left out is at least 1% of the sum (about 1000 against a bound of about 1)
+        f32_tol: 1e-5,
+        generic_on_cpu: true,
+        reference_f64: false,
+        cpu_tol: None,
+        always_f32: true,
+        run: sum_of_squares,
+    },
+    Case {
         name: "lora linear nf4+bias+dropout fwd+bwd",
         on_cpu: "the linear's tensor-op path against the one-op LoRA linear",
         f32_tol: 1e-4,
@@ -879,6 +891,27 @@ fn lora_linear_sized(
         lin.forward(&x).map_err(to_candle)?
     };
     value_and_grads(y, &[&x, &a, &b], 16)
+}
+
+/// The gradient norm's sum of squares over 40 f32 tensors (1000 to 5000 elements each, several
+/// blocks of the CUDA kernel, two ops of 32 and 8 tensors): `kernels::sum_squares`, or with
+/// `generic` Candle's square, sum and add per tensor. f32 whatever the dtype asked (gradients
+/// are f32).
+fn sum_of_squares(dev: &Device, _dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    let r = &mut rng(23);
+    let ts = (0..40)
+        .map(|i| input(r, &[1000 + (i * 797) % 4000], dev, DType::F32))
+        .collect::<R<Vec<_>>>()?;
+    let s = if generic {
+        let mut acc = ts[0].sqr()?.sum_all()?;
+        for t in &ts[1..] {
+            acc = (acc + t.sqr()?.sum_all()?)?;
+        }
+        acc
+    } else {
+        tallow_model::kernels::sum_squares::sum_squares(&ts)?
+    };
+    Ok(vec![s])
 }
 
 /// The one-op LoRA linear with what [`lora_linear`] leaves out: an NF4 base (double-quant), a

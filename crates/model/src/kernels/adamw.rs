@@ -220,7 +220,9 @@ pub const MEMBERS: usize = 32;
 /// AdamW's update of up to [`MEMBERS`] f32 parameters of one group as one op, with no copies:
 /// each parameter and its f32 gradient (contiguous) read where they are and the parameter
 /// written in place; `mv` the group's (2, len) moments, these members' elements from `base` on,
-/// in order. On CUDA one kernel (`tallow_adamw_members_f32`, each element
+/// in order; `scale` (one f32 on their device: the gradient clipping's coefficient) multiplies
+/// each gradient element first, one rounding, as the clipping's own multiply would. On CUDA
+/// one kernel (`tallow_adamw_members_f32`, each element
 /// `tallow_adamw_moments_f32`'s then `tallow_adamw_param_f32`'s operations); on the CPU (the
 /// CUDA path's twin) the two ops' CPU bodies, the new values set into the parameters outside
 /// the launch count, so one launch is counted as on the GPU.
@@ -230,7 +232,13 @@ pub fn adamw_members(
     params: &[&candle_core::Var],
     grads: &[Tensor],
     k: &AdamWStep,
+    scale: Option<&Tensor>,
 ) -> R<()> {
+    if let Some(s) = scale {
+        if s.dtype() != candle_core::DType::F32 || s.elem_count() != 1 {
+            candle_core::bail!("adamw members: the gradient scale must be one f32");
+        }
+    }
     if params.len() != grads.len() || params.is_empty() || params.len() > MEMBERS {
         candle_core::bail!(
             "adamw members: {} parameters, {} gradients (1 to {MEMBERS})",
@@ -258,6 +266,7 @@ pub fn adamw_members(
         start,
         base,
         k: *k,
+        scale: scale.cloned(),
         new: std::sync::Mutex::new(Vec::new()),
     };
     mv.inplace_op1(&op)?;
@@ -282,6 +291,8 @@ struct Members {
     /// The slice's first element in the group's flat buffers.
     base: usize,
     k: AdamWStep,
+    /// The gradient clipping's coefficient (one f32), or none.
+    scale: Option<Tensor>,
     /// The CPU twin's new parameter values, set by the caller.
     new: std::sync::Mutex<Vec<Vec<f32>>>,
 }
@@ -319,6 +330,12 @@ impl candle_core::InplaceOp1 for Members {
         };
         let (m, v) = mv[o..o + 2 * len].split_at_mut(len);
         let k = &self.k;
+        let sc = match &self.scale {
+            Some(s) => {
+                Some(candle_core::launches::uncounted(|| s.flatten_all()?.to_vec1::<f32>())?[0])
+            }
+            None => None,
+        };
         let mut new = Vec::with_capacity(self.params.len());
         for (j, (p, g)) in self.params.iter().zip(&self.grads).enumerate() {
             // host reads of the twin's inputs, not launches of the CUDA body
@@ -333,8 +350,12 @@ impl candle_core::InplaceOp1 for Members {
             // the two ops' CPU bodies, element by element (`Moments`, then `Param`)
             for (i, o) in out.iter_mut().enumerate() {
                 let (m, v) = (&mut m[a + i], &mut v[a + i]);
-                *m = affine(*m, k.beta1, 0.0) + affine(g[i], k.one_minus_beta1, 0.0);
-                *v = affine(*v, k.beta2, 0.0) + affine(g[i] * g[i], k.one_minus_beta2, 0.0);
+                let g = match sc {
+                    Some(c) => g[i] * c,
+                    None => g[i],
+                };
+                *m = affine(*m, k.beta1, 0.0) + affine(g, k.one_minus_beta1, 0.0);
+                *v = affine(*v, k.beta2, 0.0) + affine(g * g, k.one_minus_beta2, 0.0);
                 let p = match k.decay {
                     Some(d) => affine(p[i], d, 0.0),
                     None => p[i],
@@ -387,6 +408,7 @@ impl candle_core::InplaceOp1 for Members {
             .params
             .iter()
             .chain(&self.grads)
+            .chain(&self.scale)
             .map(|t| t.storage_and_layout())
             .collect();
         let mut views = Vec::with_capacity(guards.len());
@@ -400,14 +422,17 @@ impl candle_core::InplaceOp1 for Members {
             views.push(c.as_cuda_slice::<f32>()?.slice(a..b));
         }
         let mut events = Vec::with_capacity(views.len());
+        let mut scale = 0u64; // null: no scale
         for (j, view) in views.iter().enumerate() {
             let (ptr, event) = view.device_ptr(&stream);
             events.push(event);
             let n = self.params.len();
             if j < n {
                 table.p[j] = ptr;
-            } else {
+            } else if j < 2 * n {
                 table.g[j - n] = ptr;
+            } else {
+                scale = ptr; // the clipping coefficient, after the gradients
             }
         }
         if total == 0 {
@@ -431,8 +456,10 @@ impl candle_core::InplaceOp1 for Members {
         bld.arg(&k.inv_bias_correction2_sqrt);
         bld.arg(&k.eps);
         bld.arg(&k.step_size);
+        bld.arg(&scale);
         let cfg = super::cuda::Grid::Elems(total).config();
-        // SAFETY: argument types and order match `tallow_adamw_members_f32`; the table holds
+        // SAFETY: argument types and order match `tallow_adamw_members_f32`; `scale` is null
+        // or one f32 on this device (checked by `adamw_members`); the table holds
         // `count` members whose parameter and gradient buffers hold start[j + 1] - start[j]
         // f32 elements each (checked by `adamw_members`), on this device and stream; the
         // moments hold (2, len) with base + total <= len (`dims`). The parameters are written

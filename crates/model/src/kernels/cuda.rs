@@ -187,3 +187,49 @@ pub(crate) fn gemm<T: GemmType>(
     }
     .w()
 }
+
+/// Each device's tickets for kernels whose last block to finish completes the work
+/// (`tallow_lora_grad_bf16`, `tallow_sum_squares_f32`): zeros between launches (each such
+/// kernel resets the ones it took), grown as needed. Held for a launch by [`tickets`].
+static TICKETS: std::sync::Mutex<
+    Vec<(
+        candle_core::cuda_backend::DeviceId,
+        candle_core::cuda_backend::cudarc::driver::CudaSlice<u32>,
+    )>,
+> = std::sync::Mutex::new(Vec::new());
+
+/// At least `need` zeroed tickets on `dev`, locked while the caller queues its launch (the
+/// device's launches run in order on its one stream, so the next kernel finds them zero).
+pub(crate) fn tickets(dev: &candle_core::cuda_backend::CudaDevice, need: usize) -> Result<Tickets> {
+    let mut held = TICKETS.lock().expect("tickets lock");
+    let id = dev.id();
+    let at = match held.iter().position(|(d, t)| *d == id && t.len() >= need) {
+        Some(i) => i,
+        None => {
+            held.retain(|(d, _)| *d != id);
+            held.push((id, dev.alloc_zeros::<u32>(need.max(1))?));
+            held.len() - 1
+        }
+    };
+    Ok(Tickets { held, at })
+}
+
+/// [`tickets`]' lock on one device's tickets.
+pub(crate) struct Tickets {
+    held: std::sync::MutexGuard<
+        'static,
+        Vec<(
+            candle_core::cuda_backend::DeviceId,
+            candle_core::cuda_backend::cudarc::driver::CudaSlice<u32>,
+        )>,
+    >,
+    at: usize,
+}
+
+impl Tickets {
+    pub(crate) fn slice_mut(
+        &mut self,
+    ) -> &mut candle_core::cuda_backend::cudarc::driver::CudaSlice<u32> {
+        &mut self.held[self.at].1
+    }
+}

@@ -1027,11 +1027,6 @@ mod device {
         Ok(())
     }
 
-    /// The gradient kernel's tickets on each device: zeros between launches (the kernel's
-    /// last block of a tile resets its own), grown as needed.
-    static TICKETS: std::sync::Mutex<Vec<(candle_core::cuda_backend::DeviceId, CudaSlice<u32>)>> =
-        std::sync::Mutex::new(Vec::new());
-
     /// `tallow_lora_grad_bf16`: G := Lᵀ S for two problems in one launch, the sum over M split
     /// over [`grad_splits`] blocks per tile.
     fn grads(
@@ -1059,18 +1054,8 @@ mod device {
                 1
             },
         )?;
-        let mut held = TICKETS.lock().expect("tickets lock");
-        let id = dev.id();
-        let need = 2 * gx * gy;
-        let at = match held.iter().position(|(d, t)| *d == id && t.len() >= need) {
-            Some(i) => i,
-            None => {
-                held.retain(|(d, _)| *d != id);
-                held.push((id, dev.alloc_zeros::<u32>(need)?));
-                held.len() - 1
-            }
-        };
-        let tickets = &mut held[at].1;
+        let mut held = crate::kernels::cuda::tickets(dev, 2 * gx * gy)?;
+        let tickets = held.slice_mut();
         let func = crate::kernels::cuda::func(dev, "tallow_lora_grad_bf16")?;
         let (m, r, null, splits32, chunk) = (m as u64, r as u64, 0u64, splits as u32, chunk as u64);
         let (mut first, mut second) = (Some(first), Some(second));
@@ -1083,7 +1068,7 @@ mod device {
         b.arg(&chunk);
         b.arg(&mut ws);
         b.arg(&ws_p);
-        b.arg(tickets);
+        b.arg(&mut *tickets);
         b.arg(&drop);
         // SAFETY: argument types and order match `tallow_lora_grad_bf16(l0, s0, g0, p0, osp0,
         // osj0, l1, .., m, r, splits, chunk, ws, ws_p, tickets, drop)` in kernels/lora_gemm.cuh; each

@@ -211,6 +211,22 @@ impl AdamW {
 
 impl Optimizer for AdamW {
     fn step(&mut self, params: &[Var], grads: &[Tensor], lr: f64) -> candle_core::Result<()> {
+        self.step_scaled(params, grads, lr, None)
+    }
+
+    fn applies_grad_scale(&self) -> bool {
+        true
+    }
+
+    /// The f32 members' kernel applies `scale` as it reads each gradient (no op of its own);
+    /// other groups multiply their own gradients first (one group's copies alive at a time).
+    fn step_scaled(
+        &mut self,
+        params: &[Var],
+        grads: &[Tensor],
+        lr: f64,
+        scale: Option<&Tensor>,
+    ) -> candle_core::Result<()> {
         check_grads(params, grads)?;
         let groups = match &mut self.groups {
             Some(groups) => {
@@ -254,14 +270,35 @@ impl Optimizer for AdamW {
                         .iter()
                         .map(|&i| grads[i].detach().contiguous())
                         .collect::<candle_core::Result<Vec<_>>>()?;
-                    adamw::adamw_members(&group.moments, base, &ps, &gs, &k)?;
+                    adamw::adamw_members(&group.moments, base, &ps, &gs, &k, scale)?;
                 }
                 continue;
             }
+            // the clipping's multiply, one op per gradient
+            let scaled: Vec<(usize, Tensor)> = match scale {
+                Some(s) => group
+                    .params
+                    .iter()
+                    .map(|&i| {
+                        let g = &grads[i];
+                        Ok((
+                            i,
+                            g.broadcast_mul(&s.to_dtype(g.dtype())?.to_device(g.device())?)?,
+                        ))
+                    })
+                    .collect::<candle_core::Result<_>>()?,
+                None => Vec::new(),
+            };
+            let grad_of = |i: usize| -> Tensor {
+                match scaled.iter().find(|(j, _)| *j == i) {
+                    Some((_, g)) => g.detach(),
+                    None => grads[i].detach(),
+                }
+            };
             // flat f32 inputs (len,): parameters (detached: the update records no graph) and
             // gradients
             let p32 = group.flat(|i| params[i].as_detached_tensor())?;
-            let g32 = group.flat(|i| grads[i].detach())?;
+            let g32 = group.flat(grad_of)?;
             // two ops (kernels::adamw): m and v in place, then the new values
             adamw::adamw_moments(&group.moments, &g32, &k)?;
             let p32 = adamw::adamw_param(&p32, &group.moments, &k)?;
@@ -666,9 +703,9 @@ mod tests {
     /// On the CUDA path (its CPU twin) a group of f32 parameters is updated in place by
     /// `adamw::adamw_members`, one launch per `adamw::MEMBERS` members and no copies, with a
     /// per-parameter update's bits: 70 small f32 parameters of mixed shapes in one group (3
-    /// launches of 32, 32 and 6 members), then a large one alone, 3 steps with weight decay. A
-    /// slice's first element off by one member (its base), or the slices' members in another
-    /// order, fails it.
+    /// launches of 32, 32 and 6 members), then a large one alone, 3 steps with weight decay,
+    /// the last two with a gradient clipping coefficient applied in the op. A slice's first
+    /// element off by one member (its base), or the coefficient left out, fails it.
     #[test]
     fn f32_members_update_in_place_with_the_per_parameter_bits() {
         use tallow_model::kernels::dispatch::with_cuda_paths_on_cpu;
@@ -717,16 +754,23 @@ mod tests {
                 (z.clone(), z)
             })
             .collect();
+        // steps 2 and 3 with a clipping coefficient, which the members' op applies as it
+        // reads each gradient and the per-parameter update gets multiplied in
+        let coef = Tensor::new(0.37f32, &dev).unwrap();
         for step in 0..3 {
             let g = grads(step, &grouped);
+            let scale = (step > 0).then_some(&coef);
             let c0 = candle_core::launches::count_on_this_thread();
-            with_cuda_paths_on_cpu(|| opt.step(&grouped, &g, 1e-2)).unwrap();
+            with_cuda_paths_on_cpu(|| opt.step_scaled(&grouped, &g, 1e-2, scale)).unwrap();
             let launched = candle_core::launches::count_on_this_thread() - c0;
             // 70 members: 3 launches; the large parameter alone: 1; the moments' zeros (step 1)
             let zeros = if step == 0 { 2 } else { 0 };
             assert_eq!(launched, 4 + zeros, "step {step}");
             let k = StepConstants::new(&hp, step as u32 + 1, 1e-2);
-            let g = grads(step, &alone);
+            let mut g = grads(step, &alone);
+            if let Some(c) = scale {
+                g = g.iter().map(|g| g.broadcast_mul(c).unwrap()).collect();
+            }
             for ((p, g), (m, v)) in alone.iter().zip(&g).zip(moments.iter_mut()) {
                 (*m, *v) = adamw_update(p, g, m, v, &k).unwrap();
             }

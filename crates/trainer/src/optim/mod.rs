@@ -33,6 +33,36 @@ pub trait Optimizer {
     /// Applies one update. `grads[i]` is the gradient of `params[i]` (already averaged/clipped by
     /// the caller, any float dtype), `lr` the learning rate of this step.
     fn step(&mut self, params: &[Var], grads: &[Tensor], lr: f64) -> candle_core::Result<()>;
+    /// Whether [`Optimizer::step_scaled`] applies its scale as it reads the gradients (AdamW),
+    /// so the trainer hands it the clipping coefficient instead of multiplying the gradients
+    /// itself. Otherwise the trainer clips them in place first (each new gradient replacing
+    /// the old one, so no more than one extra gradient is alive at a time).
+    fn applies_grad_scale(&self) -> bool {
+        false
+    }
+    /// [`Optimizer::step`] with the gradients first multiplied by `scale` (one f32 on their
+    /// device, the gradient clipping's coefficient: `grads::norm_and_clip_coefficient`), so
+    /// an optimizer that reads the gradients once can apply it as it reads them. By default
+    /// the gradients are multiplied first (one op each, all of them alive beside the
+    /// originals: the trainer clips in place instead unless [`Optimizer::applies_grad_scale`]).
+    fn step_scaled(
+        &mut self,
+        params: &[Var],
+        grads: &[Tensor],
+        lr: f64,
+        scale: Option<&Tensor>,
+    ) -> candle_core::Result<()> {
+        match scale {
+            None => self.step(params, grads, lr),
+            Some(s) => {
+                let scaled = grads
+                    .iter()
+                    .map(|g| g.broadcast_mul(&s.to_dtype(g.dtype())?.to_device(g.device())?))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                self.step(params, &scaled, lr)
+            }
+        }
+    }
     /// Optimizer state as named tensors (for checkpoints): `"{i}.exp_avg"`, `"{i}.exp_avg_sq"`,
     /// ... per parameter and [`STEP_KEY`] (0-d u32 on the CPU).
     fn state(&self) -> Vec<(String, Tensor)>;

@@ -52,15 +52,16 @@ impl Shard {
         vars: &[Var],
         dist: &Dist,
         grads: &[Tensor],
+        scale: Option<&Tensor>,
         lr: f64,
     ) -> Result<(), TrainError> {
         let owned = &self.owned;
         if owned.len() == vars.len() {
-            return Ok(opt.step(vars, grads, lr)?);
+            return Ok(opt.step_scaled(vars, grads, lr, scale)?);
         }
         let owned_vars: Vec<Var> = owned.iter().map(|&i| vars[i].clone()).collect();
         let owned_grads: Vec<Tensor> = owned.iter().map(|&i| grads[i].clone()).collect();
-        opt.step(&owned_vars, &owned_grads, lr)?;
+        opt.step_scaled(&owned_vars, &owned_grads, lr, scale)?;
         drop(owned_grads);
         let mut mine = vec![false; vars.len()];
         for &i in owned {
