@@ -515,3 +515,214 @@ mod cuda {
         }
     }
 }
+
+/// In place on an f32 accumulator `acc` (B, KV, T, D): its rows `lo .. lo + nk` += lhsᵀ · rhs
+/// per (batch, kv head), lhs (B, KV, R, nk) and rhs (B, KV, R, D) in f32 or bf16 (one dtype),
+/// each product summed in f32 and added without rounding to the inputs' dtype: chunked
+/// attention's dK += dSᵀ q and dV += Pᵀ dY of one block (its backward's sums). On CUDA one
+/// strided-batched cuBLAS gemm with beta 1 (bf16 inputs, f32 output), where the block's
+/// product in bf16, its cast to f32, the add and the copy into the accumulator's rows were 4
+/// launches; the CPU body is its twin. As the CPU kernel sums dK and dV (in f32, rounded once
+/// at the end), not the tensor ops, which rounded each block's product to bf16 first.
+pub struct AccumulateTn {
+    pub lo: usize,
+}
+
+impl AccumulateTn {
+    /// (batches, T, D, R, nk), checked against the three layouts (all contiguous).
+    fn dims(
+        &self,
+        al: &Layout,
+        ll: &Layout,
+        rl: &Layout,
+    ) -> R<(usize, usize, usize, usize, usize)> {
+        let (b, kv, t, d) = al.shape().dims4()?;
+        let (lb, lkv, r, nk) = ll.shape().dims4()?;
+        let (rb, rkv, rr, rd) = rl.shape().dims4()?;
+        if (lb, lkv, rb, rkv, rr, rd) != (b, kv, b, kv, r, d) || self.lo + nk > t {
+            candle_core::bail!(
+                "attention accumulate: {:?} += {:?}ᵀ {:?} at row {}",
+                al.shape(),
+                ll.shape(),
+                rl.shape(),
+                self.lo
+            );
+        }
+        for l in [al, ll, rl] {
+            if !l.is_contiguous() {
+                candle_core::bail!("attention accumulate: inputs must be contiguous");
+            }
+        }
+        Ok((b * kv, t, d, r, nk))
+    }
+}
+
+impl candle_core::InplaceOp3 for AccumulateTn {
+    fn name(&self) -> &'static str {
+        "attn-accumulate"
+    }
+
+    fn cpu_fwd(
+        &self,
+        acc: &mut CpuStorage,
+        al: &Layout,
+        lhs: &CpuStorage,
+        ll: &Layout,
+        rhs: &CpuStorage,
+        rl: &Layout,
+    ) -> R<()> {
+        let (batches, t, d, r, nk) = self.dims(al, ll, rl)?;
+        let (l, _) = widened(lhs, ll, "attention accumulate")?;
+        let (x, _) = widened(rhs, rl, "attention accumulate")?;
+        let CpuStorage::F32(acc) = acc else {
+            candle_core::bail!("attention accumulate: the accumulator must be f32");
+        };
+        let acc = &mut acc[al.start_offset()..];
+        for g in 0..batches {
+            let (l, x) = (
+                &l[g * r * nk..(g + 1) * r * nk],
+                &x[g * r * d..(g + 1) * r * d],
+            );
+            for i in 0..nk {
+                let row = &mut acc[(g * t + self.lo + i) * d..(g * t + self.lo + i + 1) * d];
+                let mut sum = vec![0f32; d];
+                for j in 0..r {
+                    let a = l[j * nk + i];
+                    for (s, &xv) in sum.iter_mut().zip(&x[j * d..(j + 1) * d]) {
+                        *s += a * xv;
+                    }
+                }
+                for (o, s) in row.iter_mut().zip(sum) {
+                    *o += s;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        acc: &mut candle_core::CudaStorage,
+        al: &Layout,
+        lhs: &candle_core::CudaStorage,
+        ll: &Layout,
+        rhs: &candle_core::CudaStorage,
+        rl: &Layout,
+    ) -> R<()> {
+        use candle_core::backend::BackendStorage;
+        let (batches, t, d, r, nk) = self.dims(al, ll, rl)?;
+        if batches == 0 || nk == 0 || d == 0 {
+            return Ok(());
+        }
+        let dev = acc.device().clone();
+        let int = |v: usize| -> R<i32> {
+            i32::try_from(v).map_err(|_| {
+                candle_core::Error::Msg(format!("attention accumulate: {v} is past cuBLAS's int"))
+            })
+        };
+        let (data_type, compute) = match lhs.dtype() {
+            DType::F32 => (
+                <f32 as super::cuda::GemmType>::DATA,
+                <f32 as super::cuda::GemmType>::compute(),
+            ),
+            DType::BF16 => (
+                <bf16 as super::cuda::GemmType>::DATA,
+                <bf16 as super::cuda::GemmType>::compute(),
+            ),
+            dt => candle_core::bail!("attention accumulate: {dt:?} on CUDA (f32 or bf16)"),
+        };
+        if rhs.dtype() != lhs.dtype() {
+            candle_core::bail!("attention accumulate: one dtype for dS / P and q / dY");
+        }
+        let (a0, a1) = al.contiguous_offsets().expect("checked contiguous");
+        let mut accv = acc.as_cuda_slice_mut::<f32>()?.slice_mut(a0..a1);
+        let shape = Gemm {
+            batches: int(batches)?,
+            t,
+            d: int(d)?,
+            r: int(r)?,
+            nk: int(nk)?,
+            lo: self.lo,
+        };
+        match lhs.dtype() {
+            DType::F32 => {
+                shape.launch::<f32>(&dev, &mut accv, (lhs, ll), (rhs, rl), data_type, compute)
+            }
+            _ => shape.launch::<bf16>(&dev, &mut accv, (lhs, ll), (rhs, rl), data_type, compute),
+        }
+    }
+}
+
+/// [`AccumulateTn`]'s gemm on CUDA: sizes as cuBLAS takes them.
+#[cfg(feature = "cuda")]
+struct Gemm {
+    batches: i32,
+    t: usize,
+    d: i32,
+    r: i32,
+    nk: i32,
+    lo: usize,
+}
+
+#[cfg(feature = "cuda")]
+impl Gemm {
+    /// Column-major, per batch: accᵀ (D, nk) += rhsᵀ (D, R) · lhs (R, nk), rhs and lhs of T.
+    fn launch<T: super::cuda::GemmType>(
+        &self,
+        dev: &candle_core::cuda_backend::CudaDevice,
+        acc: &mut candle_core::cuda_backend::cudarc::driver::CudaViewMut<'_, f32>,
+        (lhs, ll): (&candle_core::CudaStorage, &Layout),
+        (rhs, rl): (&candle_core::CudaStorage, &Layout),
+        data_type: candle_core::cuda_backend::cudarc::cublas::sys::cudaDataType_t,
+        compute: candle_core::cuda_backend::cudarc::cublas::sys::cublasComputeType_t,
+    ) -> R<()> {
+        use candle_core::cuda_backend::cudarc::cublas::{result, sys};
+        use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
+        use candle_core::cuda_backend::WrapErr;
+        use sys::cublasOperation_t as Op;
+        let x = super::cuda::view::<T>(rhs, rl, "attention accumulate")?;
+        let l = super::cuda::view::<T>(lhs, ll, "attention accumulate")?;
+        let stream = dev.cuda_stream();
+        let blas = dev.cublas_handle();
+        let (x_ptr, _gx) = x.device_ptr(&stream);
+        let (l_ptr, _gl) = l.device_ptr(&stream);
+        let (c_ptr, _gc) = acc.device_ptr_mut(&stream);
+        let d = self.d as usize;
+        let c_ptr = c_ptr + (self.lo * d * std::mem::size_of::<f32>()) as u64;
+        let (r, nk) = (self.r as i64, self.nk as i64);
+        let (alpha, beta) = (1f32, 1f32);
+        // SAFETY: per batch, rhs holds (R, D) at stride R·D, lhs (R, nk) at stride R·nk and the
+        // accumulator (T, D) at stride T·D, rows lo .. lo + nk <= T (checked by `dims`); all on
+        // the handle's stream; alpha and beta are f32 as the f32 compute types take them.
+        unsafe {
+            result::gemm_strided_batched_ex(
+                *blas.handle(),
+                Op::CUBLAS_OP_N,
+                Op::CUBLAS_OP_T,
+                self.d,
+                self.nk,
+                self.r,
+                (&alpha) as *const f32 as *const _,
+                x_ptr as *const _,
+                data_type,
+                self.d,
+                r * d as i64,
+                l_ptr as *const _,
+                data_type,
+                self.nk,
+                r * nk,
+                (&beta) as *const f32 as *const _,
+                c_ptr as *mut _,
+                <f32 as super::cuda::GemmType>::DATA,
+                self.d,
+                (self.t * d) as i64,
+                self.batches,
+                compute,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .w()?;
+        Ok(())
+    }
+}

@@ -958,6 +958,13 @@ fn generic_bwd(
             }
         };
         dqs.push(ds.matmul(&bl.k)?.reshape((b, kv, n_rep, m, d))?); // dS k
+        if kernels {
+            // CUDA: dK[lo..] += dSᵀ q and dV[lo..] += Pᵀ dY, each one gemm into the f32 sums
+            let at = super::attn_block::AccumulateTn { lo: bl.lo };
+            dk.inplace_op3(&ds.contiguous()?, &bl.q.contiguous()?, &at)?;
+            dv.inplace_op3(&p.contiguous()?, &dyb.contiguous()?, &at)?;
+            continue;
+        }
         let dkb = ds.t()?.matmul(&bl.q)?.to_dtype(acc(&q))?; // (B, KV, nk, D): dSᵀ q
         let dvb = p.t()?.matmul(&dyb)?.to_dtype(acc(&q))?; // Pᵀ dY
         dk.slice_set(&(dk.narrow(2, bl.lo, nk)? + dkb)?, 2, bl.lo)?;
@@ -1072,11 +1079,14 @@ mod tests {
     /// The block kernels' twins (`super::super::attn_block`: the CUDA path's ops, taken under
     /// `TALLOW_CUDA_PATHS_ON_CPU`) against the tensor ops they replace, blocks of 16 positions
     /// over packed rows, with and without a window and a soft-cap: f32 within 1e-5 relative in
-    /// y, dq, dk, dv (measured at most 8e-7); bf16 within 0.01 E (E the bf16 effect, as in the
-    /// test below; measured at most 3e-3 E: the twins' P is exp(s - lse) where the tensor ops
-    /// divide by the sum, and D = rowsum(dY Y) sums in another order, a bf16 rounding apart at
-    /// rare times). The window left out of the twins'
-    /// score gives 0.99 (f32, y).
+    /// y, dq, dk, dv (measured at most 8e-7); bf16 y and dq within 0.01 E (E the bf16 effect,
+    /// as in the test below; measured at most 3e-3 E: the twins' P is exp(s - lse) where the
+    /// tensor ops divide by the sum, and D = rowsum(dY Y) sums in another order, a bf16
+    /// rounding apart at rare times); bf16 dk and dv within 1.5 E of the f32 result (measured
+    /// 0.91-0.96 E: nearer than the tensor ops, as they are summed over the blocks in f32 and
+    /// rounded once; a block left out is off by far more, and the f32 case above holds their
+    /// sums to the tensor ops').
+    /// The window left out of the twins' score gives 0.99 (f32, y).
     #[test]
     fn block_kernels_twins_match_the_tensor_ops() -> R<()> {
         use crate::kernels::dispatch::with_cuda_paths_on_cpu;
@@ -1110,7 +1120,19 @@ mod tests {
                 let got = mean_abs(&twins16[i], &ops16[i])?;
                 let effect = mean_abs(&f32s[i], &ops16[i])?;
                 eprintln!("bf16 window {window:?} cap {cap:?} {name}: {got:.3e} vs E {effect:.3e}");
-                assert!(got <= 0.01 * effect, "bf16 {name}: {got:e} vs E {effect:e}");
+                if i < 2 {
+                    assert!(got <= 0.01 * effect, "bf16 {name}: {got:e} vs E {effect:e}");
+                    continue;
+                }
+                // dK and dV: the CUDA path sums every block's product in f32 and rounds once
+                // (`attn_block::AccumulateTn`, as the CPU kernel does), where the tensor ops
+                // round each block's product to bf16 first: nearer the f32 result than they are
+                let off = mean_abs(&twins16[i], &f32s[i])?;
+                eprintln!("  {name} from f32: twins {off:.3e}, tensor ops {effect:.3e}");
+                assert!(
+                    off <= 1.5 * effect,
+                    "bf16 {name}: {off:e} from f32 vs E {effect:e}"
+                );
             }
         }
         Ok(())
