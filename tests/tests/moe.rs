@@ -284,29 +284,16 @@ fn qlora_on_experts_trains() {
         ("tiny-mixtral", "w1", true),
     ] {
         let dir = scratch(&format!("moe-qlora-{name}"));
-        let cfg = dir.join("qlora.toml");
-        std::fs::write(
-            &cfg,
-            format!(
-                "[model]\npath = \"{}\"\ndtype = \"f32\"\nquantize = \"nf4\"\n[lora]\nrank = 8\nalpha = 16\n\
-                 [data]\ntrain = \"{}\"\neval = \"{}\"\nmax_seq_len = 32\nshuffle = false\n\
-                 [train]\nlr = 1e-2\nschedule = \"constant\"\nmax_steps = 8\nmicro_batch_size = 2\n\
-                 grad_accum = 2\neval_every = 8\ncheckpointing = {checkpointing}\n\
-                 output_dir = \"{}\"\n",
-                model_dir(name).display(),
-                data_file("text").display(),
-                data_file("text").display(),
-                dir.join("run").display()
+        let lines = train_on_text(
+            name,
+            &dir,
+            "quantize = \"nf4\"\n",
+            "rank = 8\nalpha = 16\n",
+            &format!(
+                "lr = 1e-2\nschedule = \"constant\"\nmax_steps = 8\nmicro_batch_size = 2\n\
+                 grad_accum = 2\neval_every = 8\ncheckpointing = {checkpointing}\n"
             ),
-        )
-        .unwrap();
-        let r = tallow(["train", "--config", cfg.to_str().unwrap(), "--quiet"]);
-        assert_eq!(r.code, 0, "{name}: {}", r.stderr);
-        let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
-        let lines: Vec<serde_json::Value> = metrics
-            .lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .collect();
+        );
         let evals: Vec<f64> = lines
             .iter()
             .filter_map(|v| v["eval_loss"].as_f64())
@@ -336,31 +323,7 @@ fn qlora_on_experts_trains() {
         };
         assert_eq!(experts, want, "{name}: adapted experts");
 
-        let merged = dir.join("merged");
-        let r = tallow([
-            "merge",
-            "--model",
-            model_dir(name).to_str().unwrap(),
-            "--adapter",
-            dir.join("run/adapter").to_str().unwrap(),
-            "--out",
-            merged.to_str().unwrap(),
-            "--dtype",
-            "f32",
-        ]);
-        assert_eq!(r.code, 0, "{name}: merge: {}", r.stderr);
-        let loss = eval_loss(&[
-            "eval",
-            "--model",
-            merged.to_str().unwrap(),
-            "--data",
-            data_file("text").to_str().unwrap(),
-            "--max-seq-len",
-            "32",
-            "--dtype",
-            "f32",
-            "--json",
-        ]);
+        let loss = eval_fixture(&merge_run(name, &dir), None, "text");
         assert!(
             loss < first - 0.1,
             "{name}: merged model's loss {loss} vs base {first}"
@@ -507,29 +470,17 @@ fn lora_step_on_fused_expert_tensors_matches_peft() {
 fn lora_on_fused_expert_tensors_trains_and_merges() {
     let name = "tiny-qwen3-moe";
     let dir = scratch("moe-params-train");
-    let cfg = dir.join("c.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[model]\npath = \"{}\"\ndtype = \"f32\"\n[lora]\nrank = 4\nalpha = 8\ndropout = 0.0\n\
-             targets = [\"q_proj\", \"v_proj\"]\n\
-             target_parameters = [\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]\n\
-             [data]\ntrain = \"{}\"\neval = \"{}\"\nmax_seq_len = 32\nshuffle = false\n\
-             [train]\nlr = 2e-2\nschedule = \"constant\"\nmax_steps = 6\nmicro_batch_size = 2\n\
-             eval_every = 6\noutput_dir = \"{}\"\n",
-            model_dir(name).display(),
-            data_file("text").display(),
-            data_file("text").display(),
-            dir.join("run").display()
-        ),
-    )
-    .unwrap();
-    let r = tallow(["train", "--config", cfg.to_str().unwrap(), "--quiet"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
-    let evals: Vec<f64> = metrics
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    let lines = train_on_text(
+        name,
+        &dir,
+        "",
+        "rank = 4\nalpha = 8\ndropout = 0.0\ntargets = [\"q_proj\", \"v_proj\"]\n\
+         target_parameters = [\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]\n",
+        "lr = 2e-2\nschedule = \"constant\"\nmax_steps = 6\nmicro_batch_size = 2\n\
+         eval_every = 6\n",
+    );
+    let evals: Vec<f64> = lines
+        .iter()
         .filter_map(|v| v["eval_loss"].as_f64())
         .collect();
     let (first, last) = (evals[0], evals[evals.len() - 1]);
@@ -550,49 +501,66 @@ fn lora_on_fused_expert_tensors_trains_and_merges() {
         assert_eq!(adapter[&format!("{p}.lora_B.weight")].dims(), [32, 32]);
     }
     assert!(!adapter.keys().any(|k| k.contains(".experts.0.")));
-    let data = data_file("text");
-    let eval = |extra: &[&str]| {
-        let mut args = vec![
-            "eval",
-            "--data",
-            data.to_str().unwrap(),
-            "--max-seq-len",
-            "32",
-            "--dtype",
-            "f32",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        eval_loss(&args)
-    };
-    let base_dir = model_dir(name);
-    let adapter_dir = dir.join("run/adapter");
-    let with_adapter = eval(&[
-        "--model",
-        base_dir.to_str().unwrap(),
-        "--adapter",
-        adapter_dir.to_str().unwrap(),
-    ]);
+    let with_adapter = eval_fixture(&model_dir(name), Some(&dir.join("run/adapter")), "text");
     assert!(
         (with_adapter - last).abs() < 1e-5,
         "{with_adapter} vs the run's {last}"
     );
+    let loss = eval_fixture(&merge_run(name, &dir), None, "text");
+    assert!(
+        (loss - with_adapter).abs() < 1e-5,
+        "merged {loss} vs base + adapter {with_adapter}"
+    );
+}
+
+/// `tallow train` of a LoRA on the fixture model `name` (f32, the text fixture as training and
+/// eval data, rows of 32 tokens, no shuffling) into `dir/run`, with these lines added to the
+/// config's [model], [lora] and [train] sections: its metrics.jsonl's records.
+fn train_on_text(
+    name: &str,
+    dir: &std::path::Path,
+    model: &str,
+    lora: &str,
+    train: &str,
+) -> Vec<serde_json::Value> {
+    let cfg = dir.join("train.toml");
+    let text = data_file("text");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[model]\npath = \"{}\"\ndtype = \"f32\"\n{model}[lora]\n{lora}\
+             [data]\ntrain = \"{}\"\neval = \"{}\"\nmax_seq_len = 32\nshuffle = false\n\
+             [train]\n{train}output_dir = \"{}\"\n",
+            model_dir(name).display(),
+            text.display(),
+            text.display(),
+            dir.join("run").display()
+        ),
+    )
+    .unwrap();
+    let r = tallow(["train", "--config", cfg.to_str().unwrap(), "--quiet"]);
+    assert_eq!(r.code, 0, "{name}: {}", r.stderr);
+    std::fs::read_to_string(dir.join("run/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// `tallow merge` of the fixture model `name` and `dir/run/adapter` into `dir/merged`, in f32.
+fn merge_run(name: &str, dir: &std::path::Path) -> std::path::PathBuf {
     let merged = dir.join("merged");
     let r = tallow([
         "merge",
         "--model",
-        base_dir.to_str().unwrap(),
+        model_dir(name).to_str().unwrap(),
         "--adapter",
-        adapter_dir.to_str().unwrap(),
+        dir.join("run/adapter").to_str().unwrap(),
         "--out",
         merged.to_str().unwrap(),
         "--dtype",
         "f32",
     ]);
-    assert_eq!(r.code, 0, "merge: {}", r.stderr);
-    let loss = eval(&["--model", merged.to_str().unwrap()]);
-    assert!(
-        (loss - with_adapter).abs() < 1e-5,
-        "merged {loss} vs base + adapter {with_adapter}"
-    );
+    assert_eq!(r.code, 0, "{name}: merge: {}", r.stderr);
+    merged
 }

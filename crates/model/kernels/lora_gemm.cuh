@@ -132,7 +132,7 @@ LG_KERNEL tallow_lora_down_bf16(const LG_BF16 *l0, const float *r0, float *c0,
 // Up and sum: O (M, N) bf16, in place, O[m, n] := r(r(O[m, n]) (+ c[n]) + r(l)) with
 // l = Σ_j S[m, j] · R[n * rsn + j * rsj] in f32: S (M, r) f32 row-major, R (N, r) read as above
 // (B (N, r) for the forward's xa Bᵀ: rsn r, rsj 1; A (r, K) for dx's (s dY B) A: rsn 1,
-// rsj K). With a bias c (N) bf16: r(r(O) + c) first, as `tallow_lora_sum_bf16`; with `drop`
+// rsj K). With a bias c (N) bf16: r(r(O) + c) first, as `sum_rows_bf16_body`; with `drop`
 // (which 0) l is x's dropout mask at (m, n) times l first (dx's adapter share, its mask
 // x's). Block: 64 x 64
 // of O, 256 threads, each 4 rows (ty, ty + 16, ..) x 4 columns (tx, tx + 16, ..); j in steps of

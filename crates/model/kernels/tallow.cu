@@ -518,24 +518,8 @@ extern "C" __global__ void tallow_adamw_members_f32(
     }
 }
 
-// The one-op LoRA linear's sums (`tallow_model::kernels::lora_linear`), in place on the base's
-// product `o` (rows, n), whose gemm wrote it; `l` the adapter's f32 product (rows, n).
-// bf16, as `sum_rows_bf16_body`: o = r(r(o) + r(l)), with a bias c (n) o = r(r(r(o) + c) + r(l))
-// (o is already bf16: the gemm rounded it); the sums in f32, each rounded to bf16 (_rn).
-extern "C" __global__ void tallow_lora_sum_bf16(
-    __nv_bfloat16 *o, const float *l, const __nv_bfloat16 *c, const size_t rows, const size_t n) {
-    const size_t total = rows * n;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (size_t)blockDim.x * gridDim.x) {
-        float t = __bfloat162float(o[i]);
-        if (c != nullptr) {
-            t = tallow_rb<true>(__fadd_rn(t, __bfloat162float(c[i % n])));
-        }
-        o[i] = __float2bfloat16_rn(__fadd_rn(t, tallow_rb<true>(l[i])));
-    }
-}
-
-// f32, as the twin's masked-adapter sum of dx (`LoraLinearDx::run` with dropout): o += l.
+// The one-op LoRA linear's sum for an f32 x (`tallow_model::kernels::lora_linear`) with dropout,
+// as the twin's masked-adapter sum of dx (`LoraLinearDx::run` with dropout): o += l.
 extern "C" __global__ void tallow_lora_sum_f32(float *o, const float *l, const size_t total) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (size_t)blockDim.x * gridDim.x) {

@@ -398,17 +398,14 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
     }
 }
 
-/// The one-op LoRA linear's buffers on CUDA (`tallow_model::kernels::lora_linear`, cuBLAS), for
+/// The one-op LoRA linear's buffers on CUDA (`tallow_model::kernels::lora_linear`), for
 /// `tokens` rows, forward and backward: the largest over the adapted linears (input K, output
-/// N; 4 bytes an f32 element, `s` the model dtype's). Forward: x widened to f32 (bf16) and its
-/// dropped-out copy (dropout), the adapter's f32 product beside the base's (bf16; an f32 model
-/// accumulates it into the output in place). Backward: dY widened to f32 (bf16), then the
-/// larger of the adapter gradients' inputs (x in f32 and dropped out) and dx's adapter share
-/// (in f32 where it is summed apart: bf16 or dropout, and its masked copy), beside dx itself.
-/// The f32 buffers are per chunk of rows (`lora_linear::chunk_rows`), dx is every row's. A
-/// bf16 model takes tallow's kernels (`lora_linear::bf16_kernels`), which read the bf16 rows
-/// themselves and apply dropout's mask as they read: no f32 buffer but the r-sized ones, so
-/// the forward holds nothing more and the backward dx. Zero on the CPU, whose twin's buffers are in the measured
+/// N; `s` bytes an element of the model dtype), beside dx in the backward (every row's). A bf16
+/// model takes tallow's kernels (`lora_linear::bf16_kernels`), which read the bf16 rows
+/// themselves and apply dropout's mask as they read: nothing more. An f32 model takes cuBLAS,
+/// whose dropout needs x's dropped-out copy (forward), then x's again and dx's adapter share
+/// apart with its masked copy (backward): f32 buffers per chunk of rows
+/// (`lora_linear::chunk_rows`). Zero on the CPU, whose twin's buffers are in the measured
 /// per-element figures, and where the linear is not one op. r-sized buffers (x Aᵀ, dY B) are
 /// left out.
 fn one_op_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool, tokens: u64) -> (u64, u64) {
@@ -418,23 +415,20 @@ fn one_op_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool, tokens: u6
         return (0, 0);
     }
     let s = dtype_bytes(cfg.model.dtype) as u64;
-    let half = (s == 2) as u64;
     let drop = (cfg.lora.dropout > 0.0) as u64;
+    let kernels = tallow_model::kernels::lora_linear::bf16_kernels(s == 2);
     let plan = lora_plan(m, cfg);
     let (mut fwd, mut bwd) = (0, 0);
-    let kernels = tallow_model::kernels::lora_linear::bf16_kernels(half == 1);
     for l in m.layer_linears().iter().filter(|l| plan.wraps(l.path)) {
-        let (k, n) = (l.inp as u64, l.out as u64);
+        let k = l.inp as u64;
+        let dx = tokens * s * k;
         if kernels {
-            bwd = bwd.max(tokens * s * k); // dx
+            bwd = bwd.max(dx);
             continue;
         }
         let rows = tokens.min(tallow_model::kernels::lora_linear::chunk_rows(l.inp, l.out) as u64);
-        fwd = fwd.max(rows * (4 * k * (half + drop) + 4 * n * half));
-        let apart = (half | drop) * 4 * k;
-        let grads_in = 4 * k * (half + drop);
-        let chunk = rows * (4 * n * half + grads_in.max(apart + drop * 4 * k));
-        bwd = bwd.max(tokens * s * k + chunk); // dx, every row, and one chunk's buffers
+        fwd = fwd.max(rows * 4 * k * drop);
+        bwd = bwd.max(dx + rows * 8 * k * drop); // dx, every row, and one chunk's buffers
     }
     (fwd, bwd)
 }

@@ -106,9 +106,15 @@ pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> candle_core::Resul
 /// (so one extra gradient at a time is alive).
 pub fn scale_in_place(grads: &mut [Tensor], coef: &Tensor) -> candle_core::Result<()> {
     for g in grads.iter_mut() {
-        *g = g.broadcast_mul(&coef.to_dtype(g.dtype())?.to_device(g.device())?)?;
+        *g = scaled_by(g, coef)?;
     }
     Ok(())
+}
+
+/// `g` times `coef` (a 0-d f32), in g's dtype on g's device: the clipping's multiply, wherever
+/// it runs (here, or in an optimizer's `step_scaled`).
+pub fn scaled_by(g: &Tensor, coef: &Tensor) -> candle_core::Result<Tensor> {
+    g.broadcast_mul(&coef.to_dtype(g.dtype())?.to_device(g.device())?)
 }
 
 /// [`clip_grad_norm`]'s norm, and (with `max_norm > 0`) its clipping coefficient

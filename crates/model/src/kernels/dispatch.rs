@@ -7,7 +7,7 @@
 //! | --- | --- |
 //! | fused element-wise kernels (norms, rotary, softmax, SwiGLU, eager attention's core; `super::fused`) | CPU, f32 / f64 |
 //! | fused SwiGLU, GeGLU, rotary and RMSNorm (`super::fused::swiglu`, `geglu`, `rope_heads`, `rms_norm`) | CPU, f32 / f64, and bf16 (in f32, rounded where PyTorch's bf16 ops round); CUDA, f32 and bf16 (one kernel of `kernels/tallow.cu` each way, the same arithmetic) |
-//! | the one-op LoRA linear (`super::lora_linear`) | CPU: x f32 / f64 with an adapter of x's dtype, or x bf16 with an f32 adapter; CUDA: the same but f64 (the base's cuBLAS gemm; for a bf16 x the adapter side as three kernels of `kernels/lora_gemm.cuh` on the bf16 rows, dropout's mask included, `super::lora_linear::bf16_kernels`; for an f32 x cuBLAS gemms with the scale and the accumulation in their alpha / beta, and a rounding kernel); an additive adapter (LoRA) over a frozen base (the linear checks that) |
+//! | the one-op LoRA linear (`super::lora_linear`) | CPU: x f32 / f64 with an adapter of x's dtype, or x bf16 with an f32 adapter; CUDA: the same but f64 (the base's cuBLAS gemm; for a bf16 x the adapter side as three kernels of `kernels/lora_gemm.cuh` on the bf16 rows, dropout's mask included, `super::lora_linear::bf16_kernels`; for an f32 x cuBLAS gemms with the scale and the accumulation in their alpha / beta); an additive adapter (LoRA) over a frozen base (the linear checks that) |
 //! | chunked attention's kernel (`super::chunked`) | CPU: f32 / f64, or bf16 without soft-capping |
 //! | chunked attention's block kernels around cuBLAS's matmuls (`super::attn_block`) | CUDA: f32 and bf16 (the tensor-op path's softmax, mask and dS) |
 //! | the LM head's cross-entropy as device ops (`super::cross_entropy::ce_rows`, `ce_grad_rows`) | CUDA, f32 logits (the CPU has its host-side kernel for f32 / f64) |
@@ -112,7 +112,8 @@ pub fn device_cross_entropy(backend: Backend, dtype: DType) -> bool {
 
 /// A LoRA linear with input `x` and adapter factors of `adapter` dtype may run as one op: on
 /// the CPU f32 / f64 (x and adapter alike) and a bf16 x with an f32 adapter; on CUDA f32 and
-/// a bf16 x with an f32 adapter (cuBLAS gemms and one rounding kernel, `super::lora_linear`).
+/// a bf16 x with an f32 adapter (cuBLAS gemms, and for a bf16 x tallow's kernels,
+/// `super::lora_linear`).
 pub fn lora_one_op(backend: Backend, x: DType, adapter: DType) -> bool {
     match (backend, x, adapter) {
         (_, DType::BF16, DType::F32) => true,

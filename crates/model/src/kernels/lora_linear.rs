@@ -2,9 +2,9 @@
 //! adapter's product accumulated into the base matmul's output, and one backward buffer for
 //! dx. f32 / f64, and a bf16 model's (bf16 x, base and bias; f32 adapter, widened and rounded
 //! back where the graph of Candle ops rounds). On CUDA the same op (f32, and bf16 x with an f32
-//! adapter) is the base's cuBLAS gemm and, for a bf16 x without dropout, three kernels of
-//! `kernels/lora_gemm.cuh` on the bf16 rows ([`bf16_kernels`]); otherwise a few cuBLAS calls
-//! whose alpha and beta do the scale and the accumulation, and a rounding kernel for bf16
+//! adapter) is the base's cuBLAS gemm and, for a bf16 x, three kernels of
+//! `kernels/lora_gemm.cuh` on the bf16 rows ([`bf16_kernels`]); for an f32 x a few cuBLAS
+//! calls whose alpha and beta do the scale and the accumulation
 //! ([`LoraLinearOp::device_launches`] counts either); the CPU bodies below are its twins. Which
 //! path a linear takes is `crate::kernels::dispatch`'s rule.
 
@@ -397,7 +397,6 @@ pub fn chunk_rows(k: usize, n: usize) -> usize {
 pub struct DeviceLaunches {
     /// The forward, the op's own launch included.
     pub forward: usize,
-    bf16: bool,
     dropout: bool,
     /// Chunks of rows of the adapter's side ([`chunk_rows`]).
     chunks: usize,
@@ -417,11 +416,10 @@ pub fn bf16_kernels(bf16: bool) -> bool {
 }
 
 impl DeviceLaunches {
-    /// The backward's: for dx (when x needs it) dY W over every row; then per chunk dY B and x
-    /// Aᵀ (both scaled by alpha), dB and dA (summed over the chunks by beta), with x and dY
-    /// cast to f32 first for a bf16 x and x's dropout mask applied; and for dx (s dY B) A,
-    /// accumulated by beta (f32, no dropout) or apart and summed by a kernel (bf16: the
-    /// rounding kernel; f32 with dropout: the mask, then an add).
+    /// The backward's: for dx (when x needs it) dY W over every row; then (an f32 x, cuBLAS)
+    /// per chunk dY B and x Aᵀ (both scaled by alpha), dB and dA (summed over the chunks by
+    /// beta), with x's dropout mask applied; and for dx (s dY B) A, accumulated by beta (no
+    /// dropout) or apart, masked and added (dropout).
     pub fn backward(&self, dx: bool) -> usize {
         if self.kernels {
             // dY W; then with rows s dY B and s x Aᵀ (one launch), dB and dA (one; zeros
@@ -429,9 +427,9 @@ impl DeviceLaunches {
             let rows = (self.chunks > 0) as usize;
             return dx as usize + rows + 1 + (dx as usize) * rows;
         }
-        let (h, d) = (self.bf16 as usize, self.dropout as usize);
-        let adapter = 4 + 2 * h + d;
-        let dx_share = match (dx, self.bf16 || self.dropout) {
+        let d = self.dropout as usize;
+        let adapter = 4 + d;
+        let dx_share = match (dx, self.dropout) {
             (false, _) => 0,
             (true, false) => 1,
             (true, true) => 2 + d,
@@ -441,10 +439,10 @@ impl DeviceLaunches {
 }
 
 impl LoraLinearOp {
-    /// [`DeviceLaunches`] of this op: the forward is x Wᵀ over every row (for an f32 x onto
-    /// the bias's rows, copied there first), then per chunk of rows s · xd Aᵀ and the product
-    /// with Bᵀ, with x's f32 copy and the rounding kernel (which adds the bias) for a bf16 x,
-    /// and the dropout mask's kernel when there is dropout.
+    /// [`DeviceLaunches`] of this op: for a bf16 x see [`bf16_kernels`]; for an f32 x the
+    /// forward is x Wᵀ over every row (onto the bias's rows, copied there first), then per
+    /// chunk of rows s · xd Aᵀ and the product with Bᵀ, and the dropout mask's kernel when
+    /// there is dropout.
     pub fn device_launches(&self, bf16: bool) -> DeviceLaunches {
         let (m, k, n) = self.mkn;
         let dropout = self.dropout.is_some();
@@ -453,18 +451,15 @@ impl LoraLinearOp {
             let rows = (m > 0) as usize;
             return DeviceLaunches {
                 forward: 1 + 2 * rows,
-                bf16,
                 dropout,
                 chunks: rows,
                 kernels: true,
             };
         }
         let chunks = m.div_ceil(chunk_rows(k, n));
-        let (h, d) = (bf16 as usize, dropout as usize);
-        let bias = (!bf16 && self.bias.is_some()) as usize;
+        let (d, bias) = (dropout as usize, self.bias.is_some() as usize);
         DeviceLaunches {
-            forward: 1 + bias + chunks * (2 + d + 2 * h),
-            bf16,
+            forward: 1 + bias + chunks * (2 + d),
             dropout,
             chunks,
             kernels: false,
@@ -716,35 +711,6 @@ mod device {
         unsafe { dev.alloc::<T>(len) }
     }
 
-    /// `tallow_lora_sum_bf16`: o = r(r(o) (+ c) + r(l)), in place.
-    fn sum_bf16(
-        dev: &CudaDevice,
-        o: &mut CudaViewMut<'_, bf16>,
-        l: &CudaView<'_, f32>,
-        bias: Option<&CudaView<'_, bf16>>,
-        (rows, n): (usize, usize),
-    ) -> Result<()> {
-        let grid = Grid::Elems(rows * n);
-        if grid.is_empty() {
-            return Ok(());
-        }
-        let func = crate::kernels::cuda::func(dev, "tallow_lora_sum_bf16")?;
-        let null = 0u64;
-        let mut b = func.builder();
-        b.arg(o);
-        b.arg(l);
-        match bias {
-            Some(c) => b.arg(c),
-            None => b.arg(&null),
-        };
-        b.arg(&rows);
-        b.arg(&n);
-        // SAFETY: argument types and order match `tallow_lora_sum_bf16` in kernels/tallow.cu;
-        // a null bias pointer is what the kernel reads as "no bias".
-        unsafe { b.launch(grid.config()) }.w()?;
-        Ok(())
-    }
-
     /// `tallow_lora_sum_f32`: o += l, in place.
     fn sum_f32(
         dev: &CudaDevice,
@@ -766,9 +732,9 @@ mod device {
         Ok(())
     }
 
-    /// Rows `r0..r1` of a row-major (M, cols) input in f32: a view of it (f32) or a new copy
-    /// (bf16: Candle's cast kernel, one launch), then, with `dropout`, masked into a new buffer
-    /// (one launch; element i of the rows is element r0 · cols + i of the whole tensor's mask).
+    /// Rows `r0..r1` of a row-major (M, cols) f32 input: a view of them, or with `dropout`
+    /// masked into a new buffer (one launch; element i of the rows is element r0 · cols + i
+    /// of the whole tensor's mask).
     enum Rows<'a> {
         Borrowed(CudaView<'a, f32>),
         Owned(CudaStorage),
@@ -796,23 +762,14 @@ mod device {
         };
         let (start, end) = (o + r0 * cols, o + r1 * cols);
         let part = Layout::contiguous_with_offset((r1 - r0, cols), start);
-        let rows = match s.dtype() {
-            DType::F32 => Rows::Borrowed(s.as_cuda_slice::<f32>()?.slice(start..end)),
-            DType::BF16 => {
-                *launched += 1;
-                Rows::Owned(s.to_dtype(&part, DType::F32)?)
-            }
-            dt => candle_core::bail!("{NAME}: {dt:?} on CUDA (f32, or bf16 with an f32 adapter)"),
-        };
+        if s.dtype() != DType::F32 {
+            candle_core::bail!("{NAME}: {:?} rows on cuBLAS's body (f32 only)", s.dtype());
+        }
         let Some(d) = dropout else {
-            return Ok(rows);
+            return Ok(Rows::Borrowed(s.as_cuda_slice::<f32>()?.slice(start..end)));
         };
         *launched += 1;
-        let d = d.skip(r0 * cols);
-        Ok(Rows::Owned(match &rows {
-            Rows::Borrowed(_) => d.cuda_fwd(s, &part)?.0,
-            Rows::Owned(c) => d.cuda_fwd(c, &Layout::contiguous((r1 - r0, cols)))?.0,
-        }))
+        Ok(Rows::Owned(d.skip(r0 * cols).cuda_fwd(s, &part)?.0))
     }
 
     /// The row ranges of the chunks of M rows.
@@ -827,9 +784,10 @@ mod device {
         Operand { view, t }
     }
 
-    /// y = x Wᵀ (+ bias) + s · dropout(x) Aᵀ Bᵀ: x (M, K), A (r, K), B (N, r) -> (M, N). The
-    /// base product over every row at once; the adapter's chunk of rows by chunk of rows
-    /// ([`super::chunk_rows`]), so that its f32 buffers do not grow with the sequence.
+    /// y = x Wᵀ (+ bias) + s · dropout(x) Aᵀ Bᵀ: x (M, K), A (r, K), B (N, r) -> (M, N). A
+    /// bf16 x takes [`forward_kernels`]; an f32 x cuBLAS: the base product over every row at
+    /// once, the adapter's chunk of rows by chunk of rows ([`super::chunk_rows`]), so that its
+    /// dropped-out copies do not grow with the sequence.
     pub(super) fn forward(
         op: &LoraLinearOp,
         x: &CudaStorage,
@@ -850,45 +808,26 @@ mod device {
         let r = al.shape().elem_count() / k.max(1);
         let dev = x.device().clone();
         let (av, bv) = (view::<f32>(a, al, NAME)?, view::<f32>(b, bl, NAME)?);
-        let bf16 = x.dtype() == DType::BF16;
-        if super::bf16_kernels(bf16) {
-            return forward_kernels(op, (x, xl), &av, &bv, r);
-        }
-        // The base product, into the output (f32: onto the bias's rows); its gemm is a launch.
-        let mut launched = 1;
-        let mut out = match x.dtype() {
-            DType::F32 => {
-                let mut y = CudaStorage::wrap_cuda_slice(alloc::<f32>(&dev, m * n)?, dev.clone());
-                let mut beta = 0.0;
-                if let Some(bias) = &op.bias {
-                    let (bs, bl) = bias.storage_and_layout();
-                    let Some((b0, _)) = bl.contiguous_offsets() else {
-                        candle_core::bail!("{NAME}: the bias must be contiguous");
-                    };
-                    cuda_of(&bs)?.copy2d(&mut y, m, n, 0, n, b0, 0)?; // every row := bias
-                    launched += 1;
-                    beta = 1.0;
-                }
-                let dst = y.as_cuda_slice_mut::<f32>()?;
-                base_product(&dev, op, dst, (x, xl), true, (m, n, k), beta)?;
-                y
-            }
-            DType::BF16 => {
-                let mut t = alloc::<bf16>(&dev, m * n)?;
-                base_product(&dev, op, &mut t, (x, xl), true, (m, n, k), 0.0)?;
-                CudaStorage::wrap_cuda_slice(t, dev.clone())
-            }
+        match x.dtype() {
+            DType::BF16 => return forward_kernels(op, (x, xl), &av, &bv, r),
+            DType::F32 => {}
             dt => candle_core::bail!("{NAME}: {dt:?} on CUDA (f32, or bf16 with an f32 adapter)"),
-        };
-        let bias = op
-            .bias
-            .as_ref()
-            .filter(|_| bf16)
-            .map(|c| c.storage_and_layout());
-        let bias = match &bias {
-            Some((st, l)) => Some(view::<bf16>(cuda_of(st)?, l, NAME)?),
-            None => None,
-        };
+        }
+        // The base product, onto the bias's rows in the output; its gemm is a launch.
+        let mut launched = 1;
+        let mut out = CudaStorage::wrap_cuda_slice(alloc::<f32>(&dev, m * n)?, dev.clone());
+        let mut beta = 0.0;
+        if let Some(bias) = &op.bias {
+            let (bs, bl) = bias.storage_and_layout();
+            let Some((b0, _)) = bl.contiguous_offsets() else {
+                candle_core::bail!("{NAME}: the bias must be contiguous");
+            };
+            cuda_of(&bs)?.copy2d(&mut out, m, n, 0, n, b0, 0)?; // every row := bias
+            launched += 1;
+            beta = 1.0;
+        }
+        let dst = out.as_cuda_slice_mut::<f32>()?;
+        base_product(&dev, op, dst, (x, xl), true, (m, n, k), beta)?;
         for (r0, r1) in chunks(m, super::chunk_rows(k, n)) {
             let rows = r1 - r0;
             // xa = s · xd Aᵀ (rows, r), then its product with Bᵀ
@@ -906,36 +845,19 @@ mod device {
             )?;
             let xa = xa.slice(..);
             launched += 2; // this gemm and the next
-            if bf16 {
-                // l = xa Bᵀ in f32, then out = r(r(out) (+ bias) + r(l)) on these rows
-                let mut l = alloc::<f32>(&dev, rows * n)?;
-                gemm(
-                    &dev,
-                    &mut l,
-                    arg(&xa, false),
-                    arg(&bv, true),
-                    (rows, n, r),
-                    1.0,
-                    0.0,
-                )?;
-                let mut o = out.as_cuda_slice_mut::<bf16>()?.slice_mut(r0 * n..r1 * n);
-                sum_bf16(&dev, &mut o, &l.slice(..), bias.as_ref(), (rows, n))?;
-                launched += 1;
-            } else {
-                // out += xa Bᵀ
-                let mut o = out.as_cuda_slice_mut::<f32>()?.slice_mut(r0 * n..r1 * n);
-                gemm(
-                    &dev,
-                    &mut o,
-                    arg(&xa, false),
-                    arg(&bv, true),
-                    (rows, n, r),
-                    1.0,
-                    1.0,
-                )?;
-            }
+                           // out += xa Bᵀ
+            let mut o = out.as_cuda_slice_mut::<f32>()?.slice_mut(r0 * n..r1 * n);
+            gemm(
+                &dev,
+                &mut o,
+                arg(&xa, false),
+                arg(&bv, true),
+                (rows, n, r),
+                1.0,
+                1.0,
+            )?;
         }
-        debug_assert_eq!(launched, op.device_launches(bf16).forward);
+        debug_assert_eq!(launched, op.device_launches(false).forward);
         count_launches(launched - 1);
         Ok(out)
     }
@@ -1121,9 +1043,9 @@ mod device {
         Ok(())
     }
 
-    /// The forward for a bf16 x without dropout ([`super::bf16_kernels`]): x Wᵀ into the
-    /// output (cuBLAS), s x Aᵀ from x's bf16 rows, and the output's rounding sum with its
-    /// product with Bᵀ and the bias: 3 launches, no f32 copy of x.
+    /// The forward for a bf16 x ([`super::bf16_kernels`]): x Wᵀ into the output (cuBLAS),
+    /// s x Aᵀ from x's bf16 rows (dropout's mask applied as they are read), and the output's
+    /// rounding sum with its product with Bᵀ and the bias: 3 launches, no f32 copy of x.
     fn forward_kernels(
         op: &LoraLinearOp,
         (x, xl): (&CudaStorage, &Layout),
@@ -1179,9 +1101,10 @@ mod device {
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
 
-    /// The backward for a bf16 x without dropout ([`super::bf16_kernels`]): dx = dY W
-    /// (cuBLAS) when x needs it; s dY B and s x Aᵀ (one launch); dB = dYᵀ (s x Aᵀ) and dA =
-    /// (s dY B)ᵀ x (one); dx's rounding sum with (s dY B) A (one). No f32 copies of x or dY.
+    /// The backward for a bf16 x ([`super::bf16_kernels`]; dropout's mask as in the forward):
+    /// dx = dY W (cuBLAS) when x needs it; s dY B and s x Aᵀ (one launch); dB = dYᵀ (s x Aᵀ)
+    /// and dA = (s dY B)ᵀ x (one); dx's rounding sum with (s dY B) A (one). No f32 copies of x
+    /// or dY.
     fn backward_kernels(
         op: &LoraLinearOp,
         x: &Tensor,
@@ -1290,14 +1213,9 @@ mod device {
         )
     }
 
-    /// dx, in x's dtype.
-    enum Dx {
-        F32(CudaSlice<f32>),
-        Bf16(CudaSlice<bf16>),
-    }
-
     /// dx (when `want_dx`), dA and dB of the forward above, for the upstream gradient dy (M, N)
-    /// (contiguous): dx = dY W over every row at once, then chunk by chunk of rows s dY B,
+    /// (contiguous). A bf16 x takes [`backward_kernels`]; an f32 x cuBLAS: dx = dY W over
+    /// every row at once, then chunk by chunk of rows s dY B,
     /// s xd Aᵀ, dB += dYᵀ (s xd Aᵀ), dA += (s dY B)ᵀ xd (beta 1 after the first chunk) and dx's
     /// rows += mask ⊙ (s dY B) A, each product one gemm.
     pub(super) fn backward(
@@ -1321,7 +1239,6 @@ mod device {
         let dev = xs.device().clone();
         let av = view::<f32>(cuda_of(&ast)?, al, NAME)?;
         let bv = view::<f32>(cuda_of(&bst)?, bl, NAME)?;
-        let bf16 = x.dtype() == DType::BF16;
         let mut launched = 0;
         // dA and dB are sums over the chunks; with no rows, zeros
         let (mut da, mut db) = if m == 0 {
@@ -1333,19 +1250,12 @@ mod device {
             (alloc::<f32>(&dev, r * k)?, alloc::<f32>(&dev, n * r)?)
         };
         // dx starts as the base's share dY W, every row at once
-        let mut dx = match (want_dx, bf16) {
-            (false, _) => None,
-            (true, true) => {
-                let mut d = alloc::<bf16>(&dev, m * k)?;
-                base_product(&dev, op, &mut d, (dys, dyl), false, (m, k, n), 0.0)?;
-                Some(Dx::Bf16(d))
-            }
-            (true, false) => {
-                let mut d = alloc::<f32>(&dev, m * k)?;
-                base_product(&dev, op, &mut d, (dys, dyl), false, (m, k, n), 0.0)?;
-                Some(Dx::F32(d))
-            }
-        };
+        let mut dx = None;
+        if want_dx {
+            let mut d = alloc::<f32>(&dev, m * k)?;
+            base_product(&dev, op, &mut d, (dys, dyl), false, (m, k, n), 0.0)?;
+            dx = Some(d);
+        }
         launched += want_dx as usize;
         let s = op.scale as f32;
         for (i, (r0, r1)) in chunks(m, super::chunk_rows(k, n)).enumerate() {
@@ -1404,8 +1314,8 @@ mod device {
                 continue;
             };
             // these rows of dx += mask ⊙ (s dY B) A
-            if let (Dx::F32(d), None) = (&mut *dx, op.dropout) {
-                let mut o = d.slice_mut(r0 * k..r1 * k);
+            let Some(drop) = op.dropout else {
+                let mut o = dx.slice_mut(r0 * k..r1 * k);
                 gemm(
                     &dev,
                     &mut o,
@@ -1417,7 +1327,7 @@ mod device {
                 )?;
                 launched += 1;
                 continue;
-            }
+            };
             let mut l = alloc::<f32>(&dev, rows * k)?;
             gemm(
                 &dev,
@@ -1429,30 +1339,18 @@ mod device {
                 0.0,
             )?;
             let l = CudaStorage::wrap_cuda_slice(l, dev.clone());
-            launched += 2; // this gemm and the sum
-            let l = match op.dropout {
-                Some(d) => {
-                    launched += 1;
-                    d.skip(r0 * k)
-                        .cuda_fwd(&l, &Layout::contiguous((rows, k)))?
-                        .0
-                }
-                None => l,
-            };
+            // this gemm, the mask and the sum
+            launched += 3;
+            let l = drop
+                .skip(r0 * k)
+                .cuda_fwd(&l, &Layout::contiguous((rows, k)))?
+                .0;
             let lv = l.as_cuda_slice::<f32>()?.slice(..);
-            match dx {
-                Dx::Bf16(d) => {
-                    sum_bf16(&dev, &mut d.slice_mut(r0 * k..r1 * k), &lv, None, (rows, k))?
-                }
-                Dx::F32(d) => sum_f32(&dev, &mut d.slice_mut(r0 * k..r1 * k), &lv)?,
-            }
+            sum_f32(&dev, &mut dx.slice_mut(r0 * k..r1 * k), &lv)?;
         }
-        debug_assert_eq!(launched, op.device_launches(bf16).backward(want_dx));
+        debug_assert_eq!(launched, op.device_launches(false).backward(want_dx));
         count_launches(launched);
-        let dx = dx.map(|d| match d {
-            Dx::F32(d) => tensor(d, &dev, x.dims()),
-            Dx::Bf16(d) => tensor(d, &dev, x.dims()),
-        });
+        let dx = dx.map(|d| tensor(d, &dev, x.dims()));
         Ok((dx, tensor(da, &dev, &[r, k]), tensor(db, &dev, &[n, r])))
     }
 }

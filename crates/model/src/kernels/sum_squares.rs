@@ -131,11 +131,11 @@ impl CustomOp1 for SumSquares {
             b.arg(&mut partials);
             b.arg(held.slice_mut());
             b.arg(&mut out);
-            let cfg = candle_core::cuda_backend::cudarc::driver::LaunchConfig {
-                grid_dim: (blocks as u32, 1, 1),
-                block_dim: (THREADS as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = super::cuda::Grid::Rows {
+                rows: blocks,
+                threads: THREADS as u32,
+            }
+            .config();
             // SAFETY: argument types and order match `tallow_sum_squares_f32`; the table's
             // `count` pointers each hold start[j + 1] - start[j] f32 elements on this device
             // (their storages stay locked until after the launch); partials holds `blocks`

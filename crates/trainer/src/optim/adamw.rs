@@ -103,11 +103,14 @@ impl Group {
 
     /// The members' tensors (`get(param index)`, any float dtype) in f32, flattened and
     /// concatenated: (len,). One copy per member (none for a lone f32 member).
-    fn flat(&self, get: impl Fn(usize) -> Tensor) -> candle_core::Result<Tensor> {
+    fn flat(
+        &self,
+        get: impl Fn(usize) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Tensor> {
         let pieces = self
             .params
             .iter()
-            .map(|&i| get(i).to_dtype(DType::F32)?.flatten_all()) // (n,)
+            .map(|&i| get(i)?.to_dtype(DType::F32)?.flatten_all()) // (n,)
             .collect::<candle_core::Result<Vec<_>>>()?;
         if pieces.len() == 1 {
             return Ok(pieces.into_iter().next().expect("one piece"));
@@ -219,7 +222,8 @@ impl Optimizer for AdamW {
     }
 
     /// The f32 members' kernel applies `scale` as it reads each gradient (no op of its own);
-    /// other groups multiply their own gradients first (one group's copies alive at a time).
+    /// other groups multiply their own gradients as they gather them (one group's copies
+    /// alive at a time).
     fn step_scaled(
         &mut self,
         params: &[Var],
@@ -274,31 +278,13 @@ impl Optimizer for AdamW {
                 }
                 continue;
             }
-            // the clipping's multiply, one op per gradient
-            let scaled: Vec<(usize, Tensor)> = match scale {
-                Some(s) => group
-                    .params
-                    .iter()
-                    .map(|&i| {
-                        let g = &grads[i];
-                        Ok((
-                            i,
-                            g.broadcast_mul(&s.to_dtype(g.dtype())?.to_device(g.device())?)?,
-                        ))
-                    })
-                    .collect::<candle_core::Result<_>>()?,
-                None => Vec::new(),
-            };
-            let grad_of = |i: usize| -> Tensor {
-                match scaled.iter().find(|(j, _)| *j == i) {
-                    Some((_, g)) => g.detach(),
-                    None => grads[i].detach(),
-                }
-            };
             // flat f32 inputs (len,): parameters (detached: the update records no graph) and
-            // gradients
-            let p32 = group.flat(|i| params[i].as_detached_tensor())?;
-            let g32 = group.flat(grad_of)?;
+            // gradients (times the clipping coefficient, one op each)
+            let p32 = group.flat(|i| Ok(params[i].as_detached_tensor()))?;
+            let g32 = group.flat(|i| match scale {
+                Some(s) => crate::grads::scaled_by(&grads[i].detach(), s),
+                None => Ok(grads[i].detach()),
+            })?;
             // two ops (kernels::adamw): m and v in place, then the new values
             adamw::adamw_moments(&group.moments, &g32, &k)?;
             let p32 = adamw::adamw_param(&p32, &group.moments, &k)?;
@@ -700,6 +686,53 @@ mod tests {
         assert_ne!(bits(&pa[0]), bits(&two_params(&dev)[0]));
     }
 
+    /// Parameters of these shapes and dtypes with smooth values (a sine of the index, shifted
+    /// per parameter).
+    fn sine_params(sizes: &[(&[usize], DType)]) -> Vec<Var> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, (shape, dt))| {
+                let n: usize = shape.iter().product();
+                let t = Tensor::arange(0f32, n as f32, &Device::Cpu)
+                    .unwrap()
+                    .affine(0.01, i as f64 * 0.1 - 0.2)
+                    .unwrap()
+                    .sin()
+                    .unwrap()
+                    .reshape(*shape)
+                    .unwrap()
+                    .to_dtype(*dt)
+                    .unwrap();
+                Var::from_tensor(&t).unwrap()
+            })
+            .collect()
+    }
+
+    /// Step `step`'s gradients of `params`: cos(p) (step + 1), in p's dtype.
+    fn cos_grads(step: usize, params: &[Var]) -> Vec<Tensor> {
+        params
+            .iter()
+            .map(|p| {
+                (p.as_tensor().to_dtype(DType::F32).unwrap().cos().unwrap() * (step as f64 + 1.0))
+                    .unwrap()
+                    .to_dtype(p.dtype())
+                    .unwrap()
+            })
+            .collect()
+    }
+
+    /// Zero first and second moments (f32) for each of `params`, for [`adamw_update`].
+    fn zero_moments(params: &[Var]) -> Vec<(Tensor, Tensor)> {
+        params
+            .iter()
+            .map(|p| {
+                let z = Tensor::zeros(p.shape(), DType::F32, p.device()).unwrap();
+                (z.clone(), z)
+            })
+            .collect()
+    }
+
     /// On the CUDA path (its CPU twin) a group of f32 parameters is updated in place by
     /// `adamw::adamw_members`, one launch per `adamw::MEMBERS` members and no copies, with a
     /// per-parameter update's bits: 70 small f32 parameters of mixed shapes in one group (3
@@ -720,45 +753,18 @@ mod tests {
             })
             .chain(std::iter::once(vec![GROUP_ELEMS + 1]))
             .collect();
-        let make = || -> Vec<Var> {
-            shapes
-                .iter()
-                .enumerate()
-                .map(|(i, shape)| {
-                    let n: usize = shape.iter().product();
-                    let t = Tensor::arange(0f32, n as f32, &dev)
-                        .unwrap()
-                        .affine(0.013, i as f64 * 0.07 - 0.3)
-                        .unwrap()
-                        .sin()
-                        .unwrap()
-                        .reshape(shape.as_slice())
-                        .unwrap();
-                    Var::from_tensor(&t).unwrap()
-                })
-                .collect()
-        };
-        let grads = |step: usize, params: &[Var]| -> Vec<Tensor> {
-            params
-                .iter()
-                .map(|p| (p.as_tensor().cos().unwrap() * (step as f64 + 1.5)).unwrap())
-                .collect()
-        };
+        let shapes: Vec<(&[usize], DType)> =
+            shapes.iter().map(|s| (s.as_slice(), DType::F32)).collect();
+        let make = || sine_params(&shapes);
         let hp = AdamWParams::default();
         let (grouped, alone) = (make(), make());
         let mut opt = AdamW::new(hp).with_group_elems(GROUP_ELEMS);
-        let mut moments: Vec<(Tensor, Tensor)> = alone
-            .iter()
-            .map(|p| {
-                let z = Tensor::zeros(p.shape(), DType::F32, &dev).unwrap();
-                (z.clone(), z)
-            })
-            .collect();
+        let mut moments = zero_moments(&alone);
         // steps 2 and 3 with a clipping coefficient, which the members' op applies as it
         // reads each gradient and the per-parameter update gets multiplied in
         let coef = Tensor::new(0.37f32, &dev).unwrap();
         for step in 0..3 {
-            let g = grads(step, &grouped);
+            let g = cos_grads(step, &grouped);
             let scale = (step > 0).then_some(&coef);
             let c0 = candle_core::launches::count_on_this_thread();
             with_cuda_paths_on_cpu(|| opt.step_scaled(&grouped, &g, 1e-2, scale)).unwrap();
@@ -767,7 +773,7 @@ mod tests {
             let zeros = if step == 0 { 2 } else { 0 };
             assert_eq!(launched, 4 + zeros, "step {step}");
             let k = StepConstants::new(&hp, step as u32 + 1, 1e-2);
-            let mut g = grads(step, &alone);
+            let mut g = cos_grads(step, &alone);
             if let Some(c) = scale {
                 g = g.iter().map(|g| g.broadcast_mul(c).unwrap()).collect();
             }
@@ -796,7 +802,6 @@ mod tests {
     /// member back, fails it.
     #[test]
     fn grouped_update_gives_the_per_parameter_bits() {
-        let dev = Device::Cpu;
         let sizes: [(&[usize], DType); 5] = [
             (&[3, 5], DType::F32),
             (&[7], DType::BF16),
@@ -804,52 +809,16 @@ mod tests {
             (&[GROUP_ELEMS + 3], DType::F32),
             (&[2, 6], DType::F32),
         ];
-        let make = || -> Vec<Var> {
-            sizes
-                .iter()
-                .enumerate()
-                .map(|(i, (shape, dt))| {
-                    let n: usize = shape.iter().product();
-                    let t = Tensor::arange(0f32, n as f32, &dev)
-                        .unwrap()
-                        .affine(0.01, i as f64 * 0.1 - 0.2)
-                        .unwrap()
-                        .sin()
-                        .unwrap()
-                        .reshape(*shape)
-                        .unwrap()
-                        .to_dtype(*dt)
-                        .unwrap();
-                    Var::from_tensor(&t).unwrap()
-                })
-                .collect()
-        };
-        let grads = |step: usize, params: &[Var]| -> Vec<Tensor> {
-            params
-                .iter()
-                .map(|p| {
-                    (p.as_tensor().to_dtype(DType::F32).unwrap().cos().unwrap()
-                        * (step as f64 + 1.0))
-                        .unwrap()
-                        .to_dtype(p.dtype())
-                        .unwrap()
-                })
-                .collect()
-        };
+        let make = || sine_params(&sizes);
         let hp = AdamWParams::default();
         let (grouped, alone) = (make(), make());
         let mut opt = AdamW::new(hp).with_group_elems(GROUP_ELEMS);
-        let mut moments: Vec<(Tensor, Tensor)> = alone
-            .iter()
-            .map(|p| {
-                let z = Tensor::zeros(p.shape(), DType::F32, &dev).unwrap();
-                (z.clone(), z)
-            })
-            .collect();
+        let mut moments = zero_moments(&alone);
         for step in 0..3 {
-            opt.step(&grouped, &grads(step, &grouped), 1e-2).unwrap();
+            opt.step(&grouped, &cos_grads(step, &grouped), 1e-2)
+                .unwrap();
             let k = StepConstants::new(&hp, step as u32 + 1, 1e-2);
-            let g = grads(step, &alone);
+            let g = cos_grads(step, &alone);
             for ((p, g), (m, v)) in alone.iter().zip(&g).zip(moments.iter_mut()) {
                 (*m, *v) = adamw_update(p, g, m, v, &k).unwrap();
             }

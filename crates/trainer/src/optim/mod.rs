@@ -57,7 +57,7 @@ pub trait Optimizer {
             Some(s) => {
                 let scaled = grads
                     .iter()
-                    .map(|g| g.broadcast_mul(&s.to_dtype(g.dtype())?.to_device(g.device())?))
+                    .map(|g| crate::grads::scaled_by(g, s))
                     .collect::<candle_core::Result<Vec<_>>>()?;
                 self.step(params, &scaled, lr)
             }
