@@ -5,7 +5,7 @@
 # metrics.jsonl; a random tiny
 # Llama with 1 and with 2 decoder layers gives the count one layer adds. Prints the Markdown
 # table of benchmarks/op-counts.md ("Launches per decoder layer"), then, for the first
-# variant, the per-layer launches by op name (TALLOW_LAUNCH_BREAKDOWN).
+# variant, one layer's launches in step 2 by op name (TALLOW_LAUNCH_BREAKDOWN).
 #
 #   scripts/op_counts.sh [TALLOW]      # default target/release/tallow
 #
@@ -54,7 +54,7 @@ targets = "all-linear"
 train = "$WORK/llama-$layers/bench.jsonl"
 max_seq_len = 64
 [train]
-max_steps = 2
+max_steps = ${STEPS:-2}
 micro_batch_size = 1
 grad_accum = 1
 log_every = 1
@@ -66,7 +66,7 @@ EOF
   python3 -c '
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "\"loss\"" in l]
-r = rows[1]
+r = rows[min(1, len(rows) - 1)]
 print(r["launches_forward"], r["launches_backward"], r.get("launches_optimizer", 0))' "$out/metrics.jsonl"
 }
 echo "| variant | forward | backward | optimizer | in all |"
@@ -78,15 +78,19 @@ for v in "${VARIANTS[@]}"; do
   f=$((f2 - f1)) b=$((b2 - b1)) o=$((o2 - o1))
   echo "| $name | $f | $b | $o | $((f + b + o)) |"
 done
-# What one layer launches, by op (the first variant, whole runs of 2 steps: 2 x the step's).
+# What one layer launches in step 2, by op (the first variant): the 2-layer run minus the
+# 1-layer run, each run of 2 steps minus the same run of 1 step (loading, attaching and the
+# first step's constants cancel).
 echo
-echo "By op, one layer of the first variant, over the run's 2 steps (2-layer run minus 1-layer run):"
+echo "By op, one layer of the first variant, step 2 (2-layer run minus 1-layer run):"
 for layers in 1 2; do
-  TALLOW_LAUNCH_BREAKDOWN=1 run "$layers" > /dev/null
-  sed -n '/^device operations by op/,$p' "$(ls -t "$WORK"/run-*.err | head -1)" | tail -n +2 \
-    > "$WORK/ops-$layers.txt"
+  for steps in 1 2; do
+    STEPS=$steps TALLOW_LAUNCH_BREAKDOWN=1 run "$layers" > /dev/null
+    sed -n '/^device operations by op/,$p' "$(ls -t "$WORK"/run-*.err | head -1)" | tail -n +2 \
+      > "$WORK/ops-$layers-$steps.txt"
+  done
 done
-python3 - "$WORK/ops-1.txt" "$WORK/ops-2.txt" <<'PY'
+python3 - "$WORK" <<'PY'
 import sys
 def read(p):
     d = {}
@@ -94,8 +98,11 @@ def read(p):
         n, op = line.split()
         d[op] = int(n)
     return d
-a, b = read(sys.argv[1]), read(sys.argv[2])
-rows = sorted(((b.get(k, 0) - a.get(k, 0), k) for k in set(a) | set(b)), reverse=True)
+w = sys.argv[1]
+a = {(l, s): read(f"{w}/ops-{l}-{s}.txt") for l in (1, 2) for s in (1, 2)}
+keys = set().union(*a.values())
+step2 = lambda l, k: a[(l, 2)].get(k, 0) - a[(l, 1)].get(k, 0)
+rows = sorted(((step2(2, k) - step2(1, k), k) for k in keys), reverse=True)
 print("| op | launches |")
 print("| --- | ---: |")
 for n, k in rows:

@@ -14,6 +14,7 @@ fn main() {
     println!("cargo::rerun-if-changed=kernels/lora_gemm.cuh");
     println!("cargo::rerun-if-changed=kernels/sum_squares.cuh");
     println!("cargo::rerun-if-changed=kernels/emulable.cuh");
+    println!("cargo::rerun-if-changed=kernels/flash_attn.cuh");
     println!("cargo::rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo::rerun-if-env-changed=TALLOW_CUDA_SASS");
     println!("cargo::rerun-if-env-changed=CUDA_ROOT");

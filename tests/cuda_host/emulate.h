@@ -67,6 +67,11 @@ static uint64_t tallow_mix(uint64_t z) { // as kernels/tallow.cu's
 #define LG_FENCE() std::atomic_thread_fence(std::memory_order_seq_cst)
 #define LG_TICKET(p) ((*(p))++)
 #define LG_LOAD(p) (*(p))
+#define LG_SUB(a, b) ((float)(a) - (float)(b))
+#define LG_MAX(a, b) std::fmax((float)(a), (float)(b))
+#define LG_EXP(v) std::exp((float)(v))
+#define LG_LOG(v) std::log((float)(v))
+#define LG_TANH(v) std::tanh((float)(v))
 #define __device__
 #define __forceinline__
 // Runs `kernel` over the grid, `threads` CPU threads per block.

@@ -1,4 +1,5 @@
-// The device functions tallow's host-emulable kernels (lora_gemm.cuh, sum_squares.cuh) are
+// The device functions tallow's host-emulable kernels (lora_gemm.cuh, sum_squares.cuh,
+// flash_attn.cuh) are
 // written against. On the GPU they are CUDA's; tests/cuda_host/*.cpp define them for the CPU
 // (LG_HOST_EMULATION: each block's threads on CPU threads, a barrier for __syncthreads, the
 // block's __shared__ arrays as statics, one block at a time) and run the kernels' own source
@@ -26,6 +27,11 @@
 #define LG_FENCE() __threadfence()
 #define LG_TICKET(p) atomicAdd(p, 1u)
 #define LG_LOAD(p) __ldcg(p)
+#define LG_SUB(a, b) __fsub_rn(a, b)
+#define LG_MAX(a, b) fmaxf(a, b)
+#define LG_EXP(v) expf(v)
+#define LG_LOG(v) logf(v)
+#define LG_TANH(v) tanhf(v)
 #endif
 
 #endif

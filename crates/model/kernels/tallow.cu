@@ -656,3 +656,9 @@ __device__ __forceinline__ void tallow_attn_rowdot(
 
 TALLOW_ATTN(f32, float, false)
 TALLOW_ATTN(bf16, __nv_bfloat16, true)
+
+// Chunked attention for bf16 / f16 q, k, v (`tallow_model::kernels::flash_attn`): the forward,
+// dK / dV and dQ, each one launch whatever the length.
+#include "flash_attn.cuh"
+TALLOW_FLASH_ATTN(bf16, __nv_bfloat16)
+TALLOW_FLASH_ATTN(f16, __half)

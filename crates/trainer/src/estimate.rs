@@ -177,20 +177,32 @@ fn state_bytes(kind: OptimizerKind, n: usize) -> u64 {
     }
 }
 
+/// The dispatch rule's backend for the estimate's device.
+fn backend(cpu: bool) -> Backend {
+    if cpu {
+        Backend::Cpu
+    } else {
+        Backend::Cuda
+    }
+}
+
+/// The config's compute dtype.
+fn dtype(cfg: &TrainConfig) -> DType {
+    match cfg.model.dtype {
+        ModelDtype::F32 => DType::F32,
+        ModelDtype::Bf16 => DType::BF16,
+        ModelDtype::F16 => DType::F16,
+    }
+}
+
 /// The paths the model crate's dispatch rule gives a config's step
 /// (`tallow_model::kernels::dispatch`): one-op CPU kernels keep one output where the tensor-op
 /// path keeps several.
 fn paths(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> Paths {
-    let backend = if cpu { Backend::Cpu } else { Backend::Cuda };
-    let dtype = match cfg.model.dtype {
-        ModelDtype::F32 => DType::F32,
-        ModelDtype::Bf16 => DType::BF16,
-        ModelDtype::F16 => DType::F16,
-    };
     // adapters are f32 whatever the base dtype (PEFT's `autocast_adapter_dtype`)
     Paths::of(
-        backend,
-        dtype,
+        backend(cpu),
+        dtype(cfg),
         DType::F32,
         m.variant.attn_logit_softcapping.is_some(),
     )
@@ -440,7 +452,8 @@ fn one_op_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool, tokens: u6
 /// scores; on CUDA a block's f32 scores are at most `BLOCK_SCORE_BYTES`; its block kernels
 /// (f32, bf16) keep 2 score-sized tensors in the model dtype forward and 4 backward, plus f32
 /// dK / dV sums; f16 and f64, on tensor ops, about 3 f32 ones in the forward (scores, exp,
-/// probabilities) and 4 in the backward plus P and dS cast to the model dtype.
+/// probabilities) and 4 in the backward plus P and dS cast to the model dtype. bf16 and f16
+/// on CUDA take tallow's attention kernels, which keep none.
 fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> (u64, u64) {
     let ops = paths(m, cfg, cpu);
     let (b, t) = (rows_per_micro_batch(cfg), cfg.data.max_seq_len);
@@ -475,6 +488,11 @@ fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> (u64
             );
         }
         (Attention::Chunked, false) => {}
+    }
+    if tallow_model::kernels::dispatch::flash_attention(backend(cpu), dtype(cfg), d) {
+        // CUDA's kernels (`tallow_model::kernels::flash_attn`): the tiles live in shared
+        // memory; nothing beyond the outputs and their gradients, which the graph counts.
+        return (0, 0);
     }
     let rows = tallow_model::kernels::chunked::block_rows(b, h, t);
     let block = (b * h * rows * t * 4) as u64;

@@ -243,6 +243,16 @@ const CASES: &[Case] = &[
         run: chunked_attention_softcap,
     },
     Case {
+        name: "flash attention d128 fwd+bwd",
+        on_cpu: "tensor-op path (16-row blocks) against the CPU kernel",
+        f32_tol: 1e-4,
+        generic_on_cpu: true,
+        reference_f64: false,
+        cpu_tol: None,
+        always_f32: false,
+        run: flash_attention,
+    },
+    Case {
         name: "frozen matmul fwd+bwd",
         on_cpu: "plain matmul against the frozen-matmul op",
         f32_tol: 1e-4,
@@ -583,6 +593,15 @@ fn chunked_attention_softcap(dev: &Device, dt: DType, generic: bool) -> R<Vec<Te
     chunked_attention_with(dev, dt, generic, 1.0, Some(1.5))
 }
 
+/// The sizes of a real model's heads on CUDA's kernels (`kernels/flash_attn.cuh`, bf16 and
+/// f16): head dim 128 over the 16 lanes of a tile row, 3 query heads per kv head, 70 positions
+/// (five tiles, the last partial), a packed row and a window of 20.
+fn flash_attention(dev: &Device, dt: DType, generic: bool) -> R<Vec<Tensor>> {
+    let segments = vec![[vec![0u32; 23], vec![1u32; 47]].concat()];
+    let dims = (1, 2, 3, 70, 128);
+    attention_case(dev, dt, generic, dims, &segments, Some(20), 0.09, None)
+}
+
 fn chunked_attention_with(
     dev: &Device,
     dt: DType,
@@ -590,14 +609,40 @@ fn chunked_attention_with(
     q_scale: f64,
     softcap: Option<f64>,
 ) -> R<Vec<Tensor>> {
+    let t = 40;
+    let segments = vec![vec![0u32; t], [vec![0u32; 15], vec![1u32; 25]].concat()];
+    let dims = (2, 2, 2, t, 16);
+    attention_case(
+        dev,
+        dt,
+        generic,
+        dims,
+        &segments,
+        Some(12),
+        q_scale,
+        softcap,
+    )
+}
+
+/// Chunked attention over (B, KV, n_rep, T, D) with these segments and window: the device's
+/// path (or, `generic`, the tensor-op path in blocks of 16 rows), its value and gradients.
+#[allow(clippy::too_many_arguments)]
+fn attention_case(
+    dev: &Device,
+    dt: DType,
+    generic: bool,
+    (b, kv, n_rep, t, d): (usize, usize, usize, usize, usize),
+    segments: &[Vec<u32>],
+    window: Option<usize>,
+    q_scale: f64,
+    softcap: Option<f64>,
+) -> R<Vec<Tensor>> {
     use tallow_model::kernels::chunked::{self, AttentionMask};
     let r = &mut rng(13);
-    let (b, kv, n_rep, t, d) = (2, 2, 2, 40, 16);
     let q = Var::from_tensor(&(input(r, &[b, kv, n_rep * t, d], dev, dt)? * q_scale)?)?;
     let k = Var::from_tensor(&input(r, &[b, kv, t, d], dev, dt)?)?;
     let v = Var::from_tensor(&input(r, &[b, kv, t, d], dev, dt)?)?;
-    let segments = vec![vec![0u32; t], [vec![0u32; 15], vec![1u32; 25]].concat()];
-    let mask = AttentionMask::new(&segments, Some(12), dev)?;
+    let mask = AttentionMask::new(segments, window, dev)?;
     let y = if generic {
         chunked::chunked_attention_tensor_ops(&q, &k, &v, &mask, 16, softcap)?
     } else {

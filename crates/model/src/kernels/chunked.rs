@@ -51,6 +51,8 @@ pub struct AttentionMask {
     pub window: Option<usize>,
     /// For each row and position, the first key it may attend to.
     first: Arc<Vec<Vec<usize>>>,
+    /// The same (B, T) u32 on the device, for the CUDA kernels (`super::flash_attn`).
+    first_keys: Tensor,
 }
 
 impl AttentionMask {
@@ -65,11 +67,19 @@ impl AttentionMask {
             .iter()
             .map(|s| first_keys(s, window))
             .collect::<R<Vec<_>>>()?;
+        let keys: Vec<u32> = first.iter().flatten().map(|&j| j as u32).collect();
         Ok(Self {
             segments: Tensor::from_vec(flat, (b, t), device)?,
             window,
             first: Arc::new(first),
+            first_keys: Tensor::from_vec(keys, (b, t), device)?,
         })
+    }
+
+    /// Each position's first visible key, (B, T) u32 on the attention's device: key j is
+    /// visible to the query at position p iff first <= j <= p.
+    pub fn first_keys(&self) -> &Tensor {
+        &self.first_keys
     }
 
     /// The keys a block of query positions [p0, p1) reads: from the first key any row of any
@@ -199,6 +209,15 @@ fn attention(
     );
     let fused = kernel_dtype && k.dtype() == q.dtype() && v.dtype() == q.dtype();
     let tracked = q.track_op() || k.track_op() || v.track_op();
+    let flash = crate::kernels::dispatch::flash_attention(
+        crate::kernels::dispatch::Backend::of(q.device()),
+        q.dtype(),
+        d,
+    ) && k.dtype() == q.dtype()
+        && v.dtype() == q.dtype();
+    if flash && rows.is_none() {
+        return super::flash_attn::attention(&q, &k, &v, mask, softcap, tracked);
+    }
     if !fused || rows.is_some() {
         let n_rep = r / t;
         let rows = rows.unwrap_or_else(|| block_rows(b, kv * n_rep, t));
@@ -602,13 +621,13 @@ fn group_bwd<T: Real>(
 
 /// What a backward reads: the op's inputs and output, the output's gradient (contiguous) and
 /// the forward's log-sum-exp.
-struct Saved<'a> {
-    q: &'a Tensor,
-    k: &'a Tensor,
-    v: &'a Tensor,
-    y: &'a Tensor,
-    dy: &'a Tensor,
-    lse: &'a Tensor,
+pub(super) struct Saved<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub y: &'a Tensor,
+    pub dy: &'a Tensor,
+    pub lse: &'a Tensor,
 }
 
 fn cpu_bwd(
@@ -833,7 +852,7 @@ fn masked_scores(
 }
 
 /// y (B, KV, n_rep * T, D) and lse (B, KV, n_rep * T) in [`acc`]'s dtype.
-fn generic_fwd(
+pub(super) fn generic_fwd(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -879,7 +898,7 @@ fn generic_fwd(
     Ok((y, lse))
 }
 
-fn generic_bwd(
+pub(super) fn generic_bwd(
     saved: Saved,
     mask: &AttentionMask,
     rows: usize,
@@ -1074,6 +1093,61 @@ mod tests {
             }
         }
         Ok(())
+    }
+
+    /// Under `TALLOW_CUDA_PATHS_ON_CPU`, bf16 chunked attention takes the flash kernels' op
+    /// (`super::super::flash_attn`): its forward counts one launch (the tensor-op path it
+    /// twins, in blocks of 16 rows, issues about 9 per block: 89 here, 91 with the window and
+    /// the cap), its value and gradients are the tensor-op
+    /// path's bit for bit, with and without a window and a soft-cap; f32 keeps the tensor-op
+    /// path. Dispatching bf16 past the flash op fails the launch count.
+    #[test]
+    fn bf16_on_the_cuda_path_takes_the_flash_op() -> R<()> {
+        let t = 150;
+        let segs = segments(t);
+        crate::kernels::dispatch::with_cuda_paths_on_cpu(|| -> R<()> {
+            for (window, cap) in [(None, None), (Some(20), Some(3.0))] {
+                let (qkv, w) = inputs(DType::BF16, t)?;
+                let mask = AttentionMask::new(&segs, window, &Device::Cpu)?;
+                let (q, k, v) = (qkv[0].as_tensor(), qkv[1].as_tensor(), qkv[2].as_tensor());
+                let before = candle_core::launches::count_on_this_thread();
+                let y = chunked_attention_capped(q, k, v, &mask, cap)?;
+                let launches = candle_core::launches::count_on_this_thread() - before;
+                assert_eq!(launches, 1, "window {window:?} cap {cap:?}");
+                let before = candle_core::launches::count_on_this_thread();
+                chunked_attention_tensor_ops(q, k, v, &mask, 16, cap)?;
+                let generic = candle_core::launches::count_on_this_thread() - before;
+                assert!(generic > 10, "{generic}");
+                let rows = crate::kernels::flash_attn::TWIN_ROWS;
+                drop(y);
+                let got = run(
+                    |q, k, v| chunked_attention_capped(q, k, v, &mask, cap),
+                    &qkv,
+                    &w,
+                )?;
+                let want = run(
+                    |q, k, v| chunked_attention_tensor_ops(q, k, v, &mask, rows, cap),
+                    &qkv,
+                    &w,
+                )?;
+                for (name, (a, b)) in ["y", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+                    let e = max_rel(a, b);
+                    assert!(e == 0.0, "window {window:?} cap {cap:?} {name}: {e:e}");
+                }
+            }
+            let (qkv, _) = inputs(DType::F32, t)?;
+            let mask = AttentionMask::new(&segs, None, &Device::Cpu)?;
+            let before = candle_core::launches::count_on_this_thread();
+            chunked_attention(
+                qkv[0].as_tensor(),
+                qkv[1].as_tensor(),
+                qkv[2].as_tensor(),
+                &mask,
+            )?;
+            let f32_launches = candle_core::launches::count_on_this_thread() - before;
+            assert!(f32_launches > 1, "f32: {f32_launches}");
+            Ok(())
+        })
     }
 
     /// The block kernels' twins (`super::super::attn_block`: the CUDA path's ops, taken under

@@ -9,7 +9,8 @@
 //! | fused SwiGLU, GeGLU, rotary and RMSNorm (`super::fused::swiglu`, `geglu`, `rope_heads`, `rms_norm`) | CPU, f32 / f64, and bf16 (in f32, rounded where PyTorch's bf16 ops round); CUDA, f32 and bf16 (one kernel of `kernels/tallow.cu` each way, the same arithmetic) |
 //! | the one-op LoRA linear (`super::lora_linear`) | CPU: x f32 / f64 with an adapter of x's dtype, or x bf16 with an f32 adapter; CUDA: the same but f64 (the base's cuBLAS gemm; for a bf16 x the adapter side as three kernels of `kernels/lora_gemm.cuh` on the bf16 rows, dropout's mask included, `super::lora_linear::bf16_kernels`; for an f32 x cuBLAS gemms with the scale and the accumulation in their alpha / beta); an additive adapter (LoRA) over a frozen base (the linear checks that) |
 //! | chunked attention's kernel (`super::chunked`) | CPU: f32 / f64, or bf16 without soft-capping |
-//! | chunked attention's block kernels around cuBLAS's matmuls (`super::attn_block`) | CUDA: f32 and bf16 (the tensor-op path's softmax, mask and dS) |
+//! | chunked attention as kernels of tallow's own, forward one launch and backward two (`super::flash_attn`) | CUDA: bf16 and f16, head dims up to 256 ([`flash_attention`]) |
+//! | chunked attention's block kernels around cuBLAS's matmuls (`super::attn_block`) | CUDA: f32, and bf16 past 256 head dims (the tensor-op path's softmax, mask and dS) |
 //! | the LM head's cross-entropy as device ops (`super::cross_entropy::ce_rows`, `ce_grad_rows`) | CUDA, f32 logits (the CPU has its host-side kernel for f32 / f64) |
 //!
 //! Everything else (the rest of CUDA, f16, the other bf16 element-wise ops on the CPU) is Candle's tensor ops, which
@@ -122,6 +123,16 @@ pub fn lora_one_op(backend: Backend, x: DType, adapter: DType) -> bool {
     }
 }
 
+/// Chunked attention runs as the CUDA kernels of `super::flash_attn` (forward one launch,
+/// backward two, whatever the length): on CUDA, bf16 and f16 q, k, v with heads of at most
+/// [`super::flash_attn::MAX_HEAD_DIM`]. f32 keeps the tensor-op path (cuBLAS's matmuls in f32
+/// around the block kernels of `super::attn_block`).
+pub fn flash_attention(backend: Backend, dtype: DType, head_dim: usize) -> bool {
+    backend == Backend::Cuda
+        && matches!(dtype, DType::BF16 | DType::F16)
+        && head_dim <= super::flash_attn::MAX_HEAD_DIM
+}
+
 /// Chunked attention runs its CPU kernel on q, k, v of `dtype` (soft-capped or not).
 pub fn chunked_kernel(backend: Backend, dtype: DType, softcapped: bool) -> bool {
     fused(backend, dtype) || (backend == Backend::Cpu && dtype == DType::BF16 && !softcapped)
@@ -151,6 +162,18 @@ impl Paths {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// CUDA's attention kernels: bf16 and f16 with heads up to their tiles' 256; f32, larger
+    /// heads and the CPU keep their paths.
+    #[test]
+    fn flash_attention_per_device_dtype_and_head_dim() {
+        use Backend::{Cpu, Cuda};
+        assert!(flash_attention(Cuda, DType::BF16, 64));
+        assert!(flash_attention(Cuda, DType::F16, 256));
+        assert!(!flash_attention(Cuda, DType::BF16, 257));
+        assert!(!flash_attention(Cuda, DType::F32, 64));
+        assert!(!flash_attention(Cpu, DType::BF16, 64));
+    }
 
     #[test]
     fn the_rule_per_device_and_dtype() {

@@ -970,12 +970,43 @@ impl Kernel<3> for RmsNormBwd {
 /// `scale * (x * cos + rotate_half(x) * sin)` with the heads moved in front of time, in one pass:
 /// x (B, T, H, D) contiguous, cos / sin (B, 1, T, D) -> (B, H, T, D). Same dtype (f32 / f64).
 pub fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor, scale: f64) -> R<Tensor> {
-    let tables = Tensor::stack(&[cos.contiguous()?, sin.contiguous()?], 0)?.detach(); // (2, B, 1, T, D)
+    let tables = rope_tables(cos, sin)?; // (2, B, 1, T, D)
     let op = Rope {
         scale,
         backward: false,
     };
     x.contiguous()?.apply_op2(&tables, Fused(op))
+}
+
+thread_local! {
+    /// The stacked tables of the last two (cos, sin) pairs, by tensor id (ids are never
+    /// reused): every layer of a step rotates q and k with the same tables (two pairs for Gemma
+    /// 3's sliding and global layers), so the stack is made once per step, not twice per layer
+    /// (two copies each on CUDA).
+    static TABLES: std::cell::RefCell<Vec<(candle_core::TensorId, candle_core::TensorId, Tensor)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// cos and sin stacked, (2, B, 1, T, D), detached; made once per pair of tables.
+fn rope_tables(cos: &Tensor, sin: &Tensor) -> R<Tensor> {
+    let key = (cos.id(), sin.id());
+    if let Some(t) = TABLES.with(|c| {
+        c.borrow()
+            .iter()
+            .find(|(a, b, _)| (*a, *b) == key)
+            .map(|(_, _, t)| t.clone())
+    }) {
+        return Ok(t);
+    }
+    let t = Tensor::stack(&[cos.contiguous()?, sin.contiguous()?], 0)?.detach();
+    TABLES.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.len() == 2 {
+            c.remove(0);
+        }
+        c.push((key.0, key.1, t.clone()));
+    });
+    Ok(t)
 }
 
 /// Forward: x (B, T, H, D) -> (B, H, T, D). Backward (`backward`): dy (B, H, T, D) -> dx

@@ -39,6 +39,7 @@ pub mod cross_entropy;
 pub mod cuda;
 pub mod dispatch;
 pub mod dropout;
+pub mod flash_attn;
 pub mod fused;
 pub mod ggml;
 pub mod lora_linear;
