@@ -49,12 +49,27 @@
 
 typedef unsigned long long fa_u64;
 
-// The problem: q (B H, T, D) (the n_rep query heads of a kv head adjacent: q's (B, KV, n_rep T,
-// D)), k and v (B KV, T, D), first (B, T), lse and D (B H T) f32. cap 0: no soft-capping.
+// Where a tensor's rows are: row (b, head, p) at b * b_ + head * h + p * p_, its d elements
+// contiguous; so heads-major (B, N, T, D) and tokens-major (B, T, N, D) layouts alike.
+struct FaStrides {
+    fa_u64 b, h, p;
+};
+
+// The problem: H = KV n_rep query heads (the n_rep of a kv head adjacent), T positions, head
+// dim d; q and dq laid out as `q`, k and dk as `k`, v as `v`, y and dY as `y`, dv as `dv`;
+// first (B, T); lse (B H T) f32, row b H T + h T + p. cap 0: no soft-capping.
 struct FaShape {
     fa_u64 t, d, heads, n_rep;
     float cap, inv_cap;
+    FaStrides q, k, v, y, dv;
 };
+
+// Row (b, head, p)'s first element.
+template <typename T>
+__device__ __forceinline__ T *fa_row(T *x, const FaStrides st, const fa_u64 b, const fa_u64 head,
+                                     const fa_u64 p) {
+    return x + b * st.b + head * st.h + p * st.p;
+}
 
 // The 16-bit element types: their bits in shared memory, widened to f32, rounded from f32.
 #ifdef LG_HOST_EMULATION
@@ -140,14 +155,15 @@ __device__ __forceinline__ float fa_rowdot(const T *dy, const T *y, const fa_u64
     return acc;
 }
 
-// Rows [r0, r0 + n) of a (.., d) tensor into a tile of shared memory, zeros past n.
+// Rows [r0, r0 + n) of one head (rows `sp` apart from `src`) into a tile of shared memory,
+// zeros past n.
 template <typename T>
 __device__ __forceinline__ void fa_load(unsigned short (*dst)[FA_DMAX], const T *src,
-                                        const fa_u64 r0, const fa_u64 n, const fa_u64 d,
-                                        const unsigned rows) {
+                                        const fa_u64 sp, const fa_u64 r0, const fa_u64 n,
+                                        const fa_u64 d, const unsigned rows) {
     for (fa_u64 e = LG_TID; e < (fa_u64)rows * d; e += FA_THREADS) {
         const fa_u64 r = e / d, c = e % d;
-        dst[r][c] = r < n ? fa_bits(src[(r0 + r) * d + c]) : (unsigned short)0;
+        dst[r][c] = r < n ? fa_bits(src[(r0 + r) * sp + c]) : (unsigned short)0;
     }
 }
 
@@ -163,11 +179,11 @@ __device__ __forceinline__ void fa_fwd(const T *q, const T *k, const T *v,
     LG_SHARED fa_u64 fs[FA_M];
     const T *tag = nullptr;
     const unsigned tid = LG_TID, sr = tid / 8, sc = tid % 8;
-    const fa_u64 bh = LG_BY, b = bh / s.heads, kvh = bh / s.n_rep, d = s.d;
+    const fa_u64 bh = LG_BY, b = bh / s.heads, h = bh % s.heads, g = h / s.n_rep, d = s.d;
     const fa_u64 p0 = (fa_u64)LG_BX * FA_M;
     const fa_u64 rows = s.t - p0 < FA_M ? s.t - p0 : FA_M;
-    const T *kb = k + kvh * s.t * d, *vb = v + kvh * s.t * d;
-    fa_load(qs, q + bh * s.t * d, p0, rows, d, FA_M);
+    const T *kb = fa_row(k, s.k, b, g, 0), *vb = fa_row(v, s.v, b, g, 0);
+    fa_load(qs, fa_row(q, s.q, b, h, 0), s.q.p, p0, rows, d, FA_M);
     if (tid < FA_M) {
         fs[tid] = tid < rows ? first[b * s.t + p0 + tid] : s.t;
         mx[tid] = -INFINITY;
@@ -180,7 +196,7 @@ __device__ __forceinline__ void fa_fwd(const T *q, const T *k, const T *v,
     for (int pass = 0; pass < 2; ++pass) {
         for (fa_u64 j0 = lo; j0 < hi; j0 += FA_N) {
             const fa_u64 nk = hi - j0 < FA_N ? hi - j0 : FA_N;
-            fa_load(kv, kb, j0, nk, d, FA_N);
+            fa_load(kv, kb, s.k.p, j0, nk, d, FA_N);
             LG_SYNC();
             for (unsigned c = 0; c < 2; ++c) {
                 const unsigned jj = sc + 8 * c;
@@ -215,7 +231,7 @@ __device__ __forceinline__ void fa_fwd(const T *q, const T *k, const T *v,
                 const float x = ss[sr][jj];
                 ss[sr][jj] = x == -INFINITY ? 0.0f : fa_rb<T>(LG_EXP(LG_SUB(x, mx[sr])));
             }
-            fa_load(kv, vb, j0, nk, d, FA_N);
+            fa_load(kv, vb, s.v.p, j0, nk, d, FA_N);
             LG_SYNC();
             for (unsigned jj = 0; jj < nk; ++jj) {
                 const float pj = ss[sr][jj];
@@ -233,7 +249,7 @@ __device__ __forceinline__ void fa_fwd(const T *q, const T *k, const T *v,
         }
     }
     if (sr < rows) {
-        T *yr = y + (bh * s.t + p0 + sr) * d;
+        T *yr = fa_row(y, s.y, b, h, p0 + sr);
         for (int c = 0; c < FA_COLS; ++c) {
             const fa_u64 col = sc + 8 * c;
             if (col < d) yr[col] = fa_from(acc[c], tag);
@@ -270,26 +286,27 @@ __device__ __forceinline__ void fa_dkdv(const T *q, const T *k, const T *v, cons
     LG_SHARED fa_u64 fs[FA_M];
     const T *tag = nullptr;
     const unsigned tid = LG_TID, sr = tid / 8, sc = tid % 8;
-    const fa_u64 kvh = LG_BY, kv_heads = s.heads / s.n_rep, b = kvh / kv_heads, d = s.d;
+    const fa_u64 kvh = LG_BY, kv_heads = s.heads / s.n_rep, b = kvh / kv_heads,
+                 g = kvh % kv_heads, d = s.d;
     const fa_u64 j0 = (fa_u64)LG_BX * FA_N;
     const fa_u64 nk = s.t - j0 < FA_N ? s.t - j0 : FA_N;
-    fa_load(ks, k + kvh * s.t * d, j0, nk, d, FA_N);
-    fa_load(vs, v + kvh * s.t * d, j0, nk, d, FA_N);
+    fa_load(ks, fa_row(k, s.k, b, g, 0), s.k.p, j0, nk, d, FA_N);
+    fa_load(vs, fa_row(v, s.v, b, g, 0), s.v.p, j0, nk, d, FA_N);
     float gk[FA_COLS], gv[FA_COLS];
     for (int c = 0; c < FA_COLS; ++c) gk[c] = gv[c] = 0.0f;
     for (fa_u64 rep = 0; rep < s.n_rep; ++rep) {
-        const fa_u64 bh = kvh * s.n_rep + rep;
+        const fa_u64 h = g * s.n_rep + rep, bh = b * s.heads + h;
         for (fa_u64 p0 = j0; p0 < s.t; p0 += FA_M) {
             // the tile's rows see none of these keys, nor do later tiles' (first only grows)
             if (first[b * s.t + p0] >= j0 + nk) break;
             const fa_u64 rows = s.t - p0 < FA_M ? s.t - p0 : FA_M;
-            fa_load(qs, q + bh * s.t * d, p0, rows, d, FA_M);
-            fa_load(dys, dy + bh * s.t * d, p0, rows, d, FA_M);
+            fa_load(qs, fa_row(q, s.q, b, h, 0), s.q.p, p0, rows, d, FA_M);
+            fa_load(dys, fa_row(dy, s.y, b, h, 0), s.y.p, p0, rows, d, FA_M);
             if (tid < FA_M) {
                 fs[tid] = tid < rows ? first[b * s.t + p0 + tid] : s.t;
                 ls[tid] = tid < rows ? lse[bh * s.t + p0 + tid] : 0.0f;
-                ds_[tid] = tid < rows ? fa_rowdot(dy + (bh * s.t + p0 + tid) * d,
-                                                  y + (bh * s.t + p0 + tid) * d, d)
+                ds_[tid] = tid < rows ? fa_rowdot(fa_row(dy, s.y, b, h, p0 + tid),
+                                                  fa_row(y, s.y, b, h, p0 + tid), d)
                                       : 0.0f;
             }
             LG_SYNC();
@@ -319,7 +336,7 @@ __device__ __forceinline__ void fa_dkdv(const T *q, const T *k, const T *v, cons
         }
     }
     if (sr < nk) {
-        T *kr = dk + (kvh * s.t + j0 + sr) * d, *vr = dv + (kvh * s.t + j0 + sr) * d;
+        T *kr = fa_row(dk, s.k, b, g, j0 + sr), *vr = fa_row(dv, s.dv, b, g, j0 + sr);
         for (int c = 0; c < FA_COLS; ++c) {
             const fa_u64 col = sc + 8 * c;
             if (col >= d) continue;
@@ -344,16 +361,16 @@ __device__ __forceinline__ void fa_dq(const T *q, const T *k, const T *v, const 
     LG_SHARED fa_u64 fs[FA_M];
     const T *tag = nullptr;
     const unsigned tid = LG_TID, sr = tid / 8, sc = tid % 8;
-    const fa_u64 bh = LG_BY, b = bh / s.heads, kvh = bh / s.n_rep, d = s.d;
+    const fa_u64 bh = LG_BY, b = bh / s.heads, h = bh % s.heads, g = h / s.n_rep, d = s.d;
     const fa_u64 p0 = (fa_u64)LG_BX * FA_M;
     const fa_u64 rows = s.t - p0 < FA_M ? s.t - p0 : FA_M;
-    fa_load(qs, q + bh * s.t * d, p0, rows, d, FA_M);
-    fa_load(dys, dy + bh * s.t * d, p0, rows, d, FA_M);
+    fa_load(qs, fa_row(q, s.q, b, h, 0), s.q.p, p0, rows, d, FA_M);
+    fa_load(dys, fa_row(dy, s.y, b, h, 0), s.y.p, p0, rows, d, FA_M);
     if (tid < FA_M) {
         fs[tid] = tid < rows ? first[b * s.t + p0 + tid] : s.t;
         ls[tid] = tid < rows ? lse[bh * s.t + p0 + tid] : 0.0f;
-        ds_[tid] = tid < rows ? fa_rowdot(dy + (bh * s.t + p0 + tid) * d,
-                                          y + (bh * s.t + p0 + tid) * d, d)
+        ds_[tid] = tid < rows ? fa_rowdot(fa_row(dy, s.y, b, h, p0 + tid),
+                                          fa_row(y, s.y, b, h, p0 + tid), d)
                               : 0.0f;
     }
     LG_SYNC();
@@ -362,8 +379,8 @@ __device__ __forceinline__ void fa_dq(const T *q, const T *k, const T *v, const 
     for (int c = 0; c < FA_COLS; ++c) acc[c] = 0.0f;
     for (fa_u64 j0 = lo; j0 < hi; j0 += FA_N) {
         const fa_u64 nk = hi - j0 < FA_N ? hi - j0 : FA_N;
-        fa_load(ks, k + kvh * s.t * d, j0, nk, d, FA_N);
-        fa_load(vs, v + kvh * s.t * d, j0, nk, d, FA_N);
+        fa_load(ks, fa_row(k, s.k, b, g, 0), s.k.p, j0, nk, d, FA_N);
+        fa_load(vs, fa_row(v, s.v, b, g, 0), s.v.p, j0, nk, d, FA_N);
         LG_SYNC();
         for (unsigned c = 0; c < 2; ++c) {
             const unsigned jj = sc + 8 * c;
@@ -384,7 +401,7 @@ __device__ __forceinline__ void fa_dq(const T *q, const T *k, const T *v, const 
         LG_SYNC();
     }
     if (sr < rows) {
-        T *qr = dq + (bh * s.t + p0 + sr) * d;
+        T *qr = fa_row(dq, s.q, b, h, p0 + sr);
         for (int c = 0; c < FA_COLS; ++c) {
             const fa_u64 col = sc + 8 * c;
             if (col < d) qr[col] = fa_from(acc[c], tag);

@@ -318,13 +318,22 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
     if m.qk_norm {
         attn += s * (q + kvd); // q_norm, k_norm outputs (Qwen3's, Gemma 3's (1 + w) ones)
     }
-    attn += s * (q + 2 * kvd); // transposed q, k, v (fused: the rotary op's outputs, v)
+    // CUDA's attention kernels read v where its projection wrote it and write y as o_proj
+    // reads it (`tallow_model::kernels::flash_attn`): no transposed copies of either
+    let flash = cfg.model.attention == Attention::Chunked
+        && tallow_model::kernels::dispatch::flash_attention(backend(cpu), dtype(cfg), d);
+    attn += s * (q + kvd); // transposed q, k (fused: the rotary op's outputs)
+    if !flash {
+        attn += s * kvd; // transposed v
+    }
     if !ops.fused_with_bf16 {
         attn += s * (q + kvd); // rotary embedding of q (scaled by 1/sqrt(D)), k
     }
     // (grouped-query heads share their kv head in the matmuls: no repeat_kv copies)
     attn += s * q; // probs · v
-    attn += s * q; // transpose back, contiguous
+    if !flash {
+        attn += s * q; // transpose back, contiguous
+    }
     attn += linear(lo, false);
     let sandwich = m.variant.sandwich_norms;
     if sandwich {

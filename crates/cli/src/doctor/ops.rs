@@ -646,7 +646,7 @@ fn attention_case(
     let y = if generic {
         chunked::chunked_attention_tensor_ops(&q, &k, &v, &mask, 16, softcap)?
     } else {
-        chunked::chunked_attention_capped(&q, &k, &v, &mask, softcap)?
+        tallow_model::kernels::flash_attn::chunked_attention_capped(&q, &k, &v, &mask, softcap)?
     };
     value_and_grads(y, &[&q, &k, &v], 14)
 }

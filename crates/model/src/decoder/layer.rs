@@ -103,7 +103,9 @@ impl Attention {
         // extra tensor), so the graph keeps no unscaled (B, H, T, T) scores.
         let q = self.rope(&q, cos, sin, self.scale)?; // (B, H, T, D)
         let k = self.rope(&k, cos, sin, 1.0)?; // (B, KV, T, D)
-        let v = v.transpose(1, 2)?.contiguous()?; // (B, KV, T, D)
+                                               // A view: CUDA's attention kernels read v's rows where the projection wrote them, the
+                                               // other paths make it contiguous (`core`).
+        let v = v.transpose(1, 2)?; // (B, KV, T, D)
         Ok((q, k, v))
     }
 
@@ -132,7 +134,7 @@ impl Attention {
 
     /// The attention over the whole sequence, between the token-wise projections: the only
     /// part of a layer where a token reads other tokens.
-    /// q: (B, H, T, D), k, v: (B, KV, T, D) -> (B, T, H*D)
+    /// q: (B, H, T, D), k, v: (B, KV, T, D) (v may be a view of (B, T, KV, D)) -> (B, T, H*D)
     pub(crate) fn core(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> Result<Tensor> {
         let (b, _, t, _) = q.dims4()?;
         let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
@@ -141,6 +143,14 @@ impl Attention {
         // (B, KV, n_rep * T, D) multiplies each kv head once, in a larger matmul.
         let n_rep = h / kv;
         let q = q.reshape((b, kv, n_rep * t, d))?; // (B, H, T, D) -> (B, KV, n_rep*T, D), a view
+        if let Mask::Chunked(m) = mask {
+            if crate::kernels::flash_attn::takes(&q, k, v) {
+                // CUDA's kernels: v read tokens-major, y written tokens-major, no transposes
+                let y = crate::kernels::flash_attn::attention_tokens(&q, k, v, m, self.softcap)?;
+                return Ok(y.reshape((b, t, h * d))?); // (B, T, H, D) -> (B, T, H*D)
+            }
+        }
+        let v = &v.contiguous()?;
 
         // Scores in the compute dtype (q carries the 1/sqrt(D) scale, see `qkv`), softmax in
         // f32, cast back, as HF's eager attention; kept grouped (a reshape to (B, H, T, T) would

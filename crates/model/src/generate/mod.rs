@@ -149,14 +149,14 @@ fn attention_cached(
     let (h, kv, d) = (a.num_heads, a.num_kv_heads, a.head_dim);
     let r = h / kv;
     let (q, k, v) = a.qkv(x, cos, sin)?; // q (B, H, t, D), k and v (B, KV, t, D)
-    let k = k.contiguous()?;
+    let (k, v) = (k.contiguous()?, v.contiguous()?);
 
     // Written in place: no new sequence-sized tensor.
     k_cache.slice_set(&k, 2, past)?;
     v_cache.slice_set(&v, 2, past)?;
     if let Some(m) = step.chunked {
         let q = q.reshape((b, kv, r * t, d))?; // (B, KV, R*t, D)
-        let y = crate::kernels::chunked::chunked_attention_capped(
+        let y = crate::kernels::flash_attn::chunked_attention_capped(
             &q,
             &k,
             &v.contiguous()?,

@@ -20,6 +20,10 @@
 //!
 //! Both are wrapped in one custom op ([`chunked_attention`]) whose backward is the matching
 //! block loop, so the autograd graph holds q, k, v, the output and the log-sum-exp only.
+//!
+//! bf16 and f16 on CUDA take kernels of tallow's own instead (`super::flash_attn`, whose
+//! `chunked_attention_capped` and `attention_tokens` route between them and this module); the
+//! tensor-op path here is their twin.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -209,15 +213,6 @@ fn attention(
     );
     let fused = kernel_dtype && k.dtype() == q.dtype() && v.dtype() == q.dtype();
     let tracked = q.track_op() || k.track_op() || v.track_op();
-    let flash = crate::kernels::dispatch::flash_attention(
-        crate::kernels::dispatch::Backend::of(q.device()),
-        q.dtype(),
-        d,
-    ) && k.dtype() == q.dtype()
-        && v.dtype() == q.dtype();
-    if flash && rows.is_none() {
-        return super::flash_attn::attention(&q, &k, &v, mask, softcap, tracked);
-    }
     if !fused || rows.is_some() {
         let n_rep = r / t;
         let rows = rows.unwrap_or_else(|| block_rows(b, kv * n_rep, t));
@@ -994,13 +989,13 @@ pub(super) fn generic_bwd(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use candle_core::Var;
 
     /// Row 0 packs three documents (40, 70, 40 tokens), row 1 is one: blocks cross document
     /// and window boundaries.
-    fn segments(t: usize) -> Vec<Vec<u32>> {
+    pub(crate) fn segments(t: usize) -> Vec<Vec<u32>> {
         let row0 = (0..t)
             .map(|i| match i {
                 0..40 => 0,
@@ -1012,7 +1007,7 @@ mod tests {
     }
 
     /// Value and the gradients of sum(y * w) for q, k, v through `f`.
-    fn run(
+    pub(crate) fn run(
         f: impl Fn(&Tensor, &Tensor, &Tensor) -> R<Tensor>,
         qkv: &[Var; 3],
         w: &Tensor,
@@ -1026,7 +1021,7 @@ mod tests {
         Ok(out)
     }
 
-    fn max_rel(a: &Tensor, b: &Tensor) -> f64 {
+    pub(crate) fn max_rel(a: &Tensor, b: &Tensor) -> f64 {
         let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap();
         let scale = b.abs().unwrap().max_all().unwrap();
         let (d, s) = (
@@ -1043,7 +1038,7 @@ mod tests {
         d / s.max(1e-30)
     }
 
-    fn inputs(dtype: DType, t: usize) -> R<([Var; 3], Tensor)> {
+    pub(crate) fn inputs(dtype: DType, t: usize) -> R<([Var; 3], Tensor)> {
         let dev = Device::Cpu;
         let (b, kv, n_rep, d) = (2, 2, 2, 8);
         let q = (Tensor::randn(0f32, 1., (b, kv, n_rep * t, d), &dev)? * 0.5)?;
@@ -1093,61 +1088,6 @@ mod tests {
             }
         }
         Ok(())
-    }
-
-    /// Under `TALLOW_CUDA_PATHS_ON_CPU`, bf16 chunked attention takes the flash kernels' op
-    /// (`super::super::flash_attn`): its forward counts one launch (the tensor-op path it
-    /// twins, in blocks of 16 rows, issues about 9 per block: 89 here, 91 with the window and
-    /// the cap), its value and gradients are the tensor-op
-    /// path's bit for bit, with and without a window and a soft-cap; f32 keeps the tensor-op
-    /// path. Dispatching bf16 past the flash op fails the launch count.
-    #[test]
-    fn bf16_on_the_cuda_path_takes_the_flash_op() -> R<()> {
-        let t = 150;
-        let segs = segments(t);
-        crate::kernels::dispatch::with_cuda_paths_on_cpu(|| -> R<()> {
-            for (window, cap) in [(None, None), (Some(20), Some(3.0))] {
-                let (qkv, w) = inputs(DType::BF16, t)?;
-                let mask = AttentionMask::new(&segs, window, &Device::Cpu)?;
-                let (q, k, v) = (qkv[0].as_tensor(), qkv[1].as_tensor(), qkv[2].as_tensor());
-                let before = candle_core::launches::count_on_this_thread();
-                let y = chunked_attention_capped(q, k, v, &mask, cap)?;
-                let launches = candle_core::launches::count_on_this_thread() - before;
-                assert_eq!(launches, 1, "window {window:?} cap {cap:?}");
-                let before = candle_core::launches::count_on_this_thread();
-                chunked_attention_tensor_ops(q, k, v, &mask, 16, cap)?;
-                let generic = candle_core::launches::count_on_this_thread() - before;
-                assert!(generic > 10, "{generic}");
-                let rows = crate::kernels::flash_attn::TWIN_ROWS;
-                drop(y);
-                let got = run(
-                    |q, k, v| chunked_attention_capped(q, k, v, &mask, cap),
-                    &qkv,
-                    &w,
-                )?;
-                let want = run(
-                    |q, k, v| chunked_attention_tensor_ops(q, k, v, &mask, rows, cap),
-                    &qkv,
-                    &w,
-                )?;
-                for (name, (a, b)) in ["y", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
-                    let e = max_rel(a, b);
-                    assert!(e == 0.0, "window {window:?} cap {cap:?} {name}: {e:e}");
-                }
-            }
-            let (qkv, _) = inputs(DType::F32, t)?;
-            let mask = AttentionMask::new(&segs, None, &Device::Cpu)?;
-            let before = candle_core::launches::count_on_this_thread();
-            chunked_attention(
-                qkv[0].as_tensor(),
-                qkv[1].as_tensor(),
-                qkv[2].as_tensor(),
-                &mask,
-            )?;
-            let f32_launches = candle_core::launches::count_on_this_thread() - before;
-            assert!(f32_launches > 1, "f32: {f32_launches}");
-            Ok(())
-        })
     }
 
     /// The block kernels' twins (`super::super::attn_block`: the CUDA path's ops, taken under

@@ -123,14 +123,18 @@ pub fn lora_one_op(backend: Backend, x: DType, adapter: DType) -> bool {
     }
 }
 
+/// The largest head dim chunked attention's CUDA kernels take (their shared-memory tiles,
+/// `FA_DMAX` in `kernels/flash_attn.cuh`); a larger one keeps the tensor-op path.
+pub const FLASH_MAX_HEAD_DIM: usize = 256;
+
 /// Chunked attention runs as the CUDA kernels of `super::flash_attn` (forward one launch,
 /// backward two, whatever the length): on CUDA, bf16 and f16 q, k, v with heads of at most
-/// [`super::flash_attn::MAX_HEAD_DIM`]. f32 keeps the tensor-op path (cuBLAS's matmuls in f32
-/// around the block kernels of `super::attn_block`).
+/// [`FLASH_MAX_HEAD_DIM`]. f32 keeps the tensor-op path (cuBLAS's matmuls in f32 around the
+/// block kernels of `super::attn_block`).
 pub fn flash_attention(backend: Backend, dtype: DType, head_dim: usize) -> bool {
     backend == Backend::Cuda
         && matches!(dtype, DType::BF16 | DType::F16)
-        && head_dim <= super::flash_attn::MAX_HEAD_DIM
+        && head_dim <= FLASH_MAX_HEAD_DIM
 }
 
 /// Chunked attention runs its CPU kernel on q, k, v of `dtype` (soft-capped or not).

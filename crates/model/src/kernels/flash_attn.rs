@@ -4,13 +4,16 @@
 //! of [`super::chunked`] takes about a dozen per block of query rows and layer. Nothing (T, T)
 //! is stored; the graph keeps q, k, v, the output and each row's f32 log-sum-exp, as it does for
 //! the tensor-op path. Grouped-query heads read their kv head directly; packed rows and sliding
-//! windows are each position's first visible key ([`AttentionMask`]'s `first` on the device);
-//! Gemma 2's soft-cap is applied in the kernels.
+//! windows are each position's first visible key ([`AttentionMask::first_keys`]); Gemma 2's
+//! soft-cap is applied in the kernels. The kernels read and write rows through strides, so the
+//! decoder layer hands v over where its projection wrote it, (B, T, KV, D), and takes y back
+//! as (B, T, H, D) ([`attention_tokens`]): no head transposes forward or backward.
 //!
 //! The CPU twin is the tensor-op path itself (`chunked::generic_fwd` / `generic_bwd`), whose
 //! arithmetic the kernels follow (the header says where they round): under
-//! `TALLOW_CUDA_PATHS_ON_CPU` it computes the values and the op counts the kernels' launches
-//! ([`LAUNCHES`]); `tallow doctor` compares the kernels on a GPU with it.
+//! `TALLOW_CUDA_PATHS_ON_CPU` it computes the values (and the layouts' copies, uncounted) and
+//! the op counts the kernels' launches ([`LAUNCHES`]); `tallow doctor` compares the kernels on
+//! a GPU with the CPU.
 
 use std::sync::Mutex;
 
@@ -21,10 +24,6 @@ use super::chunked::{generic_bwd, generic_fwd, AttentionMask, Saved};
 
 type R<T> = candle_core::Result<T>;
 
-/// The largest head dim the kernels take (their shared-memory tiles, `FA_DMAX`); a larger
-/// one keeps the tensor-op path.
-pub const MAX_HEAD_DIM: usize = 256;
-
 /// Query positions per block of the twin's tensor-op path: the kernels' tile, so that what the
 /// twin allocates at a time (a block's scores, B x H x 16 x T) stays near the kernels' nothing,
 /// and a `TALLOW_CUDA_PATHS_ON_CPU` run's peak near the GPU's.
@@ -33,36 +32,103 @@ pub const TWIN_ROWS: usize = 16;
 /// Device launches of the forward and of the backward.
 pub const LAUNCHES: (usize, usize) = (1, 2);
 
-/// softmax(cap(q kᵀ) + mask) v through the kernels (the twin on the CPU). q: (B, KV, n_rep T, D)
-/// carrying the scale, k, v: (B, KV, T, D), contiguous, all of one dtype.
-pub(super) fn attention(
+/// Whether chunked attention over these q (B, KV, n_rep T, D), k, v takes the kernels: the
+/// dispatch rule's [`super::dispatch::flash_attention`] for q's device, dtype and head dim, with
+/// k and v of q's dtype.
+pub fn takes(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
+    let d = q.dims().last().copied().unwrap_or(0);
+    super::dispatch::flash_attention(super::dispatch::Backend::of(q.device()), q.dtype(), d)
+        && k.dtype() == q.dtype()
+        && v.dtype() == q.dtype()
+}
+
+/// How the output is laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Out {
+    /// (B, KV, n_rep T, D), as `chunked_attention` returns it.
+    Heads,
+    /// (B, T, H, D), as the decoder layer's o_proj reads it.
+    Tokens,
+}
+
+/// softmax(cap(q kᵀ) + mask) v through the kernels, y (B, T, H, D): the decoder layer's entry.
+/// q: (B, KV, n_rep T, D) carrying the scale, k: (B, KV, T, D), v: (B, KV, T, D), contiguous or
+/// the transposed view of a contiguous (B, T, KV, D) (which the kernels read as it is; its
+/// gradient comes back laid out the same way).
+pub fn attention_tokens(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    softcap: Option<f64>,
+) -> R<Tensor> {
+    let tracked = q.track_op() || k.track_op() || v.track_op();
+    attention(q, k, v, mask, softcap, tracked, Out::Tokens)
+}
+
+/// Chunked attention, y (B, KV, n_rep T, D) as [`super::chunked::chunked_attention_capped`]
+/// returns it: through the kernels where [`takes`] says so, else that function (the CPU kernel
+/// or the tensor-op path).
+pub fn chunked_attention_capped(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    softcap: Option<f64>,
+) -> R<Tensor> {
+    if !takes(q, k, v) {
+        return super::chunked::chunked_attention_capped(q, k, v, mask, softcap);
+    }
+    let tracked = q.track_op() || k.track_op() || v.track_op();
+    attention(q, k, v, mask, softcap, tracked, Out::Heads)
+}
+
+/// v laid out (B, T, KV, D) under its (B, KV, T, D) shape.
+fn tokens_major(v: &Tensor) -> bool {
+    !v.is_contiguous() && v.transpose(1, 2).is_ok_and(|t| t.is_contiguous())
+}
+
+/// [`attention_tokens`] with the output laid out as `out`.
+fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     mask: &AttentionMask,
     softcap: Option<f64>,
     tracked: bool,
+    out: Out,
 ) -> R<Tensor> {
-    let (b, kv, r, _) = q.dims4()?;
+    let (q, k) = (q.contiguous()?, k.contiguous()?);
+    let v = if v.is_contiguous() || tokens_major(v) {
+        v.clone()
+    } else {
+        v.contiguous()?
+    };
+    let (b, kv, r, d) = q.dims4()?;
     let t = k.dim(2)?;
-    if b * kv * (r / t) > 65535 {
+    let h = kv * (r / t);
+    if b * h > 65535 {
         candle_core::bail!(
-            "chunked attention: {b} rows x {} heads is past the kernels' grid (65535); use a \
-             smaller micro-batch",
-            kv * (r / t)
+            "chunked attention: {b} rows x {h} heads is past the kernels' grid (65535); use a \
+             smaller micro-batch"
         );
     }
     // The twin computes the output before the op (its forward hands a copy over).
     let precomputed = if q.device().is_cpu() {
-        let (y, lse) = candle_core::launches::uncounted(|| {
-            generic_fwd(
+        let (y, lse) = candle_core::launches::uncounted(|| -> R<(Tensor, Tensor)> {
+            let (y, lse) = generic_fwd(
                 &q.detach(),
                 &k.detach(),
-                &v.detach(),
+                &v.detach().contiguous()?,
                 mask,
                 TWIN_ROWS,
                 softcap,
-            )
+            )?;
+            let y = match out {
+                Out::Heads => y,
+                Out::Tokens => y.reshape((b, h, t, d))?.transpose(1, 2)?.contiguous()?,
+            };
+            Ok((y, lse))
         })?;
         Some((y, lse))
     } else {
@@ -75,23 +141,36 @@ pub(super) fn attention(
     let op = FlashAttention {
         mask: mask.clone(),
         softcap,
+        out,
         y: Mutex::new(y),
         lse: Mutex::new(lse),
     };
     if tracked {
-        q.apply_op3(k, v, op)
+        q.apply_op3(&k, &v, op)
     } else {
-        q.apply_op3_no_bwd(k, v, &op)
+        q.apply_op3_no_bwd(&k, &v, &op)
     }
 }
 
 struct FlashAttention {
     mask: AttentionMask,
     softcap: Option<f64>,
+    out: Out,
     /// The twin's output, taken by the forward.
     y: Mutex<Option<Tensor>>,
     /// (B, KV, n_rep T) f32, taken by the backward.
     lse: Mutex<Option<Tensor>>,
+}
+
+/// The output's shape for q (B, KV, n_rep T, D) and k (B, KV, T, D).
+#[cfg(feature = "cuda")]
+fn out_shape(out: Out, ql: &Layout, kl: &Layout) -> R<Shape> {
+    let (b, kv, r, d) = ql.shape().dims4()?;
+    let t = kl.shape().dims4()?.2;
+    Ok(match out {
+        Out::Heads => ql.shape().clone(),
+        Out::Tokens => Shape::from((b, t, kv * (r / t), d)),
+    })
 }
 
 impl CustomOp3 for FlashAttention {
@@ -129,9 +208,10 @@ impl CustomOp3 for FlashAttention {
         v: &candle_core::CudaStorage,
         vl: &Layout,
     ) -> R<(candle_core::CudaStorage, Shape)> {
-        let (y, lse) = cuda::forward((q, ql), (k, kl), (v, vl), &self.mask, self.softcap)?;
+        let shape = out_shape(self.out, ql, kl)?;
+        let (y, lse) = cuda::forward((q, ql), (k, kl), (v, vl), &self.mask, self.softcap, &shape)?;
         *self.lse.lock().expect("lse lock") = Some(lse);
-        Ok((y, ql.shape().clone()))
+        Ok((y, shape))
     }
 
     fn bwd(
@@ -148,15 +228,24 @@ impl CustomOp3 for FlashAttention {
             })?;
         let dy = dy.contiguous()?;
         if q.device().is_cpu() {
-            let saved = Saved {
-                q,
-                k,
-                v,
-                y,
-                dy: &dy,
-                lse: &lse,
-            };
-            let (dq, dk, dv) = candle_core::launches::uncounted(|| {
+            let (dq, dk, dv) = candle_core::launches::uncounted(|| -> R<_> {
+                let (b, kv, r, d) = q.dims4()?;
+                // the twin's layouts: y and dY heads-major, v contiguous
+                let heads = |x: &Tensor| -> R<Tensor> {
+                    match self.out {
+                        Out::Heads => Ok(x.clone()),
+                        Out::Tokens => x.transpose(1, 2)?.contiguous()?.reshape((b, kv, r, d)),
+                    }
+                };
+                let (y, dy, v) = (heads(y)?, heads(&dy)?, v.contiguous()?);
+                let saved = Saved {
+                    q,
+                    k,
+                    v: &v,
+                    y: &y,
+                    dy: &dy,
+                    lse: &lse,
+                };
                 generic_bwd(saved, &self.mask, TWIN_ROWS, self.softcap)
             })?;
             candle_core::launches::add("flash-attention-dkdv");
@@ -165,7 +254,7 @@ impl CustomOp3 for FlashAttention {
         }
         #[cfg(feature = "cuda")]
         {
-            let (dq, dk, dv) = cuda::backward(q, k, v, y, &dy, &lse, &self.mask, self.softcap)?;
+            let (dq, dk, dv) = cuda::backward([q, k, v, y, &dy, &lse], &self.mask, self.softcap)?;
             Ok((Some(dq), Some(dk), Some(dv)))
         }
         #[cfg(not(feature = "cuda"))]
@@ -176,10 +265,12 @@ impl CustomOp3 for FlashAttention {
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::op::BackpropOp;
-    use candle_core::{CudaStorage, DType, Layout, Storage, Tensor};
+    use candle_core::{CudaStorage, DType, Layout, Shape, Storage, Tensor};
     use half::{bf16, f16};
 
     use super::{AttentionMask, R};
@@ -188,9 +279,13 @@ mod cuda {
     /// Query rows (and keys) per tile of the kernels (`FA_M`, `FA_N`).
     const TILE: usize = 16;
 
-    /// The kernels' tiles over T positions.
-    fn tiles(t: usize) -> usize {
-        t.div_ceil(TILE)
+    /// The kernels' `FaStrides`: row (b, head, p) at b * b + head * h + p * p.
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct FaStrides {
+        b: u64,
+        h: u64,
+        p: u64,
     }
 
     /// The kernels' `FaShape`.
@@ -203,11 +298,39 @@ mod cuda {
         n_rep: u64,
         cap: f32,
         inv_cap: f32,
+        q: FaStrides,
+        k: FaStrides,
+        v: FaStrides,
+        y: FaStrides,
+        dv: FaStrides,
     }
 
-    // SAFETY: a plain #[repr(C)] struct of four u64 and two f32 (40 bytes, 8-aligned), laid out
-    // as the kernels' C struct.
+    // SAFETY: plain #[repr(C)] structs of u64 and f32 fields, laid out as the kernels' C structs
+    // (four u64, two f32, then five triples of u64: 160 bytes, 8-aligned, no padding).
     unsafe impl DeviceRepr for FaShape {}
+
+    /// A rank-4 tensor's strides over its first three dims; its rows must be contiguous.
+    fn strides(l: &Layout, what: &str) -> R<FaStrides> {
+        let st = l.stride();
+        if st.len() != 4 || (st[3] != 1 && l.dims()[3] > 1) {
+            candle_core::bail!("flash attention: {what}'s rows are not contiguous ({st:?})");
+        }
+        Ok(FaStrides {
+            b: st[0] as u64,
+            h: st[1] as u64,
+            p: st[2] as u64,
+        })
+    }
+
+    /// The strides of a contiguous tensor of `shape` (rank 4).
+    fn contiguous(shape: &Shape) -> R<FaStrides> {
+        strides(&Layout::contiguous(shape), "an output")
+    }
+
+    /// A tensor's elements from its layout's start (its strides say where its rows are).
+    fn strided<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> R<CudaView<'a, T>> {
+        Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..))
+    }
 
     /// (B, KV, n_rep, T, D) of q (B, KV, n_rep T, D) and k (B, KV, T, D).
     fn dims(ql: &Layout, kl: &Layout) -> R<(usize, usize, usize, usize, usize)> {
@@ -216,7 +339,12 @@ mod cuda {
         Ok((b, kv, r / t, t, d))
     }
 
-    fn shape(dims: (usize, usize, usize, usize, usize), softcap: Option<f64>) -> FaShape {
+    /// The problem; the strides of q, k, v, y and dv.
+    fn shape(
+        dims: (usize, usize, usize, usize, usize),
+        softcap: Option<f64>,
+        [q, k, v, y, dv]: [FaStrides; 5],
+    ) -> FaShape {
         let (_, kv, n_rep, t, d) = dims;
         // the cap and 1 / cap as the tensor-op path's kernels take them (`attn_block::Block`)
         let cap = softcap.unwrap_or(0.0) as f32;
@@ -231,12 +359,17 @@ mod cuda {
             } else {
                 0.0
             },
+            q,
+            k,
+            v,
+            y,
+            dv,
         }
     }
 
-    fn config(tiles: usize, groups: usize) -> LaunchConfig {
+    fn config(t: usize, groups: usize) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (tiles as u32, groups as u32, 1),
+            grid_dim: (t.div_ceil(TILE) as u32, groups as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         }
@@ -251,10 +384,7 @@ mod cuda {
     }
 
     /// The mask's first visible keys (B, T) u32 on the device, for `f`.
-    fn with_first<X>(
-        mask: &AttentionMask,
-        f: impl FnOnce(&candle_core::cuda_backend::cudarc::driver::CudaView<'_, u32>) -> R<X>,
-    ) -> R<X> {
+    fn with_first<X>(mask: &AttentionMask, f: impl FnOnce(&CudaView<'_, u32>) -> R<X>) -> R<X> {
         let (st, l) = mask.first_keys().storage_and_layout();
         let Storage::Cuda(c) = &*st else {
             candle_core::bail!("flash attention: the mask is not on the GPU")
@@ -262,13 +392,14 @@ mod cuda {
         f(&view::<u32>(c, l, "attention mask")?)
     }
 
-    /// y (q's shape and dtype) and lse (B, KV, n_rep T) f32.
+    /// y (`shape`, q's dtype, contiguous) and lse (B, KV, n_rep T) f32.
     pub(super) fn forward(
         (q, ql): (&CudaStorage, &Layout),
         (k, kl): (&CudaStorage, &Layout),
         (v, vl): (&CudaStorage, &Layout),
         mask: &AttentionMask,
         softcap: Option<f64>,
+        out: &Shape,
     ) -> R<(CudaStorage, Tensor)> {
         fn run<T: CudaDType + DeviceRepr>(
             (q, ql): (&CudaStorage, &Layout),
@@ -276,19 +407,27 @@ mod cuda {
             (v, vl): (&CudaStorage, &Layout),
             mask: &AttentionMask,
             softcap: Option<f64>,
+            out: &Shape,
         ) -> R<(CudaStorage, Tensor)> {
             let dev = q.device().clone();
             let dims = dims(ql, kl)?;
             let (b, kv, n_rep, t, _) = dims;
-            let s = shape(dims, softcap);
+            let st = [
+                strides(ql, "q")?,
+                strides(kl, "k")?,
+                strides(vl, "v")?,
+                contiguous(out)?,
+                contiguous(vl.shape())?,
+            ];
+            let s = shape(dims, softcap, st);
             let (qv, kv_, vv) = (
-                view::<T>(q, ql, "attention q")?,
-                view::<T>(k, kl, "attention k")?,
-                view::<T>(v, vl, "attention v")?,
+                strided::<T>(q, ql)?,
+                strided::<T>(k, kl)?,
+                strided::<T>(v, vl)?,
             );
             let rows = b * kv * n_rep * t;
             // SAFETY: the kernel writes every row of y and every lse.
-            let y = unsafe { dev.alloc::<T>(ql.shape().elem_count())? };
+            let y = unsafe { dev.alloc::<T>(out.elem_count())? };
             let lse = unsafe { dev.alloc::<f32>(rows)? };
             if rows > 0 {
                 with_first(mask, |first| {
@@ -302,7 +441,7 @@ mod cuda {
                     bld.arg(&lse);
                     bld.arg(&s);
                     // SAFETY: argument types and order match `tallow_fa_fwd_*`.
-                    unsafe { bld.launch(config(tiles(t), b * kv * n_rep)) }.w()?;
+                    unsafe { bld.launch(config(t, b * kv * n_rep)) }.w()?;
                     Ok(())
                 })?;
             }
@@ -314,22 +453,18 @@ mod cuda {
             );
             Ok((CudaStorage::wrap_cuda_slice(y, dev), lse))
         }
+        let args = ((q, ql), (k, kl), (v, vl));
         match q.dtype() {
-            DType::BF16 => run::<bf16>((q, ql), (k, kl), (v, vl), mask, softcap),
-            DType::F16 => run::<f16>((q, ql), (k, kl), (v, vl), mask, softcap),
+            DType::BF16 => run::<bf16>(args.0, args.1, args.2, mask, softcap, out),
+            DType::F16 => run::<f16>(args.0, args.1, args.2, mask, softcap, out),
             dt => candle_core::bail!("flash attention: {dt:?} (bf16 / f16 only)"),
         }
     }
 
-    /// dq, dk, dv: two launches.
-    #[allow(clippy::too_many_arguments)]
+    /// dq, dk and dv, contiguous in q's, k's and v's shapes (v itself may be a tokens-major
+    /// view): two launches. `ts`: q, k, v, y, dY (contiguous, y's shape), lse.
     pub(super) fn backward(
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        y: &Tensor,
-        dy: &Tensor,
-        lse: &Tensor,
+        ts: [&Tensor; 6],
         mask: &AttentionMask,
         softcap: Option<f64>,
     ) -> R<(Tensor, Tensor, Tensor)> {
@@ -351,28 +486,35 @@ mod cuda {
                     _ => candle_core::bail!("flash attention: an input is not on the GPU"),
                 }
             }
-            let (qc, kc, vc, yc, dyc, lc) = (
-                cuda(&qs)?,
-                cuda(&ks)?,
-                cuda(&vs)?,
-                cuda(&ys)?,
-                cuda(&dys)?,
-                cuda(&ls)?,
-            );
-            let dev = qc.device().clone();
+            let dev = cuda(&qs)?.device().clone();
             let dims = dims(ql, kl)?;
             let (b, kv, n_rep, t, _) = dims;
-            let s = shape(dims, softcap);
-            let qv = view::<T>(qc, ql, "attention q")?;
-            let kv_ = view::<T>(kc, kl, "attention k")?;
-            let vv = view::<T>(vc, vl, "attention v")?;
-            let yv = view::<T>(yc, yl, "attention y")?;
-            let dyv = view::<T>(dyc, dyl, "attention dY")?;
-            let lv = view::<f32>(lc, ll, "attention lse")?;
+            // dY must lie as y does (the kernels read both with y's strides), q and k as dq and
+            // dk will
+            if !dyl.is_contiguous() || !yl.is_contiguous() {
+                candle_core::bail!("flash attention: y and dY must be contiguous");
+            }
+            if !ql.is_contiguous() || !kl.is_contiguous() {
+                candle_core::bail!("flash attention: q and k must be contiguous");
+            }
+            let st = [
+                contiguous(ql.shape())?,
+                contiguous(kl.shape())?,
+                strides(vl, "v")?,
+                contiguous(yl.shape())?,
+                contiguous(vl.shape())?,
+            ];
+            let s = shape(dims, softcap, st);
+            let qv = view::<T>(cuda(&qs)?, ql, "attention q")?;
+            let kv_ = view::<T>(cuda(&ks)?, kl, "attention k")?;
+            let vv = strided::<T>(cuda(&vs)?, vl)?;
+            let yv = view::<T>(cuda(&ys)?, yl, "attention y")?;
+            let dyv = view::<T>(cuda(&dys)?, dyl, "attention dY")?;
+            let lv = view::<f32>(cuda(&ls)?, ll, "attention lse")?;
             // SAFETY: the kernels write every row of dq, dk and dv.
             let dq = unsafe { dev.alloc::<T>(ql.shape().elem_count())? };
             let dk = unsafe { dev.alloc::<T>(kl.shape().elem_count())? };
-            let dv = unsafe { dev.alloc::<T>(kl.shape().elem_count())? };
+            let dv = unsafe { dev.alloc::<T>(vl.shape().elem_count())? };
             let sfx = suffix(q.dtype())?;
             if t > 0 {
                 with_first(mask, |first| {
@@ -387,7 +529,7 @@ mod cuda {
                     bld.arg(&dv);
                     bld.arg(&s);
                     // SAFETY: argument types and order match `tallow_fa_dkdv_*`.
-                    unsafe { bld.launch(config(tiles(t), b * kv)) }.w()?;
+                    unsafe { bld.launch(config(t, b * kv)) }.w()?;
                     let f = func(&dev, &format!("tallow_fa_dq_{sfx}"))?;
                     let mut bld = f.builder();
                     for a in [&qv, &kv_, &vv, &dyv, &yv] {
@@ -398,14 +540,13 @@ mod cuda {
                     bld.arg(&dq);
                     bld.arg(&s);
                     // SAFETY: argument types and order match `tallow_fa_dq_*`.
-                    unsafe { bld.launch(config(tiles(t), b * kv * n_rep)) }.w()?;
+                    unsafe { bld.launch(config(t, b * kv * n_rep)) }.w()?;
                     Ok(())
                 })?;
             }
             candle_core::launches::add("flash-attention-dkdv");
             candle_core::launches::add("flash-attention-dq");
-            let wrap = |slice: candle_core::cuda_backend::cudarc::driver::CudaSlice<T>,
-                        shape: &candle_core::Shape| {
+            let wrap = |slice: CudaSlice<T>, shape: &Shape| {
                 Tensor::from_storage(
                     Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone())),
                     shape.clone(),
@@ -414,16 +555,125 @@ mod cuda {
                 )
             };
             Ok((
-                wrap(dq, q.shape()),
-                wrap(dk, k.shape()),
-                wrap(dv, v.shape()),
+                wrap(dq, ql.shape()),
+                wrap(dk, kl.shape()),
+                wrap(dv, vl.shape()),
             ))
         }
-        let ts = [q, k, v, y, dy, lse];
-        match q.dtype() {
+        match ts[0].dtype() {
             DType::BF16 => run::<bf16>(ts, mask, softcap),
             DType::F16 => run::<f16>(ts, mask, softcap),
             dt => candle_core::bail!("flash attention: {dt:?} (bf16 / f16 only)"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Var};
+
+    use super::R;
+    use crate::kernels::chunked::tests::{inputs, max_rel, run, segments};
+    use crate::kernels::chunked::{chunked_attention_tensor_ops, AttentionMask};
+
+    /// Under `TALLOW_CUDA_PATHS_ON_CPU`, bf16 chunked attention takes the flash kernels' op
+    /// : its forward counts one launch (the tensor-op path it
+    /// twins, in blocks of 16 rows, issues about 9 per block: 89 here, 91 with the window and
+    /// the cap), its value and gradients are the tensor-op
+    /// path's bit for bit, with and without a window and a soft-cap; f32 keeps the tensor-op
+    /// path. Dispatching bf16 past the flash op fails the launch count.
+    #[test]
+    fn bf16_on_the_cuda_path_takes_the_flash_op() -> R<()> {
+        let t = 150;
+        let segs = segments(t);
+        crate::kernels::dispatch::with_cuda_paths_on_cpu(|| -> R<()> {
+            for (window, cap) in [(None, None), (Some(20), Some(3.0))] {
+                let (qkv, w) = inputs(DType::BF16, t)?;
+                let mask = AttentionMask::new(&segs, window, &Device::Cpu)?;
+                let (q, k, v) = (qkv[0].as_tensor(), qkv[1].as_tensor(), qkv[2].as_tensor());
+                let before = candle_core::launches::count_on_this_thread();
+                let y = super::chunked_attention_capped(q, k, v, &mask, cap)?;
+                let launches = candle_core::launches::count_on_this_thread() - before;
+                assert_eq!(launches, 1, "window {window:?} cap {cap:?}");
+                let before = candle_core::launches::count_on_this_thread();
+                chunked_attention_tensor_ops(q, k, v, &mask, 16, cap)?;
+                let generic = candle_core::launches::count_on_this_thread() - before;
+                assert!(generic > 10, "{generic}");
+                let rows = super::TWIN_ROWS;
+                drop(y);
+                let got = run(
+                    |q, k, v| super::chunked_attention_capped(q, k, v, &mask, cap),
+                    &qkv,
+                    &w,
+                )?;
+                let want = run(
+                    |q, k, v| chunked_attention_tensor_ops(q, k, v, &mask, rows, cap),
+                    &qkv,
+                    &w,
+                )?;
+                for (name, (a, b)) in ["y", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+                    let e = max_rel(a, b);
+                    assert!(e == 0.0, "window {window:?} cap {cap:?} {name}: {e:e}");
+                }
+            }
+            let (qkv, _) = inputs(DType::F32, t)?;
+            let mask = AttentionMask::new(&segs, None, &Device::Cpu)?;
+            let before = candle_core::launches::count_on_this_thread();
+            super::chunked_attention_capped(
+                qkv[0].as_tensor(),
+                qkv[1].as_tensor(),
+                qkv[2].as_tensor(),
+                &mask,
+                None,
+            )?;
+            let f32_launches = candle_core::launches::count_on_this_thread() - before;
+            assert!(f32_launches > 1, "f32: {f32_launches}");
+            Ok(())
+        })
+    }
+
+    /// The decoder layer's entry to the flash op (`flash_attn::attention_tokens`): v handed over
+    /// as the (B, KV, T, D) view of a (B, T, KV, D) tensor and y returned as (B, T, H, D), one
+    /// launch forward and no copy of v, y and the gradients bit for bit those of the heads-major
+    /// path (y transposed). Making v contiguous in the entry adds its copy to the launch count
+    /// (2).
+    #[test]
+    fn the_flash_op_reads_v_and_writes_y_tokens_major() -> R<()> {
+        let t = 70;
+        let segs = segments(t);
+        crate::kernels::dispatch::with_cuda_paths_on_cpu(|| -> R<()> {
+            let (qkv, w) = inputs(DType::BF16, t)?;
+            let (b, kv, r, d) = qkv[0].dims4()?;
+            let h = kv * (r / t);
+            let mask = AttentionMask::new(&segs, Some(20), &Device::Cpu)?;
+            // v as the decoder layer has it: (B, T, KV, D) in memory
+            let v_tokens = Var::from_tensor(&qkv[2].transpose(1, 2)?.contiguous()?)?;
+            let v_view = v_tokens.transpose(1, 2)?;
+            let before = candle_core::launches::count_on_this_thread();
+            let y = super::attention_tokens(&qkv[0], &qkv[1], &v_view, &mask, None)?;
+            assert_eq!(candle_core::launches::count_on_this_thread() - before, 1);
+            assert_eq!(y.dims(), &[b, t, h, d]);
+            let w_tokens = w.reshape((b, h, t, d))?.transpose(1, 2)?.contiguous()?;
+            let g = (&y * &w_tokens)?.sum_all()?.backward()?;
+            let dv_tokens = g.get(&v_tokens).expect("dv").clone(); // (B, T, KV, D)
+            let dv_view = dv_tokens.transpose(1, 2)?;
+            let want = run(
+                |q, k, v| super::chunked_attention_capped(q, k, v, &mask, None),
+                &qkv,
+                &w,
+            )?;
+            let y_heads = y.transpose(1, 2)?.reshape((b, kv, r, d))?;
+            let got = [
+                y_heads,
+                g.get(&qkv[0]).expect("dq").clone(),
+                g.get(&qkv[1]).expect("dk").clone(),
+                dv_view,
+            ];
+            for (name, (a, b)) in ["y", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+                let e = max_rel(a, b);
+                assert!(e == 0.0, "{name}: {e:e}");
+            }
+            Ok(())
+        })
     }
 }
