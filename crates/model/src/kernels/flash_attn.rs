@@ -1,7 +1,7 @@
 //! Chunked attention on CUDA for bf16 / f16 q, k, v as kernels of tallow's own
 //! (`kernels/flash_attn.cuh`, in the manner of FlashAttention-2): the forward is one launch and
 //! the backward two (dK / dV, then dQ), whatever the sequence length, where the tensor-op path
-//! of [`super::chunked`] takes about a dozen per block of query rows and layer. Nothing (T, T)
+//! of [`super::chunked`] takes about nine per block of query rows forward alone. Nothing (T, T)
 //! is stored; the graph keeps q, k, v, the output and each row's f32 log-sum-exp, as it does for
 //! the tensor-op path. Grouped-query heads read their kv head directly; packed rows and sliding
 //! windows are each position's first visible key ([`AttentionMask::first_keys`]); Gemma 2's
@@ -53,8 +53,8 @@ enum Out {
 
 /// softmax(cap(q kᵀ) + mask) v through the kernels, y (B, T, H, D): the decoder layer's entry.
 /// q: (B, KV, n_rep T, D) carrying the scale, k: (B, KV, T, D), v: (B, KV, T, D), contiguous or
-/// the transposed view of a contiguous (B, T, KV, D) (which the kernels read as it is; its
-/// gradient comes back laid out the same way).
+/// the transposed view of a contiguous (B, T, KV, D), which the kernels read as it is (its
+/// gradient comes back contiguous in v's shape).
 pub fn attention_tokens(
     q: &Tensor,
     k: &Tensor,
@@ -105,7 +105,19 @@ fn attention(
         v.contiguous()?
     };
     let (b, kv, r, d) = q.dims4()?;
-    let t = k.dim(2)?;
+    let (kb, kkv, t, kd) = k.dims4()?;
+    // the kernels index by these sizes: anything else would read past a tensor
+    if (kb, kkv, kd) != (b, kv, d) || v.shape() != k.shape() || t == 0 || r % t != 0 {
+        candle_core::bail!(
+            "chunked attention: q {:?}, k {:?}, v {:?}",
+            q.shape(),
+            k.shape(),
+            v.shape()
+        );
+    }
+    if mask.first_keys().dims() != [b, t] {
+        candle_core::bail!("chunked attention: the mask is not {b} rows of {t} positions");
+    }
     let h = kv * (r / t);
     if b * h > 65535 {
         candle_core::bail!(
@@ -114,7 +126,7 @@ fn attention(
         );
     }
     // The twin computes the output before the op (its forward hands a copy over).
-    let precomputed = if q.device().is_cpu() {
+    let (y, lse) = if q.device().is_cpu() {
         let (y, lse) = candle_core::launches::uncounted(|| -> R<(Tensor, Tensor)> {
             let (y, lse) = generic_fwd(
                 &q.detach(),
@@ -130,13 +142,9 @@ fn attention(
             };
             Ok((y, lse))
         })?;
-        Some((y, lse))
+        (Some(y), Some(lse))
     } else {
-        None
-    };
-    let (y, lse) = match precomputed {
-        Some((y, lse)) => (Some(y), Some(lse)),
-        None => (None, None),
+        (None, None)
     };
     let op = FlashAttention {
         mask: mask.clone(),
@@ -628,6 +636,30 @@ mod tests {
             )?;
             let f32_launches = candle_core::launches::count_on_this_thread() - before;
             assert!(f32_launches > 1, "f32: {f32_launches}");
+            Ok(())
+        })
+    }
+
+    /// The kernels index by q's, k's, v's and the mask's sizes, so the entry refuses any that
+    /// disagree (a mask for other rows, a v of another length) before anything runs. Without
+    /// the mask's check the twin fails deep inside ("attn-lse: scores [2, 2, 32, 16] for a
+    /// block of 16 x 16") and a GPU's kernels would read past the mask.
+    #[test]
+    fn sizes_that_disagree_are_refused() -> R<()> {
+        crate::kernels::dispatch::with_cuda_paths_on_cpu(|| -> R<()> {
+            let t = 40;
+            let (qkv, _) = inputs(DType::BF16, t)?;
+            let (q, k, v) = (qkv[0].as_tensor(), qkv[1].as_tensor(), qkv[2].as_tensor());
+            let short = AttentionMask::new(&segments(t)[..1], None, &Device::Cpu)?;
+            let e = super::chunked_attention_capped(q, k, v, &short, None).unwrap_err();
+            assert!(
+                e.to_string().contains("the mask is not 2 rows of 40"),
+                "{e}"
+            );
+            let mask = AttentionMask::new(&segments(t), None, &Device::Cpu)?;
+            let v = v.narrow(2, 0, t - 1)?;
+            let e = super::attention_tokens(q, k, &v, &mask, None).unwrap_err();
+            assert!(e.to_string().contains("chunked attention: q"), "{e}");
             Ok(())
         })
     }
