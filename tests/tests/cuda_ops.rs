@@ -242,22 +242,24 @@ fn sum_squares_kernel_runs_on_cpu_threads_bit_for_bit() {
 
 /// Chunked attention's CUDA kernels (`crates/model/kernels/flash_attn.cuh`: the forward with its
 /// online log-sum-exp, dK / dV per key tile, dQ per query tile) run on the CPU the same way
-/// (`tests/cuda_host/flash_attn_host.cpp`), five cases: one tile; grouped heads (3 per kv head)
+/// (`tests/cuda_host/flash_attn_host.cpp`), six cases: one tile; grouped heads (3 per kv head)
 /// over a packed row with partial tiles; a sliding window with a soft-cap; head dim 256; a
-/// window across packed documents (head dims 64, 80, 96, 256, 128). Each output bit for bit
-/// against a loop in the kernels' order, and within 2% of its largest value against attention
-/// computed plainly in f64 (measured 0.23-0.70%, bf16's rounding of the scores and outputs).
-/// Checked: the causal rule off by one (j < p) fails all 5 cases; the soft-cap's derivative
-/// left out fails the capped case; dK / dV summing the first query head of a group only fails
-/// the 3 grouped cases; the running sum not rescaled when the max grows fails 4; a key tile's
-/// query walk stopped at the first tile whose first key reaches the tile's start (not its
-/// end) fails all 5.
+/// window across packed documents; all of these at once (head dims 64, 80, 96, 256, 128, 64),
+/// three of them with v, y and dY laid out tokens-major as the decoder layer has them. Each
+/// output bit for bit against a loop in the kernels' order, and within 2% of its largest value
+/// against attention computed plainly in f64 (measured 0.23-0.73%, bf16's rounding of the
+/// scores and outputs). Checked: the causal rule off by one (j < p) fails all 6 cases; the
+/// soft-cap's derivative left out fails the capped case; dK / dV summing the first query head
+/// of a group only fails the 4 grouped cases; the running sum not rescaled when the max grows
+/// fails 5; a key tile's query walk stopped at the first tile whose first key reaches the
+/// tile's start (not its end) fails all 6; v read with k's strides, or dV written with v's,
+/// fails the 3 tokens-major cases.
 #[test]
 fn flash_attention_kernels_run_on_cpu_threads_bit_for_bit() {
     let out = run_host_kernels("flash_attn_host.cpp");
     assert_eq!(
         out.lines().filter(|l| l.ends_with(": ok")).count(),
-        5,
+        6,
         "{out}"
     );
 }
