@@ -1,9 +1,8 @@
 // The device functions tallow's host-emulable kernels (lora_gemm.cuh, sum_squares.cuh,
-// flash_attn.cuh) are
-// written against. On the GPU they are CUDA's; tests/cuda_host/*.cpp define them for the CPU
-// (LG_HOST_EMULATION: each block's threads on CPU threads, a barrier for __syncthreads, the
-// block's __shared__ arrays as statics, one block at a time) and run the kernels' own source
-// against sequential loops.
+// flash_attn.cuh) are written against. On the GPU they are CUDA's; tests/cuda_host/*.cpp define
+// them for the CPU (LG_HOST_EMULATION: each block's threads on CPU threads, a barrier for
+// __syncthreads, the block's __shared__ arrays as statics, one block at a time) and run the
+// kernels' own source against sequential loops.
 
 #ifndef TALLOW_EMULABLE_CUH
 #define TALLOW_EMULABLE_CUH

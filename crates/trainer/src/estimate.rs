@@ -1928,13 +1928,21 @@ mod tests {
         assert_eq!(cpu.outside_pool_bytes, 0);
         // In bf16 the one-op LoRA linears keep one output each on both devices (CUDA's
         // kernels as the CPU's), and CUDA's hold dx while they run: tallow's kernels read the
-        // bf16 rows, dropout's mask included, so nothing f32 beyond the r-sized products.
+        // bf16 rows, dropout's mask included, so nothing f32 beyond the r-sized products. CUDA's
+        // attention kernels read v and write y where the projections have them: the CPU's
+        // transposed copies of both (bf16, per token) are all that differs.
         let bf16 = cfg(&[]);
         let (b, t) = (bf16.train.micro_batch_size, bf16.data.max_seq_len);
         let on_cuda = layer_activation_bytes(&model(), &bf16, b, t, false);
         let on_cpu = layer_activation_bytes(&model(), &bf16, b, t, true);
-        assert_eq!(on_cpu, on_cuda, "bf16: {on_cpu} (CPU) vs {on_cuda} (CUDA)");
         let tokens = (b * t) as u64;
+        let (h, kv, d) = (m.num_attention_heads, m.num_key_value_heads, m.head_dim);
+        let transposed = tokens * 2 * ((h + kv) * d) as u64;
+        assert_eq!(
+            on_cpu - on_cuda,
+            transposed,
+            "bf16: {on_cpu} (CPU) vs {on_cuda} (CUDA)"
+        );
         let i = model().intermediate_size as u64;
         assert!(bf16.lora.dropout > 0.0);
         // the largest: down_proj's dx (K = I, 2 bytes)
