@@ -270,6 +270,27 @@ __device__ __forceinline__ void fa_pair(const unsigned short *qr, const unsigned
     *ds = fa_ds<T>(x, *p, fa_rb<T>(fa_dot<T>(dyr, vr, s.d)), drow, s);
 }
 
+// The backward's query tile: rows [p0, p0 + rows) of head h of batch entry b, q's and dY's into
+// shared memory, and per row its first visible key, its log-sum-exp and D = rowsum(dY y) (past
+// `rows`: a first key of T, zeros). fa_dkdv and fa_dq load it alike, so both compute the same dS.
+template <typename T>
+__device__ __forceinline__ void fa_load_queries(
+    unsigned short (*qs)[FA_DMAX], unsigned short (*dys)[FA_DMAX], fa_u64 *fs, float *ls,
+    float *drow, const T *q, const T *dy, const T *y, const unsigned *first, const float *lse,
+    const FaShape s, const fa_u64 b, const fa_u64 h, const fa_u64 p0, const fa_u64 rows) {
+    const unsigned tid = LG_TID;
+    const fa_u64 bh = b * s.heads + h;
+    fa_load(qs, fa_row(q, s.q, b, h, 0), s.q.p, p0, rows, s.d, FA_M);
+    fa_load(dys, fa_row(dy, s.y, b, h, 0), s.y.p, p0, rows, s.d, FA_M);
+    if (tid < FA_M) {
+        fs[tid] = tid < rows ? first[b * s.t + p0 + tid] : s.t;
+        ls[tid] = tid < rows ? lse[bh * s.t + p0 + tid] : 0.0f;
+        drow[tid] = tid < rows ? fa_rowdot(fa_row(dy, s.y, b, h, p0 + tid),
+                                           fa_row(y, s.y, b, h, p0 + tid), s.d)
+                               : 0.0f;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // dK and dV (B KV, T, D): grid (ceil(T / FA_N), B KV). A block owns FA_N keys of one kv head
 // and walks, for each of its n_rep query heads, the query tiles from its first key on until
@@ -295,20 +316,12 @@ __device__ __forceinline__ void fa_dkdv(const T *q, const T *k, const T *v, cons
     float gk[FA_COLS], gv[FA_COLS];
     for (int c = 0; c < FA_COLS; ++c) gk[c] = gv[c] = 0.0f;
     for (fa_u64 rep = 0; rep < s.n_rep; ++rep) {
-        const fa_u64 h = g * s.n_rep + rep, bh = b * s.heads + h;
+        const fa_u64 h = g * s.n_rep + rep;
         for (fa_u64 p0 = j0; p0 < s.t; p0 += FA_M) {
             // the tile's rows see none of these keys, nor do later tiles' (first only grows)
             if (first[b * s.t + p0] >= j0 + nk) break;
             const fa_u64 rows = s.t - p0 < FA_M ? s.t - p0 : FA_M;
-            fa_load(qs, fa_row(q, s.q, b, h, 0), s.q.p, p0, rows, d, FA_M);
-            fa_load(dys, fa_row(dy, s.y, b, h, 0), s.y.p, p0, rows, d, FA_M);
-            if (tid < FA_M) {
-                fs[tid] = tid < rows ? first[b * s.t + p0 + tid] : s.t;
-                ls[tid] = tid < rows ? lse[bh * s.t + p0 + tid] : 0.0f;
-                ds_[tid] = tid < rows ? fa_rowdot(fa_row(dy, s.y, b, h, p0 + tid),
-                                                  fa_row(y, s.y, b, h, p0 + tid), d)
-                                      : 0.0f;
-            }
+            fa_load_queries(qs, dys, fs, ls, ds_, q, dy, y, first, lse, s, b, h, p0, rows);
             LG_SYNC();
             for (unsigned c = 0; c < 2; ++c) {
                 const unsigned jj = sc + 8 * c;
@@ -364,15 +377,7 @@ __device__ __forceinline__ void fa_dq(const T *q, const T *k, const T *v, const 
     const fa_u64 bh = LG_BY, b = bh / s.heads, h = bh % s.heads, g = h / s.n_rep, d = s.d;
     const fa_u64 p0 = (fa_u64)LG_BX * FA_M;
     const fa_u64 rows = s.t - p0 < FA_M ? s.t - p0 : FA_M;
-    fa_load(qs, fa_row(q, s.q, b, h, 0), s.q.p, p0, rows, d, FA_M);
-    fa_load(dys, fa_row(dy, s.y, b, h, 0), s.y.p, p0, rows, d, FA_M);
-    if (tid < FA_M) {
-        fs[tid] = tid < rows ? first[b * s.t + p0 + tid] : s.t;
-        ls[tid] = tid < rows ? lse[bh * s.t + p0 + tid] : 0.0f;
-        ds_[tid] = tid < rows ? fa_rowdot(fa_row(dy, s.y, b, h, p0 + tid),
-                                          fa_row(y, s.y, b, h, p0 + tid), d)
-                              : 0.0f;
-    }
+    fa_load_queries(qs, dys, fs, ls, ds_, q, dy, y, first, lse, s, b, h, p0, rows);
     LG_SYNC();
     const fa_u64 lo = fs[0], hi = p0 + rows;
     float acc[FA_COLS];

@@ -195,6 +195,13 @@ fn dtype(cfg: &TrainConfig) -> DType {
     }
 }
 
+/// Chunked attention takes CUDA's kernels (`tallow_model::kernels::flash_attn`): the dispatch
+/// rule's answer for the config's device, dtype and head dim.
+fn flash_attention(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> bool {
+    cfg.model.attention == Attention::Chunked
+        && tallow_model::kernels::dispatch::flash_attention(backend(cpu), dtype(cfg), m.head_dim)
+}
+
 /// The paths the model crate's dispatch rule gives a config's step
 /// (`tallow_model::kernels::dispatch`): one-op CPU kernels keep one output where the tensor-op
 /// path keeps several.
@@ -320,8 +327,7 @@ fn layer_halves(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> LayerHalves 
     }
     // CUDA's attention kernels read v where its projection wrote it and write y as o_proj
     // reads it (`tallow_model::kernels::flash_attn`): no transposed copies of either
-    let flash = cfg.model.attention == Attention::Chunked
-        && tallow_model::kernels::dispatch::flash_attention(backend(cpu), dtype(cfg), d);
+    let flash = flash_attention(m, cfg, cpu);
     attn += s * (q + kvd); // transposed q, k (fused: the rotary op's outputs)
     if !flash {
         attn += s * kvd; // transposed v
@@ -498,7 +504,7 @@ fn attention_transients(m: &DecoderConfig, cfg: &TrainConfig, cpu: bool) -> (u64
         }
         (Attention::Chunked, false) => {}
     }
-    if tallow_model::kernels::dispatch::flash_attention(backend(cpu), dtype(cfg), d) {
+    if flash_attention(m, cfg, cpu) {
         // CUDA's kernels (`tallow_model::kernels::flash_attn`): the tiles live in shared
         // memory; nothing beyond the outputs and their gradients, which the graph counts.
         return (0, 0);

@@ -156,13 +156,7 @@ fn attention_cached(
     v_cache.slice_set(&v, 2, past)?;
     if let Some(m) = step.chunked {
         let q = q.reshape((b, kv, r * t, d))?; // (B, KV, R*t, D)
-        let y = crate::kernels::flash_attn::chunked_attention_capped(
-            &q,
-            &k,
-            &v.contiguous()?,
-            m,
-            a.softcap,
-        )?;
+        let y = crate::kernels::flash_attn::chunked_attention_capped(&q, &k, &v, m, a.softcap)?;
         let y = y.reshape((b, h, t, d))?.transpose(1, 2)?.contiguous()?; // (B, t, H, D)
         return a.o_proj.forward(&y.reshape((b, t, h * d))?);
     }

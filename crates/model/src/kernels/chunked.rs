@@ -257,18 +257,17 @@ struct ChunkedAttention {
     softcap: Option<f64>,
 }
 
-impl ChunkedAttention {
-    /// The forward of the tensor-op path: a copy of its precomputed output's storage (the op
-    /// then drops the output, so the graph keeps one copy).
-    fn precomputed<S: InStorage>(&self) -> R<(S, Shape)> {
-        let Some(y) = self.y.lock().expect("y lock").take() else {
-            candle_core::bail!("chunked attention: the output was not computed before the op")
-        };
-        let (s, l) = y.storage_and_layout();
-        match S::of(&s) {
-            Some(c) => Ok((c.try_clone(l)?, y.shape().clone())),
-            None => candle_core::bail!("chunked attention: the output is not on {}", S::DEVICE),
-        }
+/// The forward of an op whose output was computed before it was applied (the tensor-op path,
+/// and its use as `flash_attn`'s twin): a copy of that output's storage, taken from `slot`
+/// (the op then drops the output, so the graph keeps one copy); `op` names it in errors.
+pub(super) fn take_output<S: InStorage>(slot: &Mutex<Option<Tensor>>, op: &str) -> R<(S, Shape)> {
+    let Some(y) = slot.lock().expect("output lock").take() else {
+        candle_core::bail!("{op}: the output was not computed before the op")
+    };
+    let (s, l) = y.storage_and_layout();
+    match S::of(&s) {
+        Some(c) => Ok((c.try_clone(l)?, y.shape().clone())),
+        None => candle_core::bail!("{op}: the output is not on {}", S::DEVICE),
     }
 }
 
@@ -287,7 +286,7 @@ impl CustomOp3 for ChunkedAttention {
         vl: &Layout,
     ) -> R<(CpuStorage, Shape)> {
         if self.generic {
-            return self.precomputed();
+            return take_output(&self.y, "chunked attention");
         }
         let (b, kv, r, d) = ql.shape().dims4()?;
         let t = kl.shape().dims4()?.2;
@@ -329,7 +328,7 @@ impl CustomOp3 for ChunkedAttention {
         _v: &candle_core::CudaStorage,
         _vl: &Layout,
     ) -> R<(candle_core::CudaStorage, Shape)> {
-        self.precomputed()
+        take_output(&self.y, "chunked attention")
     }
 
     fn bwd(

@@ -41,6 +41,28 @@ pub(crate) fn view<'a, T: CudaDType>(
     Ok(s.as_cuda_slice::<T>()?.slice(a..b))
 }
 
+/// The CUDA storage inside `st`; `op` names the op in the error.
+pub(crate) fn storage<'a>(st: &'a candle_core::Storage, op: &str) -> Result<&'a CudaStorage> {
+    match st {
+        candle_core::Storage::Cuda(c) => Ok(c),
+        _ => candle_core::bail!("{op}: a tensor is not on the CUDA device"),
+    }
+}
+
+/// A CUDA tensor of `shape` over `slice`, outside the graph (a gradient, a saved statistic).
+pub(crate) fn tensor<T: CudaDType>(
+    slice: candle_core::cuda_backend::cudarc::driver::CudaSlice<T>,
+    dev: &candle_core::cuda_backend::CudaDevice,
+    shape: impl Into<candle_core::Shape>,
+) -> candle_core::Tensor {
+    candle_core::Tensor::from_storage(
+        candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone())),
+        shape,
+        candle_core::op::BackpropOp::none(),
+        false,
+    )
+}
+
 /// How a kernel's threads are laid out.
 #[derive(Clone, Copy)]
 pub(crate) enum Grid {

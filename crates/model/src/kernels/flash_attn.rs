@@ -12,15 +12,14 @@
 //! The CPU twin is the tensor-op path itself (`chunked::generic_fwd` / `generic_bwd`), whose
 //! arithmetic the kernels follow (the header says where they round): under
 //! `TALLOW_CUDA_PATHS_ON_CPU` it computes the values (and the layouts' copies, uncounted) and
-//! the op counts the kernels' launches ([`LAUNCHES`]); `tallow doctor` compares the kernels on
-//! a GPU with the CPU.
+//! the op counts the kernels' launches (the forward as the op, the backward's two by
+//! [`count_backward`]); `tallow doctor` compares the kernels on a GPU with the CPU.
 
 use std::sync::Mutex;
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 
-use super::chunked::{generic_bwd, generic_fwd, AttentionMask, Saved};
+use super::chunked::{generic_bwd, generic_fwd, take_output, AttentionMask, Saved};
 
 type R<T> = candle_core::Result<T>;
 
@@ -28,9 +27,6 @@ type R<T> = candle_core::Result<T>;
 /// twin allocates at a time (a block's scores, B x H x 16 x T) stays near the kernels' nothing,
 /// and a `TALLOW_CUDA_PATHS_ON_CPU` run's peak near the GPU's.
 pub const TWIN_ROWS: usize = 16;
-
-/// Device launches of the forward and of the backward.
-pub const LAUNCHES: (usize, usize) = (1, 2);
 
 /// Whether chunked attention over these q (B, KV, n_rep T, D), k, v takes the kernels: the
 /// dispatch rule's [`super::dispatch::flash_attention`] for q's device, dtype and head dim, with
@@ -170,6 +166,12 @@ struct FlashAttention {
     lse: Mutex<Option<Tensor>>,
 }
 
+/// The backward's two launches (dK / dV, dQ), counted where they run and where the twin runs.
+fn count_backward() {
+    candle_core::launches::add("flash-attention-dkdv");
+    candle_core::launches::add("flash-attention-dq");
+}
+
 /// The output's shape for q (B, KV, n_rep T, D) and k (B, KV, T, D).
 #[cfg(feature = "cuda")]
 fn out_shape(out: Out, ql: &Layout, kl: &Layout) -> R<Shape> {
@@ -195,15 +197,7 @@ impl CustomOp3 for FlashAttention {
         _v: &CpuStorage,
         _vl: &Layout,
     ) -> R<(CpuStorage, Shape)> {
-        let Some(y) = self.y.lock().expect("y lock").take() else {
-            candle_core::bail!("flash attention: the twin's output was not computed")
-        };
-        let (s, l) = y.storage_and_layout();
-        let out = match &*s {
-            candle_core::Storage::Cpu(c) => c.try_clone(l)?,
-            _ => candle_core::bail!("flash attention: the twin's output is not on the CPU"),
-        };
-        Ok((out, y.shape().clone()))
+        take_output(&self.y, "flash attention")
     }
 
     #[cfg(feature = "cuda")]
@@ -256,8 +250,7 @@ impl CustomOp3 for FlashAttention {
                 };
                 generic_bwd(saved, &self.mask, TWIN_ROWS, self.softcap)
             })?;
-            candle_core::launches::add("flash-attention-dkdv");
-            candle_core::launches::add("flash-attention-dq");
+            count_backward();
             return Ok((Some(dq), Some(dk), Some(dv)));
         }
         #[cfg(feature = "cuda")]
@@ -277,12 +270,13 @@ mod cuda {
         CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::op::BackpropOp;
-    use candle_core::{CudaStorage, DType, Layout, Shape, Storage, Tensor};
+    use candle_core::{CudaStorage, DType, Layout, Shape, Tensor};
     use half::{bf16, f16};
 
-    use super::{AttentionMask, R};
-    use crate::kernels::cuda::{func, view};
+    use super::{count_backward, AttentionMask, R};
+    use crate::kernels::cuda::{func, storage, tensor, view};
+
+    const OP: &str = "flash attention";
 
     /// Query rows (and keys) per tile of the kernels (`FA_M`, `FA_N`).
     const TILE: usize = 16;
@@ -394,10 +388,7 @@ mod cuda {
     /// The mask's first visible keys (B, T) u32 on the device, for `f`.
     fn with_first<X>(mask: &AttentionMask, f: impl FnOnce(&CudaView<'_, u32>) -> R<X>) -> R<X> {
         let (st, l) = mask.first_keys().storage_and_layout();
-        let Storage::Cuda(c) = &*st else {
-            candle_core::bail!("flash attention: the mask is not on the GPU")
-        };
-        f(&view::<u32>(c, l, "attention mask")?)
+        f(&view::<u32>(storage(&st, OP)?, l, "attention mask")?)
     }
 
     /// y (`shape`, q's dtype, contiguous) and lse (B, KV, n_rep T) f32.
@@ -453,12 +444,7 @@ mod cuda {
                     Ok(())
                 })?;
             }
-            let lse = Tensor::from_storage(
-                Storage::Cuda(CudaStorage::wrap_cuda_slice(lse, dev.clone())),
-                (b, kv, n_rep * t),
-                BackpropOp::none(),
-                false,
-            );
+            let lse = tensor(lse, &dev, (b, kv, n_rep * t));
             Ok((CudaStorage::wrap_cuda_slice(y, dev), lse))
         }
         let args = ((q, ql), (k, kl), (v, vl));
@@ -488,13 +474,7 @@ mod cuda {
             let (ys, yl) = y.storage_and_layout();
             let (dys, dyl) = dy.storage_and_layout();
             let (ls, ll) = lse.storage_and_layout();
-            fn cuda(s: &Storage) -> R<&CudaStorage> {
-                match s {
-                    Storage::Cuda(c) => Ok(c),
-                    _ => candle_core::bail!("flash attention: an input is not on the GPU"),
-                }
-            }
-            let dev = cuda(&qs)?.device().clone();
+            let dev = storage(&qs, OP)?.device().clone();
             let dims = dims(ql, kl)?;
             let (b, kv, n_rep, t, _) = dims;
             // dY must lie as y does (the kernels read both with y's strides), q and k as dq and
@@ -513,12 +493,12 @@ mod cuda {
                 contiguous(vl.shape())?,
             ];
             let s = shape(dims, softcap, st);
-            let qv = view::<T>(cuda(&qs)?, ql, "attention q")?;
-            let kv_ = view::<T>(cuda(&ks)?, kl, "attention k")?;
-            let vv = strided::<T>(cuda(&vs)?, vl)?;
-            let yv = view::<T>(cuda(&ys)?, yl, "attention y")?;
-            let dyv = view::<T>(cuda(&dys)?, dyl, "attention dY")?;
-            let lv = view::<f32>(cuda(&ls)?, ll, "attention lse")?;
+            let qv = view::<T>(storage(&qs, OP)?, ql, "attention q")?;
+            let kv_ = view::<T>(storage(&ks, OP)?, kl, "attention k")?;
+            let vv = strided::<T>(storage(&vs, OP)?, vl)?;
+            let yv = view::<T>(storage(&ys, OP)?, yl, "attention y")?;
+            let dyv = view::<T>(storage(&dys, OP)?, dyl, "attention dY")?;
+            let lv = view::<f32>(storage(&ls, OP)?, ll, "attention lse")?;
             // SAFETY: the kernels write every row of dq, dk and dv.
             let dq = unsafe { dev.alloc::<T>(ql.shape().elem_count())? };
             let dk = unsafe { dev.alloc::<T>(kl.shape().elem_count())? };
@@ -526,46 +506,33 @@ mod cuda {
             let sfx = suffix(q.dtype())?;
             if t > 0 {
                 with_first(mask, |first| {
-                    let f = func(&dev, &format!("tallow_fa_dkdv_{sfx}"))?;
-                    let mut bld = f.builder();
-                    for a in [&qv, &kv_, &vv, &dyv, &yv] {
-                        bld.arg(a);
-                    }
-                    bld.arg(first);
-                    bld.arg(&lv);
-                    bld.arg(&dk);
-                    bld.arg(&dv);
-                    bld.arg(&s);
-                    // SAFETY: argument types and order match `tallow_fa_dkdv_*`.
-                    unsafe { bld.launch(config(t, b * kv)) }.w()?;
-                    let f = func(&dev, &format!("tallow_fa_dq_{sfx}"))?;
-                    let mut bld = f.builder();
-                    for a in [&qv, &kv_, &vv, &dyv, &yv] {
-                        bld.arg(a);
-                    }
-                    bld.arg(first);
-                    bld.arg(&lv);
-                    bld.arg(&dq);
-                    bld.arg(&s);
-                    // SAFETY: argument types and order match `tallow_fa_dq_*`.
-                    unsafe { bld.launch(config(t, b * kv * n_rep)) }.w()?;
-                    Ok(())
+                    // both kernels: q, k, v, dY, y, first, lse, their outputs, the problem
+                    let launch = |kernel: &str, outs: &[&CudaSlice<T>], groups: usize| -> R<()> {
+                        let f = func(&dev, &format!("tallow_fa_{kernel}_{sfx}"))?;
+                        let mut bld = f.builder();
+                        for a in [&qv, &kv_, &vv, &dyv, &yv] {
+                            bld.arg(a);
+                        }
+                        bld.arg(first);
+                        bld.arg(&lv);
+                        for o in outs {
+                            bld.arg(*o);
+                        }
+                        bld.arg(&s);
+                        // SAFETY: argument types and order match `tallow_fa_dkdv_*` (outputs
+                        // dk, dv) and `tallow_fa_dq_*` (output dq).
+                        unsafe { bld.launch(config(t, groups)) }.w()?;
+                        Ok(())
+                    };
+                    launch("dkdv", &[&dk, &dv], b * kv)?;
+                    launch("dq", &[&dq], b * kv * n_rep)
                 })?;
             }
-            candle_core::launches::add("flash-attention-dkdv");
-            candle_core::launches::add("flash-attention-dq");
-            let wrap = |slice: CudaSlice<T>, shape: &Shape| {
-                Tensor::from_storage(
-                    Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone())),
-                    shape.clone(),
-                    BackpropOp::none(),
-                    false,
-                )
-            };
+            count_backward();
             Ok((
-                wrap(dq, ql.shape()),
-                wrap(dk, kl.shape()),
-                wrap(dv, vl.shape()),
+                tensor(dq, &dev, ql.shape()),
+                tensor(dk, &dev, kl.shape()),
+                tensor(dv, &dev, vl.shape()),
             ))
         }
         match ts[0].dtype() {

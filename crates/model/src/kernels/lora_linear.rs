@@ -629,11 +629,11 @@ mod device {
         CudaSlice, CudaView, CudaViewMut, DevicePtrMut, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDevice, WrapErr};
-    use candle_core::{CudaStorage, CustomOp1, DType, Layout, Result, Storage, Tensor};
+    use candle_core::{CudaStorage, CustomOp1, DType, Layout, Result, Tensor};
     use half::bf16;
 
     use super::{count_launches, dense_weight, LoraLinearOp};
-    use crate::kernels::cuda::{gemm, view, GemmType, Grid, Operand};
+    use crate::kernels::cuda::{gemm, storage, tensor, view, GemmType, Grid, Operand};
     use crate::kernels::dropout::DropoutOp;
 
     const NAME: &str = "lora linear";
@@ -675,14 +675,6 @@ mod device {
         };
     }
 
-    /// A tensor's CUDA storage (the tensor must be on CUDA).
-    fn cuda_of(st: &Storage) -> Result<&CudaStorage> {
-        match st {
-            Storage::Cuda(c) => Ok(c),
-            _ => candle_core::bail!("{NAME}: a tensor is not on the CUDA device"),
-        }
-    }
-
     /// dst (M, N) := lhs (M, K) · Wᵀ (`w_t`: the forward's x Wᵀ, N = W's rows) or lhs · W (the
     /// backward's dY W) + beta · dst, the base weight W in the compute dtype on the device (an
     /// NF4 base dequantized by its kernel first): one gemm.
@@ -698,7 +690,7 @@ mod device {
         let lv = view::<T>(lhs, ll, NAME)?;
         let w = dense_weight(&op.base)?;
         let (st, l) = w.storage_and_layout();
-        let wv = view::<T>(cuda_of(&st)?, l, NAME)?;
+        let wv = view::<T>(storage(&st, NAME)?, l, NAME)?;
         gemm(dev, dst, arg(&lv, false), arg(&wv, w_t), mnk, 1.0, beta)
     }
 
@@ -822,7 +814,7 @@ mod device {
             let Some((b0, _)) = bl.contiguous_offsets() else {
                 candle_core::bail!("{NAME}: the bias must be contiguous");
             };
-            cuda_of(&bs)?.copy2d(&mut out, m, n, 0, n, b0, 0)?; // every row := bias
+            storage(&bs, NAME)?.copy2d(&mut out, m, n, 0, n, b0, 0)?; // every row := bias
             launched += 1;
             beta = 1.0;
         }
@@ -1079,7 +1071,7 @@ mod device {
             )?;
             let bias = op.bias.as_ref().map(|c| c.storage_and_layout());
             let bias = match &bias {
-                Some((st, l)) => Some(view::<bf16>(cuda_of(st)?, l, NAME)?),
+                Some((st, l)) => Some(view::<bf16>(storage(st, NAME)?, l, NAME)?),
                 None => None,
             };
             // B (N, r): element (n, j) at n r + j
@@ -1119,10 +1111,10 @@ mod device {
         let (dyst, dyl) = dy.storage_and_layout();
         let (ast, al) = a.storage_and_layout();
         let (bst, bl) = b.storage_and_layout();
-        let (xs, dys) = (cuda_of(&xst)?, cuda_of(&dyst)?);
+        let (xs, dys) = (storage(&xst, NAME)?, storage(&dyst, NAME)?);
         let dev = xs.device().clone();
-        let av = view::<f32>(cuda_of(&ast)?, al, NAME)?;
-        let bv = view::<f32>(cuda_of(&bst)?, bl, NAME)?;
+        let av = view::<f32>(storage(&ast, NAME)?, al, NAME)?;
+        let bv = view::<f32>(storage(&bst, NAME)?, bl, NAME)?;
         let (xv, dyv) = (view::<bf16>(xs, xl, NAME)?, view::<bf16>(dys, dyl, NAME)?);
         let mut launched = 0;
         let mut dx = None;
@@ -1199,20 +1191,6 @@ mod device {
         Ok((dx, tensor(da, &dev, &[r, k]), tensor(db, &dev, &[n, r])))
     }
 
-    /// A CUDA tensor of `shape` over `slice`, outside the graph (a gradient).
-    fn tensor<T: candle_core::cuda_backend::CudaDType>(
-        slice: CudaSlice<T>,
-        dev: &CudaDevice,
-        shape: &[usize],
-    ) -> Tensor {
-        Tensor::from_storage(
-            Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone())),
-            shape,
-            candle_core::op::BackpropOp::none(),
-            false,
-        )
-    }
-
     /// dx (when `want_dx`), dA and dB of the forward above, for the upstream gradient dy (M, N)
     /// (contiguous). A bf16 x takes [`backward_kernels`]; an f32 x cuBLAS: dx = dY W over
     /// every row at once, then chunk by chunk of rows s dY B,
@@ -1235,10 +1213,10 @@ mod device {
         let (dyst, dyl) = dy.storage_and_layout();
         let (ast, al) = a.storage_and_layout();
         let (bst, bl) = b.storage_and_layout();
-        let (xs, dys) = (cuda_of(&xst)?, cuda_of(&dyst)?);
+        let (xs, dys) = (storage(&xst, NAME)?, storage(&dyst, NAME)?);
         let dev = xs.device().clone();
-        let av = view::<f32>(cuda_of(&ast)?, al, NAME)?;
-        let bv = view::<f32>(cuda_of(&bst)?, bl, NAME)?;
+        let av = view::<f32>(storage(&ast, NAME)?, al, NAME)?;
+        let bv = view::<f32>(storage(&bst, NAME)?, bl, NAME)?;
         let mut launched = 0;
         // dA and dB are sums over the chunks; with no rows, zeros
         let (mut da, mut db) = if m == 0 {
